@@ -1,0 +1,91 @@
+"""One API over two backends: ``torch.cuda.CUDAGraph`` on a GPU, ``CPUGraph`` on the CPU.
+
+Code written against these functions runs unchanged on a laptop and on an H100, which is what lets
+one notebook show the same failure on both.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .cpu_graph import CPUGraph, Pool
+from .errors import GraphError
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``"cpu"`` or ``"cuda"``; a clear error when CUDA is asked for and absent."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise GraphError(f"device={str(device)!r} was requested but this torch ({torch.__version__}) "
+                         "sees no CUDA device. Use device='cpu' for the emulated graphs.")
+    if dev.type not in ("cpu", "cuda"):
+        raise GraphError(f"device must be 'cpu' or 'cuda', got {str(device)!r}")
+    return dev
+
+
+class CUDAGraph(torch.cuda.CUDAGraph):
+    """``torch.cuda.CUDAGraph`` plus the misuse checks the CPU backend has (replay before capture)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.captured = False
+        self.replays = 0
+
+    def capture_end(self) -> None:
+        super().capture_end()
+        self.captured = True
+
+    def replay(self) -> None:
+        if not self.captured:
+            raise GraphError("replay() called before capture (or after reset): capture the graph "
+                             "first with `with graph(g): ...`.")
+        super().replay()
+        self.replays += 1
+
+    def reset(self) -> None:
+        super().reset()
+        self.captured = False
+        self.replays = 0
+
+
+def new_graph(device: str | torch.device = "cpu", *, on_freed: str = "raise"):
+    """A fresh graph for ``device``. ``on_freed`` picks the CPU outcome of reading freed memory
+    (``"raise"``: ``IllegalMemoryAccess``; ``"reuse"``: stale/reused values); on CUDA the real
+    allocator decides, so it is ignored there."""
+    dev = resolve_device(device)
+    return CUDAGraph() if dev.type == "cuda" else CPUGraph(on_freed=on_freed)
+
+
+def graph_pool_handle(device: str | torch.device = "cpu"):
+    """A pool that several graphs can share (``torch.cuda.graph_pool_handle`` on CUDA)."""
+    dev = resolve_device(device)
+    return torch.cuda.graph_pool_handle() if dev.type == "cuda" else Pool()
+
+
+@contextlib.contextmanager
+def graph(g, pool=None):
+    """Capture the block into ``g``: ``torch.cuda.graph`` on CUDA, ``CPUGraph`` capture on the CPU."""
+    if isinstance(g, CPUGraph):
+        g.capture_begin(pool)
+        try:
+            yield g
+        except BaseException:
+            g.capture_abort()
+            raise
+        g.capture_end()
+    elif isinstance(g, torch.cuda.CUDAGraph):
+        if torch.cuda.is_current_stream_capturing():
+            raise GraphError("A graph capture is already open; captures do not nest.")
+        if getattr(g, "captured", False):
+            raise GraphError("This graph already holds a capture. Call g.reset() first.")
+        with torch.cuda.graph(g, pool=pool):
+            yield g
+    else:
+        raise TypeError(f"graph() needs a graph from new_graph(), got {type(g).__name__}")
+
+
+def synchronize(device: str | torch.device) -> None:
+    """Wait for queued GPU work (a no-op on the CPU, where everything already ran)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()

@@ -1,0 +1,24 @@
+"""Errors raised by the graph engine.
+
+Each one names what went wrong *and* what to do about it: the people reading these are debugging a
+serving stack at 2 a.m., not reading our source.
+"""
+
+
+class GraphError(RuntimeError):
+    """Misuse of a graph or runner: replay before capture, nested capture, bad buffers."""
+
+
+class CaptureError(GraphError):
+    """An operation that cannot be captured, e.g. a host synchronisation (``.item()``, ``nonzero``).
+
+    On CUDA these invalidate the stream capture (``cudaErrorStreamCaptureUnsupported``); the CPU
+    emulation raises this error at the same point, naming the op and the user's source line.
+    """
+
+
+class IllegalMemoryAccess(RuntimeError):
+    """A replay touched memory the graph does not own and whose owner has released it.
+
+    The CPU counterpart of ``CUDA error: an illegal memory access was encountered``.
+    """

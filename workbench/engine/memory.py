@@ -1,0 +1,98 @@
+"""What happens to memory a graph references but does not own.
+
+Two pieces, both opt-in because they watch every op:
+
+* ``track_origins()`` remembers, per storage, the user source line that created it, so an
+  ``IllegalMemoryAccess`` can say *where the freed tensor came from*, not only where it was read.
+* ``reuse_freed_blocks()`` emulates the CUDA caching allocator's other outcome of a use-after-free.
+  When a referenced storage is released, the caching allocator keeps the block and hands it to the
+  next allocation that fits; the graph, which kept the address, now reads that allocation's data:
+  silently wrong values instead of a crash. Graphs created with ``on_freed="reuse"`` retain the
+  block's bytes; inside this context the next new tensor of the same byte size is placed in a
+  retained block whose owner is gone. On CUDA the real allocator does this by itself.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .source import user_frame
+
+_origins: dict[int, tuple[StorageWeakRef, str]] = {}
+_retained: list = []      # ExternalRef objects of on_freed="reuse" graphs (weakly: see register_retained)
+
+
+def origin_of(t: torch.Tensor) -> str | None:
+    """Where ``t``'s storage was created, if it was created under ``track_origins()``."""
+    entry = _origins.get(t.untyped_storage()._cdata)
+    if entry is None or entry[0].expired():
+        return None
+    return f"at {entry[1]}"
+
+
+class _OriginTracker(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage()._cdata for a in tree_flatten((args, kwargs))[0]
+                  if isinstance(a, torch.Tensor)}
+        for o in tree_flatten(out)[0]:
+            if isinstance(o, torch.Tensor) and o.untyped_storage()._cdata not in inputs:
+                _origins[o.untyped_storage()._cdata] = (StorageWeakRef(o.untyped_storage()), user_frame())
+        return out
+
+
+@contextlib.contextmanager
+def track_origins():
+    """Record where each tensor created inside the block came from (for ``IllegalMemoryAccess``)."""
+    for key in [k for k, (w, _) in _origins.items() if w.expired()]:
+        del _origins[key]
+    with _OriginTracker():
+        yield
+
+
+def register_retained(ref) -> None:
+    """Called by ``CPUGraph`` (``on_freed="reuse"``) for each block it references."""
+    _retained.append(weakref.ref(ref))
+
+
+def _free_block(nbytes: int):
+    """A retained block of exactly ``nbytes`` whose owner has released it and nobody reuses yet."""
+    for r in list(_retained):
+        ref = r()
+        if ref is None or ref.retained is None:
+            _retained.remove(r)
+        elif ref.weak.expired() and ref.nbytes == nbytes:
+            _retained.remove(r)
+            return ref.retained
+    return None
+
+
+class _Reuser(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage()._cdata for a in tree_flatten((args, kwargs))[0]
+                  if isinstance(a, torch.Tensor)}
+
+        def place(o):
+            if not isinstance(o, torch.Tensor) or o.untyped_storage()._cdata in inputs:
+                return o
+            block = _free_block(o.untyped_storage().nbytes())
+            if block is None:
+                return o
+            placed = torch.empty(0, dtype=o.dtype).set_(block, o.storage_offset(), o.shape, o.stride())
+            placed.copy_(o)
+            return placed
+
+        return tree_map(place, out)
+
+
+@contextlib.contextmanager
+def reuse_freed_blocks():
+    """Inside this block, new tensors may land in memory a graph still references (see module doc)."""
+    with _Reuser():
+        yield

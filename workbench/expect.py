@@ -1,0 +1,38 @@
+"""``expect_failure``: assert that a reproduction fails the way the upstream bug did.
+
+A notebook that shows a bug must fail *loudly* if the bug stops reproducing; a bare try/except
+would let it pass silently. This context manager raises ``AssertionError`` when nothing, or the
+wrong thing, is raised, and keeps the caught exception for the narrative that follows.
+"""
+from __future__ import annotations
+
+import re
+
+
+class expect_failure:
+    """``with expect_failure(IndexError, match="out of range") as caught: ...``; then ``caught.error``."""
+
+    def __init__(self, *exc_types: type[BaseException], match: str | None = None, quiet: bool = False):
+        if not exc_types:
+            raise TypeError("expect_failure needs at least one exception type")
+        self.exc_types = exc_types
+        self.match = match
+        self.quiet = quiet
+        self.error: BaseException | None = None
+
+    def __enter__(self) -> expect_failure:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        names = " or ".join(t.__name__ for t in self.exc_types)
+        if exc is None:
+            raise AssertionError(f"expected {names}, but the block completed without error: "
+                                 "the failure no longer reproduces")
+        if not isinstance(exc, self.exc_types):
+            return False
+        if self.match is not None and not re.search(self.match, str(exc)):
+            raise AssertionError(f"expected {names} matching {self.match!r}, got: {exc}") from exc
+        self.error = exc
+        if not self.quiet:
+            print(f"expected failure reproduced: {type(exc).__name__}: {exc}")
+        return True
