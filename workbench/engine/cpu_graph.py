@@ -30,7 +30,6 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import memory
 from .errors import CaptureError, GraphError, IllegalMemoryAccess
@@ -121,28 +120,59 @@ class ExternalRef:
 
 @dataclasses.dataclass(eq=False)
 class RecordedOp:
-    """One captured kernel: the op, its arguments, what it reads and writes, and where it came from."""
+    """One captured kernel: the op, its arguments, what it reads and writes, and where it came from.
+
+    ``args``/``kwargs`` hold the non-tensor arguments with ``None`` where a tensor goes; ``slots``
+    says which tensor goes where: ``(where, key, list_index, tensor_or_ref)``, ``where`` being
+    ``"a"`` (positional) or ``"k"`` (keyword). Owned tensors are held directly; memory the graph
+    does not own is an ``ExternalRef``, resolved at each replay.
+    """
 
     func: Any
-    leaves: list
-    spec: Any
-    tensor_args: list          # (leaf position, owned tensor | ExternalRef)
+    args: list
+    kwargs: dict
+    slots: list
     outputs: list              # captured owned outputs (None where an output aliases an input)
     reads: frozenset           # storage keys
     writes: frozenset
     is_view: bool
     source: str
+    bound: tuple | None = None  # (args, kwargs) ready to call, when no argument is external
+
+    def __post_init__(self) -> None:
+        self.has_outputs = any(o is not None for o in self.outputs)
 
     @property
     def name(self) -> str:
         return str(self.func)
 
     def external_refs(self) -> list[ExternalRef]:
-        return [s for _, s in self.tensor_args if isinstance(s, ExternalRef)]
+        return [slot[3] for slot in self.slots if isinstance(slot[3], ExternalRef)]
+
+    def bind(self, live: list[torch.Tensor]) -> tuple[list, dict]:
+        """The call's arguments for this replay, with external tensors taken from ``live``."""
+        if self.bound is not None:
+            return self.bound
+        args, kwargs, copied = list(self.args), dict(self.kwargs), set()
+        for where, key, sub, slot in self.slots:
+            value = live[slot.index] if type(slot) is ExternalRef else slot
+            container = args if where == "a" else kwargs
+            if sub is None:
+                container[key] = value
+            else:
+                if (where, key) not in copied:
+                    container[key] = list(container[key])
+                    copied.add((where, key))
+                container[key][sub] = value
+        return args, kwargs
 
     def __repr__(self) -> str:
         kind = "view" if self.is_view else ("writes" if self.writes else "new")
         return f"<{self.name} ({kind}) at {self.source}>"
+
+
+def _as_tuple(out) -> tuple:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
 def _written_tensors(func, args, kwargs) -> list[torch.Tensor]:
@@ -275,27 +305,43 @@ class CPUGraph:
                 whole = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
                 self._snapshots[key] = (whole, whole.clone())
         source = user_frame()
-        leaves, spec = tree_flatten((args, kwargs))
-        tensor_args, reads = [], set()
-        for pos, leaf in enumerate(leaves):
-            if isinstance(leaf, torch.Tensor):
-                key = storage_key(leaf)
-                reads.add(key)
-                tensor_args.append((pos, leaf if pool.owns(key) else self._external(leaf, func, source)))
-                leaves[pos] = None
+        reads: set[int] = set()
+        slots: list = []
+
+        def template(where, key, value):
+            if isinstance(value, torch.Tensor):
+                slots.append((where, key, None, self._slot(value, func, source, reads)))
+                return None
+            if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+                for j, v in enumerate(value):
+                    if isinstance(v, torch.Tensor):
+                        slots.append((where, key, j, self._slot(v, func, source, reads)))
+                return [None if isinstance(v, torch.Tensor) else v for v in value]
+            return value
+
+        args_t = [template("a", i, a) for i, a in enumerate(args)]
+        kwargs_t = {k: template("k", k, v) for k, v in kwargs.items()}
         out = func(*args, **kwargs)
-        flat_out, _ = tree_flatten(out)
         outputs = []
-        for o in flat_out:
+        for o in _as_tuple(out):
             if isinstance(o, torch.Tensor) and storage_key(o) not in reads:
                 self._adopt(o)
                 outputs.append(o)
             else:
                 outputs.append(None)
         is_view = not writes and all(o is None for o in outputs)
-        self._ops.append(RecordedOp(func, leaves, spec, tensor_args, outputs, frozenset(reads),
-                                    frozenset(writes), is_view, source))
+        op = RecordedOp(func, args_t, kwargs_t, slots, outputs, frozenset(reads), frozenset(writes),
+                        is_view, source)
+        if not op.external_refs():
+            op.bound = op.bind([])
+        self._ops.append(op)
         return out
+
+    def _slot(self, t: torch.Tensor, func, source: str, reads: set):
+        """What the recorded op holds for argument ``t``: the tensor if owned, else a weak ref."""
+        key = storage_key(t)
+        reads.add(key)
+        return t if self._pool.owns(key) else self._external(t, func, source)
 
     def _adopt(self, t: torch.Tensor, constant: bool = False) -> None:
         """Make ``t``'s storage the graph's; constants keep their value, the rest is poisoned at
@@ -326,13 +372,10 @@ class CPUGraph:
         for op in self._ops:
             if op.is_view:
                 continue
-            leaves = list(op.leaves)
-            for pos, slot in op.tensor_args:
-                leaves[pos] = live[slot.index] if isinstance(slot, ExternalRef) else slot
-            args, kwargs = tree_unflatten(leaves, op.spec)
+            args, kwargs = op.bind(live)
             out = op.func(*args, **kwargs)
-            if any(o is not None for o in op.outputs):
-                for dst, src in zip(op.outputs, tree_flatten(out)[0]):
+            if op.has_outputs:
+                for dst, src in zip(op.outputs, _as_tuple(out)):
                     if dst is not None:
                         dst.copy_(src)
         self.replays += 1

@@ -1,0 +1,261 @@
+"""Each CUDA-graph rule the CPU emulation promises, one test (or a few) per rule."""
+import gc
+
+import pytest
+import torch
+
+from workbench import expect_failure
+from workbench.engine import (CaptureError, CPUGraph, GraphError, IllegalMemoryAccess, graph,
+                              graph_pool_handle, new_graph, resolve_device, reuse_freed_blocks,
+                              track_origins)
+
+
+def capture(fn, pool=None, **kw):
+    g = new_graph("cpu", **kw)
+    with graph(g, pool=pool):
+        out = fn()
+    return g, out
+
+
+# ---------------------------------------------------------------- record and replay
+def test_replay_reruns_ops_on_the_same_storage():
+    x = torch.zeros(3)
+    w = torch.tensor([1.0, 2.0, 3.0])
+    g, out = capture(lambda: x * w + 1)
+    ptr = out.data_ptr()
+    for k in range(1, 4):
+        x.fill_(float(k))
+        g.replay()
+        assert out.data_ptr() == ptr
+        assert torch.equal(out, torch.tensor([1.0, 2.0, 3.0]) * k + 1)
+
+
+def test_recorded_ops_keep_read_write_storages_and_user_source_line():
+    x = torch.zeros(4)
+    g, _ = capture(lambda: x.add_(1))
+    (op,) = [o for o in g.ops if not o.is_view]
+    key = x.untyped_storage()._cdata
+    assert op.name == "aten.add_.Tensor"
+    assert key in op.writes and key in op.reads
+    assert "test_engine.py" in op.source and "x.add_(1)" in op.source
+
+
+# ------------------------------------------------------------------ frozen Python
+def test_python_branches_are_frozen_at_capture():
+    state = {"scale": 2.0}
+    x = torch.ones(2)
+    g, out = capture(lambda: x * 2 if state["scale"] == 2.0 else x * 100)
+    state["scale"] = 3.0
+    g.replay()
+    assert torch.equal(out, torch.full((2,), 2.0))
+
+
+def test_lazy_init_consumed_by_warmup_is_absent_from_the_graph():
+    lengths = torch.tensor([3.0])
+    state = {"plan": None}
+
+    def attention():
+        if state["plan"] is None:
+            state["plan"] = lengths.max().reshape(1) * 1
+        return state["plan"] + 0
+
+    attention()                                   # warmup plans
+    stale, out = capture(attention)
+    lengths.fill_(9.0)
+    stale.replay()
+    assert out.item() == 3.0
+    assert not any("max" in op.name for op in stale.ops)
+    state["plan"] = None
+    fresh, out2 = capture(attention)
+    fresh.replay()
+    assert out2.item() == 9.0
+    assert any("max" in op.name for op in fresh.ops)
+
+
+# ----------------------------------------------------- capture launches nothing lasting
+def test_capture_leaves_no_write_on_pre_existing_memory():
+    x = torch.zeros(4)
+    g, _ = capture(lambda: x.add_(2))
+    assert torch.equal(x, torch.zeros(4))
+    g.replay()
+    g.replay()
+    assert torch.equal(x, torch.full((4,), 4.0))
+
+
+def test_outputs_hold_poison_until_first_replay():
+    x = torch.ones(3)
+    i = torch.arange(3)
+    g, (f, n) = capture(lambda: (x * 2, i + 1))
+    assert torch.isnan(f).all()
+    assert (n == torch.iinfo(torch.int64).min).all()
+    g.replay()
+    assert torch.equal(f, torch.full((3,), 2.0)) and torch.equal(n, torch.tensor([1, 2, 3]))
+
+
+def test_constants_created_inside_capture_keep_their_value():
+    x = torch.ones(3)
+    g, out = capture(lambda: x[torch.tensor([0, 2])] * torch.tensor(5.0))
+    g.replay()
+    assert torch.equal(out, torch.tensor([5.0, 5.0]))
+
+
+# ---------------------------------------------------------- ownership and liveness
+def test_graph_owns_what_it_allocated_and_references_the_rest():
+    x = torch.ones(3)
+    g, out = capture(lambda: x * 2)
+    assert g.owns(out) and not g.owns(x)
+
+
+def test_released_reference_raises_illegal_memory_access_naming_op_and_origin():
+    with track_origins():
+        tmp = torch.arange(10.0) * 2
+    idx = torch.tensor([1, 2])
+    g, out = capture(lambda: tmp[idx] + 0)
+    g.replay()
+    del tmp
+    gc.collect()
+    with expect_failure(IllegalMemoryAccess, quiet=True) as caught:
+        g.replay()
+    msg = str(caught.error)
+    assert "aten.index.Tensor" in msg and "float32[10]" in msg
+    assert "tmp = torch.arange(10.0) * 2" in msg          # where it was created
+
+
+def test_liveness_is_per_storage_not_per_tensor_object():
+    base = torch.arange(8.0)
+    view = base[2:6]
+    g, out = capture(lambda: view * 1)
+    del view                                             # the view object dies, storage lives
+    gc.collect()
+    g.replay()
+    assert torch.equal(out, torch.arange(2.0, 6.0))
+    del base
+    gc.collect()
+    with pytest.raises(IllegalMemoryAccess):
+        g.replay()
+
+
+def test_reuse_mode_reads_the_next_allocation_of_the_freed_block():
+    tmp = torch.arange(16.0)
+    g, out = capture(lambda: tmp.sum().reshape(1), on_freed="reuse")
+    g.replay()
+    assert out.item() == 120.0
+    del tmp
+    gc.collect()
+    g.replay()
+    assert out.item() == 120.0                            # freed, not yet reused: old bytes
+    with reuse_freed_blocks():
+        other = torch.full((16,), 1.0)
+    g.replay()
+    assert out.item() == 16.0                             # silently someone else's data
+    assert torch.equal(other, torch.ones(16))
+
+
+# ------------------------------------------------------------- host synchronisation
+@pytest.mark.parametrize("sync", [
+    lambda x: x.sum().item(), lambda x: x.cpu(), lambda x: torch.nonzero(x), lambda x: print(x),
+    lambda x: x[x > 0], lambda x: x.tolist(), lambda x: bool(x.sum()),
+], ids=["item", "cpu", "nonzero", "print", "mask-index", "tolist", "bool"])
+def test_host_sync_inside_capture_raises_capture_error(sync):
+    x = torch.ones(4)
+    with expect_failure(CaptureError, match="capture", quiet=True):
+        capture(lambda: sync(x))
+
+
+def test_failed_capture_undoes_its_writes_and_can_be_retried():
+    x = torch.zeros(2)
+    g = new_graph("cpu")
+    with pytest.raises(CaptureError):
+        with graph(g):
+            x.add_(1)
+            x.sum().item()
+    assert torch.equal(x, torch.zeros(2))
+    with graph(g):
+        x.add_(1)
+    g.replay()
+    assert torch.equal(x, torch.ones(2))
+
+
+# ------------------------------------------------- views, in-place, out=, RNG, pools
+def test_views_inplace_and_out_variants_replay():
+    x = torch.arange(6.0).reshape(2, 3)
+    buf = torch.zeros(2)
+
+    def f():
+        v = x.t()[1]                 # view of a view
+        torch.add(v, 1, out=buf)     # out= into pre-existing memory
+        y = v.clone()
+        y.mul_(10)                   # in-place on owned memory
+        return y
+    g, y = capture(f)
+    x.copy_(torch.arange(6.0).reshape(2, 3) * 2)
+    g.replay()
+    assert torch.equal(y, torch.tensor([20.0, 80.0]))
+    assert torch.equal(buf, torch.tensor([3.0, 9.0]))
+
+
+def test_rng_ops_draw_new_numbers_each_replay():
+    g, out = capture(lambda: torch.rand(1000))
+    g.replay()
+    first = out.clone()
+    g.replay()
+    assert not torch.equal(first, out)
+    assert 0.45 < out.mean().item() < 0.55
+
+
+def test_graphs_share_a_pool_and_read_each_others_outputs():
+    pool = graph_pool_handle("cpu")
+    x = torch.zeros(2)
+    g1, y = capture(lambda: x + 1, pool=pool)
+    g2, z = capture(lambda: y * 10, pool=pool)
+    assert g2.owns(y) and g1.pool() is g2.pool()
+    x.fill_(4.0)
+    g1.replay()
+    g2.replay()
+    assert torch.equal(z, torch.full((2,), 50.0))
+
+
+# ------------------------------------------------------------------ misuse
+def test_replay_before_capture_and_after_reset():
+    g = new_graph("cpu")
+    with expect_failure(GraphError, match="before capture", quiet=True):
+        g.replay()
+    x = torch.ones(1)
+    with graph(g):
+        x * 2
+    g.reset()
+    with pytest.raises(GraphError, match="before capture"):
+        g.replay()
+
+
+def test_nested_capture_and_double_capture_are_refused():
+    x = torch.ones(1)
+    outer = new_graph("cpu")
+    with pytest.raises(GraphError, match="do not nest"):
+        with graph(outer):
+            with graph(new_graph("cpu")):
+                x * 2
+    g, _ = capture(lambda: x * 2)
+    with pytest.raises(GraphError, match="already holds a capture"):
+        with graph(g):
+            x * 3
+
+
+def test_cuda_without_cuda_says_so():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(GraphError, match="sees no CUDA device"):
+        resolve_device("cuda")
+    with pytest.raises(GraphError):
+        new_graph("cuda")
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="on_freed"):
+        CPUGraph(on_freed="sometimes")
+    with pytest.raises(TypeError, match="pool"):
+        with graph(new_graph("cpu"), pool="not a pool"):
+            pass
+    with pytest.raises(TypeError, match="new_graph"):
+        with graph(object()):
+            pass

@@ -1,0 +1,63 @@
+"""The emulation against things it did not write: real transformers models, and a real GPU."""
+import json
+import pathlib
+
+import pytest
+import torch
+
+from workbench import probes
+from workbench.engine import GraphRunner, graph, new_graph
+from workbench.models.hf import tiny_model
+
+GPU_PROBES = pathlib.Path(__file__).resolve().parent.parent / "results" / "gpu" / "engine_probes.json"
+
+
+@pytest.mark.parametrize("name", ["roberta", "bert", "gpt2"])
+def test_transformers_model_replay_matches_eager_bitwise(name):
+    model = tiny_model(name)
+    static = torch.zeros(2, 16, dtype=torch.long)
+    with torch.no_grad():
+        model(static)
+        g = new_graph("cpu")
+        with graph(g):
+            out = model(static).last_hidden_state
+        for seed in range(4):
+            x = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(seed))
+            static.copy_(x)
+            g.replay()
+            assert torch.equal(out, model(x).last_hidden_state), f"{name} input {seed}"
+
+
+@pytest.mark.parametrize("name", ["roberta", "gpt2"])
+def test_transformers_model_through_the_runner_matches_eager(name):
+    model = tiny_model(name)
+    with torch.no_grad():
+        runner = GraphRunner(lambda input_ids: model(input_ids).last_hidden_state,
+                             {"input_ids": ((12,), torch.long)}, [1, 2, 4])
+        runner.capture()
+        for rows in (1, 3, 4, 2):
+            x = torch.randint(3, 100, (rows, 12), generator=torch.Generator().manual_seed(rows))
+            assert torch.equal(runner(input_ids=x), model(x).last_hidden_state)
+
+
+def test_cpu_emulation_gives_the_recorded_gpu_answers():
+    record = json.loads(GPU_PROBES.read_text())
+    assert "results" in record, record.get("error")
+    assert record["torch"] and record["device"] and record["date"]
+    gpu = probes.comparable(record["results"])
+    cpu = probes.comparable(probes.run_all("cpu"))
+    assert cpu == gpu
+
+
+def test_probes_detect_a_broken_emulation(monkeypatch):
+    """The fidelity comparison can fail: an emulation whose capture leaves writes behind differs."""
+    from workbench.engine import cpu_graph
+    monkeypatch.setattr(cpu_graph.CPUGraph, "capture_end",
+                        lambda self: (self._close_capture(), setattr(self, "_state", "captured")))
+    broken = probes.probe_increment("cpu")
+    assert broken["after_capture"] != [0.0] * 4
+
+
+@pytest.mark.cuda
+def test_cuda_probes_equal_cpu_probes():
+    assert probes.comparable(probes.run_all("cuda")) == probes.comparable(probes.run_all("cpu"))

@@ -1,0 +1,226 @@
+"""Semantic probes: small experiments whose answers define what a CUDA graph does.
+
+Each probe runs through the engine's one API, so the same code runs on a real
+``torch.cuda.CUDAGraph`` and on ``CPUGraph``. ``scripts/gpu_session.py`` records the GPU answers in
+``results/gpu/engine_probes.json``; ``tests/test_engine_fidelity.py`` asserts the CPU emulation
+gives the same answers. A probe that needs a dead CUDA context runs in a child process.
+"""
+from __future__ import annotations
+
+import torch
+
+from .childproc import run_in_child
+from .engine import graph, graph_pool_handle, new_graph, synchronize
+
+
+def _values(t: torch.Tensor) -> list:
+    return t.detach().cpu().tolist()
+
+
+def probe_increment(device: str, replays: int = 3) -> dict:
+    """``x += 2`` on a buffer that existed before capture: capture itself must not increment."""
+    x = torch.zeros(4, device=device)
+    g = new_graph(device)
+    with graph(g):
+        x += 2
+    synchronize(device)
+    after_capture = _values(x)
+    for _ in range(replays):
+        g.replay()
+    synchronize(device)
+    return {"after_capture": after_capture, "after_replays": _values(x), "replays": replays}
+
+
+def probe_frozen_python(device: str) -> dict:
+    """A Python branch taken at capture stays taken at replay, whatever the data says later."""
+    flag = {"double": True}
+    x = torch.ones(3, device=device)
+
+    def f():
+        return x * 2 if flag["double"] else x * 3
+
+    g = new_graph(device)
+    with graph(g):
+        out = f()
+    flag["double"] = False
+    x.fill_(5.0)
+    g.replay()
+    synchronize(device)
+    return {"replayed": _values(out), "eager_now": _values(f())}
+
+
+def probe_lazy_planner(device: str) -> dict:
+    """A lazy ``if plan is None`` planner: warmup on the same state leaves the plan out of the graph."""
+    lengths = torch.tensor([3.0], device=device)
+    x = torch.ones(1, device=device)
+
+    def make():
+        state = {"plan": None}
+
+        def f():
+            if state["plan"] is None:
+                state["plan"] = torch.empty(1, device=device)
+                state["plan"].copy_(lengths.max())
+            return x * state["plan"]
+        return f
+
+    shared = make()
+    shared()                                     # warmup plans with lengths=3
+    g_shared = new_graph(device)
+    with graph(g_shared):
+        out_shared = shared()
+    fresh_warm = make()
+    fresh_warm()
+    fresh = make()                               # capture on a fresh state records the planner
+    g_fresh = new_graph(device)
+    with graph(g_fresh):
+        out_fresh = fresh()
+    lengths.fill_(7.0)
+    g_shared.replay()
+    g_fresh.replay()
+    synchronize(device)
+    return {"shared_state_replay": _values(out_shared), "fresh_state_replay": _values(out_fresh)}
+
+
+def probe_static_input(device: str) -> dict:
+    """New data copied into a static input buffer is what the next replay computes on."""
+    static = torch.zeros(4, device=device)
+    w = torch.arange(4.0, device=device)
+    g = new_graph(device)
+    with graph(g):
+        out = (static * w).sum(0, keepdim=True)
+    results = []
+    for k in range(1, 4):
+        static.copy_(torch.full((4,), float(k), device=device))
+        g.replay()
+        synchronize(device)
+        results.append(_values(out)[0])
+    return {"outputs": results}
+
+
+def probe_shared_pool(device: str) -> dict:
+    """Two graphs in one pool, the second reading the first's output (vLLM's piecewise pieces)."""
+    pool = graph_pool_handle(device)
+    x = torch.zeros(4, device=device)
+    g1, g2 = new_graph(device), new_graph(device)
+    with graph(g1, pool=pool):
+        y = x + 1
+    with graph(g2, pool=pool):
+        z = y * 10
+    outs = []
+    for k in range(3):
+        x.fill_(float(k))
+        g1.replay()
+        g2.replay()
+        synchronize(device)
+        outs.append(_values(z)[0])
+    return {"outputs": outs}
+
+
+# 32 MiB: a block of its own in CUDA's large pool, so empty_cache() can return it to the driver.
+_SHAPE = (8192, 1024)
+
+
+def _weight(device: str) -> torch.Tensor:
+    return (torch.arange(_SHAPE[0] * _SHAPE[1], device=device) % 1000).float().reshape(_SHAPE) / 1000
+
+
+def _freed_reuse(device: str) -> dict:
+    """The gathered-temporary pattern: a graph reads ``w[idx]`` where ``w`` is a temporary."""
+    base = _weight(device)
+    idx = torch.tensor([1, 2], device=device)
+    w = base * 1.0                                        # a temporary only this frame holds
+    g = new_graph(device, on_freed="reuse")
+    with graph(g):
+        out = w[idx].sum(1)
+    g.replay()
+    synchronize(device)
+    alive = _values(out)
+    del w
+    from .engine import reuse_freed_blocks
+    with reuse_freed_blocks():
+        junk = torch.full(_SHAPE, 5.0, device=device)     # same size: the allocator hands the block on
+    g.replay()
+    synchronize(device)
+    result = {"alive": alive, "after_reuse": _values(out)}
+    del junk
+    return result
+
+
+def _freed_release(device: str) -> dict:
+    base = _weight(device)
+    idx = torch.tensor([1, 2], device=device)
+    w = base * 1.0
+    g = new_graph(device)
+    with graph(g):
+        out = w[idx].sum(1)
+    del w
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    g.replay()
+    synchronize(device)
+    return {"replayed": _values(out)}
+
+
+def probe_freed_input(device: str) -> dict:
+    """Both outcomes of a freed referenced tensor: reused block (wrong values), released (crash)."""
+    reuse = _freed_reuse(device)
+    child = run_in_child(_freed_release, device, timeout=300) if device == "cuda" else None
+    if child is None:
+        try:
+            _freed_release(device)
+            release = {"crashed": False, "error": ""}
+        except Exception as e:  # noqa: BLE001 - the outcome is the data
+            release = {"crashed": True, "error": f"{type(e).__name__}: {e}"}
+    else:
+        release = {"crashed": not child.ok, "error": f"{child.error_type}: {child.error}"}
+    release["illegal_memory_access"] = "illegal memory access" in release["error"].lower() or \
+        "IllegalMemoryAccess" in release["error"]
+    return {"reuse": reuse, "release": release}
+
+
+def probe_host_sync(device: str) -> dict:
+    """``.item()`` inside capture fails on both backends (on CUDA in a child: it breaks the capture)."""
+    if device == "cuda":
+        return run_in_child(_host_sync, device, timeout=300).raise_if_failed()
+    return _host_sync(device)
+
+
+def _host_sync(device: str) -> dict:
+    x = torch.ones(2, device=device)
+    g = new_graph(device)
+    try:
+        with graph(g):
+            x.sum().item()
+        return {"raised": False}
+    except Exception:  # noqa: BLE001 - CUDA raises a RuntimeError, the CPU a CaptureError
+        return {"raised": True}
+
+
+PROBES = {
+    "increment": probe_increment,
+    "frozen_python": probe_frozen_python,
+    "lazy_planner": probe_lazy_planner,
+    "static_input": probe_static_input,
+    "shared_pool": probe_shared_pool,
+    "freed_input": probe_freed_input,
+    "host_sync": probe_host_sync,
+}
+
+
+def run_all(device: str) -> dict:
+    """Every probe's answer on ``device``, keyed by probe name."""
+    return {name: probe(device) for name, probe in PROBES.items()}
+
+
+def comparable(answers: dict) -> dict:
+    """The part of the answers both backends must agree on exactly (error texts differ)."""
+    out = {k: v for k, v in answers.items() if k != "freed_input"}
+    freed = answers["freed_input"]
+    out["freed_input"] = {
+        "reuse_alive": freed["reuse"]["alive"],
+        "reuse_values_changed": freed["reuse"]["after_reuse"] != freed["reuse"]["alive"],
+        "release_crashed": freed["release"]["crashed"],
+        "release_is_illegal_memory_access": freed["release"]["illegal_memory_access"],
+    }
+    return out
