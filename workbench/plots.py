@@ -4,6 +4,7 @@ Case modules compose these into their figures; notebooks only call the case's ``
 """
 from __future__ import annotations
 
+import os
 import pathlib
 from collections.abc import Mapping, Sequence
 
@@ -26,8 +27,11 @@ FIGURES = pathlib.Path(__file__).resolve().parent.parent / "figures"
 
 
 def save(fig: plt.Figure, case: str, name: str, enabled: bool = True) -> pathlib.Path | None:
-    """Write ``figures/<case>/<name>.png`` (fixed dpi, tight box) and return the path."""
-    if not enabled:
+    """Write ``figures/<case>/<name>.png`` (fixed dpi, tight box) and return the path.
+
+    Not under ``WORKBENCH_FAST=1`` (the test runs): the committed figures are the full-size ones.
+    """
+    if not enabled or os.environ.get("WORKBENCH_FAST") == "1":
         return None
     path = FIGURES / case / f"{name}.png"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -36,11 +40,10 @@ def save(fig: plt.Figure, case: str, name: str, enabled: bool = True) -> pathlib
 
 
 def heatmap(ax: plt.Axes, values: np.ndarray, *, xlabel: str, ylabel: str, title: str,
-            vmin: float | None = None, vmax: float | None = None, cmap: str = "viridis",
+            vmin: float | None = None, vmax: float | None = None, cmap: str | matplotlib.colors.Colormap = "viridis",
             colorbar_label: str | None = None) -> matplotlib.image.AxesImage:
     """``values[row, step]`` as an image; rows on y, steps on x; NaN cells shown in light grey."""
-    cm = matplotlib.colormaps[cmap].copy()
-    cm.set_bad("#dddddd")
+    cm = (matplotlib.colormaps[cmap] if isinstance(cmap, str) else cmap).with_extremes(bad="#dddddd")
     im = ax.imshow(np.ma.masked_invalid(np.asarray(values, dtype=float)), aspect="auto",
                    interpolation="nearest", origin="lower", cmap=cm, vmin=vmin, vmax=vmax)
     ax.set_xlabel(xlabel)

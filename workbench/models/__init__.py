@@ -1,0 +1,1 @@
+"""Small models in the upstream style, each with its `bug` and `fix` variants side by side."""
