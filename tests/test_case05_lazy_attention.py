@@ -242,7 +242,9 @@ def test_case_end_to_end(model):
 def test_gpu_record_matches_cpu():
     if not GPU_RECORD.exists():
         pytest.skip("results/gpu/case05_lazy_attention.json not recorded yet")
-    gpu = json.loads(GPU_RECORD.read_text())
+    record = json.loads(GPU_RECORD.read_text())
+    assert "error" not in record, record.get("error")
+    gpu = record["results"]
     cpu = case.gpu_record("cpu")
     for key in ("seq_lens", "plan_needed", "plan_used", "planner_ops", "captured_ops", "n_problems",
                 "fix_equals_eager", "piecewise_bug_equals_eager"):
