@@ -122,7 +122,9 @@ _SHAPE = (8192, 1024)
 
 
 def _weight(device: str) -> torch.Tensor:
-    return (torch.arange(_SHAPE[0] * _SHAPE[1], device=device) % 1000).float().reshape(_SHAPE) / 1000
+    # Built on the host and copied over in one allocation: device-side temporaries would leave
+    # cached blocks that the freed tensor could share a segment with, which empty_cache() keeps.
+    return ((torch.arange(_SHAPE[0] * _SHAPE[1]) % 1000).float().reshape(_SHAPE) / 1000).to(device)
 
 
 def _freed_reuse(device: str) -> dict:
@@ -218,7 +220,7 @@ def comparable(answers: dict) -> dict:
     out = {k: v for k, v in answers.items() if k != "freed_input"}
     freed = answers["freed_input"]
     out["freed_input"] = {
-        "reuse_alive": freed["reuse"]["alive"],
+        "reuse_alive": [round(v, 2) for v in freed["reuse"]["alive"]],   # sum order differs in last bits
         "reuse_values_changed": freed["reuse"]["after_reuse"] != freed["reuse"]["alive"],
         "release_crashed": freed["release"]["crashed"],
         "release_is_illegal_memory_access": freed["release"]["illegal_memory_access"],
