@@ -24,7 +24,7 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     # wheel, or a mirror); otherwise from PyTorch's CPU index. PyPI's Linux wheel is CUDA.
     report=$(mktemp)
     "$VENV/bin/python" -m pip install --quiet --dry-run --no-deps --report "$report" "torch==2.13.0" || true
-    if grep -q 'torch-2.13.0+cpu' "$report"; then
+    if grep -Eq 'torch-2\.13\.0(\+|%2B)cpu' "$report"; then
         "$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
     else
         "$VENV/bin/python" -m pip install --quiet "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
