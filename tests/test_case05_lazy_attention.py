@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from workbench.cases import lazy_attention as case
-from workbench.engine import CaptureError, graph, new_graph
-from workbench.models.split_kv import (LMConfig, SplitKVLM, empty_schedule, plan_splits, reference_attention,
+from workbench.engine import graph, new_graph
+from workbench.models.split_kv import (LMConfig, empty_schedule, plan_splits, reference_attention,
                                        split_kv_attention, to_transformers)
 
 GPU_RECORD = pathlib.Path(__file__).resolve().parent.parent / "results" / "gpu" / "case05_lazy_attention.json"

@@ -110,7 +110,9 @@ def test_released_reference_raises_illegal_memory_access_naming_op_and_origin():
     with track_origins():
         tmp = torch.arange(10.0) * 2
     idx = torch.tensor([1, 2])
-    g, out = capture(lambda: tmp[idx] + 0)
+    g = new_graph("cpu")
+    with graph(g):
+        tmp[idx] + 0
     g.replay()
     del tmp
     gc.collect()
@@ -124,7 +126,9 @@ def test_released_reference_raises_illegal_memory_access_naming_op_and_origin():
 def test_liveness_is_per_storage_not_per_tensor_object():
     base = torch.arange(8.0)
     view = base[2:6]
-    g, out = capture(lambda: view * 1)
+    g = new_graph("cpu")
+    with graph(g):
+        out = view * 1
     del view                                             # the view object dies, storage lives
     gc.collect()
     g.replay()
@@ -137,7 +141,9 @@ def test_liveness_is_per_storage_not_per_tensor_object():
 
 def test_reuse_mode_reads_the_next_allocation_of_the_freed_block():
     tmp = torch.arange(16.0)
-    g, out = capture(lambda: tmp.sum().reshape(1), on_freed="reuse")
+    g = new_graph("cpu", on_freed="reuse")
+    with graph(g):
+        out = tmp.sum().reshape(1)
     g.replay()
     assert out.item() == 120.0
     del tmp
@@ -149,6 +155,18 @@ def test_reuse_mode_reads_the_next_allocation_of_the_freed_block():
     g.replay()
     assert out.item() == 16.0                             # silently someone else's data
     assert torch.equal(other, torch.ones(16))
+
+
+def test_a_dropped_graph_gives_its_memory_back_to_the_pool_at_once():
+    pool = graph_pool_handle("cpu")
+    x = torch.ones(4)
+    keep, _ = capture(lambda: x * 2, pool=pool)
+    drop, _ = capture(lambda: x * 3, pool=pool)
+    assert len(pool) == 2
+    del drop                                  # no gc.collect(): no graph <-> pool cycle
+    assert len(pool) == 1
+    keep.reset()
+    assert len(pool) == 0
 
 
 # ------------------------------------------------------------- host synchronisation

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -69,19 +70,24 @@ def describe(t: torch.Tensor) -> str:
 
 
 class Pool:
-    """Memory owned by graphs (a CUDA graph's private mempool). Several graphs may share one."""
+    """Memory owned by graphs (a CUDA graph's private mempool). Several graphs may share one.
+
+    Graphs are held weakly: a graph holds its pool, so a strong back-reference would keep dropped
+    graphs (and, in reuse mode, their retained blocks) alive until the garbage collector runs.
+    """
 
     def __init__(self) -> None:
-        self._owned: dict[int, tuple[CPUGraph, torch.Tensor]] = {}
+        self._owned: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
 
     def owns(self, key: int) -> bool:
         return key in self._owned
 
-    def _adopt(self, graph: CPUGraph, t: torch.Tensor) -> None:
-        self._owned.setdefault(storage_key(t), (graph, t))
+    def _adopt(self, graph_ref: weakref.ref, t: torch.Tensor) -> None:
+        self._owned.setdefault(storage_key(t), (graph_ref, t))
 
-    def _release(self, graph: CPUGraph) -> None:
-        self._owned = {k: v for k, v in self._owned.items() if v[0] is not graph}
+    def _forget(self, graph_ref: weakref.ref) -> None:
+        """Give back the memory of a graph that was reset or dropped."""
+        self._owned = {k: v for k, v in self._owned.items() if v[0] is not graph_ref}
 
     def __len__(self) -> int:
         return len(self._owned)
@@ -109,9 +115,8 @@ class ExternalRef:
         return f"{str(self.dtype).replace('torch.', '')}[{', '.join(map(str, self.size))}]"
 
     def materialize(self) -> torch.Tensor:
+        """The tensor for this replay; the caller has checked that it is alive or retained."""
         if self.weak.expired():
-            if self.retained is None:
-                raise IllegalMemoryAccess(self.weak.cdata)   # replaced by a full message by the caller
             storage = self.retained
         else:
             storage = torch.UntypedStorage._new_with_weak_ptr(self.weak.cdata)
@@ -252,6 +257,7 @@ class CPUGraph:
             raise TypeError(f"pool must be a workbench Pool (graph_pool_handle() or g.pool()), got "
                             f"{type(pool).__name__}")
         self._pool = pool if pool is not None else Pool()
+        self._ref = weakref.ref(self, self._pool._forget)   # the pool forgets a dropped graph
         self._state = "capturing"
         _capturing.graph = self
         self._modes = (_HostSyncGuard(), _Recorder(self))
@@ -347,7 +353,7 @@ class CPUGraph:
         """Make ``t``'s storage the graph's; constants keep their value, the rest is poisoned at
         capture end (a CUDA capture computes nothing)."""
         if not self._pool.owns(storage_key(t)):
-            self._pool._adopt(self, t)
+            self._pool._adopt(self._ref, t)
             (self._constants if constant else self._owned).append(t)
 
     def _external(self, t: torch.Tensor, func, source: str) -> ExternalRef:
@@ -402,7 +408,7 @@ class CPUGraph:
 
     def _clear(self) -> None:
         if self._pool is not None:
-            self._pool._release(self)
+            self._pool._forget(self._ref)
         self._ops, self._externals, self._owned, self._constants = [], [], [], []
         self._external_index.clear()
         self._snapshots.clear()
