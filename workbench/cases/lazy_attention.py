@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from .. import plots
 from ..data import DATA_DIR
-from ..engine import graph, graph_pool_handle, new_graph, resolve_device, validate_capture_sizes
+from ..engine import events, graph, graph_pool_handle, new_graph, resolve_device, validate_capture_sizes
 from ..models import split_kv
 from ..models.split_kv import LMConfig, SplitKVLM, SplitKVSchedule, empty_schedule, plan_splits
 
@@ -293,9 +293,12 @@ class CudaGraphManager:
         if self.graphs:
             raise RuntimeError("capture() was already called; create a new manager to capture again")
         self.pool = graph_pool_handle(self.device)
+        events.static_buffers(type(self).__name__, {"input_ids": self.input_ids, "positions": self.positions,
+                                                    "seq_lens": self.seq_lens})
         for size in reversed(self.capture_sizes):
             forward_fn, state = self.create_forward_fn(size)
-            forward_fn("NONE")                                   # warmup
+            with events.warmup():
+                forward_fn("NONE")
             log = OpLog()
             if self.mode == "PIECEWISE":
                 # Kept as upstream does (for the speculator); serving builds a fresh state per step.
@@ -309,7 +312,7 @@ class CudaGraphManager:
                     forward_fn, state = self.create_forward_fn(size)
                 self.attn_states[size] = state
                 g = new_graph(self.device)
-                with graph(g, pool=self.pool), log:
+                with graph(g, pool=self.pool, name=f"size {size}"), log:
                     self.outputs[size] = forward_fn("NONE")
                 self.graphs[size] = [g]
             self.captured_ops[size] = log.ops
@@ -374,6 +377,8 @@ class CudaGraphManager:
         self.positions[:n] = positions
         self.seq_lens[:n] = seq_lens
         if self.mode == "FULL":
+            events.serve(self.graphs[size][0], n, size, outputs=self.outputs[size], padded={
+                "input_ids": self.input_ids, "positions": self.positions, "seq_lens": self.seq_lens})
             self.graphs[size][0].replay()
             self.last_schedule = self.attn_states[size].schedule
         else:
@@ -384,7 +389,9 @@ class CudaGraphManager:
                 piece.replay()
                 self.attn_out[layer, :size] = attention(layer, q, k, v)
             self.graphs[size][-1].replay()
-        return self.outputs[size][:n]
+        out = self.outputs[size][:n]
+        events.handed_out(self.graphs[size][-1], out)
+        return out
 
     def planner_ops(self, size: int | None = None) -> list[str]:
         """Names of the captured ops that came from ``plan_splits`` (empty: the planner was not recorded)."""

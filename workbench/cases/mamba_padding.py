@@ -25,7 +25,7 @@ from matplotlib.colors import ListedColormap
 from tqdm.auto import tqdm
 
 from workbench import plots
-from workbench.engine import graph, graph_pool_handle, new_graph, resolve_device, synchronize
+from workbench.engine import events, graph, graph_pool_handle, new_graph, resolve_device, synchronize
 from workbench.models.mamba import NULL_BLOCK_ID, MambaLM, StateTable, tiny_mamba
 
 from .mamba_batch import (VARIANTS, CachedRequestState, CommonAttentionMetadata, InputBatch,
@@ -213,12 +213,15 @@ class MambaServer:
         if self.enforce_eager:
             return
         pool = graph_pool_handle(self.device)
+        events.static_buffers(type(self).__name__, {"input_ids": self.input_ids,
+                                                    "state_indices_tensor_d": self.builder.state_indices_tensor_d})
         for size in reversed(self.capture_sizes):
             md = self.builder.build_for_cudagraph_capture(_dummy_decode_metadata(size))
             ids = self.input_ids[:size]
-            self.model.decode(ids, self.states, md.state_indices_tensor_d)        # warmup
+            with events.warmup():
+                self.model.decode(ids, self.states, md.state_indices_tensor_d)
             g = new_graph(self.device)
-            with graph(g, pool=pool):
+            with graph(g, pool=pool, name=f"size {size}"):
                 self.graph_logits[size] = self.model.decode(ids, self.states, md.state_indices_tensor_d)
             self.graphs[size] = g
         synchronize(self.device)
@@ -237,6 +240,9 @@ class MambaServer:
         # Dispatch happens first, from the batch shape alone (vLLM's cudagraph dispatcher).
         uniform_decode = num_scheduled.max() == 1 and num_tokens == num_reqs
         size = self._graph_size(num_reqs) if uniform_decode else None
+        if size is not None:        # rows [num_reqs, size) of the batch's host arrays are padded rows
+            events.serve(self.graphs[size], num_reqs, size, outputs=self.graph_logits[size], padded={
+                "num_computed_tokens_cpu": ib.num_computed_tokens_cpu, "num_prompt_tokens": ib.num_prompt_tokens})
         cm = build_common_metadata(ib, num_scheduled, size or num_reqs, size or num_tokens, self.variant)
         md = self.builder.build(cm)
         ids = np.concatenate([ib.token_ids_cpu[i, computed[i]:computed[i] + n] for i, n in enumerate(num_scheduled)])

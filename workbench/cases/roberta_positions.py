@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from .. import plots
 from ..childproc import run_in_child
-from ..engine import GraphError, GraphRunner, graph, graph_pool_handle, new_graph, validate_capture_sizes
+from ..engine import GraphError, GraphRunner, events, graph, graph_pool_handle, new_graph, validate_capture_sizes
 from ..models.hf import tiny_model
 from ..models.roberta import RobertaEmbeddingModel, from_transformers
 
@@ -195,19 +195,21 @@ class RobertaRunner(GraphRunner):
         self.startup = startup_runs(self.capture_sizes, max_num_tokens=self.max_size,
                                     max_num_reqs=self.max_num_reqs, num_warmups=self.num_warmups,
                                     enforce_eager=self.enforce_eager)
+        events.static_buffers(type(self).__name__, self.buffers)
         with torch.no_grad():
             for run in self.startup:
                 self.request_ids[:run.num_tokens].zero_()       # dummy batch: one request
                 inputs = self._model_inputs(run.num_tokens)
                 if run.kind != "capture":
-                    self.model(**inputs)
+                    with events.warmup() if run.kind == "warmup" else contextlib.nullcontext():
+                        self.model(**inputs)
                     continue
                 body = self.model
                 if self.cudagraph_mode == "piecewise":
                     self.model.pre_model(inputs["input_ids"], inputs["positions"])
                     body = self.model.model
                 g = new_graph(self.device)
-                with graph(g, pool=self.pool):
+                with graph(g, pool=self.pool, name=f"size {run.num_tokens}"):
                     self.outputs[run.num_tokens] = body(**inputs)
                 self.graphs[run.num_tokens] = g
         return self.startup
@@ -243,10 +245,14 @@ class RobertaRunner(GraphRunner):
             else:
                 if self.cudagraph_mode == "piecewise":
                     self.model.pre_model(inputs["input_ids"], inputs["positions"])
+                events.serve(self.graphs[size], n, size, padded=self.buffers, outputs=self.outputs[size])
                 self.graphs[size].replay()
                 out = self.outputs[size]
         starts = np.cumsum([0] + lens)
-        return [out[a:b] for a, b in zip(starts[:-1], starts[1:])]
+        per_request = [out[a:b] for a, b in zip(starts[:-1], starts[1:])]
+        if size is not None:
+            events.handed_out(self.graphs[size], per_request)
+        return per_request
 
 
 # --------------------------------------------------------------------------- the experiment

@@ -39,7 +39,7 @@ import torch
 from tqdm.auto import tqdm
 
 from workbench import plots
-from workbench.engine import graph, new_graph, synchronize
+from workbench.engine import events, graph, new_graph, synchronize
 from workbench.models import vit
 
 SLUG = "02_vit_zero_per_image_output"
@@ -216,11 +216,13 @@ class EncoderCudaGraphManager:
     def _capture_budget_graph(self, token_budget: int) -> None:
         inputs = self.model.prepare_encoder_cudagraph_capture_inputs(
             token_budget, self.max_batch_size, self.device, self.dtype)
+        events.static_buffers(f"budget {token_budget}", {"pixel_values": inputs.pixel_values, **inputs.metadata})
         with torch.no_grad():
-            output = self.model.encoder_cudagraph_forward(inputs.pixel_values, inputs.metadata)   # warm-up
+            with events.warmup():
+                output = self.model.encoder_cudagraph_forward(inputs.pixel_values, inputs.metadata)
             output_buffer = torch.empty_like(output)
             g = new_graph(self.device)
-            with graph(g):
+            with graph(g, name=f"budget {token_budget}"):
                 output = self.model.encoder_cudagraph_forward(inputs.pixel_values, inputs.metadata)
                 output_buffer.copy_(output)
         self.budget_graphs[token_budget] = BudgetGraph(token_budget, g, inputs.pixel_values, inputs.metadata,

@@ -9,6 +9,7 @@ import contextlib
 
 import torch
 
+from . import events
 from .cpu_graph import CPUGraph, Pool
 from .errors import GraphError
 
@@ -40,8 +41,12 @@ class CUDAGraph(torch.cuda.CUDAGraph):
         if not self.captured:
             raise GraphError("replay() called before capture (or after reset): capture the graph "
                              "first with `with graph(g): ...`.")
-        super().replay()
-        self.replays += 1
+        events.replay_begin(self)
+        try:
+            super().replay()
+            self.replays += 1
+        finally:
+            events.replay_end(self)
 
     def reset(self) -> None:
         super().reset()
@@ -64,23 +69,33 @@ def graph_pool_handle(device: str | torch.device = "cpu"):
 
 
 @contextlib.contextmanager
-def graph(g, pool=None):
-    """Capture the block into ``g``: ``torch.cuda.graph`` on CUDA, ``CPUGraph`` capture on the CPU."""
+def graph(g, pool=None, *, name: str | None = None):
+    """Capture the block into ``g``: ``torch.cuda.graph`` on CUDA, ``CPUGraph`` capture on the CPU.
+    ``name`` (e.g. ``"size 8"``) labels the graph in the doctor's reports."""
     if isinstance(g, CPUGraph):
         g.capture_begin(pool)
+        events.capture_begin(g, name)
         try:
             yield g
-        except BaseException:
+        except BaseException as e:
+            events.capture_abort(g, e)
             g.capture_abort()
             raise
+        events.capture_end(g)
         g.capture_end()
     elif isinstance(g, torch.cuda.CUDAGraph):
         if torch.cuda.is_current_stream_capturing():
             raise GraphError("A graph capture is already open; captures do not nest.")
         if getattr(g, "captured", False):
             raise GraphError("This graph already holds a capture. Call g.reset() first.")
-        with torch.cuda.graph(g, pool=pool):
-            yield g
+        try:
+            with torch.cuda.graph(g, pool=pool):
+                events.capture_begin(g, name)
+                yield g
+                events.capture_end(g)
+        except BaseException as e:
+            events.capture_abort(g, e)
+            raise
     else:
         raise TypeError(f"graph() needs a graph from new_graph(), got {type(g).__name__}")
 

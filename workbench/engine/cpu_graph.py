@@ -30,9 +30,9 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from . import memory
+from . import events, memory
 from .errors import CaptureError, GraphError, IllegalMemoryAccess
 from .source import user_frame
 
@@ -205,14 +205,26 @@ def _poison(t: torch.Tensor) -> None:
         whole.fill_(torch.iinfo(whole.dtype).min if whole.dtype.is_signed else torch.iinfo(whole.dtype).max)
 
 
+def is_host_sync(func, args) -> bool:
+    """Whether an aten op needs the device's data on the host (its output shape or value depends
+    on it): a CUDA graph cannot record it."""
+    packet = func.overloadpacket
+    return packet in HOST_SYNC_OPS or (packet in _INDEX_OPS and _has_mask_index(args))
+
+
+def host_sync_error(op: str, source: str) -> CaptureError:
+    return CaptureError(
+        f"{op} inside graph capture needs the device's values on the host (a host synchronisation), "
+        f"which a CUDA graph cannot wait for (cudaErrorStreamCaptureUnsupported).\n  at {source}\n"
+        "Move it before or after the captured region, or keep it on the device (e.g. torch.where).",
+        op=op, source=source)
+
+
 class _HostSyncGuard(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
         if name in HOST_SYNC_METHODS:
-            raise CaptureError(
-                f"Tensor.{name}() inside graph capture needs the values on the host, which a CUDA "
-                f"graph cannot wait for (cudaErrorStreamCaptureUnsupported).\n  at {user_frame()}\n"
-                "Move it before or after the captured region, or keep the value on the device.")
+            raise host_sync_error(f"Tensor.{name}()", user_frame())
         return func(*args, **(kwargs or {}))
 
 
@@ -266,22 +278,24 @@ class CPUGraph:
 
     def capture_end(self) -> None:
         self._close_capture()
-        for view, saved in self._snapshots.values():
-            view.copy_(saved)
+        with _disable_current_modes():     # the emulation's own work, not the user's ops
+            for view, saved in self._snapshots.values():
+                view.copy_(saved)
+            for t in self._owned:
+                _poison(t)
+            if self.on_freed == "reuse":
+                for ref in self._externals:
+                    ref.retained = torch.UntypedStorage._new_with_weak_ptr(ref.weak.cdata).clone()
+                    memory.register_retained(ref)
         self._snapshots.clear()
-        for t in self._owned:
-            _poison(t)
-        if self.on_freed == "reuse":
-            for ref in self._externals:
-                ref.retained = torch.UntypedStorage._new_with_weak_ptr(ref.weak.cdata).clone()
-                memory.register_retained(ref)
         self._state = "captured"
 
     def capture_abort(self) -> None:
         """Called when the captured code raised: undo its writes and leave the graph empty."""
         self._close_capture()
-        for view, saved in self._snapshots.values():
-            view.copy_(saved)
+        with _disable_current_modes():
+            for view, saved in self._snapshots.values():
+                view.copy_(saved)
         self._clear()
 
     def _close_capture(self) -> None:
@@ -292,11 +306,8 @@ class CPUGraph:
 
     def _record(self, func, args, kwargs):
         packet = func.overloadpacket
-        if packet in HOST_SYNC_OPS or (packet in _INDEX_OPS and _has_mask_index(args)):
-            raise CaptureError(
-                f"{func} inside graph capture is a host synchronisation (its output shape or value "
-                f"depends on data), which a CUDA graph cannot record.\n  at {user_frame()}\n"
-                "Compute it before capture, or use a fixed-shape form (e.g. torch.where).")
+        if is_host_sync(func, args):
+            raise host_sync_error(str(func), user_frame())
         pool = self._pool
         if packet in (aten.lift_fresh, aten.lift_fresh_copy):
             # A constant created in the captured code (torch.tensor(...)): the graph keeps it.
@@ -308,8 +319,9 @@ class CPUGraph:
             key = storage_key(t)
             writes.append(key)
             if not pool.owns(key) and key not in self._snapshots:
-                whole = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
-                self._snapshots[key] = (whole, whole.clone())
+                with _disable_current_modes():
+                    whole = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+                    self._snapshots[key] = (whole, whole.clone())
         source = user_frame()
         reads: set[int] = set()
         slots: list = []
@@ -374,17 +386,21 @@ class CPUGraph:
             what = {"new": "before capture (or after reset)", "capturing": "inside its own capture"}
             raise GraphError(f"replay() called {what[self._state]}: capture the graph first with "
                              "`with graph(g): ...`.")
-        live = [self._materialize(ref) for ref in self._externals]
-        for op in self._ops:
-            if op.is_view:
-                continue
-            args, kwargs = op.bind(live)
-            out = op.func(*args, **kwargs)
-            if op.has_outputs:
-                for dst, src in zip(op.outputs, _as_tuple(out)):
-                    if dst is not None:
-                        dst.copy_(src)
-        self.replays += 1
+        events.replay_begin(self)
+        try:
+            live = [self._materialize(ref) for ref in self._externals]
+            for op in self._ops:
+                if op.is_view:
+                    continue
+                args, kwargs = op.bind(live)
+                out = op.func(*args, **kwargs)
+                if op.has_outputs:
+                    for dst, src in zip(op.outputs, _as_tuple(out)):
+                        if dst is not None:
+                            dst.copy_(src)
+            self.replays += 1
+        finally:
+            events.replay_end(self)
 
     def _materialize(self, ref: ExternalRef) -> torch.Tensor:
         if ref.weak.expired() and ref.retained is None:

@@ -16,6 +16,11 @@ class CaptureError(GraphError):
     emulation raises this error at the same point, naming the op and the user's source line.
     """
 
+    def __init__(self, message: str, *, op: str | None = None, source: str | None = None) -> None:
+        super().__init__(message)
+        self.op = op
+        self.source = source
+
 
 class IllegalMemoryAccess(RuntimeError):
     """A replay touched memory the graph does not own and whose owner has released it.

@@ -23,16 +23,34 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .source import user_frame
 
-_origins: dict[int, tuple[StorageWeakRef, str]] = {}
+_origins: dict[int, tuple[StorageWeakRef, str, str]] = {}   # storage -> (weak, source line, op)
 _retained: list = []      # ExternalRef objects of on_freed="reuse" graphs (weakly: see register_retained)
 
 
 def origin_of(t: torch.Tensor) -> str | None:
     """Where ``t``'s storage was created, if it was created under ``track_origins()``."""
+    created = created_by(t)
+    return None if created is None else f"at {created[1]}"
+
+
+def created_by(t: torch.Tensor) -> tuple[str, str] | None:
+    """``(op, source line)`` that created ``t``'s storage, if it was created under ``track_origins()``."""
     entry = _origins.get(t.untyped_storage()._cdata)
     if entry is None or entry[0].expired():
         return None
-    return f"at {entry[1]}"
+    return entry[2], entry[1]
+
+
+def record_origin(t: torch.Tensor, source: str, op: str) -> None:
+    """Note that ``op`` at ``source`` created ``t``'s storage (the doctor tracks origins itself)."""
+    if len(_origins) >= 4096 and len(_origins) % 4096 == 0:
+        _forget_released()
+    _origins[t.untyped_storage()._cdata] = (StorageWeakRef(t.untyped_storage()), source, op)
+
+
+def _forget_released() -> None:
+    for key in [k for k, entry in _origins.items() if entry[0].expired()]:
+        del _origins[key]
 
 
 class _OriginTracker(TorchDispatchMode):
@@ -42,15 +60,14 @@ class _OriginTracker(TorchDispatchMode):
                   if isinstance(a, torch.Tensor)}
         for o in tree_flatten(out)[0]:
             if isinstance(o, torch.Tensor) and o.untyped_storage()._cdata not in inputs:
-                _origins[o.untyped_storage()._cdata] = (StorageWeakRef(o.untyped_storage()), user_frame())
+                record_origin(o, user_frame(), str(func))
         return out
 
 
 @contextlib.contextmanager
 def track_origins():
     """Record where each tensor created inside the block came from (for ``IllegalMemoryAccess``)."""
-    for key in [k for k, (w, _) in _origins.items() if w.expired()]:
-        del _origins[key]
+    _forget_released()
     with _OriginTracker():
         yield
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from . import events
 from .api import graph, graph_pool_handle, new_graph, resolve_device
 from .errors import GraphError
 
@@ -73,12 +74,14 @@ class GraphRunner:
         if self.graphs:
             raise GraphError("capture() was already called; create a new runner to capture again.")
         self.pool = graph_pool_handle(self.device)
+        events.static_buffers(type(self).__name__, self.buffers)
         for size in reversed(self.capture_sizes):
             views = self._views(size)
             for _ in range(self.num_warmups):
-                self.model(**views)
+                with events.warmup():
+                    self.model(**views)
             g = new_graph(self.device)
-            with graph(g, pool=self.pool):
+            with graph(g, pool=self.pool, name=f"size {size}"):
                 self.outputs[size] = self.model(**views)
             self.graphs[size] = g
 
@@ -106,8 +109,12 @@ class GraphRunner:
         if self.poison_padding and size > n:
             for buf in self.buffers.values():
                 _poison_rows(buf, n, size)
-        self.graphs[size].replay()
-        return _slice(self.outputs[size], n)
+        g = self.graphs[size]
+        events.serve(g, n, size, padded=self.buffers, outputs=self.outputs[size])
+        g.replay()
+        out = _slice(self.outputs[size], n)
+        events.handed_out(g, out)
+        return out
 
     def _views(self, size: int) -> dict[str, torch.Tensor]:
         return {name: buf[:size] for name, buf in self.buffers.items()}

@@ -33,7 +33,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..dist import (get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size,
                     tensor_model_parallel_all_gather)
-from ..engine import graph, new_graph, synchronize
+from ..engine import events, graph, new_graph, synchronize
 
 VARIANTS = ("bug", "fix")
 DEFAULT_VOCAB_PADDING_SIZE = 64                 # vllm/model_executor/layers/vocab_parallel_embedding.py
@@ -302,11 +302,13 @@ class CentroidsProposer:
             self.captured_weight = CapturedWeight.of(lm_head_weight)
         for size in self.sizes:
             static_input = torch.zeros(size, masked_emb.hidden_size, dtype=self.dtype, device=self.device)
+            events.static_buffers(f"{type(self).__name__} size {size}", {"hidden_states": static_input})
             for _ in range(NUM_WARMUPS):
-                self._top_tokens(static_input, lm_head_weight)
+                with events.warmup():
+                    self._top_tokens(static_input, lm_head_weight)
             synchronize(self.device)
             g = new_graph(self.device, on_freed=self.on_freed)
-            with graph(g):
+            with graph(g, name=f"size {size}"):
                 static_output = self._top_tokens(static_input, lm_head_weight)
             self._centroids_graphs[size] = g
             self._centroids_inputs[size] = static_input
@@ -325,6 +327,8 @@ class CentroidsProposer:
             for size in self._centroids_sizes:
                 if size >= T:
                     self._centroids_inputs[size][:T].copy_(hidden_states)
+                    events.serve(self._centroids_graphs[size], T, size, outputs=self._centroids_outputs[size],
+                                 padded={"hidden_states": self._centroids_inputs[size]})
                     self._centroids_graphs[size].replay()
                     return self._centroids_outputs[size][:T].clone()
             return self.model.get_top_tokens(hidden_states)

@@ -1,0 +1,67 @@
+"""The plain-language root cause of each finding kind, filled in with what was observed."""
+from __future__ import annotations
+
+MUTATION_PATTERNS = {
+    "accumulating": "every replay changes it again, so rows the runner does not refresh before a replay "
+                    "(padded rows) drift further with each step",
+    "overwriting": "the first replay changes it and later ones write the same values, so rows the runner "
+                   "does not refresh keep the graph's values instead of the runner's",
+    "self-cancelling": "its writes undo each other within one replay (the buffer is unchanged afterwards): "
+                       "harmless today, but it races with anything reading the buffer meanwhile",
+    "not probed": "the graph was not replayed while watched, so the effect was not measured",
+}
+
+
+def mutation(op: str, name: str, owner: str, pattern: str) -> str:
+    return (f"{op} runs inside the graph and writes `{name}`, a static input buffer of {owner} that the graph "
+            f"does not own. Each replay re-runs that write on the same memory: {MUTATION_PATTERNS[pattern]}.")
+
+
+def mutation_evidence(name: str, pattern: str, numbers: dict) -> str:
+    text = (f"{pattern}: {numbers['rows_changed']} of {numbers['rows']} rows of {name} changed after one extra "
+            "replay on identical inputs")
+    if "max_change_1" in numbers:
+        text += (f"; max |change| {numbers['max_change_1']:g} after one replay, {numbers['max_change_2']:g} "
+                 "after two")
+    return text
+
+
+def zero_sized(name: str, shape: tuple) -> str:
+    return (f"The capture input `{name}` {shape} has a zero-sized dimension, so the graph is captured for no "
+            "data: each item of the capture batch gets nothing (per-item outputs of size 0), and code that "
+            "reshapes per item fails or silently returns empty results.")
+
+
+def overflow(name: str, data: tuple, buffer: tuple) -> str:
+    return (f"The static buffer `{name}` {buffer} was sized at capture for less than this batch {data}: the "
+            "copy fails, or with a clamped slice would drop the rows that do not fit.")
+
+
+def dangling(tensor: str, op: str, origin: str) -> str:
+    return (f"The graph reads the {tensor} tensor through {op} but does not own it: it was created {origin} "
+            "and its last owner released it after capture. A graph keeps only the address: a replay reads "
+            "freed memory (an illegal memory access, or another tensor's data once the allocator reuses "
+            "the block).")
+
+
+def warmup(missing: int, first: str) -> str:
+    return (f"The warmup before this capture ran {missing} op(s) that the capture did not record, first "
+            f"{first}. Work done once during warmup (lazy initialisation of a state object that the capture "
+            "then reuses) is not in the graph: every replay uses what warmup computed for the dummy batch.")
+
+
+def overwritten(op: str, graph: str, generation: int, now: int) -> str:
+    return (f"{op} reads an output of replay {generation} of {graph}, but the graph has replayed since (replay "
+            f"{now}) and wrote its new outputs to the same memory: the values read are the newer replay's.")
+
+
+def sync(op: str) -> str:
+    return (f"{op} needs the device's values on the host while the graph is being captured; a CUDA graph "
+            "cannot wait for the device, so the capture fails (cudaErrorStreamCaptureUnsupported).")
+
+
+def stale_padding(first_input: str | None) -> str:
+    via = (f" The first graph input whose real rows differ between the two runs is `{first_input}`: values "
+           "derived from padded rows decided what real rows read." if first_input else "")
+    return ("Real-row results depend on what padded rows hold: two otherwise identical runs, with the padded "
+            f"rows filled two different ways, gave different results for real rows.{via}")

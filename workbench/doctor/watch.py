@@ -1,0 +1,591 @@
+"""``watch()``: observe every capture, warmup and replay, probe where evidence is needed, report.
+
+How the evidence is gathered (the same on both backends, so a report means the same on a GPU):
+
+* **One dispatch mode for the whole block.** During a capture it records each op's read and write
+  storages and source line, which storages the capture created (the graph's pool) and which it
+  only references (with where they were created: the doctor tracks origins). During a warmup it
+  records the ops run. Outside both, it watches eager reads of handed-out graph outputs and copies
+  into static buffers. During a replay it steps aside, so replays cost almost nothing extra.
+* **Events** from the engine and the runners (``workbench.engine.events``) say what a tensor is
+  (a static buffer, by name), which rows are padded, and when a replay starts.
+* **Active probes.** Before a graph's first replay: liveness of every storage it references, and,
+  if it writes a static buffer, two extra replays (then everything restored) to tell accumulating
+  writes from self-cancelling ones. ``diagnose`` adds whole-run probes of the padded rows.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import time
+import weakref
+from collections import Counter
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from ..engine import events, memory
+from ..engine.cpu_graph import _written_tensors, describe, host_sync_error, is_host_sync, storage_key
+from ..engine.errors import CaptureError, GraphError
+from ..engine.source import user_frame
+from . import explain
+from .findings import KINDS, Finding, Report
+
+aten = torch.ops.aten
+
+
+class DanglingReferenceError(GraphError):
+    """Raised by ``watch(guard=True)`` instead of a replay that would read released memory."""
+
+    def __init__(self, finding: Finding) -> None:
+        super().__init__(f"replay stopped by the graph doctor: {finding.evidence}\n  read by {finding.op} at "
+                         f"{finding.source}\n  {finding.cause}")
+        self.finding = finding
+
+
+@dataclasses.dataclass(frozen=True)
+class _Op:
+    name: str
+    source: str
+    reads: frozenset = frozenset()
+    writes: frozenset = frozenset()
+
+
+@dataclasses.dataclass
+class _External:
+    """A storage a graph reads or writes without owning it."""
+
+    weak: StorageWeakRef
+    tensor: str
+    op: str
+    source: str
+    origin: str | None
+    view_only: bool
+    reported: bool = False
+
+
+@dataclasses.dataclass
+class _Buffer:
+    name: str
+    owner: str
+    ref: weakref.ref
+
+
+class _GraphInfo:
+    def __init__(self, graph, name: str) -> None:
+        self.ref = weakref.ref(graph)
+        self.name = name
+        self.cuda = not hasattr(graph, "ops")       # a torch.cuda.CUDAGraph exposes no op list
+        self.ops: list[_Op] = []
+        self.externals: dict[int, _External] = {}
+        self.writes: dict[int, _Op] = {}            # external storage -> first op writing it
+        self.warmup: list[_Op] | None = None        # the first warmup run before this capture
+        self.replays = 0
+        self.probed = False
+        self.pending: tuple | None = None           # (real, size, outputs, padded names) of the next replay
+
+
+class Doctor:
+    """The observer behind ``watch()``; subscribed to ``workbench.engine.events``."""
+
+    def __init__(self, *, guard: bool = False, pattern: int | None = None) -> None:
+        self.report = Report()
+        self.guard = guard
+        self.pattern = pattern                      # diagnose's padded-row fill (0 or 1), else None
+        self.graphs: dict[int, _GraphInfo] = {}
+        self.buffers: dict[int, _Buffer] = {}
+        self.owned: dict[int, StorageWeakRef] = {}
+        self.capturing: _GraphInfo | None = None
+        self.capture_outputs: list[torch.Tensor] = []
+        self.phase = "eager"                         # eager | warmup | capture | replay | probe
+        self.warmup_runs: list[list[_Op]] = []
+        self.handed: dict[int, tuple[weakref.ref, _GraphInfo, int]] = {}
+        self.handed_any = False
+        self.padded_steps = 0
+        self.unknown_replays = 0
+        self.trace: list[dict] = []                  # per replay, under diagnose's padded-row probes
+        self._keys: dict[tuple, Finding] = {}
+
+    # ------------------------------------------------------------------ findings
+    def add(self, finding: Finding, key: tuple) -> Finding:
+        """Record a finding once; the same hazard in another graph adds that graph's name."""
+        known = self._keys.get(key)
+        if known is None:
+            self._keys[key] = finding
+            self.report.findings.append(finding)
+            return finding
+        if finding.graph not in known.graph.split(", "):
+            known.graph = f"{known.graph}, {finding.graph}"
+        return known
+
+    def _info(self, graph) -> _GraphInfo | None:
+        info = self.graphs.get(id(graph))
+        return info if info is not None and info.ref() is graph else None
+
+    def _owns(self, key: int) -> bool:
+        weak = self.owned.get(key)
+        return weak is not None and not weak.expired()
+
+    def _buffer(self, key: int) -> _Buffer | None:
+        buf = self.buffers.get(key)
+        return buf if buf is not None and buf.ref() is not None else None
+
+    def _tensor_name(self, key: int, fallback: str) -> str:
+        buf = self._buffer(key)
+        return f"{buf.name}: {describe(buf.ref())}" if buf is not None else fallback
+
+    # ------------------------------------------------------------------ engine events
+    def capture_begin(self, graph, name: str | None) -> None:
+        info = _GraphInfo(graph, name or f"graph #{len(self.graphs) + 1}")
+        info.warmup = self.warmup_runs[0] if self.warmup_runs else None
+        self.warmup_runs = []
+        self.graphs[id(graph)] = info
+        self.capturing = info
+        self.phase = "capture"
+        self.report.captures += 1
+
+    def capture_end(self, graph) -> None:
+        info = self.capturing
+        self.capturing, self.phase, self.capture_outputs = None, "eager", []
+        if info is not None and info.warmup is not None:
+            self._check_warmup(info)
+
+    def capture_abort(self, graph, error: BaseException) -> None:
+        info = self.capturing
+        self.capturing, self.phase, self.capture_outputs = None, "eager", []
+        name = info.name if info is not None else "a graph"
+        self.report.notes.append(f"capture of {name} failed: {type(error).__name__}: {_first_line(error)}")
+        if isinstance(error, CaptureError) and error.op is not None:
+            self._sync_finding(name, error.op, error.source or "<unknown>")
+
+    def replay_begin(self, graph) -> None:
+        if self.phase == "probe":
+            return
+        info = self._info(graph)
+        if info is None:
+            self.unknown_replays += 1
+        else:
+            self._check_liveness(info, before_replay=True)
+            if not info.probed:
+                self._probe_mutations(info, graph)
+            if self.pattern is not None:
+                self._record_inputs(info)
+        self.phase = "replay"
+
+    def replay_end(self, graph) -> None:
+        if self.phase == "probe":
+            return
+        self.phase = "eager"
+        self.report.replays += 1
+        info = self._info(graph)
+        if info is not None:
+            info.replays += 1
+            if self.pattern is not None:
+                self._record_outputs(info)
+            info.pending = None
+
+    # ------------------------------------------------------------------ runner events
+    def static_buffers(self, owner: str, buffers: dict) -> None:
+        for name, t in buffers.items():
+            key = storage_key(t)
+            self.buffers[key] = _Buffer(name, owner, weakref.ref(t))
+            if 0 in t.shape:
+                op, source = memory.created_by(t) or ("-", "<created before watch()>")
+                self.add(Finding(
+                    "undersized-buffer", f"capture inputs of {owner}", op, f"{name}: {describe(t)}", source,
+                    f"{name} has shape {tuple(t.shape)}: dimension {list(t.shape).index(0)} is 0",
+                    explain.zero_sized(name, tuple(t.shape)), {"shape": list(t.shape)}),
+                    ("undersized-buffer", owner, name))
+
+    def warmup_begin(self) -> None:
+        self.phase = "warmup"
+        self.warmup_runs.append([])
+        self.report.warmups += 1
+
+    def warmup_end(self) -> None:
+        self.phase = "eager"
+
+    def serve(self, graph, real: int, size: int, padded: dict, outputs) -> None:
+        if padded and real < size:
+            self.padded_steps += 1
+            if self.pattern is not None:
+                _fill_padded(padded, real, size, self.pattern)
+        info = self._info(graph)
+        if info is not None:
+            info.pending = (real, size, outputs, padded)
+
+    def handed_out(self, graph, tensors) -> None:
+        info = self._info(graph)
+        if info is None:
+            return
+        self.handed_any = True
+        for t in (tensors if isinstance(tensors, (tuple, list)) else (tensors,)):
+            key = id(t)
+
+            def forget(ref, key=key):
+                if self.handed.get(key, (None,))[0] is ref:
+                    del self.handed[key]
+            self.handed[key] = (weakref.ref(t, forget), info, info.replays)
+
+    # ------------------------------------------------------------------ the dispatch mode's work
+    def on_op(self, func, args, kwargs):
+        phase = self.phase
+        if phase == "capture":
+            return self._captured(func, args, kwargs)
+        if phase == "warmup":
+            out = func(*args, **kwargs)
+            if not func.is_view:
+                self.warmup_runs[-1].append(_Op(str(func), user_frame()))
+            self._note_origins(func, args, kwargs, out)
+            return out
+        if self.handed and not func.is_view:
+            self._check_stale_read(func, args, kwargs)
+        if func is aten.copy_.default and self.buffers:
+            self._check_fit(args[0], args[1])
+        out = func(*args, **kwargs)
+        self._note_origins(func, args, kwargs, out)
+        return out
+
+    def _note_origins(self, func, args, kwargs, out) -> None:
+        """Remember where each new storage was created (``memory.created_by``), for reports."""
+        new = [o for o in _tensors(out) if o.untyped_storage()._cdata not in
+               {t.untyped_storage()._cdata for t in _tensors((args, kwargs))}]
+        if new:
+            source = user_frame()
+            for o in new:
+                memory.record_origin(o, source, str(func))
+
+    def _captured(self, func, args, kwargs):
+        info = self.capturing
+        source = user_frame()
+        if is_host_sync(func, args) or _device_to_host(func, args, kwargs):
+            self._sync_finding(info.name, str(func), source)
+            if info.cuda:       # stop before CUDA invalidates the capture, as the CPU engine does
+                raise host_sync_error(str(func), source)
+        inputs = list(_tensors((args, kwargs)))
+        in_keys = {storage_key(t) for t in inputs}
+        written = frozenset(storage_key(t) for t in _written_tensors(func, args, kwargs))
+        out = func(*args, **kwargs)
+        if func.overloadpacket in (aten.lift_fresh, aten.lift_fresh_copy):
+            for t in inputs:                          # a constant of the captured code: the graph keeps it
+                self.owned[storage_key(t)] = StorageWeakRef(t.untyped_storage())
+        op = _Op(str(func), source, frozenset(in_keys), written)
+        for t in inputs:
+            key = storage_key(t)
+            if self._owns(key):
+                continue
+            ext = info.externals.get(key)
+            if ext is None:
+                info.externals[key] = _External(StorageWeakRef(t.untyped_storage()), describe(t), str(func),
+                                                source, memory.origin_of(t), func.is_view)
+            elif ext.view_only and not func.is_view:      # name the first op that really reads it
+                ext.op, ext.source, ext.tensor, ext.view_only = str(func), source, describe(t), False
+        for key in written:
+            if not self._owns(key):
+                info.writes.setdefault(key, op)
+        for o in _tensors(out):
+            key = storage_key(o)
+            if key not in in_keys and not self._owns(key):
+                self.owned[key] = StorageWeakRef(o.untyped_storage())
+                self.capture_outputs.append(o)
+        if not func.is_view:
+            info.ops.append(op)
+        return out
+
+    # ------------------------------------------------------------------ rules
+    def _sync_finding(self, graph: str, op: str, source: str) -> None:
+        self.add(Finding("sync-in-capture", graph, op, "-", source,
+                         f"{op} was called while {graph} was being captured", explain.sync(op)),
+                 ("sync-in-capture", op, source))
+
+    def _check_warmup(self, info: _GraphInfo) -> None:
+        """Ops the fresh warmup ran that the capture did not record (multiset difference)."""
+        captured = Counter((op.name, op.source) for op in info.ops)
+        missing = []
+        for op in info.warmup:
+            if captured[(op.name, op.source)] > 0:
+                captured[(op.name, op.source)] -= 1
+            else:
+                missing.append(op)
+        if not missing:
+            return
+        first = missing[0]
+        where = Counter(op.source.split(": ", 1)[0] for op in missing)
+        self.add(Finding(
+            "warmup-divergence", info.name, first.name, "-", first.source,
+            f"the warmup ran {len(info.warmup)} ops, the capture recorded {len(info.ops)}; {len(missing)} warmup "
+            f"ops are missing from the graph, from {', '.join(f'{k} (x{v})' for k, v in where.items())}",
+            explain.warmup(len(missing), first.name),
+            {"warmup_ops": len(info.warmup), "captured_ops": len(info.ops), "missing": len(missing)}),
+            ("warmup-divergence", first.name, first.source))
+
+    def _check_liveness(self, info: _GraphInfo, *, before_replay: bool) -> None:
+        for ext in info.externals.values():
+            if ext.reported or not ext.weak.expired():
+                continue
+            ext.reported = True
+            when = (f"before replay {info.replays + 1}" if before_replay else
+                    f"at the end of watch() (after {info.replays} replays)")
+            origin = ext.origin or "before watch() (its creation was not seen)"
+            finding = self.add(Finding(
+                "dangling-reference", info.name, ext.op, ext.tensor, ext.source,
+                f"{when}: the {ext.tensor} storage the graph reads has no owner left; it was created {origin}",
+                explain.dangling(ext.tensor, ext.op, origin), {"replays_before": info.replays}),
+                ("dangling-reference", ext.op, ext.source))
+            if self.guard and before_replay:
+                raise DanglingReferenceError(finding)
+
+    def _probe_mutations(self, info: _GraphInfo, graph) -> None:
+        """Replay twice on the current inputs, watching the static buffers the graph writes, then
+        put every storage the graph writes back as it was."""
+        info.probed = True
+        written = {key: self._buffer(key) for key in info.writes if self._buffer(key) is not None}
+        if not written or any(ext.weak.expired() for ext in info.externals.values()):
+            return
+        with _disable_current_modes():
+            saved = {key: _whole(info, key) for key in info.writes}
+            saved = {key: (whole, whole.clone()) for key, whole in saved.items() if whole is not None}
+            states = [{key: buf.ref().clone() for key, buf in written.items()}]
+        replays, self.phase = graph.replays, "probe"
+        try:
+            for _ in range(2):
+                graph.replay()
+                with _disable_current_modes():
+                    states.append({key: buf.ref().clone() for key, buf in written.items()})
+        finally:
+            self.phase = "eager"
+            graph.replays = replays
+            with _disable_current_modes():
+                for whole, copy in saved.values():
+                    whole.copy_(copy)
+        for key, buf in written.items():
+            b0, b1, b2 = (s[key] for s in states)
+            op = info.writes[key]
+            pattern, numbers = _mutation_pattern(b0, b1, b2)
+            self.add(Finding(
+                "persistent-mutation", info.name, op.name, f"{buf.name}: {describe(b0)}", op.source,
+                explain.mutation_evidence(buf.name, pattern, numbers),
+                explain.mutation(op.name, buf.name, buf.owner, pattern), {"pattern": pattern, **numbers}),
+                ("persistent-mutation", op.name, op.source, buf.name))
+
+    def _check_stale_read(self, func, args, kwargs) -> None:
+        for t in _tensors((args, kwargs)):
+            entry = self.handed.get(id(t))
+            if entry is None or entry[0]() is not t or entry[1].replays <= entry[2]:
+                continue
+            ref, info, generation = entry
+            source = user_frame()
+            self.add(Finding(
+                "overwritten-output", info.name, str(func), describe(t), source,
+                f"an output handed out after replay {generation} of {info.name} is read after replay "
+                f"{info.replays}", explain.overwritten(str(func), info.name, generation, info.replays),
+                {"handed_out_after": generation, "read_after": info.replays}),
+                ("overwritten-output", str(func), source))
+
+    def _check_fit(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        buf = self._buffer(storage_key(dst))
+        if buf is None or not isinstance(src, torch.Tensor):
+            return
+        try:
+            fits = torch.broadcast_shapes(src.shape, dst.shape) == dst.shape
+        except RuntimeError:
+            fits = False
+        if fits:
+            return
+        whole = buf.ref()
+        source = user_frame()
+        self.add(Finding(
+            "undersized-buffer", buf.owner, str(aten.copy_.default), f"{buf.name}: {describe(whole)}", source,
+            f"data of shape {tuple(src.shape)} copied into {buf.name} rows of shape {tuple(dst.shape)} "
+            f"(the whole buffer is {tuple(whole.shape)})", explain.overflow(buf.name, tuple(src.shape), tuple(whole.shape)),
+            {"data_shape": list(src.shape), "buffer_shape": list(whole.shape)}),
+            ("undersized-buffer", buf.owner, buf.name, source))
+
+    # ------------------------------------------------------------------ padded-row probe records
+    def _record_inputs(self, info: _GraphInfo) -> None:
+        real = info.pending[0] if info.pending else None
+        inputs, readers = {}, {}
+        with _disable_current_modes():
+            for key in info.externals:
+                buf = self._buffer(key)
+                if buf is not None:
+                    label, t = buf.name, buf.ref()
+                    t = t if real is None else t[:real]
+                elif key in info.writes:
+                    label, t = f"{info.externals[key].tensor} (state)", _whole(info, key)
+                else:
+                    continue                           # never written by a graph: constant here
+                if t is None:
+                    continue
+                inputs[label] = _digest(t)
+                reader = next((op for op in info.ops if key in op.reads), None)
+                readers[label] = (reader.name, reader.source) if reader else ("-", "-")
+        self.trace.append({"graph": info.name, "real": real, "size": info.pending[1] if info.pending else None,
+                           "inputs": inputs, "readers": readers, "outputs": None, "state": {}})
+
+    def _record_outputs(self, info: _GraphInfo) -> None:
+        record = self.trace[-1]
+        real, outputs = (info.pending[0], info.pending[2]) if info.pending else (None, None)
+        with _disable_current_modes():
+            if outputs is not None:
+                parts = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+                record["outputs"] = torch.cat([p[:real].detach().double().reshape(-1).cpu() for p in parts])
+            for key in info.writes:
+                if self._buffer(key) is None and (whole := _whole(info, key)) is not None:
+                    record["state"][info.externals[key].tensor] = _digest(whole)
+
+    # ------------------------------------------------------------------ the end
+    def finish(self) -> Report:
+        report = self.report
+        for info in list(self.graphs.values()):
+            graph = info.ref()
+            if graph is None:
+                continue
+            self._check_liveness(info, before_replay=False)
+            if not info.probed and any(self._buffer(k) is not None for k in info.writes):
+                for key, op in info.writes.items():
+                    if (buf := self._buffer(key)) is not None:
+                        self.add(Finding(
+                            "persistent-mutation", info.name, op.name, f"{buf.name}: {describe(buf.ref())}",
+                            op.source, f"{op.name} writes {buf.name} inside the graph; not replayed inside "
+                            "watch(), so whether writes accumulate was not probed",
+                            explain.mutation(op.name, buf.name, buf.owner, "not probed"), {"pattern": "not probed"}),
+                            ("persistent-mutation", op.name, op.source, buf.name))
+        report.not_checked = self._not_checked()
+        if self.unknown_replays:
+            report.notes.append(f"{self.unknown_replays} replays of graphs captured before watch() were not checked")
+        report.findings.sort(key=lambda f: KINDS.index(f.kind))
+        return report
+
+    def _not_checked(self) -> dict[str, str]:
+        if self.report.captures == 0:
+            why = {k: "nothing was captured inside watch()" for k in KINDS}
+            if self.buffers:                        # announced capture inputs were still checked
+                del why["undersized-buffer"]
+            return why
+        why = {"stale-padding": "needs two runs with the padded rows filled differently: use diagnose()"}
+        if not self.buffers:
+            why["persistent-mutation"] = "no runner announced its static input buffers"
+            why["undersized-buffer"] = "no runner announced its static input buffers"
+        if not any(info.warmup is not None for info in self.graphs.values()):
+            why["warmup-divergence"] = "no warmup run was announced before any capture"
+        if not self.handed_any:
+            why["overwritten-output"] = "no runner handed graph outputs out"
+        return why
+
+
+# ---------------------------------------------------------------------------- the dispatch mode
+class _Watch(TorchDispatchMode):
+    def __init__(self, doctor: Doctor) -> None:
+        super().__init__()
+        self.doctor = doctor
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.doctor.phase in ("replay", "probe"):
+            return func(*args, **(kwargs or {}))
+        return self.doctor.on_op(func, args, kwargs or {})
+
+
+@contextlib.contextmanager
+def watch(*, guard: bool = False) -> Iterator[Report]:
+    """Observe every capture, warmup and replay inside the block; yields the ``Report``, complete
+    when the block ends. ``guard=True`` raises ``DanglingReferenceError`` instead of replaying a
+    graph whose referenced memory is gone (on CUDA that replay is an illegal memory access, which
+    ends the process's CUDA context)."""
+    with watching(Doctor(guard=guard)) as doctor:
+        yield doctor.report
+
+
+@contextlib.contextmanager
+def watching(doctor: Doctor) -> Iterator[Doctor]:
+    """``watch()`` with a given observer (``diagnose`` keeps its probe records)."""
+    mode = _Watch(doctor)
+    events.subscribe(doctor)
+    mode.__enter__()
+    start = time.perf_counter()
+    try:
+        yield doctor
+    except BaseException as e:
+        doctor.report.errors.append(f"{type(e).__name__}: {_first_line(e)}")
+        raise
+    finally:
+        mode.__exit__(None, None, None)
+        events.unsubscribe(doctor)
+        doctor.finish()
+        doctor.report.seconds = time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------- helpers
+def _tensors(obj) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for x in obj:
+            yield from _tensors(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _tensors(x)
+
+
+def _device_to_host(func, args, kwargs) -> bool:
+    """A copy from a CUDA tensor to host memory (``.cpu()``, ``.to("cpu")``)."""
+    if func is aten._to_copy.default:
+        device = kwargs.get("device")
+        return args[0].is_cuda and device is not None and torch.device(device).type == "cpu"
+    if func is aten.copy_.default:
+        return args[1].is_cuda and not args[0].is_cuda
+    return False
+
+
+def _whole(info: _GraphInfo, key: int) -> torch.Tensor | None:
+    """All bytes of an external storage, as a uint8 tensor (None once released)."""
+    ext = info.externals.get(key)
+    if ext is None or ext.weak.expired():
+        return None
+    storage = torch.UntypedStorage._new_with_weak_ptr(ext.weak.cdata)
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _digest(t: torch.Tensor) -> str:
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+    return hashlib.blake2b(data, digest_size=12).hexdigest()
+
+
+def _mutation_pattern(b0: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor) -> tuple[str, dict]:
+    """accumulating (each replay changes it again), overwriting (changed once, then stable) or
+    self-cancelling (unchanged: the writes undo each other)."""
+    rows = b0.shape[0] if b0.dim() else 1
+    changed_rows = int((b1 != b0).reshape(rows, -1).any(1).sum()) if b0.numel() else 0
+    numbers = {"rows": rows, "rows_changed": changed_rows}
+    if b0.dtype != torch.bool and not b0.dtype.is_complex:
+        d1, d2 = (b1.double() - b0.double()), (b2.double() - b0.double())
+        numbers.update(max_change_1=float(d1.abs().max()) if d1.numel() else 0.0,
+                       max_change_2=float(d2.abs().max()) if d2.numel() else 0.0)
+    if torch.equal(b1, b0):
+        return "self-cancelling", numbers
+    return ("overwriting" if torch.equal(b2, b1) else "accumulating"), numbers
+
+
+def _fill_padded(padded: dict, real: int, size: int, pattern: int) -> None:
+    """Fill rows ``[real, size)`` of each array with a small value: ``i`` for the i-th array under
+    pattern 0, ``n - i`` under pattern 1, so every array changes and any two swap their order
+    (a comparison between two padded fields flips). Small values stay valid as indices."""
+    n = len(padded)
+    for i, arr in enumerate(padded.values()):
+        value = i if pattern == 0 else n - i
+        if isinstance(arr, torch.Tensor):
+            with _disable_current_modes():
+                arr[real:size] = bool(value % 2) if arr.dtype == torch.bool else value
+        elif isinstance(arr, np.ndarray):
+            arr[real:size] = bool(value % 2) if arr.dtype == np.bool_ else value
+        else:
+            raise TypeError(f"padded rows must be tensors or NumPy arrays, got {type(arr).__name__}")
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""
