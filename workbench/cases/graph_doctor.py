@@ -7,6 +7,7 @@ graph reads it); every fix must give no finding at all.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -51,8 +52,8 @@ EXPECTED = {
 
 # ----------------------------------------------------------------------------- the workloads
 def _case01(variant: str, device: str) -> Callable[[], None]:
-    from .roberta_positions import RobertaRunner
     from ..models.roberta import from_transformers
+    from .roberta_positions import RobertaRunner
 
     def workload() -> None:
         hf = tiny_model("roberta", seed=0).to(device)
@@ -78,9 +79,9 @@ def _case02(variant: str, device: str) -> Callable[[], None]:
 
 def _case03_rank(variant: str, device: str) -> doctor.Report:
     """One TP rank: the proposer loads (all-gather, capture) and drafts for a few steps."""
-    from .tp_lm_head import FAST, hidden_states, load_model
     from ..dist import local_device
     from ..models.mtp_head import CentroidsProposer
+    from .tp_lm_head import FAST, hidden_states, load_model
 
     device = local_device(device)
 
@@ -186,6 +187,79 @@ def clean_models(device: str = "cpu", names: tuple[str, ...] = ("roberta", "bert
     return reports
 
 
+# ----------------------------------------------------------------------------- cost
+def overhead(device: str = "cpu", name: str = "gpt2", steps: int = 200, repeats: int = 5,
+             batch: int = 3) -> dict:
+    """Time per served step of a replay-heavy run (``GraphRunner`` over a tiny ``transformers``
+    model, ``batch`` real rows padded to 4), without and inside ``watch()``; the runs alternate
+    and the medians over ``repeats`` are compared."""
+    model = tiny_model(name, seed=0).to(device).eval()
+    ids = torch.randint(3, 100, (batch, 8), generator=torch.Generator().manual_seed(0)).to(device)
+
+    def serve(watched: bool) -> float:
+        with doctor.watch() if watched else contextlib.nullcontext():
+            runner = GraphRunner(lambda input_ids: model(input_ids=input_ids).last_hidden_state,
+                                 {"input_ids": ((8,), torch.int64)}, [1, 2, 4, 8], device=device)
+            with torch.no_grad():
+                runner.capture()
+                runner(input_ids=ids)
+                synchronize(device)
+                start = time.perf_counter()
+                for _ in range(steps):
+                    runner(input_ids=ids)
+                synchronize(device)
+                return (time.perf_counter() - start) / steps
+
+    times = {"plain": [], "watched": []}
+    for _ in range(repeats):
+        for watched in (False, True):
+            times["watched" if watched else "plain"].append(serve(watched))
+    plain, watched = (float(np.median(times[k])) * 1e3 for k in ("plain", "watched"))
+    return {"device": str(device), "model": name, "steps": steps, "repeats": repeats,
+            "plain_ms_per_step": plain, "watched_ms_per_step": watched, "overhead": watched / plain - 1}
+
+
+def other_kinds(device: str = "cpu") -> dict[str, list[str]]:
+    """The two kinds no case exercises, on tiny runners: a host sync inside capture, and an output
+    read after the next replay (expected: exactly that kind each)."""
+    def runner(fn) -> GraphRunner:
+        return GraphRunner(fn, {"x": ((4,), torch.float32)}, [2, 4], device=device)
+
+    def sync() -> None:
+        runner(lambda x: x * x.sum().item()).capture()
+
+    def overwritten() -> None:
+        r = runner(lambda x: x * 2)
+        r.capture()
+        first = r(x=torch.ones(4, 4, device=device))
+        r(x=torch.zeros(4, 4, device=device))
+        first.sum()
+
+    return {name: sorted(doctor.diagnose(fn).kinds) for name, fn in
+            (("sync-in-capture", sync), ("overwritten-output", overwritten))}
+
+
+def record(rows: list[Row]) -> list[dict]:
+    """The evaluation as plain data (for ``results/gpu`` and the CPU test that compares with it)."""
+    out = []
+    for r in rows:
+        hit = r.hit
+        out.append({"case": r.case, "variant": r.variant, "kinds": r.kinds, "correct": r.correct,
+                    "op": hit.op if hit else None, "location": hit.location if hit else None,
+                    "seconds": round(r.seconds, 2)})
+    return out
+
+
+def gpu_record(device: str = "cuda") -> dict:
+    """The evaluation, the clean models and the overhead on CUDA (case 03 needs two GPUs)."""
+    cases = CASES if torch.cuda.device_count() >= 2 else tuple(c for c in CASES if c != "03 tp")
+    clean = clean_models(device)
+    return {"evaluation": record(evaluate(device, cases)), "other_kinds": other_kinds(device),
+            "clean_models": {name: {"kinds": sorted(r.kinds), "not_checked": sorted(r.not_checked)}
+                             for name, r in clean.items()},
+            "overhead": [overhead(device, name, steps=300, repeats=7) for name in ("gpt2", "bert")]}
+
+
 # ----------------------------------------------------------------------------- figures
 def plot_matrix(rows: list[Row]) -> plt.Figure:
     """Case x kind: what the doctor found for each bug and fix (expected cells outlined)."""
@@ -197,9 +271,14 @@ def plot_matrix(rows: list[Row]) -> plt.Figure:
                 grid[i, j] = np.nan
             elif kind in r.report.kinds:
                 grid[i, j] = 1.0
-    fig, ax = plt.subplots(figsize=(9.5, 0.45 * len(rows) + 1.8))
-    cmap = plt.matplotlib.colors.ListedColormap(["#f4f4f4", plots.COLORS["bug"]]).with_extremes(bad="#d9d9d9")
+    fig, ax = plt.subplots(figsize=(9.5, 0.45 * len(rows) + 2.2))
+    clean, unchecked = "#f4f4f4", "#d9d9d9"
+    cmap = plt.matplotlib.colors.ListedColormap([clean, plots.COLORS["bug"]]).with_extremes(bad=unchecked)
     ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0, vmax=1, aspect="auto")
+    ax.set_xticks(np.arange(len(doctor.KINDS) + 1) - 0.5, minor=True)
+    ax.set_yticks(np.arange(len(rows) + 1) - 0.5, minor=True)
+    ax.grid(which="minor", color="white", linewidth=1.5)
+    ax.tick_params(which="minor", length=0)
     for i, r in enumerate(rows):
         exp = r.expected
         for j, kind in enumerate(doctor.KINDS):
@@ -207,12 +286,55 @@ def plot_matrix(rows: list[Row]) -> plt.Figure:
             ax.text(j, i, text, ha="center", va="center", fontsize=7,
                     color="white" if grid[i, j] == 1 else "#555555")
             if exp is not None and kind == exp.kind:
-                ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, lw=2, ec=plots.COLORS["limit"]))
+                ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, lw=2, ec=plots.COLORS["limit"],
+                                           zorder=3))
         ax.text(len(doctor.KINDS) - 0.35, i, "correct" if r.correct else "WRONG", va="center", fontsize=8,
                 color=plots.COLORS["fix"] if r.correct else plots.COLORS["bug"])
     ax.set_xticks(range(len(doctor.KINDS)), doctor.KINDS, rotation=30, ha="right")
     ax.set_yticks(range(len(rows)), labels)
     ax.set_xlim(-0.5, len(doctor.KINDS) + 0.6)
-    ax.set_title("Graph doctor on the five cases: findings per kind (outlined: the kind the bug should give)")
+    for side in ("top", "right", "bottom", "left"):
+        ax.spines[side].set_visible(False)
+    legend = [plt.matplotlib.patches.Patch(color=plots.COLORS["bug"], label="found"),
+              plt.matplotlib.patches.Patch(fc=clean, ec="#bbbbbb", label="checked, nothing found"),
+              plt.matplotlib.patches.Patch(color=unchecked, label="not checked (see the report)"),
+              plt.matplotlib.patches.Patch(fill=False, ec=plots.COLORS["limit"], lw=2,
+                                           label="the kind the bug should give")]
+    ax.legend(handles=legend, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=4, frameon=False, fontsize=8)
+    ax.set_title("Graph doctor on the five cases: findings per kind and variant", pad=28)
     fig.tight_layout()
     return fig
+
+
+def table(rows: list[Row]) -> str:
+    """The evaluation as a Markdown table: per case and variant, the kinds found and the op and
+    source line of the finding that matches the expectation (what the README quotes)."""
+    lines = ["| case | variant | kinds found | op | source | correct |", "|---|---|---|---|---|---|"]
+    for r in record(rows):
+        op, where = (f"`{r['op']}`", f"`{r['location']}`") if r["op"] else ("-", "-")
+        lines.append(f"| {r['case']} | {r['variant']} | {', '.join(r['kinds']) or 'none'} | {op} | {where} | "
+                     f"{'yes' if r['correct'] else '**no**'} |")
+    return "\n".join(lines)
+
+
+def plot_overhead(result: dict) -> plt.Figure:
+    """Milliseconds per served step without and inside ``watch()`` (an ``overhead()`` result)."""
+    fig, ax = plt.subplots(figsize=(4.8, 3.4))
+    values = {"plain": result["plain_ms_per_step"], "inside watch()": result["watched_ms_per_step"]}
+    plots.bars(ax, values, colors=dict.fromkeys(values, plots.COLORS["real"]), fmt="{:.3f} ms",
+               ylabel="ms per served step (median)",
+               title=f"Cost of watching: {result['model']} on {result['device']}, {result['overhead']:+.0%}")
+    ax.patches[1].set_hatch("//")
+    ax.set_ylim(0, 1.2 * max(values.values()))
+    fig.tight_layout()
+    return fig
+
+
+def explore(rows: list[Row]):
+    """A drop-down over the evaluation's rows showing each full report (JupyterLab only)."""
+    import ipywidgets as widgets
+    from IPython.display import display
+
+    options = [(f"{r.case} · {r.variant}", i) for i, r in enumerate(rows)]
+    return widgets.interactive(lambda row: display(rows[row].report),
+                               row=widgets.Dropdown(options=options, description="run"))

@@ -45,7 +45,7 @@ def dangling(tensor: str, op: str, origin: str) -> str:
 
 
 def warmup(missing: int, first: str) -> str:
-    return (f"The warmup before this capture ran {missing} op(s) that the capture did not record, first "
+    return (f"The warmup before this capture ran {missing} op(s) from code the capture never executed, first "
             f"{first}. Work done once during warmup (lazy initialisation of a state object that the capture "
             "then reuses) is not in the graph: every replay uses what warmup computed for the dummy batch.")
 

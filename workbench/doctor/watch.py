@@ -26,10 +26,22 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _disable_current_modes,
+    _get_current_dispatch_mode,
+    _pop_mode,
+    _push_mode,
+)
 
 from ..engine import events, memory
-from ..engine.cpu_graph import _written_tensors, describe, host_sync_error, is_host_sync, storage_key
+from ..engine.cpu_graph import (
+    _written_tensors,
+    describe,
+    host_sync_error,
+    is_host_sync,
+    storage_key,
+)
 from ..engine.errors import CaptureError, GraphError
 from ..engine.source import user_frame
 from . import explain
@@ -108,6 +120,8 @@ class Doctor:
         self.padded_steps = 0
         self.unknown_replays = 0
         self.trace: list[dict] = []                  # per replay, under diagnose's padded-row probes
+        self.mode: TorchDispatchMode | None = None   # set by watching()
+        self.stepped_aside = False                   # our mode is off the stack for this replay
         self._keys: dict[tuple, Finding] = {}
 
     # ------------------------------------------------------------------ findings
@@ -175,10 +189,16 @@ class Doctor:
             if self.pattern is not None:
                 self._record_inputs(info)
         self.phase = "replay"
+        if _get_current_dispatch_mode() is self.mode:    # step aside: a CPU replay runs many ops
+            _pop_mode()
+            self.stepped_aside = True
 
     def replay_end(self, graph) -> None:
         if self.phase == "probe":
             return
+        if self.stepped_aside:
+            _push_mode(self.mode)
+            self.stepped_aside = False
         self.phase = "eager"
         self.report.replays += 1
         info = self._info(graph)
@@ -303,24 +323,23 @@ class Doctor:
                  ("sync-in-capture", op, source))
 
     def _check_warmup(self, info: _GraphInfo) -> None:
-        """Ops the fresh warmup ran that the capture did not record (multiset difference)."""
-        captured = Counter((op.name, op.source) for op in info.ops)
-        missing = []
-        for op in info.warmup:
-            if captured[(op.name, op.source)] > 0:
-                captured[(op.name, op.source)] -= 1
-            else:
-                missing.append(op)
+        """Ops of source lines the fresh warmup ran and the capture never executed: Python skipped
+        them at capture (lazy work already done). A line that ran in both but dispatched other
+        kernels (a backend choosing another algorithm under capture) is not a skipped step."""
+        captured_lines = {op.source for op in info.ops}
+        missing = [op for op in info.warmup if op.source not in captured_lines]
         if not missing:
             return
         first = missing[0]
-        where = Counter(op.source.split(": ", 1)[0] for op in missing)
+        lines = Counter(op.source.split(": ", 1)[0] for op in missing)
         self.add(Finding(
             "warmup-divergence", info.name, first.name, "-", first.source,
-            f"the warmup ran {len(info.warmup)} ops, the capture recorded {len(info.ops)}; {len(missing)} warmup "
-            f"ops are missing from the graph, from {', '.join(f'{k} (x{v})' for k, v in where.items())}",
+            f"the warmup ran {len(info.warmup)} ops, the capture recorded {len(info.ops)}; {len(missing)} warmup ops "
+            f"come from {len(lines)} source line(s) the capture never executed: "
+            + ", ".join(f"{k} (x{v})" for k, v in lines.items()),
             explain.warmup(len(missing), first.name),
-            {"warmup_ops": len(info.warmup), "captured_ops": len(info.ops), "missing": len(missing)}),
+            {"warmup_ops": len(info.warmup), "captured_ops": len(info.ops), "missing": len(missing),
+             "lines": len(lines)}),
             ("warmup-divergence", first.name, first.source))
 
     def _check_liveness(self, info: _GraphInfo, *, before_replay: bool) -> None:
@@ -377,7 +396,7 @@ class Doctor:
             entry = self.handed.get(id(t))
             if entry is None or entry[0]() is not t or entry[1].replays <= entry[2]:
                 continue
-            ref, info, generation = entry
+            _, info, generation = entry
             source = user_frame()
             self.add(Finding(
                 "overwritten-output", info.name, str(func), describe(t), source,
@@ -503,7 +522,7 @@ def watch(*, guard: bool = False) -> Iterator[Report]:
 @contextlib.contextmanager
 def watching(doctor: Doctor) -> Iterator[Doctor]:
     """``watch()`` with a given observer (``diagnose`` keeps its probe records)."""
-    mode = _Watch(doctor)
+    mode = doctor.mode = _Watch(doctor)
     events.subscribe(doctor)
     mode.__enter__()
     start = time.perf_counter()

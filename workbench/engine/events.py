@@ -32,7 +32,7 @@ def unsubscribe(observer: Any) -> None:
 
 
 def _emit(event: str, *args: Any, **kwargs: Any) -> None:
-    for observer in list(_observers):
+    for observer in _observers:
         getattr(observer, event)(*args, **kwargs)
 
 
