@@ -244,12 +244,15 @@ class Doctor:
             return
         self.handed_any = True
         for t in (tensors if isinstance(tensors, (tuple, list)) else (tensors,)):
-            key = id(t)
+            self._tag(t, info, info.replays)
 
-            def forget(ref, key=key):
-                if self.handed.get(key, (None,))[0] is ref:
-                    del self.handed[key]
-            self.handed[key] = (weakref.ref(t, forget), info, info.replays)
+    def _tag(self, t: torch.Tensor, info: _GraphInfo, generation: int) -> None:
+        key = id(t)
+
+        def forget(ref, key=key):
+            if self.handed.get(key, (None,))[0] is ref:
+                del self.handed[key]
+        self.handed[key] = (weakref.ref(t, forget), info, generation)
 
     # ------------------------------------------------------------------ the dispatch mode's work
     def on_op(self, func, args, kwargs):
@@ -267,6 +270,10 @@ class Doctor:
         if func is aten.copy_.default and self.buffers:
             self._check_fit(args[0], args[1])
         out = func(*args, **kwargs)
+        if self.handed and func.is_view and isinstance(out, torch.Tensor):
+            entry = self.handed.get(id(args[0]))     # a view of a handed-out output is one too
+            if entry is not None and entry[0]() is args[0]:
+                self._tag(out, entry[1], entry[2])
         self._note_origins(func, args, kwargs, out)
         return out
 
@@ -361,15 +368,18 @@ class Doctor:
     def _probe_mutations(self, info: _GraphInfo, graph) -> None:
         """Replay twice on the current inputs, watching the static buffers the graph writes, then
         put every storage the graph writes back as it was."""
-        info.probed = True
         written = {key: self._buffer(key) for key in info.writes if self._buffer(key) is not None}
-        if not written or any(ext.weak.expired() for ext in info.externals.values()):
+        if any(ext.weak.expired() for ext in info.externals.values()):
+            return                                  # replaying would read freed memory
+        info.probed = True
+        if not written:
             return
         with _disable_current_modes():
             saved = {key: _whole(info, key) for key in info.writes}
             saved = {key: (whole, whole.clone()) for key, whole in saved.items() if whole is not None}
             states = [{key: buf.ref().clone() for key, buf in written.items()}]
         replays, self.phase = graph.replays, "probe"
+        rng = _rng_state(info.cuda)              # a replay advances the generator its RNG ops use
         try:
             for _ in range(2):
                 graph.replay()
@@ -378,6 +388,7 @@ class Doctor:
         finally:
             self.phase = "eager"
             graph.replays = replays
+            _set_rng_state(rng)
             with _disable_current_modes():
                 for whole, copy in saved.values():
                     whole.copy_(copy)
@@ -578,15 +589,31 @@ def _mutation_pattern(b0: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor) -> t
     """accumulating (each replay changes it again), overwriting (changed once, then stable) or
     self-cancelling (unchanged: the writes undo each other)."""
     rows = b0.shape[0] if b0.dim() else 1
-    changed_rows = int((b1 != b0).reshape(rows, -1).any(1).sum()) if b0.numel() else 0
+    changed_rows = int(_changed(b0, b1).reshape(rows, -1).any(1).sum()) if b0.numel() else 0
     numbers = {"rows": rows, "rows_changed": changed_rows}
     if b0.dtype != torch.bool and not b0.dtype.is_complex:
-        d1, d2 = (b1.double() - b0.double()), (b2.double() - b0.double())
-        numbers.update(max_change_1=float(d1.abs().max()) if d1.numel() else 0.0,
-                       max_change_2=float(d2.abs().max()) if d2.numel() else 0.0)
-    if torch.equal(b1, b0):
+        d1, d2 = ((b.double() - b0.double()).abs().nan_to_num(0.0) for b in (b1, b2))
+        numbers.update(max_change_1=float(d1.max()) if d1.numel() else 0.0,
+                       max_change_2=float(d2.max()) if d2.numel() else 0.0)
+    if not _changed(b0, b1).any():
         return "self-cancelling", numbers
-    return ("overwriting" if torch.equal(b2, b1) else "accumulating"), numbers
+    return ("accumulating" if _changed(b1, b2).any() else "overwriting"), numbers
+
+
+def _changed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise ``a != b`` where NaN equals NaN (poisoned padded rows hold NaN)."""
+    diff = a != b
+    return diff & ~(a.isnan() & b.isnan()) if a.dtype.is_floating_point else diff
+
+
+def _rng_state(cuda: bool) -> tuple:
+    return torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None
+
+
+def _set_rng_state(state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1])
 
 
 def _fill_padded(padded: dict, real: int, size: int, pattern: int) -> None:

@@ -1,0 +1,668 @@
+"""The graph doctor on the CPU backend: each finding kind on a small synthetic model, the report,
+the environment switch, and the evaluation on the five cases."""
+import contextlib
+import gc
+import html
+import inspect
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import workbench
+from workbench import doctor
+from workbench.cases import graph_doctor
+from workbench.engine import CaptureError, GraphRunner, IllegalMemoryAccess, events, graph, new_graph
+
+ROOT = pathlib.Path(workbench.__file__).resolve().parent.parent
+HERE = os.path.relpath(__file__, ROOT)
+
+
+def where(fn, code: str) -> str:
+    """``file:line in function`` of the first line of ``fn`` that contains ``code`` (what
+    ``Finding.location`` should say; a test's own assertion naming the code comes later)."""
+    lines, start = inspect.getsourcelines(fn)
+    offset = next(i for i, line in enumerate(lines) if code in line)
+    return f"{HERE}:{start + offset} in {fn.__name__}"
+
+
+def make_runner(model, dtype=torch.float32, sizes=(2, 4), **kw) -> GraphRunner:
+    return GraphRunner(model, {"x": ((3,), dtype)}, sizes, **kw)
+
+
+def batch(n: int, step: int = 0, dtype=torch.float32) -> torch.Tensor:
+    """Small integer values: float arithmetic on them is exact, so patterns are not blurred by rounding."""
+    return torch.randint(0, 4, (n, 3), generator=torch.Generator().manual_seed(step)).to(dtype)
+
+
+def make_batch(n: int, step: int) -> dict[str, torch.Tensor]:
+    return {"x": batch(n, step)}
+
+
+# ------------------------------------------------------------------- models (captured functions)
+def accumulating(x):
+    x += 2
+    return x * 1
+
+
+def overwriting(x):
+    x.fill_(1)
+    return x * 3
+
+
+def self_cancelling(x):
+    x |= 8
+    x &= ~8
+    return x + 1
+
+
+def self_cancelling_float(x):
+    x += 1
+    x -= 1
+    return x * 2
+
+
+def noisy_accumulating(x):
+    x += 1
+    return x + torch.rand_like(x)
+
+
+def out_of_place(x):
+    y = x + 2
+    return y * 1
+
+
+def row_mixing(x):
+    return x + x.mean(0)
+
+
+def row_wise(x):
+    return x * 2 + 1
+
+
+class Accumulator:
+    """An in-place write to the static input and a state tensor the graph updates every replay."""
+
+    def __init__(self):
+        self.total = torch.zeros(3)
+
+    def __call__(self, x):
+        x += 2
+        self.total += x.sum(0)
+        return x * self.total
+
+
+class LazyTable:
+    """Builds its table on the first call: the warmup does it, the capture then finds it built."""
+
+    def __init__(self):
+        self.table = None
+
+    def forward(self, x):
+        if self.table is None:
+            self.table = torch.arange(3.0) * 2
+        return x * self.table
+
+
+def sync_item(x):
+    scale = x.sum().item()
+    return x * scale
+
+
+def sync_float(x):
+    scale = float(x.sum())
+    return x * scale
+
+
+def sync_nonzero(x):
+    rows = torch.nonzero(x)
+    return x * rows.shape[0]
+
+
+class ScaledAccumulating:
+    """An in-place write to the static input, scaled by a weight the graph only references."""
+
+    def __init__(self):
+        self.scale = torch.ones(3) * 2
+
+    def __call__(self, x):
+        x += 1
+        return x * self.scale
+
+
+def gathered_weight():
+    """A temporary whose only owner is the caller (the all-gathered weight of case 03)."""
+    return torch.randn(3, 3) * 1
+
+
+def capture_matmul(x, w):
+    g = new_graph("cpu")
+    with graph(g, name="matmul"):
+        out = x @ w
+    return g, out
+
+
+# ------------------------------------------------------------------------ persistent-mutation
+@pytest.mark.parametrize("model, dtype, pattern, op, code", [
+    (accumulating, torch.float32, "accumulating", "aten.add_.Tensor", "x += 2"),
+    (overwriting, torch.float32, "overwriting", "aten.fill_.Scalar", "x.fill_(1)"),
+    (self_cancelling, torch.int64, "self-cancelling", "aten.bitwise_or_.Scalar", "x |= 8"),
+    (self_cancelling_float, torch.float32, "self-cancelling", "aten.add_.Tensor", "x += 1"),
+], ids=["accumulating", "overwriting", "self-cancelling-int", "self-cancelling-float"])
+def test_persistent_mutation_pattern_op_and_line(model, dtype, pattern, op, code):
+    with doctor.watch() as report:
+        runner = make_runner(model, dtype)
+        runner.capture()
+        runner(x=batch(3, dtype=dtype))
+    (finding,) = report.findings
+    assert finding.kind == "persistent-mutation"
+    assert finding.numbers["pattern"] == pattern
+    assert finding.op == op
+    assert finding.location == where(model, code)
+    assert finding.tensor == f"x: {str(dtype).replace('torch.', '')}[4, 3]"
+    assert finding.graph == "size 4, size 2"         # size 2 was captured with the same write, never replayed
+    assert pattern in finding.evidence and "`x`" in finding.cause
+    assert "persistent-mutation" not in report.not_checked
+
+
+def test_accumulating_numbers():
+    with doctor.watch() as report:
+        runner = make_runner(accumulating)
+        runner.capture()
+        runner(x=batch(3))
+    (finding,) = report.of("persistent-mutation")
+    assert finding.numbers == {"pattern": "accumulating", "rows": 4, "rows_changed": 4,
+                               "max_change_1": 2.0, "max_change_2": 4.0}
+
+
+def test_mutation_without_a_watched_replay_is_reported_not_probed():
+    with doctor.watch() as report:
+        runner = make_runner(accumulating)
+        runner.capture()
+    (finding,) = report.of("persistent-mutation")
+    assert finding.numbers == {"pattern": "not probed"}
+    assert finding.location == where(accumulating, "x += 2")
+    assert "not probed" in finding.evidence
+
+
+def test_out_of_place_gives_no_finding():
+    with doctor.watch() as report:
+        runner = make_runner(out_of_place)
+        runner.capture()
+        out = runner(x=batch(3))
+    assert report.findings == []
+    assert "persistent-mutation" in report.checked
+    assert torch.equal(out, batch(3) + 2)
+
+
+def serve_accumulator(watched: bool):
+    """Outputs, static buffer, state and replay counts of a short run of ``Accumulator``."""
+    with doctor.watch() if watched else contextlib.nullcontext():
+        model = Accumulator()
+        runner = make_runner(model)
+        runner.capture()
+        outputs = [runner(x=batch(n, step)).clone() for step, n in enumerate((3, 4, 1, 2, 3))]
+    replays = {size: g.replays for size, g in runner.graphs.items()}
+    return outputs, runner.buffers["x"].clone(), model.total.clone(), replays
+
+
+def test_mutation_probe_leaves_buffers_state_and_replay_counts_as_without_the_doctor():
+    plain, watched = serve_accumulator(False), serve_accumulator(True)
+    for a, b in zip(plain[0], watched[0], strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(plain[1], watched[1])
+    assert torch.equal(plain[2], watched[2])
+    assert plain[3] == watched[3] == {2: 2, 4: 3}
+
+
+def test_mutation_probe_leaves_the_random_stream_as_without_the_doctor():
+    def serve(watched: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        with doctor.watch() if watched else contextlib.nullcontext():
+            runner = make_runner(noisy_accumulating)
+            runner.capture()
+            return [runner(x=batch(3, step)).clone() for step in range(3)]
+    for a, b in zip(serve(False), serve(True), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_self_cancelling_write_on_poisoned_padded_rows_is_still_self_cancelling():
+    with doctor.watch() as report:
+        runner = make_runner(self_cancelling_float, poison_padding=True)
+        runner.capture()
+        runner(x=batch(3))                                # row 3 of 4 is NaN
+    (finding,) = report.of("persistent-mutation")
+    assert finding.numbers["pattern"] == "self-cancelling"
+
+
+# ---------------------------------------------------------------------------------- stale-padding
+def test_row_mixing_model_has_stale_padding():
+    report = doctor.diagnose(lambda: make_runner(row_mixing), make_batch)
+    (finding,) = report.findings
+    assert finding.kind == "stale-padding"
+    assert finding.op == "aten.mean.dim"
+    assert finding.location == where(row_mixing, "x.mean(0)")
+    assert finding.numbers["max_abs_diff"] > 0
+    assert "stale-padding" not in report.not_checked
+    assert any("padded step" in note for note in report.notes)
+
+
+def test_row_wise_model_has_no_stale_padding():
+    report = doctor.diagnose(lambda: make_runner(row_wise), make_batch)
+    assert report.findings == []
+    assert "stale-padding" in report.checked
+    assert report.replays == 5                        # default rows: 4, then 4 3 2 1
+
+
+def test_no_padded_rows_leaves_stale_padding_not_checked():
+    report = doctor.diagnose(lambda: make_runner(row_mixing), make_batch, rows=[4, 2])
+    assert report.findings == []
+    assert "no padded rows" in report.not_checked["stale-padding"]
+
+
+def test_padding_probe_off_leaves_stale_padding_not_checked():
+    report = doctor.diagnose(lambda: make_runner(row_mixing), make_batch, padding_probe=False)
+    assert report.findings == []
+    assert report.not_checked["stale-padding"] == "diagnose(padding_probe=False)"
+
+
+# -------------------------------------------------------------------------- dangling-reference
+def test_dangling_reference_is_recorded_and_the_engine_then_raises():
+    x = torch.ones(2, 3)
+    with doctor.watch() as report:
+        w = gathered_weight()
+        g, out = capture_matmul(x, w)
+        g.replay()
+        expected = x @ w
+        assert torch.equal(out, expected)
+        del w
+        gc.collect()
+        with pytest.raises(IllegalMemoryAccess):
+            g.replay()
+    (finding,) = report.findings
+    assert finding.kind == "dangling-reference"
+    assert finding.graph == "matmul"
+    assert finding.op == "aten.mm.default"
+    assert finding.tensor == "float32[3, 3]"
+    assert finding.location == where(capture_matmul, "out = x @ w")
+    assert f"created at {where(gathered_weight, 'torch.randn(3, 3) * 1')}" in finding.evidence
+    assert finding.numbers == {"replays_before": 1}
+
+
+def test_guard_stops_the_replay_before_it_reads_released_memory():
+    x = torch.ones(2, 3)
+    with doctor.watch(guard=True) as report:
+        w = gathered_weight()
+        g, out = capture_matmul(x, w)
+        g.replay()
+        before = out.clone()
+        del w
+        gc.collect()
+        with pytest.raises(doctor.DanglingReferenceError) as caught:
+            g.replay()
+    assert g.replays == 1 and torch.equal(out, before)         # the replay did not run
+    assert caught.value.finding is report.findings[0]
+    assert caught.value.finding.location == where(capture_matmul, "out = x @ w")
+    assert where(gathered_weight, "torch.randn") in str(caught.value)
+
+
+def test_tensor_kept_alive_gives_no_dangling_reference():
+    x = torch.ones(2, 3)
+    with doctor.watch(guard=True) as report:
+        w = gathered_weight()
+        g, out = capture_matmul(x, w)
+        gc.collect()
+        g.replay()
+        g.replay()
+    assert report.findings == []
+    assert torch.equal(out, x @ w)
+
+
+def test_in_place_write_is_still_reported_when_the_first_replay_finds_a_released_tensor():
+    with doctor.watch() as report:
+        model = ScaledAccumulating()
+        runner = make_runner(model, sizes=(4,))
+        runner.capture()
+        model.scale = None
+        gc.collect()
+        with pytest.raises(IllegalMemoryAccess):
+            runner(x=batch(3))
+    assert "persistent-mutation" in report.checked
+    assert report.kinds == {"dangling-reference", "persistent-mutation"}
+
+
+# --------------------------------------------------------------------------- warmup-divergence
+def test_lazy_init_in_warmup_is_warmup_divergence():
+    with doctor.watch() as report:
+        runner = make_runner(LazyTable().forward)
+        runner.capture()
+        runner(x=batch(3))
+    (finding,) = report.findings
+    assert finding.kind == "warmup-divergence"
+    assert finding.graph == "size 4"                 # size 2's warmup found the table built, as its capture did
+    assert finding.op == "aten.arange.default"
+    assert finding.location == where(LazyTable.forward, "self.table = torch.arange(3.0) * 2")
+    assert finding.numbers == {"warmup_ops": 3, "captured_ops": 1, "missing": 2, "lines": 1}
+
+
+def test_eager_init_gives_no_warmup_divergence():
+    model = LazyTable()
+    model.forward(torch.zeros(1, 3))                 # built before the runner exists
+    with doctor.watch() as report:
+        runner = make_runner(model.forward)
+        runner.capture()
+        runner(x=batch(3))
+    assert report.findings == []
+    assert "warmup-divergence" in report.checked
+
+
+def test_without_warmup_warmup_divergence_is_not_checked():
+    with doctor.watch() as report:
+        runner = make_runner(LazyTable().forward, num_warmups=0)
+        runner.capture()
+        runner(x=batch(3))
+    assert report.warmups == 0
+    assert report.of("warmup-divergence") == []
+    assert report.not_checked["warmup-divergence"] == "no warmup run was announced before any capture"
+
+
+# --------------------------------------------------------------------------- undersized-buffer
+def test_zero_sized_static_buffer_is_undersized():
+    with doctor.watch() as report:
+        pixels = torch.zeros(0, 4)
+        events.static_buffers("Encoder", {"pixels": pixels})
+    (finding,) = report.findings
+    assert finding.kind == "undersized-buffer"
+    assert finding.graph == "capture inputs of Encoder"
+    assert finding.op == "aten.zeros.default"
+    assert finding.location == where(test_zero_sized_static_buffer_is_undersized, "pixels = torch.zeros(0, 4)")
+    assert finding.numbers == {"shape": [0, 4]}
+    assert "undersized-buffer" in report.checked       # checked without any capture
+    assert set(report.not_checked) == set(doctor.KINDS) - {"undersized-buffer"}
+
+
+def test_copy_of_too_many_rows_into_a_static_buffer_is_undersized():
+    with doctor.watch() as report:
+        buf = torch.zeros(4, 3)
+        events.static_buffers("Runner", {"x": buf})
+        buf[:2].copy_(torch.ones(2, 3))             # fits
+        buf[:1].copy_(torch.ones(3))                # broadcasts: fits
+        with pytest.raises(RuntimeError):
+            buf[:6].copy_(torch.ones(6, 3))
+    (finding,) = report.findings
+    assert finding.kind == "undersized-buffer"
+    assert finding.op == "aten.copy_.default"
+    assert finding.location == where(test_copy_of_too_many_rows_into_a_static_buffer_is_undersized,
+                                     "buf[:6].copy_")
+    assert finding.numbers == {"data_shape": [6, 3], "buffer_shape": [4, 3]}
+
+
+# -------------------------------------------------------------------------- overwritten-output
+def test_reading_an_output_after_the_next_call_is_overwritten_output():
+    with doctor.watch() as report:
+        runner = make_runner(row_wise)
+        runner.capture()
+        first = runner(x=batch(3, 0))
+        runner(x=batch(3, 1))
+        stale = first + 0
+    assert torch.equal(stale, batch(3, 1) * 2 + 1)     # the second call's values, as the finding says
+    (finding,) = report.findings
+    assert finding.kind == "overwritten-output"
+    assert finding.op == "aten.add.Tensor"
+    assert finding.location == where(test_reading_an_output_after_the_next_call_is_overwritten_output,
+                                     "stale = first + 0")
+    assert finding.numbers == {"handed_out_after": 1, "read_after": 2}
+
+
+def test_cloning_before_the_next_call_is_not_overwritten_output():
+    with doctor.watch() as report:
+        runner = make_runner(row_wise)
+        runner.capture()
+        first = runner(x=batch(3, 0)).clone()
+        runner(x=batch(3, 1))
+        kept = first + 0
+    assert torch.equal(kept, batch(3, 0) * 2 + 1)
+    assert report.findings == []
+    assert "overwritten-output" in report.checked
+
+
+def test_reading_a_view_of_an_output_after_the_next_call_is_overwritten_output():
+    with doctor.watch() as report:
+        runner = make_runner(row_wise)
+        runner.capture()
+        first = runner(x=batch(3, 0))
+        runner(x=batch(3, 1))
+        first[:, -1] + 0
+    assert report.kinds == {"overwritten-output"}
+
+
+# ----------------------------------------------------------------------------- sync-in-capture
+@pytest.mark.parametrize("model, op, code", [
+    (sync_item, "Tensor.item()", "x.sum().item()"),
+    (sync_float, "Tensor.__float__()", "float(x.sum())"),
+    (sync_nonzero, "aten.nonzero.default", "torch.nonzero(x)"),
+], ids=["item", "float", "nonzero"])
+def test_host_sync_in_capture_is_flagged_and_the_capture_error_propagates(model, op, code):
+    with doctor.watch() as report:
+        runner = make_runner(model)
+        with pytest.raises(CaptureError):
+            runner.capture()
+    (finding,) = report.findings
+    assert finding.kind == "sync-in-capture"
+    assert finding.graph == "size 4"
+    assert finding.op == op
+    assert finding.location == where(model, code)
+    assert any(note.startswith("capture of size 4 failed: CaptureError") for note in report.notes)
+
+
+def test_capture_error_leaving_watch_is_listed_in_the_report():
+    with pytest.raises(CaptureError), doctor.watch() as report:
+        make_runner(sync_item).capture()
+    assert [f.kind for f in report.findings] == ["sync-in-capture"]
+    assert len(report.errors) == 1 and report.errors[0].startswith("CaptureError: ")
+
+
+# -------------------------------------------------------------------------------------- report
+def several_findings() -> doctor.Report:
+    """One watch with four kinds: an undersized buffer, an accumulating write, a stale read, a sync."""
+    with doctor.watch() as report:
+        events.static_buffers("Encoder", {"pixels": torch.zeros(0, 4)})
+        runner = make_runner(accumulating)
+        runner.capture()
+        first = runner(x=batch(3, 0))
+        runner(x=batch(3, 1))
+        first.sum()
+        with pytest.raises(CaptureError):
+            make_runner(sync_item).capture()
+    return report
+
+
+def test_report_text_and_html_show_every_finding():
+    report = several_findings()
+    assert report.kinds == {"undersized-buffer", "persistent-mutation", "overwritten-output", "sync-in-capture"}
+    assert [f.kind for f in report.findings] == [k for k in doctor.KINDS if k in report.kinds]   # in KINDS order
+    text, page = str(report), report._repr_html_()
+    assert text.startswith(f"Graph doctor: {report.captures} capture(s)")
+    assert "4 findings" in text
+    for f in report.findings:
+        for value in (f.kind, f.op, f.fix):
+            assert value in text
+            assert html.escape(value) in page
+    for kind, why in report.not_checked.items():
+        assert f"not checked: {kind} ({why})" in text
+
+
+def test_empty_watch_says_nothing_was_captured_and_checks_nothing():
+    with doctor.watch() as report:
+        pass
+    assert str(report).startswith("Graph doctor: nothing was captured inside watch()")
+    assert "nothing was captured" in report._repr_html_()
+    assert set(report.not_checked) == set(doctor.KINDS) and len(doctor.KINDS) == 7
+    assert report.checked == [] and report.findings == []
+
+
+def test_unknown_kinds_are_refused():
+    with pytest.raises(ValueError, match="unknown finding kind"):
+        doctor.Report().of("bad-kind")
+    with pytest.raises(ValueError, match="unknown finding kind"):
+        doctor.Finding(kind="nope", graph="g", op="op", tensor="-", source="-", evidence="-", cause="-")
+
+
+def test_replays_of_graphs_captured_before_watch_are_noted_not_checked():
+    x = torch.ones(2)
+    g = new_graph("cpu")
+    with graph(g):
+        out = x * 2
+    with doctor.watch() as report:
+        g.replay()
+        g.replay()
+    assert torch.equal(out, torch.full((2,), 2.0))
+    assert report.replays == 2 and report.captures == 0
+    assert report.notes == ["2 replays of graphs captured before watch() were not checked"]
+
+
+# ---------------------------------------------------------------------- WORKBENCH_DOCTOR switch
+SCRIPT = textwrap.dedent("""
+    import torch
+    from workbench.engine import GraphRunner
+
+    def model(x):
+        x += 1
+        return x * 2
+
+    runner = GraphRunner(model, {"x": ((2,), torch.float32)}, [2])
+    runner.capture()
+    runner(x=torch.ones(2, 2))
+""")
+
+
+def run_script(tmp_path, switch: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "serve.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "WORKBENCH_DOCTOR": switch}
+    done = subprocess.run([sys.executable, str(script)], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+def test_environment_switch_writes_the_report_to_a_file(tmp_path):
+    target = tmp_path / "doctor.txt"
+    run_script(tmp_path, str(target))
+    text = target.read_text()
+    assert text.startswith("Graph doctor: 1 capture(s), 1 warmup run(s), 1 replay(s) watched: 1 finding.")
+    assert "persistent-mutation" in text and "x += 1" in text
+
+
+def test_environment_switch_1_prints_the_report_to_stderr(tmp_path):
+    done = run_script(tmp_path, "1")
+    assert "Graph doctor: 1 capture(s)" in done.stderr
+    assert "persistent-mutation" in done.stderr
+    assert "Graph doctor" not in done.stdout
+
+
+# --------------------------------------------------------------------------------- compare_runs
+def trace(outputs, graph="size 4", inputs=None, state=None) -> dict:
+    """A replay record as ``diagnose``'s probe runs write them."""
+    return {"graph": graph, "real": 2, "size": 4, "inputs": inputs or {"x": "same"},
+            "readers": {"x": ("aten.mean.dim", "model.py:3 in f: x.mean(0)")},
+            "outputs": torch.tensor(outputs, dtype=torch.float64), "state": state or {}}
+
+
+def test_compare_runs_equal_runs_give_nothing():
+    a = [trace([1.0, 2.0]), trace([3.0, float("nan")])]
+    b = [trace([1.0, 2.0]), trace([3.0, float("nan")])]
+    assert doctor.compare_runs(a, b, [], []) is None
+    assert doctor.compare_runs([], [], ["IndexError: x"], ["IndexError: x"]) is None
+
+
+def test_compare_runs_differing_outputs():
+    a = [trace([1.0, 2.0]), trace([3.0, 4.0], state={"float32[8] (state)": "s0"})]
+    b = [trace([1.0, 2.0]), trace([3.0, 4.5], state={"float32[8] (state)": "s1"})]
+    finding = doctor.compare_runs(a, b, [], [])
+    assert finding.kind == "stale-padding"
+    assert finding.numbers == {"replay": 2, "max_abs_diff": 0.5}
+    assert finding.op == "aten.mean.dim" and finding.source == "model.py:3 in f: x.mean(0)"
+    assert finding.tensor == "-"
+    assert "replay 2 (size 4, 2 real rows of 4)" in finding.evidence
+    assert "state float32[8] (state) differs since replay 2" in finding.evidence
+
+
+def test_compare_runs_names_the_first_input_whose_real_rows_differ():
+    a = [trace([1.0], inputs={"x": "p0"})]
+    b = [trace([2.0], inputs={"x": "p1"})]
+    finding = doctor.compare_runs(a, b, [], [])
+    assert finding.tensor == "x"
+    assert "first graph input whose real rows differ: x" in finding.evidence
+    assert "`x`" in finding.cause
+
+
+def test_compare_runs_different_graphs_lengths_or_errors():
+    graphs = doctor.compare_runs([trace([1.0], graph="size 2")], [trace([1.0], graph="size 4")], [], [])
+    assert graphs.numbers == {"replay": 1} and "ran size 2 under one pattern and size 4" in graphs.evidence
+    lengths = doctor.compare_runs([trace([1.0]), trace([2.0])], [trace([1.0])], [], ["IndexError: out of range"])
+    assert lengths.kind == "stale-padding" and lengths.numbers == {"replays": [2, 1]}
+    assert "pattern 1: IndexError: out of range, 1 replays" in lengths.evidence
+    errors = doctor.compare_runs([trace([1.0])], [trace([1.0])], [], ["IndexError: out of range"])
+    assert errors.numbers == {"replays": [1, 1]}
+    assert "pattern 0: no error, 1 replays" in errors.evidence
+
+
+# ----------------------------------------------------------------------------------- evaluation
+@pytest.fixture(scope="module")
+def evaluation():
+    return graph_doctor.evaluate("cpu")
+
+
+@pytest.fixture(scope="module")
+def clean():
+    return graph_doctor.clean_models("cpu")
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_evaluation_is_correct_on_every_case(evaluation):
+    assert [(r.case, r.variant) for r in evaluation] == [(c, v) for c in graph_doctor.CASES
+                                                         for v in graph_doctor.VARIANTS]
+    assert all(r.correct for r in evaluation), "\n".join(r.summary() for r in evaluation)
+    for r in evaluation:
+        if r.variant == "bug":
+            assert r.kinds == [graph_doctor.EXPECTED[r.case].kind]
+            assert r.hit is not None
+        else:
+            assert r.report.findings == []
+
+
+def test_clean_models_give_empty_reports_with_the_key_kinds_checked(clean):
+    assert sorted(clean) == ["bert", "gpt2", "roberta"]
+    for name, report in clean.items():
+        assert report.findings == [], f"{name}:\n{report}"
+        assert report.errors == [], name
+        assert {"stale-padding", "persistent-mutation"} <= set(report.checked), name
+
+
+@pytest.mark.cuda
+def test_evaluation_on_cuda():
+    rows = graph_doctor.evaluate("cuda", cases=("01 roberta", "02 vit", "04 mamba", "05 lazy attention"))
+    assert len(rows) == 8
+    assert all(r.correct for r in rows), "\n".join(r.summary() for r in rows)
+
+
+# ---------------------------------------------------------------------------------- the GPU record
+def test_gpu_record_matches_the_cpu_evaluation(evaluation):
+    """``results/gpu/graph_doctor.json`` (real CUDA graphs) gives the same finding, op and source line
+    as the CPU emulation for every case and variant, and clean transformers models stay clean."""
+    record = json.loads((pathlib.Path(__file__).parent.parent / "results/gpu/graph_doctor.json").read_text())
+    assert "error" not in record and record["device"].startswith("NVIDIA")
+    gpu = {(r["case"], r["variant"]): r for r in record["results"]["evaluation"]}
+    assert len(gpu) == 10 and all(r["correct"] for r in gpu.values())
+    for row in graph_doctor.record(evaluation):
+        other = gpu[(row["case"], row["variant"])]
+        assert (other["kinds"], other["op"], other["location"]) == (row["kinds"], row["op"], row["location"])
+    assert all(not m["kinds"] and not m["not_checked"] for m in record["results"]["clean_models"].values())
+    assert record["results"]["other_kinds"] == graph_doctor.other_kinds("cpu")
