@@ -109,6 +109,9 @@ class Report:
         return (f"Graph doctor: {self.captures} capture(s), {self.warmups} warmup run(s), {self.replays} "
                 f"replay(s) watched: {n} finding{'s' if n != 1 else ''}.")
 
+    def __repr__(self) -> str:
+        return f"<Report: {self.headline()}>"
+
     def __str__(self) -> str:
         lines = [self.headline()]
         for i, f in enumerate(self.findings, 1):
