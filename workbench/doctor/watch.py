@@ -263,7 +263,7 @@ class Doctor:
             out = func(*args, **kwargs)
             if not func.is_view:
                 self.warmup_runs[-1].append(_Op(str(func), user_frame()))
-            self._note_origins(func, args, kwargs, out)
+            memory.record_new_storages(func, args, kwargs, out)
             return out
         if self.handed and not func.is_view:
             self._check_stale_read(func, args, kwargs)
@@ -274,17 +274,8 @@ class Doctor:
             entry = self.handed.get(id(args[0]))     # a view of a handed-out output is one too
             if entry is not None and entry[0]() is args[0]:
                 self._tag(out, entry[1], entry[2])
-        self._note_origins(func, args, kwargs, out)
+        memory.record_new_storages(func, args, kwargs, out)
         return out
-
-    def _note_origins(self, func, args, kwargs, out) -> None:
-        """Remember where each new storage was created (``memory.created_by``), for reports."""
-        new = [o for o in _tensors(out) if o.untyped_storage()._cdata not in
-               {t.untyped_storage()._cdata for t in _tensors((args, kwargs))}]
-        if new:
-            source = user_frame()
-            for o in new:
-                memory.record_origin(o, source, str(func))
 
     def _captured(self, func, args, kwargs):
         info = self.capturing

@@ -53,14 +53,20 @@ def _forget_released() -> None:
         del _origins[key]
 
 
+def record_new_storages(func, args, kwargs, out) -> None:
+    """Record ``func`` and the user's line as the origin of each storage its outputs created."""
+    inputs = {a.untyped_storage()._cdata for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
+    new = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.untyped_storage()._cdata not in inputs]
+    if new:
+        source = user_frame()
+        for o in new:
+            record_origin(o, source, str(func))
+
+
 class _OriginTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {a.untyped_storage()._cdata for a in tree_flatten((args, kwargs))[0]
-                  if isinstance(a, torch.Tensor)}
-        for o in tree_flatten(out)[0]:
-            if isinstance(o, torch.Tensor) and o.untyped_storage()._cdata not in inputs:
-                record_origin(o, user_frame(), str(func))
+        record_new_storages(func, args, kwargs, out)
         return out
 
 
