@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 
+import matplotlib.pyplot as plt
 import pytest
 import torch
 
@@ -646,6 +647,37 @@ def test_clean_models_give_empty_reports_with_the_key_kinds_checked(clean):
         assert {"stale-padding", "persistent-mutation"} <= set(report.checked), name
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_matrix_marks_each_finding_and_each_expected_cell(evaluation):
+    fig = graph_doctor.plot_matrix(evaluation)
+    ax = fig.axes[0]
+    found = sum(len(r.report.kinds) for r in evaluation)
+    texts = [t.get_text() for t in ax.texts]
+    assert texts.count("found") == found == 5
+    assert texts.count("correct") == len(evaluation) and "WRONG" not in texts
+    outlined = [p for p in ax.patches if not p.get_fill()]
+    assert len(outlined) == 5                   # one expected kind per bug row
+    plt.close(fig)
+
+
+def test_overhead_measures_wall_and_host_time_and_plots_both():
+    cost = graph_doctor.overhead("cpu", steps=4, repeats=1)
+    for key in ("plain_ms_per_step", "watched_ms_per_step", "plain_host_ms_per_step", "watched_host_ms_per_step"):
+        assert 0 < cost[key] < 1e3, key
+    assert cost["overhead"] == pytest.approx(cost["watched_ms_per_step"] / cost["plain_ms_per_step"] - 1)
+    assert cost["host_added_us"] == pytest.approx(
+        1e3 * (cost["watched_host_ms_per_step"] - cost["plain_host_ms_per_step"]))
+    table = graph_doctor.cost_table([cost]).splitlines()
+    assert len(table) == 3 and table[2].startswith("| gpt2 | cpu | ")
+    assert f"{cost['host_added_us']:+.0f} |" in table[2]
+    fig = graph_doctor.plot_overhead(cost)
+    heights = [[p.get_height() for p in ax.patches] for ax in fig.axes]
+    assert heights == [[cost["plain_ms_per_step"], cost["watched_ms_per_step"]],
+                       [cost["plain_host_ms_per_step"], cost["watched_host_ms_per_step"]]]
+    plt.close(fig)
+
+
 @pytest.mark.cuda
 def test_evaluation_on_cuda():
     rows = graph_doctor.evaluate("cuda", cases=("01 roberta", "02 vit", "04 mamba", "05 lazy attention"))
@@ -666,3 +698,17 @@ def test_gpu_record_matches_the_cpu_evaluation(evaluation):
         assert (other["kinds"], other["op"], other["location"]) == (row["kinds"], row["op"], row["location"])
     assert all(not m["kinds"] and not m["not_checked"] for m in record["results"]["clean_models"].values())
     assert record["results"]["other_kinds"] == graph_doctor.other_kinds("cpu")
+
+
+def test_gpu_cost_record_hides_the_host_cost_behind_gpu_bound_steps():
+    """``results/gpu/graph_doctor_cost.json``: the doctor's work is host work, and a step whose GPU
+    time exceeds its watched host time shows none of it in wall time."""
+    record = graph_doctor.gpu_cost()
+    assert "error" not in record and record["device"].startswith("NVIDIA")
+    rows = record["results"]["overhead"]
+    assert [r["model"] for r in rows] == list(graph_doctor.COST_MODELS)
+    for r in rows:
+        assert r["device"] == "cuda" and r["host_added_us"] > 0, r
+        assert r["plain_host_ms_per_step"] < r["plain_ms_per_step"], r        # the GPU, not the host, sets the pace
+        if r["watched_host_ms_per_step"] < r["plain_ms_per_step"]:
+            assert abs(r["overhead"]) < 0.05, r

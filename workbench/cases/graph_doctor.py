@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
+import pathlib
 import time
 from collections.abc import Callable
 
@@ -23,6 +25,8 @@ from ..models.hf import tiny_model
 
 CASES = ("01 roberta", "02 vit", "03 tp", "04 mamba", "05 lazy attention")
 VARIANTS = ("bug", "fix")
+COST_MODELS = ("gpt2", "bert", "roberta")     # the tiny transformers models the cost is measured on
+RESULTS = pathlib.Path(__file__).resolve().parent.parent.parent / "results" / "gpu"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,13 +194,21 @@ def clean_models(device: str = "cpu", names: tuple[str, ...] = ("roberta", "bert
 # ----------------------------------------------------------------------------- cost
 def overhead(device: str = "cpu", name: str = "gpt2", steps: int = 200, repeats: int = 5,
              batch: int = 3) -> dict:
-    """Time per served step of a replay-heavy run (``GraphRunner`` over a tiny ``transformers``
-    model, ``batch`` real rows padded to 4), without and inside ``watch()``; the runs alternate
-    and the medians over ``repeats`` are compared."""
+    """What ``watch()`` adds to a replay-heavy run (``GraphRunner`` over a tiny ``transformers``
+    model, ``batch`` real rows padded to 4), in two measures per served step:
+
+    * *wall* time: steps back to back, one synchronize at the end -- what a serving loop sees;
+    * *host* time: each step alone on an idle device, timed until the call returns -- the Python
+      and launch work, which is where the doctor's cost lands (its checks run on the host).
+
+    On the CPU backend the two coincide. On a GPU the host cost shows in wall time only where the
+    step is host-bound; a step the GPU takes longer over hides it. Plain and watched runs
+    alternate; medians over ``repeats`` runs are compared.
+    """
     model = tiny_model(name, seed=0).to(device).eval()
     ids = torch.randint(3, 100, (batch, 8), generator=torch.Generator().manual_seed(0)).to(device)
 
-    def serve(watched: bool) -> float:
+    def serve(watched: bool) -> tuple[float, float]:
         with doctor.watch() if watched else contextlib.nullcontext():
             runner = GraphRunner(lambda input_ids: model(input_ids=input_ids).last_hidden_state,
                                  {"input_ids": ((8,), torch.int64)}, [1, 2, 4, 8], device=device)
@@ -208,15 +220,28 @@ def overhead(device: str = "cpu", name: str = "gpt2", steps: int = 200, repeats:
                 for _ in range(steps):
                     runner(input_ids=ids)
                 synchronize(device)
-                return (time.perf_counter() - start) / steps
+                wall = (time.perf_counter() - start) / steps
+                host = 0.0
+                for _ in range(steps):
+                    start = time.perf_counter()
+                    runner(input_ids=ids)
+                    host += time.perf_counter() - start
+                    synchronize(device)
+                return wall, host / steps
 
-    times = {"plain": [], "watched": []}
+    times = {(k, m): [] for k in ("plain", "watched") for m in ("wall", "host")}
     for _ in range(repeats):
         for watched in (False, True):
-            times["watched" if watched else "plain"].append(serve(watched))
-    plain, watched = (float(np.median(times[k])) * 1e3 for k in ("plain", "watched"))
+            k = "watched" if watched else "plain"
+            wall, host = serve(watched)
+            times[k, "wall"].append(wall)
+            times[k, "host"].append(host)
+    ms = {key: float(np.median(v)) * 1e3 for key, v in times.items()}
     return {"device": str(device), "model": name, "steps": steps, "repeats": repeats,
-            "plain_ms_per_step": plain, "watched_ms_per_step": watched, "overhead": watched / plain - 1}
+            "plain_ms_per_step": ms["plain", "wall"], "watched_ms_per_step": ms["watched", "wall"],
+            "plain_host_ms_per_step": ms["plain", "host"], "watched_host_ms_per_step": ms["watched", "host"],
+            "overhead": ms["watched", "wall"] / ms["plain", "wall"] - 1,
+            "host_added_us": 1e3 * (ms["watched", "host"] - ms["plain", "host"])}
 
 
 def other_kinds(device: str = "cpu") -> dict[str, list[str]]:
@@ -251,13 +276,17 @@ def record(rows: list[Row]) -> list[dict]:
 
 
 def gpu_record(device: str = "cuda") -> dict:
-    """The evaluation, the clean models and the overhead on CUDA (case 03 needs two GPUs)."""
+    """The evaluation and the clean models on CUDA (case 03 needs two GPUs)."""
     cases = CASES if torch.cuda.device_count() >= 2 else tuple(c for c in CASES if c != "03 tp")
     clean = clean_models(device)
     return {"evaluation": record(evaluate(device, cases)), "other_kinds": other_kinds(device),
             "clean_models": {name: {"kinds": sorted(r.kinds), "not_checked": sorted(r.not_checked)}
-                             for name, r in clean.items()},
-            "overhead": [overhead(device, name, steps=300, repeats=7) for name in ("gpt2", "bert")]}
+                             for name, r in clean.items()}}
+
+
+def cost_record(device: str = "cuda") -> dict:
+    """``overhead()`` on one GPU for the three models (``results/gpu/graph_doctor_cost.json``)."""
+    return {"overhead": [overhead(device, name, steps=300, repeats=9) for name in COST_MODELS]}
 
 
 # ----------------------------------------------------------------------------- figures
@@ -317,15 +346,37 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def cost_table(results: list[dict]) -> str:
+    """``overhead()`` results as a Markdown table (the benchmark's and the notebook's)."""
+    lines = ["| model | device | plain ms/step | watched ms/step | wall overhead | plain host ms | watched host ms "
+             "| host µs added per step |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['model']} | {r['device']} | {r['plain_ms_per_step']:.3f} | {r['watched_ms_per_step']:.3f} | "
+              f"{100 * r['overhead']:+.1f} % | {r['plain_host_ms_per_step']:.3f} | {r['watched_host_ms_per_step']:.3f} "
+              f"| {r['host_added_us']:+.0f} |" for r in results]
+    return "\n".join(lines)
+
+
+def gpu_cost() -> dict:
+    """The committed GPU cost record (``results/gpu/graph_doctor_cost.json``, written by
+    ``scripts/gpu_session.py graph_doctor_cost``)."""
+    return json.loads((RESULTS / "graph_doctor_cost.json").read_text())
+
+
 def plot_overhead(result: dict) -> plt.Figure:
-    """Milliseconds per served step without and inside ``watch()`` (an ``overhead()`` result)."""
-    fig, ax = plt.subplots(figsize=(4.8, 3.4))
-    values = {"plain": result["plain_ms_per_step"], "inside watch()": result["watched_ms_per_step"]}
-    plots.bars(ax, values, colors=dict.fromkeys(values, plots.COLORS["real"]), fmt="{:.3f} ms",
-               ylabel="ms per served step (median)",
-               title=f"Cost of watching: {result['model']} on {result['device']}, {result['overhead']:+.0%}")
-    ax.patches[1].set_hatch("//")
-    ax.set_ylim(0, 1.2 * max(values.values()))
+    """Wall and host milliseconds per served step, without and inside ``watch()`` (an
+    ``overhead()`` result)."""
+    fig, axes = plt.subplots(1, 2, figsize=(8.4, 3.4), sharey=True)
+    top = 0.0
+    for ax, measure, key in ((axes[0], "wall", "ms_per_step"), (axes[1], "host", "host_ms_per_step")):
+        values = {"plain": result[f"plain_{key}"], "inside watch()": result[f"watched_{key}"]}
+        top = max(top, *values.values())
+        plots.bars(ax, values, colors=dict.fromkeys(values, plots.COLORS["real"]), fmt="{:.3f} ms",
+                   ylabel="ms per served step (median)" if measure == "wall" else "",
+                   title=f"{measure} time: {values['inside watch()'] / values['plain'] - 1:+.0%}")
+        ax.patches[1].set_hatch("//")
+    axes[0].set_ylim(0, 1.2 * top)
+    fig.suptitle(f"Cost of watching: {result['model']} on {result['device']}, "
+                 f"{result['host_added_us']:+.0f} \u00b5s of host work per step")
     fig.tight_layout()
     return fig
 

@@ -48,6 +48,7 @@ from . import explain
 from .findings import KINDS, Finding, Report
 
 aten = torch.ops.aten
+_expired = torch.UntypedStorage._expired    # what StorageWeakRef.expired() calls, minus a Python frame
 
 
 class DanglingReferenceError(GraphError):
@@ -94,6 +95,7 @@ class _GraphInfo:
         self.cuda = not hasattr(graph, "ops")       # a torch.cuda.CUDAGraph exposes no op list
         self.ops: list[_Op] = []
         self.externals: dict[int, _External] = {}
+        self.cdatas: tuple[int, ...] = ()           # the externals' weak references, for a fast check
         self.writes: dict[int, _Op] = {}            # external storage -> first op writing it
         self.warmup: list[_Op] | None = None        # the first warmup run before this capture
         self.replays = 0
@@ -341,6 +343,12 @@ class Doctor:
             ("warmup-divergence", first.name, first.source))
 
     def _check_liveness(self, info: _GraphInfo, *, before_replay: bool) -> None:
+        # This runs before every replay and a graph may reference every weight of a model: one C
+        # call per storage, and the findings are built only when something has gone.
+        if len(info.cdatas) != len(info.externals):      # externals are only ever added
+            info.cdatas = tuple(ext.weak.cdata for ext in info.externals.values())
+        if not any(map(_expired, info.cdatas)):
+            return
         for ext in info.externals.values():
             if ext.reported or not ext.weak.expired():
                 continue
@@ -409,7 +417,7 @@ class Doctor:
 
     def _check_fit(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         buf = self._buffer(storage_key(dst))
-        if buf is None or not isinstance(src, torch.Tensor):
+        if buf is None or not isinstance(src, torch.Tensor) or src.shape == dst.shape:
             return
         try:
             fits = torch.broadcast_shapes(src.shape, dst.shape) == dst.shape

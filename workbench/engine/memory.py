@@ -55,6 +55,8 @@ def _forget_released() -> None:
 
 def record_new_storages(func, args, kwargs, out) -> None:
     """Record ``func`` and the user's line as the origin of each storage its outputs created."""
+    if func.is_view or (args and out is args[0]):    # a view or an in-place op creates no storage
+        return
     inputs = {a.untyped_storage()._cdata for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
     new = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.untyped_storage()._cdata not in inputs]
     if new:
