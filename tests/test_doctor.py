@@ -382,9 +382,19 @@ def test_zero_sized_static_buffer_is_undersized():
     assert finding.graph == "capture inputs of Encoder"
     assert finding.op == "aten.zeros.default"
     assert finding.location == where(test_zero_sized_static_buffer_is_undersized, "pixels = torch.zeros(0, 4)")
-    assert finding.numbers == {"shape": [0, 4]}
+    assert finding.numbers == {"shape": [0, 4], "empty_inputs": ["pixels"]}
     assert "undersized-buffer" in report.checked       # checked without any capture
     assert set(report.not_checked) == set(doctor.KINDS) - {"undersized-buffer"}
+
+
+def test_empty_capture_inputs_of_one_announcement_are_one_finding():
+    with doctor.watch() as report:
+        events.static_buffers("Encoder", {"ids": torch.zeros(4, dtype=torch.int64), "pixels": torch.zeros(0, 4),
+                                          "pos": torch.zeros(0, 8)})
+    (finding,) = report.findings
+    assert finding.tensor.startswith("pixels: ") and finding.numbers["empty_inputs"] == ["pixels", "pos"]
+    assert finding.evidence.startswith("2 of 3 capture inputs are empty: pixels has shape (0, 4)")
+    assert "pos has shape (0, 8): dimension 0 is 0" in finding.evidence
 
 
 def test_copy_of_too_many_rows_into_a_static_buffer_is_undersized():

@@ -213,15 +213,22 @@ class Doctor:
     # ------------------------------------------------------------------ runner events
     def static_buffers(self, owner: str, buffers: dict) -> None:
         for name, t in buffers.items():
-            key = storage_key(t)
-            self.buffers[key] = _Buffer(name, owner, weakref.ref(t))
-            if 0 in t.shape:
-                op, source = memory.created_by(t) or ("-", "<created before watch()>")
-                self.add(Finding(
-                    "undersized-buffer", f"capture inputs of {owner}", op, f"{name}: {describe(t)}", source,
-                    f"{name} has shape {tuple(t.shape)}: dimension {list(t.shape).index(0)} is 0",
-                    explain.zero_sized(name, tuple(t.shape)), {"shape": list(t.shape)}),
-                    ("undersized-buffer", owner, name))
+            self.buffers[storage_key(t)] = _Buffer(name, owner, weakref.ref(t))
+        empty = {name: t for name, t in buffers.items() if 0 in t.shape}
+        if not empty:
+            return
+        # One finding per announcement: the inputs of one capture are sized by one computation, so
+        # several empty ones share one cause. It points at the first; the evidence lists them all.
+        name, t = next(iter(empty.items()))
+        op, source = memory.created_by(t) or ("-", "<created before watch()>")
+        evidence = "; ".join(f"{n} has shape {tuple(x.shape)}: dimension {list(x.shape).index(0)} is 0"
+                             for n, x in empty.items())
+        if len(empty) > 1:
+            evidence = f"{len(empty)} of {len(buffers)} capture inputs are empty: {evidence}"
+        self.add(Finding(
+            "undersized-buffer", f"capture inputs of {owner}", op, f"{name}: {describe(t)}", source, evidence,
+            explain.zero_sized(name, tuple(t.shape)), {"shape": list(t.shape), "empty_inputs": list(empty)}),
+            ("undersized-buffer", owner, name))
 
     def warmup_begin(self) -> None:
         self.phase = "warmup"
