@@ -3,7 +3,9 @@
 CPU (``python benchmarks/bench_replay.py``): eager forward, ``CPUGraph`` replay and capture time,
 medians over repeats, measured side by side in one run; writes ``benchmarks/results_cpu.md``.
 GPU (``gpu_record("cuda")``, run by ``scripts/gpu_session.py``): eager vs bare
-``torch.cuda.CUDAGraph.replay()`` vs ``GraphRunner`` (copy-in, replay, slice) for the same models.
+``torch.cuda.CUDAGraph.replay()`` vs ``GraphRunner`` (copy-in, replay, slice) for the same models,
+in wall time and in host time (each call alone until it returns: what the runner's Python costs).
+The three take turns within each repeat.
 """
 from __future__ import annotations
 
@@ -22,16 +24,35 @@ MODELS = ("roberta", "bert", "gpt2")
 BATCH, SEQ = 4, 32
 
 
-def _median_ms(fn, repeats: int, inner: int, device: str) -> float:
-    samples = []
-    for _ in range(repeats):
+def _wall_ms(fn, inner: int, device: str) -> float:
+    """Milliseconds per call, ``inner`` calls back to back and one synchronize at the end."""
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    synchronize(device)
+    return (time.perf_counter() - start) / inner * 1e3
+
+
+def _host_ms(fn, inner: int, device: str) -> float:
+    """Milliseconds per call until it returns, each call alone on an idle device: the host's share."""
+    total = 0.0
+    for _ in range(inner):
         synchronize(device)
         start = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        synchronize(device)
-        samples.append((time.perf_counter() - start) / inner * 1e3)
-    return statistics.median(samples)
+        fn()
+        total += time.perf_counter() - start
+    synchronize(device)
+    return total / inner * 1e3
+
+
+def _medians_ms(fns: dict, repeats: int, inner: int, device: str, measure=_wall_ms) -> dict[str, float]:
+    """Median per function, the functions taking turns within each repeat so drift hits all alike."""
+    samples = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            samples[name].append(measure(fn, inner, device))
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def measure(name: str, device: str, repeats: int = 15, inner: int = 20) -> dict:
@@ -55,18 +76,19 @@ def measure(name: str, device: str, repeats: int = 15, inner: int = 20) -> dict:
         expected = model(static).last_hidden_state
         same = torch.equal(out, expected) if device == "cpu" else torch.allclose(out, expected, atol=1e-5)
         assert same, f"{name}: replay differs from eager"
-        eager = _median_ms(lambda: model(static), repeats, inner, device)
 
         def bare():
             static.copy_(x)
             g.replay()
-        replay = _median_ms(bare, repeats, inner, device)
         runner = GraphRunner(lambda input_ids: model(input_ids).last_hidden_state,
                              {"input_ids": ((SEQ,), torch.long)}, [BATCH], device=device)
         runner.capture()
-        via_runner = _median_ms(lambda: runner(input_ids=x), repeats, inner, device)
+        fns = {"eager": lambda: model(static), "replay": bare, "runner": lambda: runner(input_ids=x)}
+        wall = _medians_ms(fns, repeats, inner, device)
+        host = _medians_ms(fns, repeats, inner, device, measure=_host_ms) if device != "cpu" else wall
     return {"model": name, "kernels": sum(not op.is_view for op in g.ops) if device == "cpu" else None,
-            "eager_ms": eager, "replay_ms": replay, "runner_ms": via_runner,
+            "eager_ms": wall["eager"], "replay_ms": wall["replay"], "runner_ms": wall["runner"],
+            "replay_host_ms": host["replay"], "runner_host_ms": host["runner"],
             "capture_ms": statistics.median(captures)}
 
 
@@ -74,6 +96,7 @@ def gpu_record(device: str = "cuda") -> dict:
     rows = [measure(m, device, repeats=21, inner=100) for m in MODELS]
     for r in rows:
         r["runner_overhead_pct"] = 100 * (r["runner_ms"] - r["replay_ms"]) / r["replay_ms"]
+        r["runner_host_added_us"] = 1e3 * (r["runner_host_ms"] - r["replay_host_ms"])
         r["speedup_over_eager"] = r["eager_ms"] / r["replay_ms"]
     return {"batch": BATCH, "seq": SEQ, "rows": rows}
 
