@@ -2,9 +2,9 @@
 
 Runs on a machine with CUDA: the engine's semantic probes, the runner's replay overhead, and each
 case's ``gpu_record("cuda")``. Every record carries the device, torch and CUDA versions and the
-date. Usage: ``python scripts/gpu_session.py OUT_DIR [name ...]`` (names: probes, runner_overhead,
-case01 ... case05, graph_doctor, graph_doctor_cost; default: all single-GPU ones). A failing record is written with its error and
-does not stop the others.
+date. Usage: ``python scripts/gpu_session.py OUT_DIR [name ...]`` (names: the keys of ``RECORDS``;
+default: all single-GPU ones). A failing record is written with its error and does not stop the
+others.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ RECORDS = {
     "case05_lazy_attention": ("workbench.cases.lazy_attention", "gpu_record"),
     "graph_doctor": ("workbench.cases.graph_doctor", "gpu_record"),
     "graph_doctor_cost": ("workbench.cases.graph_doctor", "cost_record"),
+    "graph_doctor_piecewise": ("workbench.cases.graph_doctor", "piecewise_record"),
 }
 MULTI_GPU = {"case03_tp", "graph_doctor"}    # graph_doctor runs case 03 when two GPUs are there
 

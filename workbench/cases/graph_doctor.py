@@ -24,6 +24,9 @@ from ..engine import GraphRunner, synchronize
 from ..models.hf import tiny_model
 
 CASES = ("01 roberta", "02 vit", "03 tp", "04 mamba", "05 lazy attention")
+# Case 01 served as vLLM serves it by default: PIECEWISE graphs, the in-place shift in eager code
+# between them (the five cases above capture it in FULL mode, inside the graph).
+PIECEWISE = ("01 roberta piecewise",)
 VARIANTS = ("bug", "fix")
 COST_MODELS = ("gpt2", "bert", "roberta")     # the tiny transformers models the cost is measured on
 RESULTS = pathlib.Path(__file__).resolve().parent.parent.parent / "results" / "gpu"
@@ -47,6 +50,8 @@ class Expected:
 
 EXPECTED = {
     "01 roberta": Expected("persistent-mutation", "aten.add_", "models/roberta.py", "replace_roberta_positions"),
+    "01 roberta piecewise": Expected("persistent-mutation", "aten.add_", "models/roberta.py",
+                                     "replace_roberta_positions"),
     "02 vit": Expected("undersized-buffer", "aten.randn", "models/vit.py", "prepare_encoder_cudagraph_capture_inputs"),
     "03 tp": Expected("dangling-reference", "aten.", "models/mtp_head.py", "_select_and_score"),
     "04 mamba": Expected("stale-padding", "aten._to_copy", "models/mamba.py", "decode"),
@@ -55,14 +60,14 @@ EXPECTED = {
 
 
 # ----------------------------------------------------------------------------- the workloads
-def _case01(variant: str, device: str) -> Callable[[], None]:
+def _case01(variant: str, device: str, mode: str = "full") -> Callable[[], None]:
     from ..models.roberta import from_transformers
     from .roberta_positions import RobertaRunner
 
     def workload() -> None:
         hf = tiny_model("roberta", seed=0).to(device)
         runner = RobertaRunner(from_transformers(hf, variant, device), [1, 2, 4, 8], device=device,
-                               cudagraph_mode="full")
+                               cudagraph_mode=mode)
         runner.capture()
         gen = torch.Generator().manual_seed(0)
         for length in (6, 3, 8, 5, 6):
@@ -117,7 +122,8 @@ def _case05(variant: str, device: str) -> Callable[[], None]:
     return workload
 
 
-WORKLOADS = {"01 roberta": _case01, "02 vit": _case02, "04 mamba": _case04, "05 lazy attention": _case05}
+WORKLOADS = {"01 roberta": _case01, "02 vit": _case02, "04 mamba": _case04, "05 lazy attention": _case05,
+             "01 roberta piecewise": lambda variant, device: _case01(variant, device, mode="piecewise")}
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -154,7 +160,7 @@ class Row:
     def summary(self) -> str:
         f = self.hit if self.expected else None
         where = f"{f.op} at {f.location}" if f else ("-" if self.expected is None else "expected finding missing")
-        return (f"{self.case:<18}{self.variant:<5}{', '.join(self.kinds) or 'no finding':<40}{where:<95}"
+        return (f"{self.case:<22}{self.variant:<5}{', '.join(self.kinds) or 'no finding':<40}{where:<95}"
                 f"{'correct' if self.correct else 'WRONG'}")
 
 
@@ -282,6 +288,11 @@ def gpu_record(device: str = "cuda") -> dict:
     return {"evaluation": record(evaluate(device, cases)), "other_kinds": other_kinds(device),
             "clean_models": {name: {"kinds": sorted(r.kinds), "not_checked": sorted(r.not_checked)}
                              for name, r in clean.items()}}
+
+
+def piecewise_record(device: str = "cuda") -> dict:
+    """Case 01 under PIECEWISE graphs on one GPU (``results/gpu/graph_doctor_piecewise.json``)."""
+    return {"evaluation": record(evaluate(device, PIECEWISE))}
 
 
 def cost_record(device: str = "cuda") -> dict:

@@ -26,6 +26,19 @@ def mutation_evidence(name: str, pattern: str, numbers: dict) -> str:
     return text
 
 
+def eager_update(op: str, name: str, owner: str) -> str:
+    return (f"{op} runs outside the graphs, in eager code around them (as with PIECEWISE graphs), and updates "
+            f"`{name}`, a static input buffer of {owner}, in place, reading what is there. The runner rewrites "
+            "only the real rows each step, so rows it does not rewrite -- padded rows -- keep each step's "
+            "result and the next step builds on it: the values drift with every step until they are out of range.")
+
+
+def eager_update_evidence(name: str, numbers: dict) -> str:
+    return (f"accumulating: its call {numbers['call']} changed again {numbers['rows_changed']} of {numbers['rows']} "
+            f"rows of {name} that its previous call had written and nothing outside the model has rewritten since "
+            f"(first row {numbers['first_row']}: {numbers['was']:g} -> {numbers['now']:g})")
+
+
 def zero_sized(name: str, shape: tuple) -> str:
     return (f"The capture input `{name}` {shape} has a zero-sized dimension, so the graph is captured for no "
             "data: each item of the capture batch gets nothing (per-item outputs of size 0), and code that "

@@ -21,9 +21,9 @@ KINDS = (
 )
 
 FIX_PATTERNS = {
-    "persistent-mutation": "Do not write a static input in place inside the captured region: use an out-of-place "
-                           "op (`y = x + c`) or a buffer the graph owns; if the write is intended, refresh every "
-                           "row the graph reads before each replay.",
+    "persistent-mutation": "Do not update a static input in place, inside the captured region or in the eager "
+                           "code around it: use an out-of-place op (`y = x + c`) or a buffer the graph owns; if "
+                           "the write is intended, refresh every row the graph reads before each replay.",
     "stale-padding": "Neutralise padded rows before anything reads them: give every per-row field of rows "
                      "[real, padded) -- metadata included -- a null value (zero, a null slot), and make code "
                      "that derives batch-level decisions ignore rows >= the real count.",

@@ -49,6 +49,9 @@ from .findings import KINDS, Finding, Report
 
 aten = torch.ops.aten
 _expired = torch.UntypedStorage._expired    # what StorageWeakRef.expired() calls, minus a Python frame
+# In-place ops that write without reading their destination: a runner refreshing its buffers.
+_OVERWRITES = frozenset({aten.copy_, aten.fill_, aten.zero_, aten.index_put_, aten.index_fill_,
+                         aten.masked_fill_, aten.set_, aten.resize_, aten.random_, aten.uniform_, aten.normal_})
 
 
 class DanglingReferenceError(GraphError):
@@ -98,6 +101,7 @@ class _GraphInfo:
         self.cdatas: tuple[int, ...] = ()           # the externals' weak references, for a fast check
         self.writes: dict[int, _Op] = {}            # external storage -> first op writing it
         self.warmup: list[_Op] | None = None        # the first warmup run before this capture
+        self.eager_lines: set[str] = set()          # lines run eagerly after that warmup, outside the capture
         self.replays = 0
         self.probed = False
         self.pending: tuple | None = None           # (real, size, outputs, padded names) of the next replay
@@ -117,6 +121,10 @@ class Doctor:
         self.capture_outputs: list[torch.Tensor] = []
         self.phase = "eager"                         # eager | warmup | capture | replay | probe
         self.warmup_runs: list[list[_Op]] = []
+        self.eager_lines: set[str] = set()           # source lines run eagerly between a warmup and its capture
+        # In-place updates of static buffers outside the graphs: (op, line, buffer name) -> [the
+        # elements its last call wrote that nobody has written since, calls]; by buffer storage.
+        self.updates: dict[int, dict[tuple, list]] = {}
         self.handed: dict[int, tuple[weakref.ref, _GraphInfo, int]] = {}
         self.handed_any = False
         self.padded_steps = 0
@@ -158,6 +166,7 @@ class Doctor:
     def capture_begin(self, graph, name: str | None) -> None:
         info = _GraphInfo(graph, name or f"graph #{len(self.graphs) + 1}")
         info.warmup = self.warmup_runs[0] if self.warmup_runs else None
+        info.eager_lines, self.eager_lines = self.eager_lines, set()
         self.warmup_runs = []
         self.graphs[id(graph)] = info
         self.capturing = info
@@ -185,6 +194,10 @@ class Doctor:
         if info is None:
             self.unknown_replays += 1
         else:
+            for key in info.writes.keys() & self.updates.keys():     # the graph writes a tracked buffer
+                with _disable_current_modes():
+                    whole = self._buffer(key).ref()
+                    self._rewritten(key, torch.ones(whole.shape, dtype=torch.bool, device=whole.device))
             self._check_liveness(info, before_replay=True)
             if not info.probed:
                 self._probe_mutations(info, graph)
@@ -278,6 +291,10 @@ class Doctor:
             self._check_stale_read(func, args, kwargs)
         if func is aten.copy_.default and self.buffers:
             self._check_fit(args[0], args[1])
+        if self.warmup_runs and not func.is_view:     # between a warmup and its capture
+            self.eager_lines.add(user_frame())
+        if self.buffers and func._schema.is_mutable and (self.updates or func.overloadpacket not in _OVERWRITES):
+            return self._eager_write(func, args, kwargs)
         out = func(*args, **kwargs)
         if self.handed and func.is_view and isinstance(out, torch.Tensor):
             entry = self.handed.get(id(args[0]))     # a view of a handed-out output is one too
@@ -332,9 +349,11 @@ class Doctor:
     def _check_warmup(self, info: _GraphInfo) -> None:
         """Ops of source lines the fresh warmup ran and the capture never executed: Python skipped
         them at capture (lazy work already done). A line that ran in both but dispatched other
-        kernels (a backend choosing another algorithm under capture) is not a skipped step."""
-        captured_lines = {op.source for op in info.ops}
-        missing = [op for op in info.warmup if op.source not in captured_lines]
+        kernels (a backend choosing another algorithm under capture) is not a skipped step, nor is
+        one the runner ran eagerly before the capture (code it keeps outside the graph, as
+        PIECEWISE graphs do: whether that code is safe is the eager-update rule's question)."""
+        ran_since = {op.source for op in info.ops} | info.eager_lines
+        missing = [op for op in info.warmup if op.source not in ran_since]
         if not missing:
             return
         first = missing[0]
@@ -407,6 +426,57 @@ class Doctor:
                 explain.mutation_evidence(buf.name, pattern, numbers),
                 explain.mutation(op.name, buf.name, buf.owner, pattern), {"pattern": pattern, **numbers}),
                 ("persistent-mutation", op.name, op.source, buf.name))
+
+    def _eager_write(self, func, args, kwargs):
+        """An in-place op on a static buffer outside any graph. One that reads what it writes
+        (``+=``, not a copy) is harmless on rows the runner rewrites every step; on rows nobody
+        rewrites -- padded rows -- each step builds on the last. Evidence: elements the op changes
+        that its previous call wrote and no other write outside warmups and captures has touched
+        since (a warmup runs the model's own code, so its writes are not a runner's refresh)."""
+        targets = [(storage_key(t), t, buf) for t in _written_tensors(func, args, kwargs)
+                   if (buf := self._buffer(storage_key(t))) is not None]
+        if not targets:
+            return func(*args, **kwargs)
+        if func.overloadpacket in _OVERWRITES:
+            out = func(*args, **kwargs)
+            for key, t, _ in targets:
+                self._rewritten(key, _region(t, self._buffer(key).ref()))
+            return out
+        with _disable_current_modes():
+            before = [buf.ref().clone() for _, _, buf in targets]
+        out = func(*args, **kwargs)
+        source = user_frame()
+        for (key, t, buf), was in zip(targets, before, strict=True):
+            whole = buf.ref()
+            slot = (str(func), source, buf.name)
+            with _disable_current_modes():
+                region = _region(t, whole)
+                self._rewritten(key, region, but=slot)
+                entry = self.updates.setdefault(key, {}).setdefault(slot, [None, 0])
+                last, entry[0] = entry[0], region
+                entry[1] += 1
+                again = None if last is None else last & _changed(was, whole)
+                if again is None or not again.any():
+                    continue
+                rows = whole.shape[0] if whole.dim() else 1
+                again_rows = again.reshape(rows, -1).any(1)
+                first = int(again.reshape(-1).nonzero()[0])
+                numbers = {"pattern": "accumulating", "call": entry[1], "rows": rows,
+                           "rows_changed": int(again_rows.sum()), "first_row": int(again_rows.nonzero()[0]),
+                           "was": was.reshape(-1)[first].item(), "now": whole.reshape(-1)[first].item()}
+            self.add(Finding(
+                "persistent-mutation", f"outside the graphs (eager code of {buf.owner})", str(func),
+                f"{buf.name}: {describe(whole)}", source, explain.eager_update_evidence(buf.name, numbers),
+                explain.eager_update(str(func), buf.name, buf.owner), numbers),
+                ("persistent-mutation", str(func), source, buf.name))
+        return out
+
+    def _rewritten(self, key: int, region: torch.Tensor, but: tuple | None = None) -> None:
+        """Elements ``region`` of a static buffer were written: no tracked update (other than
+        ``but``) can build on what it wrote there any more."""
+        for slot, entry in self.updates.get(key, {}).items():
+            if slot != but and entry[0] is not None:
+                entry[0] &= ~region
 
     def _check_stale_read(self, func, args, kwargs) -> None:
         for t in _tensors((args, kwargs)):
@@ -584,6 +654,17 @@ def _whole(info: _GraphInfo, key: int) -> torch.Tensor | None:
         return None
     storage = torch.UntypedStorage._new_with_weak_ptr(ext.weak.cdata)
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _region(view: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """Which elements of the static buffer ``whole`` the in-place op's ``view`` covers (a bool mask
+    shaped like ``whole``; all of it when the view reinterprets the bytes)."""
+    if view.dtype != whole.dtype:
+        return torch.ones(whole.shape, dtype=torch.bool, device=whole.device)
+    flat = torch.zeros(whole.untyped_storage().nbytes() // whole.element_size(), dtype=torch.bool,
+                       device=whole.device)
+    flat.as_strided(view.shape, view.stride(), view.storage_offset()).fill_(True)
+    return flat.as_strided(whole.shape, whole.stride(), whole.storage_offset()).clone()
 
 
 def _digest(t: torch.Tensor) -> str:
