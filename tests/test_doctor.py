@@ -3,6 +3,7 @@ the environment switch, and the evaluation on the five cases."""
 import contextlib
 import gc
 import html
+import importlib
 import inspect
 import json
 import os
@@ -203,13 +204,13 @@ def test_out_of_place_gives_no_finding():
 
 def serve_accumulator(watched: bool):
     """Outputs, static buffer, state and replay counts of a short run of ``Accumulator``."""
-    with doctor.watch() if watched else contextlib.nullcontext():
+    with doctor.watch() if watched else contextlib.nullcontext() as report:
         model = Accumulator()
         runner = make_runner(model)
         runner.capture()
         outputs = [runner(x=batch(n, step)).clone() for step, n in enumerate((3, 4, 1, 2, 3))]
     replays = {size: g.replays for size, g in runner.graphs.items()}
-    return outputs, runner.buffers["x"].clone(), model.total.clone(), replays
+    return outputs, runner.buffers["x"].clone(), model.total.clone(), replays, report
 
 
 def test_mutation_probe_leaves_buffers_state_and_replay_counts_as_without_the_doctor():
@@ -529,6 +530,63 @@ def test_capture_error_leaving_watch_is_listed_in_the_report():
     assert len(report.errors) == 1 and report.errors[0].startswith("CaptureError: ")
 
 
+# ------------------------------------------------------------------------ the doctor's own errors
+WATCH = importlib.import_module("workbench.doctor.watch")     # the module (``doctor.watch`` is the function)
+
+
+def broken(*args, **kwargs):
+    raise KeyError("planted")
+
+
+@pytest.mark.parametrize("target, where", [
+    ("Doctor._probe_mutations", "replay_begin"),       # an event handler, before the first replay
+    ("Doctor._check_fit", "watching aten.copy_.default"),  # the dispatch mode, before the op runs
+    ("user_frame", "watching aten.add_.Tensor"),       # the dispatch mode, after the warmup's op ran
+])
+def test_a_failing_doctor_stops_watching_and_leaves_the_run_as_without_it(monkeypatch, target, where):
+    owner, _, name = target.rpartition(".")
+    monkeypatch.setattr(getattr(WATCH, owner) if owner else WATCH, name, broken)
+    plain, watched = serve_accumulator(False), serve_accumulator(True)
+    for a, b in zip(plain[0], watched[0], strict=True):       # every op ran, and ran once
+        assert torch.equal(a, b)
+    assert torch.equal(plain[1], watched[1]) and torch.equal(plain[2], watched[2])
+    assert plain[3] == watched[3]
+    assert watched[4].failure.startswith(f"KeyError in {where} at ")
+
+
+@pytest.mark.parametrize("target, where, found", [
+    ("Doctor._probe_mutations", "replay_begin", []),
+    ("Doctor._final_checks", "finish", ["persistent-mutation"]),    # probed at the replay: it stands
+])
+def test_the_report_of_a_failing_doctor_says_where_it_stopped_and_claims_nothing_more(monkeypatch, target, where,
+                                                                                       found):
+    monkeypatch.setattr(WATCH.Doctor, target.split(".")[1], broken)
+    with doctor.watch() as report:
+        runner = make_runner(accumulating)
+        runner.capture()
+        runner(x=batch(3))
+    assert report.failure.startswith(f"KeyError in {where} at test_doctor.py:")
+    assert report.failure.endswith(": 'planted'")
+    assert [f.kind for f in report.findings] == report.checked == found
+    assert all(why.startswith("the doctor stopped early (KeyError") for why in report.not_checked.values())
+    assert "stopped early on an error of its own" in str(report).splitlines()[0]
+    assert report.errors == []                             # the watched code raised nothing
+
+
+def test_an_op_that_fails_by_itself_is_the_watched_code_error_not_the_doctors():
+    with pytest.raises(RuntimeError, match="must match the size"), doctor.watch() as report:
+        torch.zeros(3).add_(torch.zeros(4))
+    assert report.failure is None and report.errors[0].startswith("RuntimeError: ")
+
+
+def test_diagnose_leaves_stale_padding_unchecked_when_a_padded_row_run_fails(monkeypatch):
+    monkeypatch.setattr(WATCH.Doctor, "_record_inputs", broken)    # only the padded-row runs record
+    report = doctor.diagnose(lambda: make_runner(row_mixing), make_batch)
+    assert report.of("stale-padding") == []
+    assert report.not_checked["stale-padding"].startswith("the doctor stopped early in a padded-row run (KeyError")
+    assert report.failure.startswith("KeyError in replay_begin")
+
+
 # -------------------------------------------------------------------------------------- report
 def several_findings() -> doctor.Report:
     """One watch with four kinds: an undersized buffer, an accumulating write, a stale read, a sync."""
@@ -768,13 +826,16 @@ def test_gpu_record_matches_the_cpu_evaluation(evaluation):
     assert record["results"]["other_kinds"] == graph_doctor.other_kinds("cpu")
 
 
-def test_gpu_cost_record_hides_the_host_cost_behind_gpu_bound_steps():
-    """``results/gpu/graph_doctor_cost.json``: the doctor's work is host work; the tiny models'
-    steps are GPU-bound, and wall time moves by under 5 % (what the README says)."""
-    record = graph_doctor.gpu_cost()
-    assert "error" not in record and record["device"].startswith("NVIDIA")
-    rows = record["results"]["overhead"]
-    assert [r["model"] for r in rows] == list(graph_doctor.COST_MODELS)
+def test_gpu_cost_records_hide_the_host_cost_behind_gpu_bound_steps():
+    """``results/gpu/graph_doctor_cost*.json`` (an H100 and an H200): the doctor's work is host
+    work; the tiny models' steps are GPU-bound, and wall time moves by under 5 % (what the README says)."""
+    records = graph_doctor.gpu_costs()
+    assert [r["device"].split()[1] for r in records] == ["H100", "H200"]
+    rows = []
+    for record in records:
+        assert "error" not in record
+        assert [r["model"] for r in record["results"]["overhead"]] == list(graph_doctor.COST_MODELS)
+        rows += record["results"]["overhead"]
     for r in rows:
         assert r["device"] == "cuda" and r["host_added_us"] > 0, r
         assert r["plain_host_ms_per_step"] < r["plain_ms_per_step"], r        # the GPU, not the host, sets the pace

@@ -367,10 +367,10 @@ def cost_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def gpu_cost() -> dict:
-    """The committed GPU cost record (``results/gpu/graph_doctor_cost.json``, written by
-    ``scripts/gpu_session.py graph_doctor_cost``)."""
-    return json.loads((RESULTS / "graph_doctor_cost.json").read_text())
+def gpu_costs() -> list[dict]:
+    """The committed GPU cost records, one per GPU model (``results/gpu/graph_doctor_cost*.json``,
+    written by ``scripts/gpu_session.py OUT graph_doctor_cost``; H100 first), each with its ``file``."""
+    return [{**json.loads(p.read_text()), "file": p.name} for p in sorted(RESULTS.glob("graph_doctor_cost*.json"))]
 
 
 def plot_overhead(result: dict) -> plt.Figure:

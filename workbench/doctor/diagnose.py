@@ -34,13 +34,18 @@ def diagnose(target: Callable[[], Any], make_batch: Callable[[int, int], Mapping
     report, doctor = _run(workload, guard=guard)
     if not padding_probe:
         report.not_checked["stale-padding"] = "diagnose(padding_probe=False)"
-    elif report.captures == 0:
+    elif report.captures == 0 or report.failure is not None:
         pass
     elif doctor.padded_steps == 0:
         report.not_checked["stale-padding"] = ("no padded rows were served: every batch filled its graph, "
                                                "or the runner announced none")
     else:
         runs = [_run(workload, guard=guard, pattern=p) for p in (0, 1)]
+        failed = next((r[0].failure for r in runs if r[0].failure is not None), None)
+        if failed is not None:          # a run the doctor stopped watching has an incomplete trace
+            report.failure = failed
+            report.not_checked["stale-padding"] = f"the doctor stopped early in a padded-row run ({failed})"
+            return report
         finding = compare_runs(*(r[1].trace for r in runs), *(r[0].errors for r in runs))
         if finding is not None:
             report.findings.append(finding)

@@ -77,8 +77,8 @@ class Finding:
 
 @dataclasses.dataclass
 class Report:
-    """What a ``watch()`` saw: counts, findings, the kinds it could not check (and why), and what
-    the watched code raised."""
+    """What a ``watch()`` saw: counts, findings, the kinds it could not check (and why), what the
+    watched code raised, and the doctor's own error if it had to stop early (``failure``)."""
 
     findings: list[Finding] = dataclasses.field(default_factory=list)
     captures: int = 0
@@ -87,6 +87,7 @@ class Report:
     not_checked: dict[str, str] = dataclasses.field(default_factory=dict)
     errors: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
+    failure: str | None = None
     seconds: float = 0.0
 
     @property
@@ -106,8 +107,11 @@ class Report:
         if self.captures == 0 and not self.findings:
             return "Graph doctor: nothing was captured inside watch(), so nothing could be checked."
         n = len(self.findings)
-        return (f"Graph doctor: {self.captures} capture(s), {self.warmups} warmup run(s), {self.replays} "
+        line = (f"Graph doctor: {self.captures} capture(s), {self.warmups} warmup run(s), {self.replays} "
                 f"replay(s) watched: {n} finding{'s' if n != 1 else ''}.")
+        if self.failure is not None:
+            line += f" The doctor stopped early on an error of its own; what came after was not checked: {self.failure}"
+        return line
 
     def __repr__(self) -> str:
         return f"<Report: {self.headline()}>"

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import time
+import traceback
 import weakref
 from collections import Counter
 from collections.abc import Iterator
@@ -61,6 +63,51 @@ class DanglingReferenceError(GraphError):
         super().__init__(f"replay stopped by the graph doctor: {finding.evidence}\n  read by {finding.op} at "
                          f"{finding.source}\n  {finding.cause}")
         self.finding = finding
+
+
+# What the doctor raises on purpose, into the watched code: a guarded replay, a host sync refused
+# during a CUDA capture (as the CPU engine refuses it). Anything else it raises is its own failure.
+_DELIBERATE = (DanglingReferenceError, CaptureError)
+
+
+def _contained(handler):
+    """An event handler whose own failure is reported, not raised into the watched code: a
+    diagnostic must never break what it diagnoses. After a failure the doctor stops watching."""
+    @functools.wraps(handler)
+    def run(self, *args, **kwargs):
+        if self.failure is not None:
+            return None
+        try:
+            return handler(self, *args, **kwargs)
+        except _DELIBERATE:
+            raise
+        except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
+            self.fail(e, handler.__name__)
+            return None
+    return run
+
+
+class _Call:
+    """The watched op, run at most once whatever the doctor does around it (an in-place op run
+    twice after a failure of the doctor would corrupt the user's data)."""
+
+    __slots__ = ("func", "args", "kwargs", "done", "out", "error")
+
+    def __init__(self, func, args, kwargs) -> None:
+        self.func, self.args, self.kwargs = func, args, kwargs
+        self.done, self.out, self.error = False, None, None
+
+    def __call__(self):
+        try:
+            self.out = self.func(*self.args, **self.kwargs)
+        except BaseException as e:
+            self.error = e
+            raise
+        self.done = True
+        return self.out
+
+    def result(self):
+        return self.out if self.done else self()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +179,7 @@ class Doctor:
         self.trace: list[dict] = []                  # per replay, under diagnose's padded-row probes
         self.mode: TorchDispatchMode | None = None   # set by watching()
         self.stepped_aside = False                   # our mode is off the stack for this replay
+        self.failure: str | None = None              # the doctor's own error, once it has stopped
         self._keys: dict[tuple, Finding] = {}
 
     # ------------------------------------------------------------------ findings
@@ -162,7 +210,19 @@ class Doctor:
         buf = self._buffer(key)
         return f"{buf.name}: {describe(buf.ref())}" if buf is not None else fallback
 
+    def fail(self, error: Exception, where: str) -> None:
+        """The doctor's own code raised: stop watching, keep the findings made so far, and report
+        where it broke (so the failure can be reported upstream) and what went unchecked."""
+        frame = traceback.extract_tb(error.__traceback__)[-1] if error.__traceback__ else None
+        at = f" at {frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}" if frame else ""
+        self.failure = self.report.failure = f"{type(error).__name__} in {where}{at}: {_first_line(error)}"
+        if self.stepped_aside:
+            _push_mode(self.mode)
+            self.stepped_aside = False
+        self.capturing, self.phase = None, "eager"
+
     # ------------------------------------------------------------------ engine events
+    @_contained
     def capture_begin(self, graph, name: str | None) -> None:
         info = _GraphInfo(graph, name or f"graph #{len(self.graphs) + 1}")
         info.warmup = self.warmup_runs[0] if self.warmup_runs else None
@@ -173,12 +233,14 @@ class Doctor:
         self.phase = "capture"
         self.report.captures += 1
 
+    @_contained
     def capture_end(self, graph) -> None:
         info = self.capturing
         self.capturing, self.phase, self.capture_outputs = None, "eager", []
         if info is not None and info.warmup is not None:
             self._check_warmup(info)
 
+    @_contained
     def capture_abort(self, graph, error: BaseException) -> None:
         info = self.capturing
         self.capturing, self.phase, self.capture_outputs = None, "eager", []
@@ -187,6 +249,7 @@ class Doctor:
         if isinstance(error, CaptureError) and error.op is not None:
             self._sync_finding(name, error.op, error.source or "<unknown>")
 
+    @_contained
     def replay_begin(self, graph) -> None:
         if self.phase == "probe":
             return
@@ -208,6 +271,7 @@ class Doctor:
             _pop_mode()
             self.stepped_aside = True
 
+    @_contained
     def replay_end(self, graph) -> None:
         if self.phase == "probe":
             return
@@ -224,6 +288,7 @@ class Doctor:
             info.pending = None
 
     # ------------------------------------------------------------------ runner events
+    @_contained
     def static_buffers(self, owner: str, buffers: dict) -> None:
         for name, t in buffers.items():
             self.buffers[storage_key(t)] = _Buffer(name, owner, weakref.ref(t))
@@ -243,14 +308,17 @@ class Doctor:
             explain.zero_sized(name, tuple(t.shape)), {"shape": list(t.shape), "empty_inputs": list(empty)}),
             ("undersized-buffer", owner, name))
 
+    @_contained
     def warmup_begin(self) -> None:
         self.phase = "warmup"
         self.warmup_runs.append([])
         self.report.warmups += 1
 
+    @_contained
     def warmup_end(self) -> None:
         self.phase = "eager"
 
+    @_contained
     def serve(self, graph, real: int, size: int, padded: dict, outputs) -> None:
         if padded and real < size:
             self.padded_steps += 1
@@ -260,6 +328,7 @@ class Doctor:
         if info is not None:
             info.pending = (real, size, outputs, padded)
 
+    @_contained
     def handed_out(self, graph, tensors) -> None:
         info = self._info(graph)
         if info is None:
@@ -277,12 +346,12 @@ class Doctor:
         self.handed[key] = (weakref.ref(t, forget), info, generation)
 
     # ------------------------------------------------------------------ the dispatch mode's work
-    def on_op(self, func, args, kwargs):
+    def on_op(self, func, args, kwargs, run: _Call):
         phase = self.phase
         if phase == "capture":
-            return self._captured(func, args, kwargs)
+            return self._captured(func, args, kwargs, run)
         if phase == "warmup":
-            out = func(*args, **kwargs)
+            out = run()
             if not func.is_view:
                 self.warmup_runs[-1].append(_Op(str(func), user_frame()))
             memory.record_new_storages(func, args, kwargs, out)
@@ -294,8 +363,8 @@ class Doctor:
         if self.warmup_runs and not func.is_view:     # between a warmup and its capture
             self.eager_lines.add(user_frame())
         if self.buffers and func._schema.is_mutable and (self.updates or func.overloadpacket not in _OVERWRITES):
-            return self._eager_write(func, args, kwargs)
-        out = func(*args, **kwargs)
+            return self._eager_write(func, args, kwargs, run)
+        out = run()
         if self.handed and func.is_view and isinstance(out, torch.Tensor):
             entry = self.handed.get(id(args[0]))     # a view of a handed-out output is one too
             if entry is not None and entry[0]() is args[0]:
@@ -303,7 +372,7 @@ class Doctor:
         memory.record_new_storages(func, args, kwargs, out)
         return out
 
-    def _captured(self, func, args, kwargs):
+    def _captured(self, func, args, kwargs, run: _Call):
         info = self.capturing
         source = user_frame()
         if is_host_sync(func, args) or _device_to_host(func, args, kwargs):
@@ -313,7 +382,7 @@ class Doctor:
         inputs = list(_tensors((args, kwargs)))
         in_keys = {storage_key(t) for t in inputs}
         written = frozenset(storage_key(t) for t in _written_tensors(func, args, kwargs))
-        out = func(*args, **kwargs)
+        out = run()
         if func.overloadpacket in (aten.lift_fresh, aten.lift_fresh_copy):
             for t in inputs:                          # a constant of the captured code: the graph keeps it
                 self.owned[storage_key(t)] = StorageWeakRef(t.untyped_storage())
@@ -427,7 +496,7 @@ class Doctor:
                 explain.mutation(op.name, buf.name, buf.owner, pattern), {"pattern": pattern, **numbers}),
                 ("persistent-mutation", op.name, op.source, buf.name))
 
-    def _eager_write(self, func, args, kwargs):
+    def _eager_write(self, func, args, kwargs, run: _Call):
         """An in-place op on a static buffer outside any graph. One that reads what it writes
         (``+=``, not a copy) is harmless on rows the runner rewrites every step; on rows nobody
         rewrites -- padded rows -- each step builds on the last. Evidence: elements the op changes
@@ -436,15 +505,15 @@ class Doctor:
         targets = [(storage_key(t), t, buf) for t in _written_tensors(func, args, kwargs)
                    if (buf := self._buffer(storage_key(t))) is not None]
         if not targets:
-            return func(*args, **kwargs)
+            return run()
         if func.overloadpacket in _OVERWRITES:
-            out = func(*args, **kwargs)
+            out = run()
             for key, t, _ in targets:
                 self._rewritten(key, _region(t, self._buffer(key).ref()))
             return out
         with _disable_current_modes():
             before = [buf.ref().clone() for _, _, buf in targets]
-        out = func(*args, **kwargs)
+        out = run()
         source = user_frame()
         for (key, t, buf), was in zip(targets, before, strict=True):
             whole = buf.ref()
@@ -547,6 +616,20 @@ class Doctor:
     # ------------------------------------------------------------------ the end
     def finish(self) -> Report:
         report = self.report
+        if self.failure is None:
+            try:
+                self._final_checks()
+            except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
+                self.fail(e, "finish")
+        report.not_checked = self._not_checked()
+        if self.unknown_replays:
+            report.notes.append(f"{self.unknown_replays} replays of graphs captured before watch() were not checked")
+        report.findings.sort(key=lambda f: KINDS.index(f.kind))
+        return report
+
+    def _final_checks(self) -> None:
+        """Liveness once more (memory released after the last replay), and graphs that write a
+        static buffer but were never replayed, so never probed."""
         for info in list(self.graphs.values()):
             graph = info.ref()
             if graph is None:
@@ -561,13 +644,11 @@ class Doctor:
                             "watch(), so whether writes accumulate was not probed",
                             explain.mutation(op.name, buf.name, buf.owner, "not probed"), {"pattern": "not probed"}),
                             ("persistent-mutation", op.name, op.source, buf.name))
-        report.not_checked = self._not_checked()
-        if self.unknown_replays:
-            report.notes.append(f"{self.unknown_replays} replays of graphs captured before watch() were not checked")
-        report.findings.sort(key=lambda f: KINDS.index(f.kind))
-        return report
 
     def _not_checked(self) -> dict[str, str]:
+        if self.failure is not None:
+            found = self.report.kinds
+            return {k: f"the doctor stopped early ({self.failure})" for k in KINDS if k not in found}
         if self.report.captures == 0:
             why = {k: "nothing was captured inside watch()" for k in KINDS}
             if self.buffers:                        # announced capture inputs were still checked
@@ -591,9 +672,19 @@ class _Watch(TorchDispatchMode):
         self.doctor = doctor
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.doctor.phase in ("replay", "probe"):
-            return func(*args, **(kwargs or {}))
-        return self.doctor.on_op(func, args, kwargs or {})
+        doctor, kwargs = self.doctor, kwargs or {}
+        if doctor.phase in ("replay", "probe") or doctor.failure is not None:
+            return func(*args, **kwargs)
+        run = _Call(func, args, kwargs)
+        try:
+            return doctor.on_op(func, args, kwargs, run)
+        except _DELIBERATE:
+            raise
+        except Exception as e:
+            if e is run.error:                   # the op itself failed: the watched code's error
+                raise
+            doctor.fail(e, f"watching {func}")
+            return run.result()
 
 
 @contextlib.contextmanager
