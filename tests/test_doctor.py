@@ -554,13 +554,23 @@ def test_a_failing_doctor_stops_watching_and_leaves_the_run_as_without_it(monkey
     assert watched[4].failure.startswith(f"KeyError in {where} at ")
 
 
-@pytest.mark.parametrize("target, where, found", [
-    ("Doctor._probe_mutations", "replay_begin", []),
-    ("Doctor._final_checks", "finish", ["persistent-mutation"]),    # probed at the replay: it stands
+def broken_at_the_end(self, info, *, before_replay):
+    """``_check_liveness`` that fails only in the final checks, after the replays were watched."""
+    if not before_replay:
+        raise KeyError("planted")
+    CHECK_LIVENESS(self, info, before_replay=before_replay)
+
+
+CHECK_LIVENESS = WATCH.Doctor._check_liveness
+
+
+@pytest.mark.parametrize("target, replacement, where, found", [
+    ("_probe_mutations", broken, "replay_begin", []),
+    ("_check_liveness", broken_at_the_end, "_final_checks", ["persistent-mutation"]),  # probed at the replay
 ])
-def test_the_report_of_a_failing_doctor_says_where_it_stopped_and_claims_nothing_more(monkeypatch, target, where,
-                                                                                       found):
-    monkeypatch.setattr(WATCH.Doctor, target.split(".")[1], broken)
+def test_the_report_of_a_failing_doctor_says_where_it_stopped_and_claims_nothing_more(monkeypatch, target,
+                                                                                       replacement, where, found):
+    monkeypatch.setattr(WATCH.Doctor, target, replacement)
     with doctor.watch() as report:
         runner = make_runner(accumulating)
         runner.capture()
@@ -571,6 +581,22 @@ def test_the_report_of_a_failing_doctor_says_where_it_stopped_and_claims_nothing
     assert all(why.startswith("the doctor stopped early (KeyError") for why in report.not_checked.values())
     assert "stopped early on an error of its own" in str(report).splitlines()[0]
     assert report.errors == []                             # the watched code raised nothing
+
+
+def test_a_released_static_buffer_with_tracked_eager_updates_is_a_dangling_reference():
+    """The released buffer is the finding, not a reason for the doctor to break."""
+    buf = torch.zeros(4, 3)
+    with doctor.watch() as report:
+        events.static_buffers("Runner", {"x": buf})
+        g = new_graph("cpu")
+        with graph(g, name="size 4"):
+            accumulating(buf)                            # the graph writes the buffer
+        buf += 1                                         # an eager update the doctor tracks
+        del buf
+        with pytest.raises(IllegalMemoryAccess):
+            g.replay()
+    assert report.failure is None
+    assert [f.kind for f in report.findings] == ["dangling-reference"]
 
 
 def test_an_op_that_fails_by_itself_is_the_watched_code_error_not_the_doctors():

@@ -216,10 +216,6 @@ class Doctor:
         frame = traceback.extract_tb(error.__traceback__)[-1] if error.__traceback__ else None
         at = f" at {frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}" if frame else ""
         self.failure = self.report.failure = f"{type(error).__name__} in {where}{at}: {_first_line(error)}"
-        if self.stepped_aside:
-            _push_mode(self.mode)
-            self.stepped_aside = False
-        self.capturing, self.phase = None, "eager"
 
     # ------------------------------------------------------------------ engine events
     @_contained
@@ -258,9 +254,10 @@ class Doctor:
             self.unknown_replays += 1
         else:
             for key in info.writes.keys() & self.updates.keys():     # the graph writes a tracked buffer
-                with _disable_current_modes():
-                    whole = self._buffer(key).ref()
-                    self._rewritten(key, torch.ones(whole.shape, dtype=torch.bool, device=whole.device))
+                if (buf := self._buffer(key)) is not None:
+                    with _disable_current_modes():
+                        whole = buf.ref()
+                        self._rewritten(key, torch.ones(whole.shape, dtype=torch.bool, device=whole.device))
             self._check_liveness(info, before_replay=True)
             if not info.probed:
                 self._probe_mutations(info, graph)
@@ -616,17 +613,14 @@ class Doctor:
     # ------------------------------------------------------------------ the end
     def finish(self) -> Report:
         report = self.report
-        if self.failure is None:
-            try:
-                self._final_checks()
-            except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
-                self.fail(e, "finish")
+        self._final_checks()
         report.not_checked = self._not_checked()
         if self.unknown_replays:
             report.notes.append(f"{self.unknown_replays} replays of graphs captured before watch() were not checked")
         report.findings.sort(key=lambda f: KINDS.index(f.kind))
         return report
 
+    @_contained
     def _final_checks(self) -> None:
         """Liveness once more (memory released after the last replay), and graphs that write a
         static buffer but were never replayed, so never probed."""
