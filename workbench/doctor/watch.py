@@ -316,7 +316,7 @@ class Doctor:
         self.phase = "eager"
 
     @_contained
-    def serve(self, graph, real: int, size: int, padded: dict, outputs) -> None:
+    def serve(self, graph, real: int, size: int, padded: dict, outputs, eager=None) -> None:
         if padded and real < size:
             self.padded_steps += 1
             if self.pattern is not None:

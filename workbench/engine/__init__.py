@@ -9,6 +9,7 @@ __all__ = [
     "Pool", "RecordedOp", "graph", "graph_pool_handle", "is_capturing", "new_graph",
     "resolve_device", "reuse_freed_blocks", "synchronize", "track_origins",
 ]
-from .runner import GraphRunner, validate_capture_sizes  # noqa: E402
+from .graphs import CUDAGraphMode, GraphManager, validate_capture_sizes  # noqa: E402
+from .runner import GraphRunner  # noqa: E402
 
-__all__ += ["GraphRunner", "validate_capture_sizes"]
+__all__ += ["CUDAGraphMode", "GraphManager", "GraphRunner", "validate_capture_sizes"]

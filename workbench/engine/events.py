@@ -81,12 +81,13 @@ def warmup() -> Iterator[None]:
 
 
 def serve(graph: Any, real: int, size: int, *, padded: Mapping[str, Any] | None = None,
-          outputs: Any = None) -> None:
+          outputs: Any = None, eager: Any = None) -> None:
     """The next replay of ``graph`` serves ``real`` of its ``size`` rows. ``padded`` maps names to
     tensors or NumPy arrays whose rows ``[real, size)`` are this step's padded rows; an observer may
-    overwrite them (probes). ``outputs`` are the graph's static outputs (rows ``[0, real)`` are real)."""
+    overwrite them (probes). ``outputs`` are the graph's static outputs (rows ``[0, real)`` are real).
+    ``eager``, when given, re-runs this step without graphs and returns its outputs."""
     if _observers:
-        _emit("serve", graph, real, size, dict(padded or {}), outputs)
+        _emit("serve", graph, real, size, dict(padded or {}), outputs, eager=eager)
 
 
 def handed_out(graph: Any, tensors: Any) -> None:

@@ -11,6 +11,9 @@ Rules, as vLLM's GPU model runner applies them (and as the five cases need them)
 * **Warmup then capture**, per size, largest first, all graphs in one shared pool.
 * **Eager fallback** for batches larger than the largest captured size, and ``enforce_eager``
   (no graphs, no padding: every row the model sees is a real row).
+
+Warmup, capture, dispatch and replay are the ``GraphManager``'s; this class is only the buffer
+policy above it.
 """
 from __future__ import annotations
 
@@ -18,78 +21,73 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from . import events
-from .api import graph, graph_pool_handle, new_graph, resolve_device
 from .errors import GraphError
-
-Outputs = torch.Tensor | tuple[torch.Tensor, ...]
-
-
-def validate_capture_sizes(sizes: Sequence[int]) -> list[int]:
-    """Positive, unique integers, returned ascending; anything else is a clear ``ValueError``."""
-    sizes = list(sizes)
-    if not sizes:
-        raise ValueError("capture_sizes is empty: give at least one batch size to capture, e.g. [1, 2, 4, 8]")
-    for s in sizes:
-        if isinstance(s, bool) or not isinstance(s, int):
-            raise ValueError(f"capture sizes must be integers, got {s!r} ({type(s).__name__})")
-        if s <= 0:
-            raise ValueError(f"capture sizes must be positive, got {s}")
-    if len(set(sizes)) != len(sizes):
-        raise ValueError(f"capture sizes must be unique, got {sizes}")
-    return sorted(sizes)
-
+from .graphs import CUDAGraphMode, GraphManager, Outputs
 
 class GraphRunner:
     """Serve ``model(**views)`` through graphs captured for several batch sizes.
 
     ``model`` takes keyword tensors whose first dimension is the batch (rows or tokens) and returns
     a tensor or a tuple of tensors with the same first dimension. ``inputs`` maps each input name
-    to ``(feature_shape, dtype)``; buffers are ``(max_size, *feature_shape)``.
+    to ``(feature_shape, dtype)``; buffers are ``(max_size, *feature_shape)``. A batch may be
+    narrower than a buffer in any trailing dimension (a block table with fewer blocks): it is
+    copied into the leading corner, and the rest of each row are *padded columns*, not refreshed
+    either. ``mode`` is ``"FULL"`` or ``"NONE"`` (``enforce_eager=True`` is ``"NONE"``).
     """
 
     def __init__(self, model: Callable[..., Outputs], inputs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
                  capture_sizes: Sequence[int], *, device: str = "cpu", num_warmups: int = 1,
-                 enforce_eager: bool = False, poison_padding: bool = False) -> None:
+                 enforce_eager: bool = False, poison_padding: bool = False, grad: bool = False) -> None:
+        if not isinstance(inputs, Mapping) or not inputs:
+            raise ValueError("inputs must map each input name to (feature_shape, dtype), "
+                             "e.g. {'input_ids': ((), torch.int64)}")
         self.model = model
-        self.device = resolve_device(device)
-        self.capture_sizes = validate_capture_sizes(capture_sizes)
-        self.max_size = self.capture_sizes[-1]
-        self.num_warmups = num_warmups
         self.enforce_eager = enforce_eager
         self.poison_padding = poison_padding
+        mode = CUDAGraphMode.NONE if enforce_eager else CUDAGraphMode.FULL
+        self.manager = GraphManager(self._forward, capture_sizes, device=device, mode=mode,
+                                   num_warmups=num_warmups, grad=grad, name=type(self).__name__)
+        self.device = self.manager.device
+        self.capture_sizes = self.manager.capture_sizes
+        self.max_size = self.manager.max_size
+        self.num_warmups = self.manager.num_warmups
         self.buffers = {name: torch.zeros((self.max_size, *shape), dtype=dtype, device=self.device)
                         for name, (shape, dtype) in inputs.items()}
-        self.pool = None
-        self.graphs: dict[int, object] = {}
-        self.outputs: dict[int, Outputs] = {}
+        self.manager.static_buffers = self.buffers
         self.steps = 0
         self.history: list[tuple[int, int | None]] = []   # (real rows, graph size or None=eager)
+
+    @property
+    def graphs(self) -> dict[int, object]:
+        """Size -> captured graph."""
+        return {size: pieces[0] for size, pieces in self.manager.graphs.items()}
+
+    @property
+    def outputs(self) -> dict[int, Outputs]:
+        return self.manager.outputs
+
+    @property
+    def pool(self):
+        return self.manager.pool
+
+    def _forward(self, size: int) -> Outputs:
+        return self.model(**self._views(size))
 
     # ------------------------------------------------------------------ capture
     def capture(self) -> None:
         """Warm up then capture each size, largest first, into one shared pool."""
-        if self.enforce_eager:
-            return
-        if self.graphs:
-            raise GraphError("capture() was already called; create a new runner to capture again.")
-        self.pool = graph_pool_handle(self.device)
-        events.static_buffers(type(self).__name__, self.buffers)
-        for size in reversed(self.capture_sizes):
-            views = self._views(size)
-            for _ in range(self.num_warmups):
-                with events.warmup():
-                    self.model(**views)
-            g = new_graph(self.device)
-            with graph(g, pool=self.pool, name=f"size {size}"):
-                self.outputs[size] = self.model(**views)
-            self.graphs[size] = g
+        if self.manager.graphs:
+            raise GraphError("capture() was already called: call recapture() to capture again "
+                             "(after a weight update), or create a new runner.")
+        self.manager.capture()
+
+    def recapture(self) -> None:
+        """Capture every size again, into the same pool (after a weight update)."""
+        self.manager.recapture()
 
     def padded_size(self, n: int) -> int | None:
         """The graph size a batch of ``n`` rows runs at (``None``: eager)."""
-        if self.enforce_eager or n > self.max_size:
-            return None
-        return next(s for s in self.capture_sizes if s >= n)
+        return self.manager.dispatch(n)
 
     # ------------------------------------------------------------------ serving
     def __call__(self, **inputs: torch.Tensor) -> Outputs:
@@ -101,20 +99,15 @@ class GraphRunner:
         if size is None and n > self.max_size:
             return self.model(**inputs)                       # eager fallback: too large to pad
         for name, x in inputs.items():
-            self.buffers[name][:n].copy_(x)
+            self.buffers[name][(slice(0, n), *map(slice, x.shape[1:]))].copy_(x)
         if size is None:
             return self.model(**self._views(n))                 # enforce_eager: real rows only
-        if not self.graphs:
+        if not self.manager.graphs:
             raise GraphError("No graphs captured yet: call runner.capture() before serving.")
-        if self.poison_padding and size > n:
-            for buf in self.buffers.values():
-                _poison_rows(buf, n, size)
-        g = self.graphs[size]
-        events.serve(g, n, size, padded=self.buffers, outputs=self.outputs[size])
-        g.replay()
-        out = _slice(self.outputs[size], n)
-        events.handed_out(g, out)
-        return out
+        if self.poison_padding:
+            for name, buf in self.buffers.items():
+                _poison_padding(buf, n, size, inputs[name].shape[1:])
+        return self.manager.replay(size, n, padded=self.buffers)
 
     def _views(self, size: int) -> dict[str, torch.Tensor]:
         return {name: buf[:size] for name, buf in self.buffers.items()}
@@ -133,23 +126,21 @@ class GraphRunner:
             if x.dtype != buf.dtype:
                 raise GraphError(f"input {name!r} has dtype {x.dtype}, its static buffer {buf.dtype}: "
                                  f"convert with .to({buf.dtype}) before calling")
-            if tuple(x.shape[1:]) != tuple(buf.shape[1:]):
+            wide = x.dim() != buf.dim() or any(a > b for a, b in zip(x.shape[1:], buf.shape[1:]))
+            if wide and n <= self.max_size:
                 raise GraphError(f"input {name!r} has row shape {tuple(x.shape[1:])}, its static "
-                                 f"buffer {tuple(buf.shape[1:])}")
+                                 f"buffer {tuple(buf.shape[1:])}: a batch may be narrower, never wider")
             if x.device != buf.device:
                 raise GraphError(f"input {name!r} is on {x.device}, the runner on {buf.device}")
         return n
 
 
-def _poison_rows(buf: torch.Tensor, start: int, stop: int) -> None:
-    rows = buf[start:stop]
-    if rows.dtype.is_floating_point:
-        rows.fill_(float("nan"))
-    elif rows.dtype == torch.bool:
-        rows.fill_(True)
-    else:
-        rows.fill_(torch.iinfo(rows.dtype).max)
-
-
-def _slice(out: Outputs, n: int) -> Outputs:
-    return tuple(o[:n] for o in out) if isinstance(out, tuple) else out[:n]
+def _poison_padding(buf: torch.Tensor, real: int, size: int, row_shape: Sequence[int]) -> None:
+    """Fill padded rows ``[real, size)`` and padded columns (beyond the batch's row shape) with a
+    sentinel, so that code reading them shows up."""
+    value = (float("nan") if buf.dtype.is_floating_point else True if buf.dtype == torch.bool
+             else torch.iinfo(buf.dtype).max)
+    buf[real:size].fill_(value)
+    for dim, width in enumerate(row_shape, start=1):
+        if width < buf.shape[dim]:
+            buf[:real].narrow(dim, width, buf.shape[dim] - width).fill_(value)
