@@ -1,10 +1,11 @@
 """Record the GPU answers the CPU tests compare against: ``results/gpu/<name>.json``.
 
-Runs on a machine with CUDA: the engine's semantic probes, the runner's replay overhead, and each
-case's ``gpu_record("cuda")``. Every record carries the device, torch and CUDA versions and the
-date. Usage: ``python scripts/gpu_session.py OUT_DIR [name ...]`` (names: the keys of ``RECORDS``;
-default: all single-GPU ones). A failing record is written with its error and does not stop the
-others.
+Runs on a machine with CUDA: the engine's semantic probes and architecture matrix, the runner's
+replay overhead, every case of the registry (``<case id>.json`` from its scenario's
+``gpu_record``), the graph doctor and the bug zoo. Every record carries the device, torch and CUDA
+versions and the date. Usage: ``python scripts/gpu_session.py OUT_DIR [name ...]`` (names: the keys
+of ``records()``; default: every one the visible GPUs can run). A failing record is written with its
+error and does not stop the others.
 """
 from __future__ import annotations
 
@@ -18,19 +19,25 @@ import traceback
 
 import torch
 
-RECORDS = {
-    "engine_probes": ("workbench.probes", "run_all"),
-    "runner_overhead": ("benchmarks.bench_replay", "gpu_record"),
-    "case01_roberta": ("workbench.cases.roberta_positions", "gpu_record"),
-    "case02_vit": ("workbench.cases.vit_encoder", "gpu_record"),
-    "case03_tp": ("workbench.cases.tp_lm_head", "gpu_record"),
-    "case04_mamba": ("workbench.cases.mamba_padding", "gpu_record"),
-    "case05_lazy_attention": ("workbench.cases.lazy_attention", "gpu_record"),
-    "graph_doctor": ("workbench.cases.graph_doctor", "gpu_record"),
-    "graph_doctor_cost": ("workbench.cases.graph_doctor", "cost_record"),
-    "graph_doctor_piecewise": ("workbench.cases.graph_doctor", "piecewise_record"),
-}
-MULTI_GPU = {"case03_tp", "graph_doctor"}    # graph_doctor runs case 03 when two GPUs are there
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from workbench import cases  # noqa: E402
+
+
+def records() -> dict[str, tuple[str, str, int]]:
+    """Record name -> (module, function, GPUs it needs)."""
+    found = {
+        "engine_probes": ("workbench.probes", "run_all", 1),
+        "hf_matrix": ("workbench.hf_matrix", "gpu_record", 1),
+        "runner_overhead": ("benchmarks.bench_replay", "gpu_record", 1),
+        "graph_doctor": ("workbench.cases.graph_doctor", "gpu_record", 1),   # case 03 needs a second GPU
+        "graph_doctor_cost": ("workbench.cases.graph_doctor", "cost_record", 1),
+        "graph_doctor_piecewise": ("workbench.cases.graph_doctor", "piecewise_record", 1),
+        "zoo": ("workbench.zoo", "gpu_record", 1),
+    }
+    for case in cases.CASES:
+        found[case.id] = (f"{case.package}.scenario", "gpu_record", case.gpus)
+    return found
 
 
 def metadata() -> dict:
@@ -47,13 +54,17 @@ def main(out_dir: str, names: list[str]) -> int:
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
         return 2
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    names = names or [n for n in RECORDS if n not in MULTI_GPU]
+    table = records()
+    unknown = sorted(set(names) - set(table))
+    if unknown:
+        print(f"unknown records {unknown}; known: {sorted(table)}", file=sys.stderr)
+        return 2
+    names = names or [n for n, (_, _, gpus) in table.items() if gpus <= torch.cuda.device_count()]
     failures = 0
     for name in names:
-        module, fn = RECORDS[name]
+        module, fn, _ = table[name]
         start = time.perf_counter()
         record = {"name": name, **metadata()}
         try:
