@@ -8,7 +8,8 @@ import torch
 from workbench.cases import get
 from workbench.cases import roberta_position_accumulation as case
 from workbench.cases.roberta_position_accumulation import RobertaEmbeddingModel, from_transformers
-from workbench.engine import CUDAGraphMode, GraphError
+from workbench import doctor
+from workbench.engine import CUDAGraphMode, GraphError, GraphManager
 from workbench.models.hf import tiny_model
 
 # written by scripts/gpu_session.py: {"name", "device", "torch", "cuda", "date", "results": gpu_record("cuda")}
@@ -183,6 +184,29 @@ def test_runner_rejects_bad_input(hf):
         case.Settings(capture_sizes=(8, 8))
     with pytest.raises(ValueError, match="num_requests"):
         case.serve_stream(QUICK, "fix", 0)
+
+
+def test_a_piecewise_step_that_begins_eagerly_is_compared_with_its_first_real_piece():
+    """Case 01's PIECEWISE shape: the eager region comes first, so the capture's first piece is
+    empty. The doctor compares the warmup with the piece after the eager region: a lazy step the
+    capture skips there is still found, and a faithful one gives no finding."""
+    def run(lazy: bool) -> doctor.Report:
+        buf, state = torch.ones(4), {}
+
+        def forward(size: int) -> torch.Tensor:
+            x = manager.eager(lambda t: t * 2)(buf[:size])
+            if lazy and "scale" not in state:          # skipped at capture: the warmup did it
+                state["scale"] = x.abs().max() + 1
+            return x / state.get("scale", 1.0)
+
+        manager = GraphManager(forward, [2, 4], mode="PIECEWISE")
+        with doctor.watch() as report:
+            manager.capture()
+        return report
+
+    faithful, lazy = run(lazy=False), run(lazy=True)
+    assert faithful.warmups == 2 and "warmup-divergence" in faithful.checked and not faithful.findings
+    assert lazy.kinds == {"warmup-divergence"}
 
 
 # ----------------------------------------------------------------------------- the case, quick scenario
