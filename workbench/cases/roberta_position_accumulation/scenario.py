@@ -280,9 +280,11 @@ def _end_bar(bar: tqdm, result: StreamResult, predicted_failure: int | None) -> 
     if k != predicted_failure:
         bar.set_description(f"{result.label}: crashed at request {k}, predicted {predicted_failure}")
         return
-    bar.set_description(f"{result.label}: crashed as predicted at request {k}")
-    bar.total, bar.n, bar.leave = k, k, True
-    bar.refresh()
+    bar.leave, started = True, bar.start_t
+    bar.reset(total=k)                  # in a notebook this also resizes the widget
+    bar.start_t = started               # keep the elapsed time and the rate
+    bar.set_description(f"{result.label}: crashed as predicted at request {k}", refresh=False)
+    bar.update(k)
 
 
 def can_crash(variant: str, zero_padding: bool, enforce_eager: bool) -> bool:
