@@ -233,6 +233,11 @@ class Doctor:
     def capture_end(self, graph) -> None:
         info = self.capturing
         self.capturing, self.phase, self.capture_outputs = None, "eager", []
+        if info is not None and info.warmup is not None and not info.ops:
+            # Nothing captured: a PIECEWISE piece closed before its first op (the step begins with
+            # eager code). The warmup, and what runs eagerly next, belong to the step's next piece.
+            self.warmup_runs, self.eager_lines = [info.warmup], info.eager_lines
+            return
         if info is not None and info.warmup is not None:
             self._check_warmup(info)
 

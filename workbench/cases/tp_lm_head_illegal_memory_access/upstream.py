@@ -31,11 +31,10 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..dist import (get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size,
-                    tensor_model_parallel_all_gather)
-from ..engine import events, graph, new_graph, synchronize
-
-VARIANTS = ("bug", "fix")
+from .. import check_variant
+from ...dist import (get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size,
+                     tensor_model_parallel_all_gather)
+from ...engine import GraphManager
 DEFAULT_VOCAB_PADDING_SIZE = 64                 # vllm/model_executor/layers/vocab_parallel_embedding.py
 CENTROID_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)  # Gemma4Proposer._setup_centroids_cuda_graphs
 NUM_WARMUPS = 3                                  # same place: three eager calls before each capture
@@ -178,10 +177,8 @@ class MTPDraftHead(nn.Module):
 
     def __init__(self, config: MTPHeadConfig, variant: str = "bug") -> None:
         super().__init__()
-        if variant not in VARIANTS:
-            raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
         self.config = config
-        self.variant = variant
+        self.variant = check_variant(variant)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.masked_embedding = MaskedEmbedder(config.hidden_size, config.vocab_size,
                                                config.num_centroids, config.centroid_intermediate_top_k)
@@ -267,72 +264,74 @@ class CapturedWeight:
 class CentroidsProposer:
     """The centroid top-k graphs of vLLM's ``Gemma4Proposer`` (``vllm/v1/spec_decode/gemma4.py``).
 
-    A manager of its own rather than ``GraphRunner``: upstream captures these graphs at load time,
-    each into its own pool, with a fresh static input per size and the lm_head weight passed in
-    from outside. ``on_freed`` picks the CPU emulation's outcome of reading freed memory.
+    Warmup, capture, dispatch and replay are a ``GraphManager``'s (``graph_manager``): at load
+    time, three warmups then a capture per size, smallest first, each graph in its own pool, with a
+    fresh static input per size made right before that size's warmups. The proposer keeps what
+    upstream does around them, where the bug lives: the lm_head weight the captures read is
+    gathered outside them and held only for the duration of the setup (``_capture_weight``, as
+    upstream's local variable). ``on_freed`` picks the CPU emulation's outcome of reading freed memory.
     """
 
     def __init__(self, model: MTPDraftHead, device: str, sizes: Sequence[int] = CENTROID_GRAPH_SIZES,
                  *, gather_in_capture: bool = False, on_freed: str = "raise") -> None:
-        sizes = list(sizes)
-        if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s <= 0 for s in sizes):
-            raise ValueError(f"sizes must be positive integers, got {sizes}")
         self.model = model
         self.device = device
-        self.sizes = sizes
         self.gather_in_capture = gather_in_capture
         self.on_freed = on_freed
         self.dtype = model.lm_head.weight.dtype
-        self._centroids_sizes: list[int] = []
-        self._centroids_graphs: dict[int, object] = {}
-        self._centroids_inputs: dict[int, torch.Tensor] = {}
-        self._centroids_outputs: dict[int, torch.Tensor] = {}
+        self.graph_manager = GraphManager(self._forward, sizes, device=device, num_warmups=NUM_WARMUPS,
+                                          static_buffers=self._static_input, descending=False,
+                                          shared_pool=False, on_freed=on_freed, name=type(self).__name__)
+        self.sizes = self.graph_manager.capture_sizes
         self.captured_weight: CapturedWeight | None = None
+        self._capture_weight: torch.Tensor | None = None     # the gathered weight, during setup only
 
     def load_model(self) -> None:
         if self.model.masked_embedding is not None:
             self._setup_centroids_cuda_graphs()
 
     def _setup_centroids_cuda_graphs(self) -> None:
-        masked_emb = self.model.masked_embedding
         if self.gather_in_capture:
             lm_head_weight = None                                  # gathered inside each capture
         else:
             lm_head_weight = self.model._get_full_lm_head_weight()  # upstream: eager, OUTSIDE capture
             self.captured_weight = CapturedWeight.of(lm_head_weight)
-        for size in self.sizes:
-            static_input = torch.zeros(size, masked_emb.hidden_size, dtype=self.dtype, device=self.device)
-            events.static_buffers(f"{type(self).__name__} size {size}", {"hidden_states": static_input})
-            for _ in range(NUM_WARMUPS):
-                with events.warmup():
-                    self._top_tokens(static_input, lm_head_weight)
-            synchronize(self.device)
-            g = new_graph(self.device, on_freed=self.on_freed)
-            with graph(g, name=f"size {size}"):
-                static_output = self._top_tokens(static_input, lm_head_weight)
-            self._centroids_graphs[size] = g
-            self._centroids_inputs[size] = static_input
-            self._centroids_outputs[size] = static_output
-        self._centroids_sizes = sorted(self._centroids_graphs)
+        self._capture_weight = lm_head_weight
+        del lm_head_weight
+        try:
+            self.graph_manager.capture()
+        finally:
+            self._capture_weight = None     # upstream's local goes out of scope: the proposer keeps no reference
 
-    def _top_tokens(self, hidden_states: torch.Tensor, lm_head_weight: torch.Tensor | None) -> torch.Tensor:
-        if lm_head_weight is None:
+    def _static_input(self, size: int) -> dict[str, torch.Tensor]:
+        return {"hidden_states": torch.zeros(size, self.model.masked_embedding.hidden_size, dtype=self.dtype,
+                                             device=self.device)}
+
+    def _forward(self, size: int) -> torch.Tensor:
+        """The captured step: top tokens of the size's static input, with the weight gathered at
+        setup, or (no weight: ``gather_in_capture``, and any eager re-run after setup) gathered here."""
+        hidden_states = self.graph_manager.buffers[size]["hidden_states"]
+        if self._capture_weight is None:
             return self.model.get_top_tokens(hidden_states)
-        return self.model.masked_embedding.get_top_tokens(hidden_states, lm_head_weight)
+        return self.model.masked_embedding.get_top_tokens(hidden_states, self._capture_weight)
+
+    @property
+    def centroid_graphs(self) -> list:
+        """The captured graphs, smallest size first."""
+        return [pieces[0] for _, pieces in sorted(self.graph_manager.graphs.items())]
 
     def _greedy_sample(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Draft token ids: replay the smallest graph that fits, or run eagerly above the largest."""
-        if self._centroids_sizes:
-            T = hidden_states.shape[0]
-            for size in self._centroids_sizes:
-                if size >= T:
-                    self._centroids_inputs[size][:T].copy_(hidden_states)
-                    events.serve(self._centroids_graphs[size], T, size, outputs=self._centroids_outputs[size],
-                                 padded={"hidden_states": self._centroids_inputs[size]})
-                    self._centroids_graphs[size].replay()
-                    return self._centroids_outputs[size][:T].clone()
+        """Draft token ids: replay the graph of the size the manager dispatches to, or run eagerly
+        above the largest."""
+        if not self.graph_manager.graphs:
+            raise RuntimeError("no centroid graphs: call load_model() first")
+        T = hidden_states.shape[0]
+        size = self.graph_manager.dispatch(T)
+        if size is None:
             return self.model.get_top_tokens(hidden_states)
-        raise RuntimeError("no centroid graphs: call load_model() first")
+        static_input = self.graph_manager.buffers[size]["hidden_states"]
+        static_input[:T].copy_(hidden_states)
+        return self.graph_manager.replay(size, T, padded={"hidden_states": static_input}).clone()
 
 
 def transformers_masked_embedder(config: MTPHeadConfig, seed: int = 0) -> nn.Module:

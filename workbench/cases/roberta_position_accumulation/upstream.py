@@ -1,7 +1,9 @@
-"""RoBERTa encoder in vLLM's serving style, with the position-offset ``bug`` and ``fix`` side by side.
+"""The mirrored upstream code: RoBERTa in vLLM's serving style, with the position-offset ``bug`` and
+``fix`` side by side, and the part of vLLM's model runner that starts it and serves it.
 
 Upstream: ``vllm/model_executor/models/roberta.py`` (``RobertaEmbeddingModel``, ``RobertaEmbedding``,
-``replace_roberta_positions``) on top of ``vllm/model_executor/models/bert.py`` (``BertModel``).
+``replace_roberta_positions``) on top of ``vllm/model_executor/models/bert.py`` (``BertModel``);
+``vllm/v1/worker/gpu_worker.py`` and ``gpu_model_runner.py`` (startup, ``_dummy_run``, serving).
 
 RoBERTa numbers positions from ``padding_idx + 1`` (= 2), while vLLM's runner hands every model
 positions from 0. The two versions add the offset differently:
@@ -22,10 +24,15 @@ Weights come from ``transformers.RobertaModel`` (``from_transformers``), with q/
 """
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 from torch import nn
 
-VARIANTS = ("bug", "fix")
+from .. import check_variant
+from ...engine import CUDAGraphMode, GraphError, GraphManager, resolve_device, validate_capture_sizes
 
 
 def replace_roberta_positions(input_ids: torch.Tensor, position_ids: torch.Tensor, padding_idx: int) -> None:
@@ -135,9 +142,7 @@ class RobertaEmbeddingModel(nn.Module):
 
     def __init__(self, config, variant: str) -> None:
         super().__init__()
-        if variant not in VARIANTS:
-            raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-        self.variant = variant
+        self.variant = check_variant(variant)
         self.padding_idx = config.pad_token_id
         self.model = BertModel(config, variant)
 
@@ -183,3 +188,149 @@ def from_transformers(hf_model, variant: str, device: str = "cpu") -> RobertaEmb
             ours[q + f"output_norm.{kind}"] = hf[p + f"output.LayerNorm.{kind}"]
     model.load_state_dict(ours, strict=True)
     return model.to(device).eval()
+
+
+# --------------------------------------------------------------------------- vLLM's startup
+def vllm_capture_sizes(max_capture_size: int) -> list[int]:
+    """vLLM's default ``cudagraph_capture_sizes``: 1, 2, 4, then every 8 below 256, every 16 above."""
+    if max_capture_size < 1:
+        raise ValueError(f"max_capture_size must be >= 1, got {max_capture_size}")
+    sizes = [s for s in (1, 2, 4) if s <= max_capture_size]
+    sizes += list(range(8, min(max_capture_size + 1, 256), 8))
+    sizes += list(range(256, max_capture_size + 1, 16))
+    return sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class DummyRun:
+    """One startup call of the model on ``positions[:num_tokens]`` (vLLM ``_dummy_run``)."""
+
+    kind: str          # "profile", "warmup", "capture" or "pooler warmup"
+    num_tokens: int
+
+
+def startup_runs(capture_sizes: Sequence[int], *, max_num_tokens: int, max_num_reqs: int,
+                 num_warmups: int = 1, enforce_eager: bool = False) -> list[DummyRun]:
+    """The model calls vLLM makes before serving, in order (v0.18.1 ``gpu_worker`` / ``gpu_model_runner``).
+
+    ``determine_available_memory`` -> ``profile_run``: one run at ``max_num_tokens``.
+    ``compile_or_warm_up_model`` -> ``capture_model``: per capture size, largest first,
+    ``cudagraph_num_of_warmups`` eager runs then the capture run; then the pooler warmup, one eager
+    run at ``max_num_reqs = min(max_num_seqs, max_num_batched_tokens)``. Not modelled: extra
+    ``compile_sizes`` (empty by default) and FULL decode-only graphs (embedding requests are
+    prefills: they run the PIECEWISE "mixed prefill-decode" graphs).
+    """
+    runs = [DummyRun("profile", max_num_tokens)]
+    if not enforce_eager:
+        for size in sorted(capture_sizes, reverse=True):
+            runs += [DummyRun("warmup", size)] * num_warmups + [DummyRun("capture", size)]
+    return runs + [DummyRun("pooler warmup", max_num_reqs)]
+
+
+# --------------------------------------------------------------------------- the runner
+class RobertaRunner:
+    """vLLM's GPU model runner for this model: its buffer policy on top of a ``GraphManager``.
+
+    The manager warms up and captures each size, largest first, into one pool; this class keeps
+    what vLLM does around the graphs, where the bug lives:
+
+    * Persistent ``input_ids`` and ``positions`` buffers sized for the largest capture size. A batch
+      refreshes only its real tokens' slots (``copy_to_gpu(n)``); padded slots keep what the last
+      writer left there.
+    * ``capture()`` runs vLLM's whole startup (``startup_runs``) on views of the buffers, never
+      refreshing them, as ``_dummy_run`` does: the profile run, the manager's warmups and captures,
+      and the pooler warmup. ``request_ids`` start as zeros, so every startup batch is one request.
+    * Attention metadata (``request_ids``) is rebuilt over the whole padded batch every step, as
+      vLLM's attention builder rebuilds ``query_start_loc``.
+    * ``cudagraph_mode``: ``PIECEWISE`` captures only ``model.model`` and runs ``model.pre_model``
+      eagerly before it at every replay (``manager.eager``), as vLLM does for these prefill-only
+      models; ``FULL`` captures ``model.forward`` whole.
+
+    ``zero_padding=True`` is the second upstream defence (#37873): zero the padded positions
+    before the model runs. ``enforce_eager=True`` (or mode ``NONE``): no graphs, no padding.
+    """
+
+    def __init__(self, model: RobertaEmbeddingModel, capture_sizes: Sequence[int], *, device: str = "cpu",
+                 cudagraph_mode: CUDAGraphMode | str = CUDAGraphMode.PIECEWISE, zero_padding: bool = False,
+                 enforce_eager: bool = False, num_warmups: int = 1, max_num_reqs: int | None = None) -> None:
+        mode = CUDAGraphMode.of(cudagraph_mode)
+        self.enforce_eager = enforce_eager or mode is CUDAGraphMode.NONE
+        self.cudagraph_mode = CUDAGraphMode.NONE if self.enforce_eager else mode
+        self.model = model
+        self.zero_padding = zero_padding
+        self.capture_sizes = validate_capture_sizes(capture_sizes)
+        self.max_size = self.capture_sizes[-1]
+        self.device = resolve_device(device)
+        self.max_num_reqs = self.max_size if max_num_reqs is None else max_num_reqs
+        if not 1 <= self.max_num_reqs <= self.max_size:
+            raise ValueError(f"max_num_reqs must be in [1, {self.max_size}], got {max_num_reqs}")
+        self.buffers = {"input_ids": torch.zeros(self.max_size, dtype=torch.int32, device=self.device),
+                        "positions": torch.zeros(self.max_size, dtype=torch.int64, device=self.device)}
+        self.request_ids = torch.zeros(self.max_size, dtype=torch.int64, device=self.device)
+        self.manager = GraphManager(self._forward, self.capture_sizes, device=self.device,
+                                    mode=self.cudagraph_mode, num_warmups=num_warmups,
+                                    static_buffers=self.buffers, name=type(self).__name__)
+        self.num_warmups = self.manager.num_warmups
+        self._pre_model = self.manager.eager(model.pre_model)
+        self.startup: list[DummyRun] = []
+
+    def _model_inputs(self, rows: int) -> dict[str, torch.Tensor]:
+        return {name: buf[:rows] for name, buf in self.buffers.items()} | {"request_ids": self.request_ids[:rows]}
+
+    def _forward(self, size: int) -> torch.Tensor:
+        """``model.forward`` with ``pre_model`` as an eager region: captured whole in FULL mode,
+        run eagerly before the captured ``BertModel`` in PIECEWISE mode."""
+        inputs = self._model_inputs(size)
+        self._pre_model(inputs["input_ids"], inputs["positions"])
+        return self.model.model(**inputs)
+
+    def _eager_run(self, num_tokens: int) -> None:
+        with torch.no_grad():
+            self.model(**self._model_inputs(num_tokens))
+
+    def capture(self) -> list[DummyRun]:
+        """Run vLLM's startup: profile run, warmups and captures, pooler warmup. Returns the runs."""
+        if self.startup:
+            raise GraphError("capture() was already called; create a new runner to start again.")
+        self.startup = startup_runs(self.capture_sizes, max_num_tokens=self.max_size,
+                                    max_num_reqs=self.max_num_reqs, num_warmups=self.num_warmups,
+                                    enforce_eager=self.enforce_eager)
+        profile, pooler = self.startup[0], self.startup[-1]
+        self._eager_run(profile.num_tokens)
+        self.manager.capture()          # the warmups and captures of startup_runs, in its order
+        self._eager_run(pooler.num_tokens)
+        return self.startup
+
+    def padded_size(self, n: int) -> int | None:
+        """The graph size ``n`` tokens run at (``None``: eager)."""
+        return self.manager.dispatch(n)
+
+    def __call__(self, requests: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Serve one batch of requests (1-D token tensors); returns each request's hidden states."""
+        if not requests:
+            raise ValueError("empty batch: give at least one request")
+        lens = [int(r.numel()) for r in requests]
+        if min(lens) == 0 or any(r.dim() != 1 for r in requests):
+            raise ValueError(f"each request must be a non-empty 1-D token tensor, got lengths {lens}")
+        n = sum(lens)
+        if n > self.max_size:
+            raise ValueError(f"{n} tokens exceed the runner's {self.max_size} (its largest capture size)")
+        if not self.enforce_eager and not self.manager.graphs:
+            raise GraphError("no graphs captured yet: call runner.capture() before serving")
+        size = self.padded_size(n)
+        rows = n if size is None else size
+        # What _prepare_inputs writes: real tokens and their positions, metadata for the padded batch.
+        self.buffers["input_ids"][:n].copy_(torch.cat(requests).to(torch.int32))
+        self.buffers["positions"][:n].copy_(torch.cat([torch.arange(k) for k in lens]))
+        request_ids = torch.full((rows,), -1, dtype=torch.int64)
+        request_ids[:n] = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+        self.request_ids[:rows].copy_(request_ids)
+        if self.zero_padding and rows > n:
+            self.buffers["positions"][n:rows].zero_()                   # vLLM 0.19.0 _preprocess
+        if size is None:
+            with torch.no_grad():
+                out = self.model(**self._model_inputs(rows))
+        else:
+            out = self.manager.replay(size, n, padded=self.buffers)
+        starts = np.cumsum([0] + lens)
+        return [out[a:b] for a, b in zip(starts[:-1], starts[1:])]

@@ -1,6 +1,4 @@
-"""A small Qwen3-VL vision encoder as vLLM runs it, with the encoder-CUDA-graph hooks of vLLM #38040.
-
-Upstream (``vllm/model_executor/models/qwen3_vl.py``; before = v0.20.2, after = v0.22.0):
+"""A small Qwen3-VL vision encoder as vLLM runs it (``vllm/model_executor/models/qwen3_vl.py``).
 
 * ``Qwen3_VisionPatchEmbed.forward``: ``x.view(L, -1, T, P, P)`` then a Conv3d with
   kernel = stride = ``(T, P, P)``. With ``L = 0`` the ``-1`` is ambiguous and the view raises
@@ -10,16 +8,13 @@ Upstream (``vllm/model_executor/models/qwen3_vl.py``; before = v0.20.2, after = 
   2-D rotary cos/sin, ``cu_seqlens`` padded to ``max_batch_size`` sequences with its last value)
   and ``forward(x, encoder_metadata=...)``, which the graph manager captures with persistent
   metadata buffers. Output = merger tokens concatenated with the deepstack features.
-* ``Qwen3VLForConditionalGeneration`` hooks, here ``EncoderModel``:
-  ``get_encoder_cudagraph_budget_range``, ``prepare_encoder_cudagraph_capture_inputs`` (``bug``:
-  ``per_image_output = budget // max_batch_size``; ``fix``: ceiling), the modalities the graphs
-  serve (``bug``: images even with pruning on; ``fix``: none when pruning is on) and the eager
-  image path with the EVS post-process that appends 5 mrope-position channels.
 
-Attention is dense and masked to each image by ``cu_seqlens`` (vLLM uses flash-attention varlen
-kernels; this form has fixed shapes, so it captures on CUDA and on the CPU emulation alike, and
-needs no ``max_seqlen``). The layer names match ``transformers``' ``Qwen3VLVisionModel``, so
-``to_transformers`` loads the same weights there and the eager outputs can be compared.
+The encoder has no variants: the bug and the fix live in the model's graph hooks and the graph
+manager (``upstream``). Attention is dense and masked to each image by ``cu_seqlens`` (vLLM uses
+flash-attention varlen kernels; this form has fixed shapes, so it captures on CUDA and on the CPU
+emulation alike, and needs no ``max_seqlen``). The layer names match ``transformers``'
+``Qwen3VLVisionModel``, so ``to_transformers`` loads the same weights there and the eager outputs
+can be compared.
 """
 from __future__ import annotations
 
@@ -30,16 +25,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-VARIANTS = ("bug", "fix")
-MROPE_CHANNELS = 5        # Qwen3-VL's EVS post-process: t, h, w, grid width, zero flag
-
-
-def check_variant(variant: str) -> str:
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-    return variant
-
 
 @dataclasses.dataclass(frozen=True)
 class VisionConfig:
@@ -68,18 +53,6 @@ class VisionConfig:
     def output_width(self) -> int:
         """Channels of one output token: the merger plus one block per deepstack layer."""
         return self.out_hidden_size * (1 + len(self.deepstack_visual_indexes))
-
-
-def per_item_output(token_budget: int, max_batch_size: int, variant: str) -> int:
-    """Output tokens of each synthetic image a budget's graph is captured with.
-
-    ``bug`` floors (v0.20.2): 0 when ``max_batch_size > token_budget``, and ``max_batch_size *
-    per_item < token_budget`` when the budget is not a multiple. ``fix`` takes the ceiling (v0.22.0:
-    "Ceil so the buffer fits the worst case of one item using the full budget").
-    """
-    if check_variant(variant) == "bug":
-        return token_budget // max_batch_size
-    return (token_budget + max_batch_size - 1) // max_batch_size
 
 
 def output_tokens(grid_thw: list[list[int]], merge: int) -> list[int]:
@@ -268,77 +241,6 @@ def _same_sequence_mask(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
     rows = torch.arange(length, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
     seq = torch.searchsorted(cu_seqlens, rows, right=True)
     return seq[:, None] == seq[None, :]
-
-
-@dataclasses.dataclass
-class CaptureInputs:
-    """What ``prepare_encoder_cudagraph_capture_inputs`` returns for one token budget."""
-
-    token_budget: int
-    per_item_output: int
-    grid_thw: list[list[int]]
-    pixel_values: torch.Tensor                  # becomes the graph's input buffer
-    metadata: dict[str, torch.Tensor]           # become its metadata buffers
-
-
-def mrope_positions(t: int, h: int, w: int, merge: int) -> torch.Tensor:
-    """``compute_mrope_for_media`` for one image plus Qwen3-VL's zero fifth channel: ``(tokens, 5)``
-    rows of ``(t, h, w, grid width, 0)`` at merged-token resolution."""
-    gh, gw = h // merge, w // merge
-    tt = torch.arange(t).view(-1, 1, 1).expand(t, gh, gw)
-    hh = torch.arange(gh).view(1, -1, 1).expand(t, gh, gw)
-    ww = torch.arange(gw).view(1, 1, -1).expand(t, gh, gw)
-    width = torch.full((t, gh, gw), gw)
-    return torch.stack([tt, hh, ww, width, torch.zeros_like(width)], dim=-1).reshape(-1, MROPE_CHANNELS)
-
-
-class EncoderModel(nn.Module):
-    """The parts of ``Qwen3VLForConditionalGeneration`` the encoder graph path touches.
-
-    ``min_budget`` is the smallest token budget worth a graph (Qwen3-VL: 64, the tokens of its
-    smallest image); ``pruning`` is ``is_multimodal_pruning_enabled`` (EVS video pruning).
-    """
-
-    def __init__(self, visual: VisionEncoder, *, variant: str, min_budget: int = 64, pruning: bool = False) -> None:
-        super().__init__()
-        self.visual = visual
-        self.variant = check_variant(variant)
-        self.min_budget = min_budget
-        self.pruning = pruning
-
-    def get_encoder_cudagraph_budget_range(self, config) -> tuple[int, int]:
-        """``(min_budget, max_budget)``; the max is ``min(max_num_batched_tokens, max_model_len)``."""
-        return self.min_budget, min(config.max_num_batched_tokens, config.max_model_len)
-
-    def encoder_cudagraph_modalities(self) -> list[str]:
-        """What the graphs may serve. ``bug``: images always. ``fix``: nothing with pruning on,
-        because the graph path skips the EVS post-process the eager path applies."""
-        if self.variant == "fix" and self.pruning:
-            return []
-        return ["image"]
-
-    def prepare_encoder_cudagraph_capture_inputs(self, token_budget: int, max_batch_size: int,
-                                                 device: torch.device | str, dtype: torch.dtype) -> CaptureInputs:
-        """Synthetic capture batch: ``max_batch_size`` rectangular images ``[1, m, per_item * m]``."""
-        m = self.visual.spatial_merge_size
-        per_item = per_item_output(token_budget, max_batch_size, self.variant)
-        grid = [[1, m, per_item * m] for _ in range(max_batch_size)]
-        patches = sum(t * h * w for t, h, w in grid)
-        pixel_values = torch.randn(patches, self.visual.config.patch_dim, device=device, dtype=dtype)
-        metadata = self.visual.prepare_encoder_metadata(grid, max_batch_size=max_batch_size)
-        return CaptureInputs(token_budget, per_item, grid, pixel_values, metadata)
-
-    def encoder_cudagraph_forward(self, pixel_values: torch.Tensor, metadata: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.visual(pixel_values, encoder_metadata=metadata)
-
-    def embed_images(self, pixel_values: torch.Tensor, grid_thw: list[list[int]]) -> tuple[torch.Tensor, ...]:
-        """The eager image path: encoder, split per image, EVS post-process when pruning is on."""
-        merge = self.visual.spatial_merge_size
-        embeds = self.visual(pixel_values, grid_thw).split(output_tokens(grid_thw, merge))
-        if not self.pruning:
-            return embeds
-        return tuple(torch.cat([e, mrope_positions(*g, merge).to(e.device, e.dtype)], dim=1)
-                     for e, g in zip(embeds, grid_thw))
 
 
 def build_encoder(cfg: VisionConfig = VisionConfig(), *, seed: int = 0, device: str = "cpu") -> VisionEncoder:

@@ -1,18 +1,19 @@
 """Case 01: RoBERTa positions accumulate in padded slots. Model fidelity, prediction, bug and fix."""
 import json
-import pathlib
 
 import matplotlib.pyplot as plt
 import pytest
 import torch
 
-from workbench.cases import roberta_positions as case
-from workbench.engine import GraphError
+from workbench.cases import get
+from workbench.cases import roberta_position_accumulation as case
+from workbench.cases.roberta_position_accumulation import RobertaEmbeddingModel, from_transformers
+from workbench import doctor
+from workbench.engine import CUDAGraphMode, GraphError, GraphManager
 from workbench.models.hf import tiny_model
-from workbench.models.roberta import RobertaEmbeddingModel, from_transformers
 
 # written by scripts/gpu_session.py: {"name", "device", "torch", "cuda", "date", "results": gpu_record("cuda")}
-GPU_RECORD = pathlib.Path(__file__).resolve().parent.parent / "results" / "gpu" / "case01_roberta.json"
+GPU_RECORD = get("roberta_position_accumulation").record
 # Cheap to start: two graphs, but 100 warmups each push the padded slots near the limit.
 QUICK = case.Settings(capture_sizes=(8, 16), max_num_reqs=16, num_warmups=100)
 
@@ -137,8 +138,11 @@ def test_prediction_arithmetic():
     assert case.predict_v_init(runs, 6, "full") == 2 * 4          # captures execute nothing
     assert case.predict_failing_step(12) == 251                   # 12 + 2 * 251 = 514
     assert case.predict_failing_step(513) == 1
+    assert case.predict_v_init(runs, 6, "FULL") == case.predict_v_init(runs, 6, CUDAGraphMode.FULL)
     with pytest.raises(ValueError, match="mode"):
-        case.predict_v_init(runs, 6, "FULL")
+        case.predict_v_init(runs, 6, "NONE")
+    with pytest.raises(ValueError, match="mode"):
+        case.predict_v_init(runs, 6, "partial")
     with pytest.raises(ValueError, match="no padded slots"):
         case.predict(case.Settings(capture_sizes=(1, 2, 4, 8), prompt_len=8))
     with pytest.raises(ValueError, match="overflow during startup"):
@@ -158,8 +162,8 @@ def test_startup_leaves_the_predicted_value_in_every_slot(hf, mode):
 
 def test_runner_rejects_bad_input(hf):
     model = from_transformers(hf, "fix")
-    with pytest.raises(ValueError, match="cudagraph_mode"):
-        case.RobertaRunner(model, (1, 2), cudagraph_mode="FULL")
+    with pytest.raises(ValueError, match="mode"):
+        case.RobertaRunner(model, (1, 2), cudagraph_mode="partial")
     with pytest.raises(ValueError, match="max_num_reqs"):
         case.RobertaRunner(model, (1, 2), max_num_reqs=3)
     runner = case.RobertaRunner(model, (1, 2, 4))
@@ -180,6 +184,29 @@ def test_runner_rejects_bad_input(hf):
         case.Settings(capture_sizes=(8, 8))
     with pytest.raises(ValueError, match="num_requests"):
         case.serve_stream(QUICK, "fix", 0)
+
+
+def test_a_piecewise_step_that_begins_eagerly_is_compared_with_its_first_real_piece():
+    """Case 01's PIECEWISE shape: the eager region comes first, so the capture's first piece is
+    empty. The doctor compares the warmup with the piece after the eager region: a lazy step the
+    capture skips there is still found, and a faithful one gives no finding."""
+    def run(lazy: bool) -> doctor.Report:
+        buf, state = torch.ones(4), {}
+
+        def forward(size: int) -> torch.Tensor:
+            x = manager.eager(lambda t: t * 2)(buf[:size])
+            if lazy and "scale" not in state:          # skipped at capture: the warmup did it
+                state["scale"] = x.abs().max() + 1
+            return x / state.get("scale", 1.0)
+
+        manager = GraphManager(forward, [2, 4], mode="PIECEWISE")
+        with doctor.watch() as report:
+            manager.capture()
+        return report
+
+    faithful, lazy = run(lazy=False), run(lazy=True)
+    assert faithful.warmups == 2 and "warmup-divergence" in faithful.checked and not faithful.findings
+    assert lazy.kinds == {"warmup-divergence"}
 
 
 # ----------------------------------------------------------------------------- the case, quick scenario
@@ -215,16 +242,33 @@ def test_figures(hf):
     prediction, bug = case.reproduce(QUICK, "cpu")
     fix = case.serve_stream(QUICK, "fix", 2 * prediction.failing_step, label="fix")
     figs = [case.plot_positions_heatmaps([bug, fix]), case.plot_index_growth([prediction], [bug, fix]),
-            case.plot_correctness([bug, fix]), case.plot_buffer_row([bug, fix], bug.served + 1)]
+            case.plot_correctness([bug, fix]), case.plot_buffer_row([bug, fix], bug.served + 5)]
     assert [len(f.axes) for f in figs] == [4, 1, 2, 2]          # heatmaps carry colorbars
+    # Past the crash (the explorer's slider runs to the longest stream) the bug's panel keeps its
+    # last buffer and says why it ended, instead of going empty.
+    bug_ax, fix_ax = figs[-1].axes
+    heights = [bar.get_height() for bar in bug_ax.patches]
+    assert heights == bug.buffer()[:, bug.served].tolist() and max(heights) > 0
+    assert f"after request {bug.served} (IndexError at request {prediction.failing_step})" in bug_ax.get_title()
+    assert f"after request {bug.served + 5}" in fix_ax.get_title()
     for f in figs:
         plt.close(f)
 
 
+def test_expected_crash_progress_bar_reads_as_predicted(capsys):
+    prediction, bug = case.reproduce(QUICK, "cpu", progress=True)
+    k = prediction.failing_step
+    err = capsys.readouterr().err.split("\r")[-1]             # the bar as it was left
+    assert f"crashed as predicted at request {k}" in err and "100%" in err and f"{k}/{k}" in err
+    res = case.serve_stream(QUICK, "bug", k + 10, label="bug", progress=True, predicted_failure=k + 1)
+    err = capsys.readouterr().err
+    assert res.failing_step == k and f"crashed at request {k}, predicted {k + 1}" in err
+
+
 # ----------------------------------------------------------------------------- headline numbers
 def test_headline_scenario_fails_where_predicted_in_both_graph_modes(record):
-    for mode, v_init, k in (("piecewise", 196, 159), ("full", 100, 207)):
-        bug = record[f"bug_{mode}"]
+    for mode, v_init, k in ((CUDAGraphMode.PIECEWISE, 196, 159), (CUDAGraphMode.FULL, 100, 207)):
+        bug = record[case.record_key(mode)]
         assert (bug["predicted_v_init"], bug["predicted_failing_step"]) == (v_init, k)
         assert bug["failed"] and bug["failing_step"] == k, mode
         assert bug["padded_slots_first_steps"][0] == [v_init + 2, v_init + 2]
@@ -237,7 +281,7 @@ def test_headline_scenario_fails_where_predicted_in_both_graph_modes(record):
 def _same_key_numbers(gpu: dict, cpu: dict) -> None:
     assert gpu["settings"] == cpu["settings"]
     for mode in case.MODES:
-        g, c = gpu[f"bug_{mode}"], cpu[f"bug_{mode}"]
+        g, c = gpu[case.record_key(mode)], cpu[case.record_key(mode)]
         for key in ("predicted_v_init", "predicted_failing_step", "failed", "failing_step",
                     "startup_slots", "padded_slots_first_steps", "padded_slots_last_step"):
             assert g[key] == c[key], (mode, key)
@@ -251,7 +295,7 @@ def _same_key_numbers(gpu: dict, cpu: dict) -> None:
 
 def test_gpu_record_matches_cpu(record):
     if not GPU_RECORD.exists():
-        pytest.skip("results/gpu/case01_roberta.json not recorded yet")
+        pytest.skip(f"{GPU_RECORD.name} not recorded on a GPU yet")
     gpu = json.loads(GPU_RECORD.read_text())
     assert "error" not in gpu, f"the GPU run failed: {gpu.get('error')}"
     _same_key_numbers(gpu["results"], json.loads(json.dumps(record)))

@@ -2,7 +2,6 @@
 import json
 import math
 import os
-import pathlib
 import re
 import time
 
@@ -10,14 +9,17 @@ import matplotlib.pyplot as plt
 import pytest
 import torch
 
-from workbench.cases import tp_lm_head as case
+from workbench.cases import get
+from workbench.cases import tp_lm_head_illegal_memory_access as case
+from workbench.cases.tp_lm_head_illegal_memory_access.scenario import _failed_launch
+from workbench.cases.tp_lm_head_illegal_memory_access.upstream import (
+    CentroidsProposer, MTPDraftHead, MTPHeadConfig, make_checkpoint, transformers_masked_embedder,
+    weights_from_transformers)
 from workbench.dist import RankError, launch, tensor_model_parallel_all_gather
 from workbench.engine import IllegalMemoryAccess
-from workbench.models.mtp_head import (CentroidsProposer, MTPDraftHead, MTPHeadConfig, make_checkpoint,
-                                       transformers_masked_embedder, weights_from_transformers)
 
 # written by scripts/gpu_session.py: {"name", "device", "torch", ..., "results": gpu_record("cuda")}
-GPU_RECORD = pathlib.Path(__file__).resolve().parent.parent / "results" / "gpu" / "case03_tp.json"
+GPU_RECORD = get("tp_lm_head_illegal_memory_access").record
 SMALL = MTPHeadConfig(vocab_size=3000, hidden_size=32, num_centroids=60, centroid_intermediate_top_k=4)
 QUICK = case.FAST
 
@@ -113,12 +115,12 @@ def test_a_failed_separate_launch_is_recorded_not_lost():
     scenario's outcome, and the other results stand."""
     died = RankError("2 of 2 ranks failed (nccl):\n  rank 0: AcceleratorError: CUDA error: an illegal "
                      "memory access was encountered", {0: "..."})
-    release = case._failed_launch("release", QUICK, "cuda", died)["bug_release"]
+    release = _failed_launch("release", QUICK, "cuda", died)["bug_release"]
     assert (release.failure, release.scenario) == (case.ILLEGAL_MEMORY_ACCESS, case.BUG_RELEASE)
     hung = RankError("2 of 2 ranks failed (nccl):\n  rank 0: did not report within 240 s", {0: "..."})
-    capture = case._failed_launch("gather_in_capture", QUICK, "cuda", hung)["gather_in_capture"]
+    capture = _failed_launch("gather_in_capture", QUICK, "cuda", hung)["gather_in_capture"]
     assert capture.failure == "capture_error" and math.isnan(capture.agreement)
-    assert case._failed_launch("release", QUICK, "cuda", hung)["bug_release"].failure == "rank_failed"
+    assert _failed_launch("release", QUICK, "cuda", hung)["bug_release"].failure == "rank_failed"
 
 
 def test_proposer_needs_load_model():
@@ -161,9 +163,9 @@ def _rank_facts(config):
         "fix_same_tensor": f1 is f2 and f1.is_contiguous(),
         "fix_equals_checkpoint": torch.equal(f1, make_checkpoint(config)["lm_head.weight"]),
         "allgather_in_alt_graphs": [sum("all_gather" in op.name for op in g.ops)
-                                    for g in alt._centroids_graphs.values()],
+                                    for g in alt.centroid_graphs],
         "allgather_in_fix_graphs": [sum("all_gather" in op.name for op in g.ops)
-                                    for g in outside._centroids_graphs.values()],
+                                    for g in outside.centroid_graphs],
     }
 
 
@@ -304,7 +306,7 @@ def test_record_is_json_ready(results):
 @pytest.mark.multiproc
 def test_gpu_record_matches_cpu(results):
     if not GPU_RECORD.exists():
-        pytest.skip(f"results/gpu/{GPU_RECORD.name} not recorded yet")
+        pytest.skip(f"{GPU_RECORD.name} not recorded on a GPU yet")
     stored = json.loads(GPU_RECORD.read_text())
     if "error" in stored:
         pytest.fail(f"the GPU run failed: {stored['error']}")

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import pathlib
 
 import hypothesis
 import hypothesis.strategies as st
@@ -12,12 +11,13 @@ import pytest
 import torch
 
 from workbench import expect_failure
-from workbench.cases import vit_encoder as case
-from workbench.models import vit
+from workbench.cases import VARIANTS, get
+from workbench.cases import vit_zero_per_image_output as case
+from workbench.cases.vit_zero_per_image_output.model import _same_sequence_mask
 
 matplotlib.use("Agg")
 # written by scripts/gpu_session.py: {"name", "device", "torch", "cuda", "date", "results": gpu_record("cuda")}
-GPU_RECORD = pathlib.Path(__file__).resolve().parent.parent / "results" / "gpu" / "case02_vit.json"
+GPU_RECORD = get("vit_zero_per_image_output").record
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -43,34 +43,34 @@ def manager(variant, min_budget=4, max_budget=128, token_budgets=(), max_items=0
 
 # ------------------------------------------------------------------- model
 def test_encoder_matches_transformers_qwen3_vl():
-    visual = vit.build_encoder(seed=3)
-    hf = vit.to_transformers(visual)
+    visual = case.build_encoder(seed=3)
+    hf = case.to_transformers(visual)
     grid = [[1, 4, 6], [1, 2, 2], [2, 8, 4], [1, 10, 14]]
     x = case.make_pixels(grid, visual.config.patch_dim, seed=1, device="cpu")
     with torch.no_grad():
-        ours, theirs = visual(x, grid), vit.transformers_output(hf, x, grid)
-    assert ours.shape == (sum(vit.output_tokens(grid, 2)), visual.config.output_width)
+        ours, theirs = visual(x, grid), case.transformers_output(hf, x, grid)
+    assert ours.shape == (sum(case.output_tokens(grid, 2)), visual.config.output_width)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
     assert ours.abs().mean() > 0.05          # not a comparison of near-zero tensors
 
 
 def test_patch_embed_on_zero_patches_raises_upstream_reshape_error():
-    visual = vit.build_encoder()
+    visual = case.build_encoder()
     with pytest.raises(RuntimeError, match=r"cannot reshape tensor of 0 elements into shape \[0, -1, 2, 16, 16\]"):
         visual.patch_embed(torch.zeros(0, visual.config.patch_dim))
 
 
 def test_per_item_output_floor_vs_ceiling():
-    assert vit.per_item_output(64, 256, "bug") == 0 and vit.per_item_output(64, 256, "fix") == 1
-    assert vit.per_item_output(10000, 156, "bug") * 156 == 9984          # 16 tokens short
-    assert vit.per_item_output(10000, 156, "fix") * 156 == 10140
-    assert vit.per_item_output(8192, 64, "bug") == vit.per_item_output(8192, 64, "fix") == 128
+    assert case.per_item_output(64, 256, "bug") == 0 and case.per_item_output(64, 256, "fix") == 1
+    assert case.per_item_output(10000, 156, "bug") * 156 == 9984          # 16 tokens short
+    assert case.per_item_output(10000, 156, "fix") * 156 == 10140
+    assert case.per_item_output(8192, 64, "bug") == case.per_item_output(8192, 64, "fix") == 128
     with pytest.raises(ValueError, match="variant must be one of"):
-        vit.per_item_output(64, 8, "patched")
+        case.per_item_output(64, 8, "patched")
 
 
 def test_capture_inputs_are_rectangular_images_and_padded_metadata():
-    model = vit.EncoderModel(vit.build_encoder(), variant="fix", min_budget=8)
+    model = case.EncoderModel(case.build_encoder(), variant="fix", min_budget=8)
     inputs = model.prepare_encoder_cudagraph_capture_inputs(50, 6, "cpu", torch.float32)
     assert inputs.per_item_output == 9 and inputs.grid_thw == [[1, 2, 18]] * 6
     assert inputs.pixel_values.shape == (6 * 9 * 4, model.visual.config.patch_dim)
@@ -80,25 +80,25 @@ def test_capture_inputs_are_rectangular_images_and_padded_metadata():
 
 
 def test_padded_rows_never_attend_to_real_rows():
-    mask = vit._same_sequence_mask(torch.tensor([0, 3, 5, 5], dtype=torch.int32), 7)
+    mask = _same_sequence_mask(torch.tensor([0, 3, 5, 5], dtype=torch.int32), 7)
     assert mask[:3, :3].all() and mask[3:5, 3:5].all() and mask[5:, 5:].all()
     assert not mask[:5, 5:].any() and not mask[:3, 3:].any()
 
 
 def test_evs_postprocess_appends_mrope_channels():
-    visual = vit.build_encoder()
-    model = vit.EncoderModel(visual, variant="fix", pruning=True)
+    visual = case.build_encoder()
+    model = case.EncoderModel(visual, variant="fix", pruning=True)
     grid = [[1, 4, 6]]
     (emb,) = model.embed_images(case.make_pixels(grid, visual.config.patch_dim, 0, "cpu"), grid)
-    assert emb.shape == (6, visual.config.output_width + vit.MROPE_CHANNELS)
+    assert emb.shape == (6, visual.config.output_width + case.MROPE_CHANNELS)
     assert emb[:, -5:].tolist() == [[0, h, w, 3, 0] for h in range(2) for w in range(3)]
 
 
 def test_graph_modalities_with_pruning():
-    visual = vit.build_encoder()
-    assert vit.EncoderModel(visual, variant="bug", pruning=True).encoder_cudagraph_modalities() == ["image"]
-    assert vit.EncoderModel(visual, variant="fix", pruning=True).encoder_cudagraph_modalities() == []
-    assert vit.EncoderModel(visual, variant="fix", pruning=False).encoder_cudagraph_modalities() == ["image"]
+    visual = case.build_encoder()
+    assert case.EncoderModel(visual, variant="bug", pruning=True).encoder_cudagraph_modalities() == ["image"]
+    assert case.EncoderModel(visual, variant="fix", pruning=True).encoder_cudagraph_modalities() == []
+    assert case.EncoderModel(visual, variant="fix", pruning=False).encoder_cudagraph_modalities() == ["image"]
 
 
 # ------------------------------------------- upstream TestInitInvariantValidation
@@ -327,7 +327,7 @@ def test_plots_return_figures(record):
 def _same_key_numbers(gpu: dict, cpu: dict) -> None:
     for key in ("defaults_bug", "defaults_fix_plan", "scaled_bug", "scaled_fix", "pruning"):
         assert gpu[key] == cpu[key], key
-    for v in vit.VARIANTS:
+    for v in VARIANTS:
         g, c = gpu["underallocation"][v], cpu["underallocation"][v]
         for key in ("token_budgets", "allocated_tokens", "full_batch_error", "sweep_crashed", "predicted_crash"):
             assert g[key] == c[key], (v, key)
@@ -340,7 +340,7 @@ def _same_key_numbers(gpu: dict, cpu: dict) -> None:
 
 def test_gpu_record_matches_cpu(record):
     if not GPU_RECORD.exists():
-        pytest.skip("results/gpu/case02_vit.json not recorded yet")
+        pytest.skip(f"{GPU_RECORD.name} not recorded on a GPU yet")
     gpu = json.loads(GPU_RECORD.read_text())
     assert "error" not in gpu, f"the GPU run failed: {gpu.get('error')}"
     _same_key_numbers(gpu["results"], json.loads(json.dumps(record)))
