@@ -1,0 +1,1 @@
+"""The zoo (registry filled in below)."""
