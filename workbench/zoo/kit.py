@@ -113,3 +113,18 @@ def generator(seed: int = 0) -> torch.Generator:
 
 def randn(*shape: int, gen: torch.Generator, device: str, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, generator=gen) * scale).to(device)
+
+
+def release_to_driver(device: str) -> None:
+    """Give freed cached blocks back to the driver (``torch.cuda.empty_cache``): a graph that still
+    holds the address of one then faults, as it does once a serving process reclaims memory. A
+    no-op on the CPU, whose emulation raises ``IllegalMemoryAccess`` as soon as the owner lets go."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def own_segment_elems(device: str) -> int:
+    """Elements of a float32 tensor big enough to own its CUDA allocator segment (so that
+    ``release_to_driver`` unmaps it); small on the CPU, where size does not matter."""
+    return (1 << 20) if torch.device(device).type == "cuda" else 16
