@@ -1,0 +1,59 @@
+"""The GPU record of the zoo: every program's verdicts on real CUDA graphs.
+
+Some bugs end in an illegal memory access or an invalidated capture, which poisons the CUDA context
+of the process they happen in. Each program therefore runs in a child process of its own, so that
+one program's crash cannot change another's verdict.
+
+Run on a GPU machine from the repository root::
+
+    python -c "import json, workbench.zoo as z; json.dump(z.gpu_record(), open('results/gpu/zoo.json', 'w'), indent=1)"
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import pathlib
+
+import torch
+
+from ..childproc import run_in_child
+from . import VARIANTS, names, run
+
+RESULT = pathlib.Path(__file__).resolve().parents[2] / "results" / "gpu" / "zoo.json"
+
+
+def outcomes_of(name: str, device: str) -> dict:
+    """Both variants of one program, as JSON-ready numbers (run inside the child process)."""
+    rows = {}
+    for variant in VARIANTS:
+        o = run(name, variant, device)
+        rows[variant] = {"verdict": o.verdict, "max_abs_error": _finite(o.max_abs_error),
+                         "error": None if o.error is None else list(o.error)}
+    return rows
+
+
+def gpu_record(device: str = "cuda") -> dict:
+    """``{"device", "torch", "date", "programs": {name: {"bug": {...}, "fix": {...}}}}``; a child that
+    dies outright records its exit as the error of the variant it was running."""
+    programs = {}
+    for name in names():
+        result = run_in_child(outcomes_of, name, device, timeout=300)
+        if result.ok:
+            programs[name] = result.value
+        else:
+            error = [result.error_type or "ChildDied", (result.error or f"exit code {result.exitcode}").splitlines()[0]]
+            programs[name] = {v: {"verdict": "misbehaves", "max_abs_error": None, "error": error} for v in VARIANTS}
+    return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else device,
+            "torch": torch.__version__, "date": datetime.date.today().isoformat(), "programs": programs}
+
+
+def load() -> dict | None:
+    """The committed GPU record, or None while it has not been recorded."""
+    return json.loads(RESULT.read_text()) if RESULT.exists() else None
+
+
+def _finite(x: float | None) -> float | None:
+    """JSON has no infinity: an infinite error (NaN outputs) is stored as a very large number."""
+    if x is None:
+        return None
+    return x if x < 1e300 else 1e300
