@@ -18,6 +18,9 @@ import torch
 from ..engine import events, graph, new_graph
 
 TOLERANCE = 1e-5          # a graph equals eager when every output is within this of eager's
+# Observers of the runner itself (the baseline detectors): ``captured(graph, fn)`` after each capture
+# with the captured callable, ``replaying(graph)`` before each replay. Engine events cover the rest.
+hooks: list = []
 VARIANTS = ("bug", "fix")
 MISBEHAVES, EQUALS = "misbehaves", "equals eager"
 
@@ -91,18 +94,25 @@ def capture(fn: Callable[[], object], *, device: str, pool=None, warmups: int = 
     g = new_graph(device, on_freed=on_freed)
     with graph(g, pool=pool, name=name):
         out = fn()
+    for hook in hooks:
+        hook.captured(g, fn)
     return g, out
 
 
 def replay(g, outputs, *, real: int | None = None, size: int | None = None,
            padded: Mapping[str, torch.Tensor] | None = None):
-    """Replay ``g`` and hand its static ``outputs`` out (valid until its next replay). With
-    ``real`` < ``size``, rows ``[real, size)`` of ``padded`` are announced as this step's padded rows."""
+    """Replay ``g`` and hand out views of its static ``outputs`` (valid until its next replay), as a
+    graph manager does. With ``real`` < ``size``, rows ``[real, size)`` of the buffers in ``padded``
+    are announced as this step's padded rows: name there only the buffers whose padded rows the step
+    left as they were (not those it neutralised)."""
     if real is not None and size is not None:
         events.serve(g, real, size, padded=padded, outputs=outputs)
+    for hook in hooks:
+        hook.replaying(g)
     g.replay()
-    events.handed_out(g, outputs)
-    return outputs
+    views = tuple(o.view_as(o) for o in outputs) if isinstance(outputs, tuple) else outputs.view_as(outputs)
+    events.handed_out(g, views)
+    return views
 
 
 def generator(seed: int = 0) -> torch.Generator:

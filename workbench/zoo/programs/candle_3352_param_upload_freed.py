@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from ...engine import graph, new_graph
 from ...engine import reuse_freed_blocks
-from ..kit import compare, generator, randn
+from ..kit import capture, compare, generator, randn, replay
 
 UPSTREAM = "https://github.com/huggingface/candle/pull/3352"
 FAMILY = "dangling references"
@@ -66,17 +65,14 @@ def run(variant: str, device: str = "cpu"):
     def served():
         dev = Device(device, keep_while_capturing=(variant == "fix"))
         x_buf = data[0].clone()
-        launch_row_mean(dev, x_buf)                                # warmup
-        g = new_graph(device, on_freed="reuse")
-        with graph(g, name="decode"):
-            out = launch_row_mean(dev, x_buf)
+        g, out = capture(lambda: launch_row_mean(dev, x_buf), device=device, name="decode", on_freed="reuse",
+                         static={"x": x_buf}, owner="candle model")
         outs = []
         for x in data:
             with reuse_freed_blocks():
                 launch_row_mean(dev, x[:, :2])                  # another shape's launch, eagerly
             x_buf.copy_(x)
-            g.replay()
-            outs.append(out.clone())
+            outs.append(replay(g, out).clone())
         return outs
 
     return compare(__name__.rsplit(".", 1)[-1], variant, device, served, eager)

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ...engine import graph, new_graph
-from ..kit import compare, generator, randn, release_to_driver, own_segment_elems
+from ..kit import capture, compare, generator, randn, release_to_driver, own_segment_elems, replay
 
 UPSTREAM = "https://github.com/kekzl/imp/issues/1648"
 FAMILY = "dangling references"
@@ -51,19 +50,15 @@ def run(variant: str, device: str = "cpu"):
     def served():
         sched = Scheduler(device, persistent=(variant == "fix"))
         x_buf = steps[0][0].clone()
-        meta = sched.prepare(steps[0][1])
-        decode(x_buf, meta)                                         # warmup
-        g = new_graph(device)
-        with graph(g, name="decode"):
-            out = decode(x_buf, meta)
-        del meta
+        sched.prepare(steps[0][1])
+        g, out = capture(lambda: decode(x_buf, sched.meta), device=device, name="decode",
+                         static={"x": x_buf}, owner="engine scheduler")
         outs = []
         for x, s in steps:
             sched.prepare(s)
             release_to_driver(device)
             x_buf.copy_(x)
-            g.replay()
-            outs.append(out.clone())
+            outs.append(replay(g, out).clone())
         return outs
 
     return compare(__name__.rsplit(".", 1)[-1], variant, device, served, eager)

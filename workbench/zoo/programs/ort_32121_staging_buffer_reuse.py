@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from ...engine import graph, new_graph, reuse_freed_blocks
-from ..kit import compare, generator, randn
+from ...engine import reuse_freed_blocks
+from ..kit import capture, compare, generator, randn, replay
 
 UPSTREAM = "https://github.com/microsoft/onnxruntime/pull/32121"
 FAMILY = "dangling references"
@@ -63,16 +63,13 @@ def run(variant: str, device: str = "cpu"):
     def served():
         prov = Provider(device, retain_while_capturing=(variant == "fix"))
         args_dev = torch.zeros(4, dtype=torch.int64, device=device)
-        gather_rows(prov, x, order, args_dev)                              # warmup
-        g = new_graph(device, on_freed="reuse")
-        with graph(g, name="decode"):
-            out = gather_rows(prov, x, order, args_dev)
-        g.replay()
-        first = out.clone()
+        g, out = capture(lambda: gather_rows(prov, x, order, args_dev), device=device, name="decode",
+                         on_freed="reuse", static={"x": x}, owner="CUDA execution provider")
+        first = replay(g, out).clone()
         with reuse_freed_blocks():                                         # a prefill of another shape
             prefill_args = prov.staging([0, 0, 1, 1])
-        g.replay()
+        second = replay(g, out).clone()
         del prefill_args
-        return [first, out.clone()]
+        return [first, second]
 
     return compare(__name__.rsplit(".", 1)[-1], variant, device, served, eager)

@@ -8,7 +8,7 @@ Mechanism: ``prepare()`` refreshes the KV page metadata and marks the persistent
 new plan; ``forward_impl()`` re-plans lazily when that flag is set. The warmup run planned and cleared
 the flag, so the capture recorded no planning, and replay runs no Python at all. Each replay reuses the
 plan of the warmup step.
-Doctor: warmup-divergence, at ``forward_impl`` (the planning the warmup ran and the capture skipped).
+Doctor: warmup-divergence, at ``plan`` (the planning the warmup ran and the capture skipped).
 Fix (upstream): plan the persistent wrappers in ``prepare()``, before every replay, outside the graph.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ..kit import capture, compare, generator, randn, replay
 UPSTREAM = "https://github.com/NVIDIA/TensorRT-LLM/pull/18443"
 FAMILY = "warmup/capture vs replay state"
 KIND = "warmup-divergence"
-SITE = "forward_impl"
+SITE = "plan"
 SYMPTOM = "attention uses the schedule planned for an earlier step's KV lengths"
 ROWS, CTX, DIM = 2, 8, 4
 
