@@ -93,3 +93,99 @@ def test_cpu_verdict_agrees_with_gpu_record(name, variant):
     gpu = rec["programs"][name][variant]
     assert zoo.run(name, variant).verdict == gpu["verdict"], gpu
 
+
+
+# ----------------------------------------------------------------------------- the baseline detectors
+import types  # noqa: E402
+
+import matplotlib  # noqa: E402
+import torch  # noqa: E402
+
+from workbench import detectors  # noqa: E402
+from workbench.zoo import bench, kit  # noqa: E402
+
+matplotlib.use("Agg")
+
+
+def _program(serve, eager, kind="dangling-reference", site="step"):
+    """A throwaway program in the zoo's shape, to test a detector's mechanism away from the zoo."""
+    return types.SimpleNamespace(KIND=kind, SITE=site, run=lambda variant, device="cpu": kit.compare(
+        "synthetic", variant, device, lambda: serve(variant), eager))
+
+
+def test_address_check_sees_a_rebound_input_and_nothing_else():
+    class Holder:
+        pass
+
+    def serve(variant):
+        h = Holder()
+        h.x = torch.ones(3)
+        g, out = kit.capture(lambda: h.x * 2, device="cpu")
+        if variant == "bug":
+            h.x = torch.full((3,), 5.0)           # the caller rebinds the input: the graph keeps the old address
+        else:
+            h.x.fill_(5.0)
+        return [kit.replay(g, out).clone()]
+
+    prog = _program(serve, lambda: [torch.full((3,), 10.0)])
+    bug, fix = (detectors.address_check(prog, v) for v in ("bug", "fix"))
+    assert bug.found and "h.x" in bug.detail
+    assert not fix.found
+
+
+def test_input_liveness_tracks_external_inputs_but_not_tensors_made_in_capture():
+    def serve(variant):
+        w = [torch.ones(4)]
+        g, out = kit.capture(lambda: w[0] * 3 + torch.arange(4.0), device="cpu")
+        if variant == "bug":
+            w.clear()                             # the only owner of an external input lets go
+        return [kit.replay(g, out).clone()]
+
+    prog = _program(serve, lambda: [torch.ones(4) * 3 + torch.arange(4.0)])
+    bug, fix = (detectors.input_liveness(prog, v) for v in ("bug", "fix"))
+    assert bug.found and bug.kind == "dangling-reference" and "float32[4]" in bug.detail
+    assert not fix.found
+
+
+def test_poison_fill_names_stale_padding_only_when_the_poison_changes_outputs():
+    prog = zoo.program("gllm_174_padded_positions_block_table")
+    bug, fix = (detectors.poison_fill(prog, v) for v in ("bug", "fix"))
+    assert bug.found and bug.kind == "stale-padding"
+    assert not fix.found
+    crash = detectors.poison_fill(zoo.program("nanovllm_258_block_table_width"), "bug")
+    assert crash.found and crash.kind is None     # it fails with or without poison: no padding evidence
+
+
+def test_eager_diff_and_doctor_on_known_programs():
+    imp = zoo.program("imp_1648_per_step_metadata_alloc")
+    assert detectors.eager_diff(imp, "bug").found and not detectors.eager_diff(imp, "fix").found
+    d = detectors.doctor_detector(imp, "bug")
+    assert d.found and d.kind == "dangling-reference" and d.site.endswith(" in decode")
+    assert not detectors.doctor_detector(imp, "fix").found
+
+
+def test_detect_rejects_bad_arguments():
+    prog = zoo.program(NAMES[0])
+    with pytest.raises(ValueError, match="detector must be one of"):
+        detectors.detect("sanitizer", prog, "bug")
+    with pytest.raises(ValueError, match="variant must be one of"):
+        detectors.detect("doctor", prog, "buggy")
+
+
+def test_benchmark_table_summary_and_figures():
+    names = ["imp_1648_per_step_metadata_alloc", "candle_3352_param_upload_freed", "warp_1663_host_reduction_not_replayed"]
+    rows = bench.benchmark(programs=names)
+    assert len(rows) == len(names) * 2 * len(detectors.DETECTORS)
+    assert {r["detector"] for r in rows} == set(detectors.DETECTORS)
+    summary = {s["detector"]: s for s in bench.summary(rows)}
+    assert summary["eager_diff"]["bugs"] == 2                 # the engine-gap program is left out
+    assert summary["eager_diff"]["found"] == 2 and summary["eager_diff"]["right_kind"] == 0
+    assert summary["doctor"]["right_site"] == 1               # imp: decode; warp: a proposed kind, no finding
+    assert summary["input_liveness"]["findings_on_fixes"] == 0
+    assert "| doctor | 1 / 2 |" in bench.markdown(bench.summary(rows))
+    expected, given, grid = bench.confusion(rows)
+    assert grid.sum() == 2 and grid[expected.index("host-work-frozen"), given.index(bench.NO_FINDING)] == 1
+    fig = bench.plot_confusion(rows)
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()][-1] == bench.NO_FINDING
+    fig = bench.plot_matrix(rows)
+    assert len(fig.axes[0].get_yticklabels()) == len(names)
