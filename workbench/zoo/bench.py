@@ -127,3 +127,25 @@ def plot_matrix(rows: list[dict]) -> plt.Figure:
     ax.set_title("Which detector finds which zoo bug", pad=40)
     fig.tight_layout()
     return fig
+
+
+def explore(rows: list[dict]):
+    """A drop-down over the zoo: each program's header and what every detector said (JupyterLab only)."""
+    import ipywidgets as widgets
+    from IPython.display import display
+
+    progs = list(dict.fromkeys(r["program"] for r in rows))
+    pick, out = widgets.Dropdown(options=progs, description="program"), widgets.Output()
+
+    def show(change=None) -> None:
+        out.clear_output()
+        with out:
+            print(program(pick.value).__doc__)
+            for r in (r for r in rows if r["program"] == pick.value):
+                print(f"{r['variant']:<4} {r['detector']:<15} {'FOUND' if r['found'] else 'nothing':<8} "
+                      f"{r['kind'] or '':<20} {r['detail']}")
+    pick.observe(show, names="value")
+    show()
+    box = widgets.VBox([pick, out])
+    display(box)
+    return box
