@@ -189,3 +189,27 @@ def test_benchmark_table_summary_and_figures():
     assert [t.get_text() for t in fig.axes[0].get_xticklabels()][-1] == bench.NO_FINDING
     fig = bench.plot_matrix(rows)
     assert len(fig.axes[0].get_yticklabels()) == len(names)
+
+
+def test_case_scenarios_run_under_the_workload_detectors():
+    case = bench._Case("02 vit")                  # its bug fails in the first capture: quick
+    assert (case.KIND, case.SITE) == ("undersized-buffer", "prepare_encoder_cudagraph_capture_inputs")
+    rows = [{"case": "02 vit", "variant": "bug", "detector": det, **vars(detectors.detect(det, case, "bug")),
+             "expected_kind": case.KIND} for det in bench.CASE_DETECTORS]
+    doctor_row = next(r for r in rows if r["detector"] == "doctor")
+    assert doctor_row["found"] and doctor_row["kind"] == "undersized-buffer"
+    assert doctor_row["site"].endswith(f" in {case.SITE}")
+    assert case.errors and case.errors[0].startswith("RuntimeError")
+    for r in rows:
+        r["right_site"] = bool(r["site"]) and r["site"].endswith(f" in {case.SITE}")
+    table = bench.case_markdown(rows)
+    assert "| 02 vit | bug | doctor | yes | undersized-buffer | undersized-buffer | yes |" in table
+
+
+def test_gpu_record_runs_each_program_in_a_child_and_is_json():
+    import json
+    rec = record.gpu_record("cpu", programs=["imp_1648_per_step_metadata_alloc"])
+    row = rec["programs"]["imp_1648_per_step_metadata_alloc"]
+    assert row["bug"]["verdict"] == zoo.MISBEHAVES and row["bug"]["error"][0] == "IllegalMemoryAccess"
+    assert row["fix"] == {"verdict": zoo.EQUALS, "max_abs_error": 0.0, "error": None}
+    assert json.loads(json.dumps(rec)) == rec and rec["device"] == "cpu"

@@ -113,7 +113,8 @@ def poison_fill(prog: ModuleType, variant: str, device: str = "cpu") -> Detectio
     if not poisoner.inputs:
         return Detection("poison_fill", plain.verdict == kit.MISBEHAVES, detail="no per-step buffers to poison")
     changed = (poisoned.error != plain.error or len(poisoned.graph) != len(plain.graph)
-               or any(not torch.equal(a.nan_to_num(1e9), b.nan_to_num(1e9)) for a, b in zip(poisoned.graph, plain.graph)))
+               or any(not torch.equal(a.nan_to_num(1e9), b.nan_to_num(1e9))
+                      for a, b in zip(poisoned.graph, plain.graph)))
     found = poisoned.verdict == kit.MISBEHAVES
     return Detection("poison_fill", found, kind="stale-padding" if found and changed else None,
                      detail=poisoned.summary())

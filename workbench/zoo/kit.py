@@ -67,7 +67,8 @@ def compare(program: str, variant: str, device: str, served: Callable[[], Sequen
         return Outcome(program, variant, device, [], reference, None, (type(e).__name__, text[0] if text else ""))
     if len(got) != len(reference) or any(g.shape != r.shape for g, r in zip(got, reference)):
         shapes = ([tuple(t.shape) for t in got], [tuple(t.shape) for t in reference])
-        return Outcome(program, variant, device, got, reference, math.inf, ("ShapeMismatch", f"graph {shapes[0]} vs eager {shapes[1]}"))
+        return Outcome(program, variant, device, got, reference, math.inf,
+                       ("ShapeMismatch", f"graph {shapes[0]} vs eager {shapes[1]}"))
     err = max((_max_abs(g, r) for g, r in zip(got, reference)), default=0.0)
     return Outcome(program, variant, device, got, reference, err)
 

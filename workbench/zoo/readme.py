@@ -54,7 +54,8 @@ def markdown(table: list[dict] | None = None) -> str:
                      f"{_verdicts(r['cpu'])} | {_verdicts(r['gpu'])} |")
     gaps = [(r["program"], v, why) for r in table for v, why in r["gaps"].items()]
     if gaps:
-        lines += ["", "Variants the CPU emulation cannot reproduce yet (engine gaps; their tests are strict xfails):", ""]
+        lines += ["", "Variants the CPU emulation cannot reproduce yet (engine gaps; their tests are strict xfails):",
+                  ""]
         lines += [f"- `{p}` ({v}): {why}" for p, v, why in gaps]
     lines += ["", "Kinds proposed for bugs that fit none of the doctor's kinds:", ""]
     lines += [f"- `{k}`: {d}" for k, d in PROPOSED_KINDS.items()]

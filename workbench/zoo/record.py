@@ -4,15 +4,16 @@ Some bugs end in an illegal memory access or an invalidated capture, which poiso
 of the process they happen in. Each program therefore runs in a child process of its own, so that
 one program's crash cannot change another's verdict.
 
-Run on a GPU machine from the repository root::
+Run on a GPU machine from the repository root (writes ``results/gpu/zoo.json``)::
 
-    python -c "import json, workbench.zoo as z; json.dump(z.gpu_record(), open('results/gpu/zoo.json', 'w'), indent=1)"
+    python -m workbench.zoo.record
 """
 from __future__ import annotations
 
 import datetime
 import json
 import pathlib
+from collections.abc import Sequence
 
 import torch
 
@@ -32,19 +33,20 @@ def outcomes_of(name: str, device: str) -> dict:
     return rows
 
 
-def gpu_record(device: str = "cuda") -> dict:
-    """``{"device", "torch", "date", "programs": {name: {"bug": {...}, "fix": {...}}}}``; a child that
-    dies outright records its exit as the error of the variant it was running."""
-    programs = {}
-    for name in names():
+def gpu_record(device: str = "cuda", programs: Sequence[str] | None = None) -> dict:
+    """``{"device", "torch", "date", "programs": {name: {"bug": {...}, "fix": {...}}}}`` for every
+    program (or those named); a child that dies outright records its exit as the error of both variants."""
+    out = {}
+    for name in (names() if programs is None else programs):
         result = run_in_child(outcomes_of, name, device, timeout=300)
         if result.ok:
-            programs[name] = result.value
+            out[name] = result.value
         else:
             error = [result.error_type or "ChildDied", (result.error or f"exit code {result.exitcode}").splitlines()[0]]
-            programs[name] = {v: {"verdict": "misbehaves", "max_abs_error": None, "error": error} for v in VARIANTS}
-    return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else device,
-            "torch": torch.__version__, "date": datetime.date.today().isoformat(), "programs": programs}
+            out[name] = {v: {"verdict": "misbehaves", "max_abs_error": None, "error": error} for v in VARIANTS}
+    on_gpu = torch.device(device).type == "cuda" and torch.cuda.is_available()
+    return {"device": torch.cuda.get_device_name() if on_gpu else device,
+            "torch": torch.__version__, "date": datetime.date.today().isoformat(), "programs": out}
 
 
 def load() -> dict | None:
@@ -57,3 +59,8 @@ def _finite(x: float | None) -> float | None:
     if x is None:
         return None
     return x if x < 1e300 else 1e300
+
+
+if __name__ == "__main__":
+    RESULT.write_text(json.dumps(gpu_record(), indent=1) + "\n")
+    print(f"wrote {RESULT}")

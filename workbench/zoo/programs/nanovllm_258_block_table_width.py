@@ -26,7 +26,8 @@ DIM, BLOCK, MAX_LEN = 4, 4, 16
 
 def attend(cache, block_table, context_len):
     """Mean of the cached rows of the first ``context_len`` positions (a stand-in for attention)."""
-    slots = (block_table[:, :, None] * BLOCK + torch.arange(BLOCK, device=cache.device)).reshape(block_table.shape[0], -1)
+    offsets = torch.arange(BLOCK, device=cache.device)
+    slots = (block_table[:, :, None] * BLOCK + offsets).reshape(block_table.shape[0], -1)
     valid = (torch.arange(slots.shape[1], device=cache.device)[None] < context_len[:, None]).to(cache.dtype)
     return (cache[slots] * valid[..., None]).sum(1) / context_len[:, None].to(cache.dtype)
 

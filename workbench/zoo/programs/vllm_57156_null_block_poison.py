@@ -58,7 +58,8 @@ def run(variant: str, device: str = "cpu"):
         cache, scales = fresh()
         dummy = SLOTS - 1 if variant == "fix" else 0
         bufs = {"q": torch.zeros(2, DIM, device=device), "k": torch.zeros(2, DIM, device=device),
-                "slots": torch.full((2,), dummy, device=device), "ctx_slots": torch.zeros(2, CTX, dtype=torch.long, device=device),
+                "slots": torch.full((2,), dummy, device=device),
+                "ctx_slots": torch.zeros(2, CTX, dtype=torch.long, device=device),
                 "ctx_valid": torch.zeros(2, CTX, device=device)}
         g, out = capture(lambda: decode(bufs["q"], bufs["k"], cache, scales, bufs["slots"], bufs["ctx_slots"],
                                         bufs["ctx_valid"]), device=device, static=bufs, owner="GPUModelRunner")
