@@ -2,7 +2,7 @@
 
 Upstream: https://github.com/pytorch/pytorch/issues/114844 ("CUDA graph doesn't update tensor on replay").
 Symptom: ``model.x`` keeps the value the user last put there instead of the first linear layer's output
-of the replayed step (PyTorch 2.1, Nov 2023).
+of the replayed step (PyTorch, Nov 2023).
 Mechanism: ``forward`` stores an intermediate with ``self.x = res``, a Python assignment. Capture runs
 it once, binding ``self.x`` to the graph's internal tensor; replay runs kernels only. Once anything
 rebinds ``model.x``, no replay will bind it back, so the model exposes a stale tensor.

@@ -7,8 +7,8 @@ Mechanism: cuBLAS workspaces are cached per stream, and a graph's GEMMs embed th
 Destroying a graph clears the workspaces of the stream it was captured on, whichever graphs still use
 them. The surviving graph then replays against a released workspace.
 Doctor: dangling-reference, at ``gemm`` (the kernel using the workspace).
-Fix (as the report proposes): tie a workspace's lifetime to the graphs that captured it (each graph
-holds a reference), instead of clearing by stream.
+Fix (what the report's analysis implies; the issue was open when read): tie a workspace's lifetime to
+the graphs that captured it (each graph holds a reference), instead of clearing by stream.
 """
 from __future__ import annotations
 

@@ -3,8 +3,9 @@
 Upstream: https://github.com/sgl-project/sglang/pull/27436 (breakable CUDA graphs for diffusion DiTs:
 the replay path clones outputs "so the caller can hold the result across the next replay / the other
 CFG branch (which shares this static output buffer when shapes match)").
-Symptom: without the clone, guided denoising computes ``uncond + s * (cond - uncond)`` from two equal
-tensors: guidance vanishes and images come out wrong (sglang diffusion runtime, 2026).
+Symptom (what the clone prevents, as the PR's review thread explains it; no user report was read):
+guided denoising would compute ``uncond + s * (cond - uncond)`` from two equal tensors, so guidance
+vanishes (sglang diffusion runtime, June 2026).
 Mechanism: the conditional and the unconditional passes have the same shapes, so both replay the same
 graph and share its static output. The caller keeps the conditional output and replays for the
 unconditional one. Both names now point at the unconditional result.

@@ -2,7 +2,7 @@
 
 Upstream: https://github.com/NVIDIA/TransformerEngine/pull/2937 (related: pytorch/pytorch#181723).
 Symptom: with TransformerEngine's graphed callables, retained parameter gradients are corrupted and
-gradient accumulation over micro-batches is wrong (TE 2.x, 2026).
+gradient accumulation over micro-batches is wrong (TransformerEngine main, April 2026).
 Mechanism: ``Graphed.backward`` handed the parameter-gradient slots of the graph's static outputs to
 autograd without copying. A later replay (the next micro-batch) writes the same slots. Whoever kept the
 first gradient now holds the second one, so the accumulated sum counts the last micro-batch twice.

@@ -2,7 +2,7 @@
 
 Upstream: https://github.com/vllm-project/vllm/pull/28202 (partially fixes vllm-project/vllm#27571).
 Symptom: Qwen3-Next serving crashes in decode with an ``AssertionError`` in ``causal_conv1d_update``
-under CUDA graphs (vLLM 0.11, Nov 2025).
+under CUDA graphs (vLLM main, Nov 2025).
 Mechanism: decode batches are padded to a captured size, so the mixer's input has the padded number
 of rows. Its conv-state indices were sliced to the real number of decodes. The kernel asserts
 ``(batch,) == conv_state_indices.shape`` and fails on every padded step.

@@ -3,8 +3,9 @@
 Upstream: https://github.com/vllm-project/vllm/pull/47308 ("[ModelRunner V2] Warmup cross-attn
 properly in encoder-decoder case. E.g. for whisper. Existing warmup was resulting in zero-key
 attention op.").
-Symptom: Whisper on Model Runner V2 ran its warmup/capture dummy batch with no encoder tokens, so the
-cross-attention it prepared had zero keys (vLLM main, July 2026).
+Symptom: Whisper on Model Runner V2 warmed up with a dummy batch without encoder tokens, so its
+cross-attention ran with zero keys (vLLM main, July 2026). The PR gives only that line; the program
+models its consequence for a graph captured from such a dummy batch.
 Mechanism: the dummy batch used for warmup and capture carries no encoder output, so the cross-attention
 key/value buffers are sized from an encoder length of 0. The captured cross-attention attends over an
 empty set and contributes nothing. Real requests' encoder states never reach the decoder's graph.

@@ -2,8 +2,8 @@
 
 Upstream: https://github.com/vllm-project/vllm/pull/56277 (Pixtral / Mistral3 encoder CUDA graphs: "It
 also keeps ``max_seqlen`` on CPU because attention backends call ``.item()`` on it during capture").
-Symptom: capturing the vision encoder fails with "operation not permitted when stream is capturing"
-when ``max_seqlen`` lives on the GPU (vLLM main, Sept 2026).
+Symptom: capturing the vision encoder fails when ``max_seqlen`` lives on the GPU, since the backend's
+``.item()`` is a host synchronisation inside a stream capture (vLLM main, Sept 2026).
 Mechanism: the attention backend turns ``max_seqlen`` into a Python int with ``.item()``. On a device
 tensor that is a device-to-host copy and a synchronisation, which a stream capture cannot contain. The
 capture is invalidated and the engine fails at startup.

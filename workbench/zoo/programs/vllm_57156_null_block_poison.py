@@ -10,8 +10,8 @@ Their all-zero activations quantise with a zero scale, so block 0 fills with NaN
 gathers slot 0 for invalid positions and relies on a zero weight to mask them out, and ``0 * NaN`` is NaN.
 Doctor: persistent-mutation (the warmup writes the KV cache's null block, which later steps read),
 site: ``write_kv``.
-Fix (as the issue proposes): keep dummy-batch writes out of the null block (they go to a scratch slot),
-so block 0 keeps the zeros masked reads rely on.
+Fix (the one the mechanism calls for; the issue was open when read): keep dummy-batch writes out of
+the null block (they go to a scratch slot), so block 0 keeps the zeros masked reads rely on.
 """
 from __future__ import annotations
 

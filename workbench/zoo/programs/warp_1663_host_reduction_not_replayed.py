@@ -2,8 +2,8 @@
 
 Upstream: https://github.com/NVIDIA/warp/issues/1663 ("CPU graph replay drops array-inner reductions").
 Symptom: ``wp.utils.array_inner`` on host arrays runs during capture but not at replay: capture
-succeeds, eager gives 5.0, replay gives the stale capture-time value (Warp 1.14, Newton's Style3D PCG
-solver, July 2026).
+succeeds, eager gives 5.0, replay gives the stale capture-time value (Warp CPU graphs, Newton's
+Style3D PCG solver, July 2026).
 Mechanism: the reduction runs as host code, not as a kernel the capture can record. It executes once,
 while capturing, and its result enters the graph as a constant. Every replay reuses that capture-time
 value whatever the arrays hold now.
