@@ -3,7 +3,7 @@
 Upstream: https://github.com/sgl-project/sglang/pull/27436 (breakable CUDA graphs for diffusion DiTs:
 the replay path clones outputs "so the caller can hold the result across the next replay / the other
 CFG branch (which shares this static output buffer when shapes match)").
-Symptom (what the clone prevents, as the PR's review thread explains it; no user report was read):
+Symptom: (what the clone prevents, as the PR's review thread explains it; no user report was read)
 guided denoising would compute ``uncond + s * (cond - uncond)`` from two equal tensors, so guidance
 vanishes (sglang diffusion runtime, June 2026).
 Mechanism: the conditional and the unconditional passes have the same shapes, so both replay the same
