@@ -13,9 +13,10 @@ them knows the program; each watches only what its tool watches.
 * ``address_check``: vLLM's debug mode asserts that a graph's inputs have the addresses they had at
   capture. The inputs of a captured callable are taken to be the tensors it closes over and their
   tensor attributes, checked before every replay.
-* ``input_liveness``: PyTorch's ``CUDAGraph(check_input_liveness=True)`` (torch >= 2.13, CUDA only),
-  as its documentation describes it: external tensors read during capture are tracked (tensors
-  created inside the capture are internal and are not), and a replay raises if any was deallocated.
+* ``input_liveness``: PyTorch's ``CUDAGraph(check_input_liveness=True)`` (torch >= 2.13, CUDA only;
+  pytorch/pytorch#174649), as its documentation describes it: external tensors read during capture
+  are tracked (tensors created inside the capture are internal and are not), and a replay raises if
+  any was deallocated. The GPU machines run torch 2.11, which lacks it, hence this emulation.
 * ``doctor``: ``workbench.doctor.diagnose`` on the program, its public API only.
 """
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The GPU record of the zoo: every program's verdicts on real CUDA graphs.
 
 Some bugs end in an illegal memory access or an invalidated capture, which poisons the CUDA context
-of the process they happen in. Each program therefore runs in a child process of its own, so that
-one program's crash cannot change another's verdict.
+of the process they happen in. Each variant of each program therefore runs in a child process of its
+own, so that a bug's crash cannot change its fix's verdict, nor another program's.
 
 Run on a GPU machine from the repository root (writes ``results/gpu/zoo.json``)::
 
@@ -23,27 +23,27 @@ from . import VARIANTS, names, run
 RESULT = pathlib.Path(__file__).resolve().parents[2] / "results" / "gpu" / "zoo.json"
 
 
-def outcomes_of(name: str, device: str) -> dict:
-    """Both variants of one program, as JSON-ready numbers (run inside the child process)."""
-    rows = {}
-    for variant in VARIANTS:
-        o = run(name, variant, device)
-        rows[variant] = {"verdict": o.verdict, "max_abs_error": _finite(o.max_abs_error),
-                         "error": None if o.error is None else list(o.error)}
-    return rows
+def outcome_of(name: str, variant: str, device: str) -> dict:
+    """One variant of one program, as JSON-ready numbers (run inside the child process)."""
+    o = run(name, variant, device)
+    return {"verdict": o.verdict, "max_abs_error": _finite(o.max_abs_error),
+            "error": None if o.error is None else list(o.error)}
 
 
 def gpu_record(device: str = "cuda", programs: Sequence[str] | None = None) -> dict:
     """``{"device", "torch", "date", "programs": {name: {"bug": {...}, "fix": {...}}}}`` for every
-    program (or those named); a child that dies outright records its exit as the error of both variants."""
+    program (or those named); a child that dies outright records its exit as the variant's error."""
     out = {}
     for name in (names() if programs is None else programs):
-        result = run_in_child(outcomes_of, name, device, timeout=300)
-        if result.ok:
-            out[name] = result.value
-        else:
-            error = [result.error_type or "ChildDied", (result.error or f"exit code {result.exitcode}").splitlines()[0]]
-            out[name] = {v: {"verdict": "misbehaves", "max_abs_error": None, "error": error} for v in VARIANTS}
+        out[name] = {}
+        for variant in VARIANTS:
+            result = run_in_child(outcome_of, name, variant, device, timeout=300)
+            if result.ok:
+                out[name][variant] = result.value
+            else:
+                error = [result.error_type or "ChildDied",
+                         (result.error or f"exit code {result.exitcode}").splitlines()[0]]
+                out[name][variant] = {"verdict": "misbehaves", "max_abs_error": None, "error": error}
     on_gpu = torch.device(device).type == "cuda" and torch.cuda.is_available()
     return {"device": torch.cuda.get_device_name() if on_gpu else device,
             "torch": torch.__version__, "date": datetime.date.today().isoformat(), "programs": out}
