@@ -29,6 +29,7 @@ RECORDS = {
     "graph_doctor": ("workbench.cases.graph_doctor", "gpu_record"),
     "graph_doctor_cost": ("workbench.cases.graph_doctor", "cost_record"),
     "graph_doctor_piecewise": ("workbench.cases.graph_doctor", "piecewise_record"),
+    "zoo": ("workbench.zoo.record", "gpu_record"),
 }
 MULTI_GPU = {"case03_tp", "graph_doctor"}    # graph_doctor runs case 03 when two GPUs are there
 

@@ -213,3 +213,16 @@ def test_gpu_record_runs_each_program_in_a_child_and_is_json():
     assert row["bug"]["verdict"] == zoo.MISBEHAVES and row["bug"]["error"][0] == "IllegalMemoryAccess"
     assert row["fix"] == {"verdict": zoo.EQUALS, "max_abs_error": 0.0, "error": None}
     assert json.loads(json.dumps(rec)) == rec and rec["device"] == "cpu"
+
+
+def test_gpu_record_is_read_bare_or_as_gpu_session_writes_it(tmp_path, monkeypatch):
+    import json
+    rec = {"device": "NVIDIA H100", "torch": "2.11", "date": "2026-11-23",
+           "programs": {"x": {"bug": {"verdict": zoo.MISBEHAVES}, "fix": {"verdict": zoo.EQUALS}}}}
+    path = tmp_path / "zoo.json"
+    monkeypatch.setattr(record, "RESULT", path)
+    assert record.load() is None
+    path.write_text(json.dumps(rec))
+    assert record.load() == rec
+    path.write_text(json.dumps({"name": "zoo", "device": "NVIDIA H100", "results": rec}))
+    assert record.load() == rec

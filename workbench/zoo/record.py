@@ -6,7 +6,7 @@ own, so that a bug's crash cannot change its fix's verdict, nor another program'
 
 Run on a GPU machine from the repository root (writes ``results/gpu/zoo.json``)::
 
-    python -m workbench.zoo.record
+    python -m workbench.zoo.record                  # or: python scripts/gpu_session.py OUT zoo
 """
 from __future__ import annotations
 
@@ -50,8 +50,12 @@ def gpu_record(device: str = "cuda", programs: Sequence[str] | None = None) -> d
 
 
 def load() -> dict | None:
-    """The committed GPU record, or None while it has not been recorded."""
-    return json.loads(RESULT.read_text()) if RESULT.exists() else None
+    """The committed GPU record, or None while it has not been recorded. ``scripts/gpu_session.py``
+    wraps a record in ``{"name", device metadata, "results": record}``; both shapes are read."""
+    if not RESULT.exists():
+        return None
+    data = json.loads(RESULT.read_text())
+    return data.get("results", data)
 
 
 def _finite(x: float | None) -> float | None:
