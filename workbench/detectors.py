@@ -6,10 +6,11 @@ them knows the program; each watches only what its tool watches.
 
 * ``eager_diff``: replay outputs against eager outputs on a few batches (vLLM's
   ``test_full_cudagraph``): it sees that numbers differ or that the run crashed, not why.
-* ``poison_fill``: before each step is prepared, the per-row static buffers the runner fills are
-  poisoned (NaN, 0 for integers), as TensorRT-LLM's tests poison graph inputs; a step that leaves
-  rows unrefreshed then produces different outputs. It can say "stale padding" when the poison alone
-  changed the outputs.
+* ``poison_fill``: TensorRT-LLM's poison-fill tests (PR #18207): the static input buffers are filled
+  with a sentinel (-12345) before each step is prepared; a replay whose buffers still hold the
+  sentinel in the rows the graph reads fails the test, and so do outputs that differ from eager. It
+  says "stale padding" when the sentinel survived or the poison alone changed the outputs. The
+  buffers poisoned are those the runner names as per-step inputs (at ``serve``).
 * ``address_check``: vLLM's debug mode asserts that a graph's inputs have the addresses they had at
   capture. The inputs of a captured callable are taken to be the tensors it closes over and their
   tensor attributes, checked before every replay.
@@ -90,21 +91,32 @@ def eager_diff(prog: ModuleType, variant: str, device: str = "cpu") -> Detection
 
 
 # ----------------------------------------------------------------------------- (b) poison fill
+SENTINEL = -12345
+
+
 class _Poisoner(_Observer):
-    """After each replay, poison the buffers the runner hands in per step (those it names at serve)."""
+    """After each replay, fill the per-step input buffers (those the runner names at ``serve``) with
+    the sentinel; at the next ``serve``, note those whose rows ``[0, size)`` still hold it."""
 
     def __init__(self) -> None:
-        self.inputs: dict[int, torch.Tensor] = {}
+        self.inputs: dict[int, tuple[str, torch.Tensor]] = {}
+        self.poisoned = False
+        self.survived: list[str] = []
 
     def serve(self, graph, real, size, padded, outputs):
-        for t in padded.values():
-            if isinstance(t, torch.Tensor):
-                self.inputs[id(t)] = t
+        if self.poisoned:
+            for name, t in padded.items():
+                if isinstance(t, torch.Tensor) and (t[:size] == SENTINEL).any() and name not in self.survived:
+                    self.survived.append(name)
+        for name, t in padded.items():
+            if isinstance(t, torch.Tensor) and t.dtype != torch.bool:
+                self.inputs[id(t)] = (name, t)
 
     def replay_end(self, graph):
-        for t in self.inputs.values():
-            with torch.no_grad():
-                t.fill_(float("nan") if t.dtype.is_floating_point else 0)
+        with torch.no_grad():
+            for _, t in self.inputs.values():
+                t.fill_(SENTINEL)
+        self.poisoned = bool(self.inputs)
 
 
 def poison_fill(prog: ModuleType, variant: str, device: str = "cpu") -> Detection:
@@ -116,9 +128,10 @@ def poison_fill(prog: ModuleType, variant: str, device: str = "cpu") -> Detectio
     changed = (poisoned.error != plain.error or len(poisoned.graph) != len(plain.graph)
                or any(not torch.equal(a.nan_to_num(1e9), b.nan_to_num(1e9))
                       for a, b in zip(poisoned.graph, plain.graph)))
-    found = poisoned.verdict == kit.MISBEHAVES
-    return Detection("poison_fill", found, kind="stale-padding" if found and changed else None,
-                     detail=poisoned.summary())
+    found = poisoned.verdict == kit.MISBEHAVES or bool(poisoner.survived)
+    stale = bool(poisoner.survived) or (found and changed)
+    detail = f"sentinel left in: {', '.join(poisoner.survived)}; " if poisoner.survived else ""
+    return Detection("poison_fill", found, kind="stale-padding" if stale else None, detail=detail + poisoned.summary())
 
 
 # ----------------------------------------------------------------------------- (c) address check
