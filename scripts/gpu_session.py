@@ -33,7 +33,7 @@ def records() -> dict[str, tuple[str, str, int]]:
         "graph_doctor": ("workbench.cases.graph_doctor", "gpu_record", 1),   # case 03 needs a second GPU
         "graph_doctor_cost": ("workbench.cases.graph_doctor", "cost_record", 1),
         "graph_doctor_piecewise": ("workbench.cases.graph_doctor", "piecewise_record", 1),
-        "zoo": ("workbench.zoo", "gpu_record", 1),
+        "zoo": ("workbench.zoo.record", "gpu_record", 1),
     }
     for case in cases.CASES:
         found[case.id] = (f"{case.package}.scenario", "gpu_record", case.gpus)
