@@ -3,19 +3,23 @@ from __future__ import annotations
 
 import json
 import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
-from workbench.cases import mamba_padding as case
-from workbench.cases.mamba_batch import (CachedRequestState, CommonAttentionMetadata, InputBatch,
-                                         MambaMetadataBuilder, check_variant, padded_is_prefilling,
-                                         reorder_batch_to_split_decodes_and_prefills)
+from workbench import cases
+from workbench.cases import mamba_stale_is_prefilling as case
+from workbench.cases.mamba_stale_is_prefilling.mamba import NULL_BLOCK_ID, MambaConfig, StateTable, tiny_mamba
+from workbench.cases.mamba_stale_is_prefilling.upstream import (CachedRequestState, CommonAttentionMetadata,
+                                                                InputBatch, MambaMetadataBuilder, check_variant,
+                                                                padded_is_prefilling,
+                                                                reorder_batch_to_split_decodes_and_prefills)
 from workbench.engine import graph, new_graph
-from workbench.models.mamba import NULL_BLOCK_ID, MambaConfig, StateTable, tiny_mamba
 
-GPU_RECORD = pathlib.Path(__file__).resolve().parent.parent / "results" / "gpu" / "case04_mamba.json"
+GPU_RECORD = cases.get("mamba_stale_is_prefilling").record
 
 
 @pytest.fixture(scope="module")
@@ -293,10 +297,18 @@ def test_figures_draw(runs):
         plt.close(fig)
 
 
+def test_importing_the_case_registers_no_colormap():
+    """Colour maps belong to the figures that use them, not to matplotlib's global registry."""
+    code = ("import matplotlib; before = set(matplotlib.colormaps); "
+            "import workbench.cases.mamba_stale_is_prefilling as case; "
+            "assert set(matplotlib.colormaps) == before, set(matplotlib.colormaps) - before")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=pathlib.Path(__file__).resolve().parent.parent)
+
+
 # ------------------------------------------------------------------------------ GPU record
 def test_gpu_record_matches_cpu(runs):
     if not GPU_RECORD.exists():
-        pytest.skip("results/gpu/case04_mamba.json not recorded yet")
+        pytest.skip(f"{GPU_RECORD.name} not recorded yet: a GPU session writes it with gpu_record()")
     record = json.loads(GPU_RECORD.read_text())
     assert "error" not in record, f"the GPU run failed: {record.get('error')}"
     gpu, cpu = record["results"], case.key_numbers(runs)
