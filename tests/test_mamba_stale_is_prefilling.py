@@ -289,11 +289,17 @@ def test_requests_finishing_on_an_idle_step_leave_the_batch():
     assert result.generations == case.serve("eager", workload=workload).generations
 
 
-def test_figures_draw(runs):
+def test_figures_draw_with_no_text_under_8_points(runs):
     import matplotlib.pyplot as plt
+    from matplotlib.text import Text
     for fn in (case.plot_is_prefilling, case.plot_state_slots, case.plot_token_agreement):
         fig = fn(runs)
         assert len(fig.axes) >= 2
+        fig.canvas.draw()                      # tick labels exist once drawn
+        texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
+        assert len(texts) > 20                 # the cell labels are among them
+        small = sorted({(t.get_text(), t.get_fontsize()) for t in texts if t.get_fontsize() < 8})
+        assert not small, f"{fn.__name__}: text under 8 pt: {small[:5]}"
         plt.close(fig)
 
 
