@@ -12,6 +12,7 @@ Parts: ``split_kv`` (the planner, split-KV attention and the LM), ``task`` (the 
 its training), ``upstream`` (the capture manager, ``bug`` and ``fix``), ``oplog`` (the kernels each
 capture recorded), ``scenario`` (experiments, prediction, ``gpu_record``), ``figures``.
 """
+from .. import VARIANTS
 from .. import get as _get
 from .figures import explore, plot_accuracy, plot_generations, plot_length_change, plot_plans
 from .scenario import (BATCH_SIZE, CAPTURE_SIZES, CaseResult, Generation, LengthChange, doctor_workload,
@@ -25,7 +26,7 @@ CASE = _get("lazy_attention_state_capture").stem
 
 __all__ = [
     "AttentionState", "BATCH_SIZE", "CAPTURE_SIZES", "CASE", "CHECKPOINT", "CONFIG", "CaseResult", "CudaGraphManager",
-    "EOS", "Generation", "LengthChange", "PLUS", "Problem", "doctor_workload", "explore", "generate",
+    "EOS", "Generation", "LengthChange", "PLUS", "Problem", "VARIANTS", "doctor_workload", "explore", "generate",
     "gpu_record", "length_change", "load_model", "parse_answer", "plan_splits", "plot_accuracy",
     "plot_generations", "plot_length_change", "plot_plans", "predicted_bug_accuracy", "render", "render_answer",
     "run", "sample_problems", "serve", "train", "training_batch", "write_checkpoint",
