@@ -15,9 +15,9 @@ DATA_DIR = pathlib.Path(__file__).resolve().parent.parent / "data"
 
 def addition_lm() -> list[pathlib.Path]:
     """Case 05: the split-KV decoder LM trained on multi-digit addition (a few minutes on 2 CPU cores)."""
-    from .cases import lazy_attention
+    from .cases.lazy_attention_state_capture import task
 
-    return [lazy_attention.write_checkpoint(DATA_DIR / lazy_attention.CHECKPOINT_NAME)]
+    return [task.write_checkpoint(DATA_DIR / task.CHECKPOINT_NAME)]
 
 
 GENERATORS: list[Callable[[], list[pathlib.Path]]] = [addition_lm]

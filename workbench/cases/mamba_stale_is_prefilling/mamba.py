@@ -14,7 +14,7 @@ Mamba "block"), addressed by a per-row state index. A model step therefore has t
   persistent buffer, so the graph reads whatever that buffer holds at replay.
 
 The model has no ``bug``/``fix`` variant: the upstream bug (#41873) is in the runner's metadata,
-which decides what the state-index buffer holds (``workbench.cases.mamba_batch`` has both variants).
+which decides what the state-index buffer holds (``upstream.py`` beside this file has the variants).
 The arithmetic is ``transformers``' ``MambaForCausalLM`` (``modeling_mamba.py``: ``MambaMixer``
 slow path, ``MambaRMSNorm``, tied ``lm_head``); parameter names match its ``state_dict`` so the same
 weights load into both, and the tests compare prefill and step-by-step decode against it.

@@ -3,19 +3,23 @@ from __future__ import annotations
 
 import json
 import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
-from workbench.cases import mamba_padding as case
-from workbench.cases.mamba_batch import (CachedRequestState, CommonAttentionMetadata, InputBatch,
-                                         MambaMetadataBuilder, check_variant, padded_is_prefilling,
-                                         reorder_batch_to_split_decodes_and_prefills)
+from workbench import cases
+from workbench.cases import mamba_stale_is_prefilling as case
+from workbench.cases.mamba_stale_is_prefilling.mamba import NULL_BLOCK_ID, MambaConfig, StateTable, tiny_mamba
+from workbench.cases.mamba_stale_is_prefilling.upstream import (CachedRequestState, CommonAttentionMetadata,
+                                                                InputBatch, MambaMetadataBuilder, check_variant,
+                                                                padded_is_prefilling,
+                                                                reorder_batch_to_split_decodes_and_prefills)
 from workbench.engine import graph, new_graph
-from workbench.models.mamba import NULL_BLOCK_ID, MambaConfig, StateTable, tiny_mamba
 
-GPU_RECORD = pathlib.Path(__file__).resolve().parent.parent / "results" / "gpu" / "case04_mamba.json"
+GPU_RECORD = cases.get("mamba_stale_is_prefilling").record
 
 
 @pytest.fixture(scope="module")
@@ -285,18 +289,32 @@ def test_requests_finishing_on_an_idle_step_leave_the_batch():
     assert result.generations == case.serve("eager", workload=workload).generations
 
 
-def test_figures_draw(runs):
+def test_figures_draw_with_no_text_under_8_points(runs):
     import matplotlib.pyplot as plt
+    from matplotlib.text import Text
     for fn in (case.plot_is_prefilling, case.plot_state_slots, case.plot_token_agreement):
         fig = fn(runs)
         assert len(fig.axes) >= 2
+        fig.canvas.draw()                      # tick labels exist once drawn
+        texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
+        assert len(texts) > 20                 # the cell labels are among them
+        small = sorted({(t.get_text(), t.get_fontsize()) for t in texts if t.get_fontsize() < 8})
+        assert not small, f"{fn.__name__}: text under 8 pt: {small[:5]}"
         plt.close(fig)
+
+
+def test_importing_the_case_registers_no_colormap():
+    """Colour maps belong to the figures that use them, not to matplotlib's global registry."""
+    code = ("import matplotlib; before = set(matplotlib.colormaps); "
+            "import workbench.cases.mamba_stale_is_prefilling as case; "
+            "assert set(matplotlib.colormaps) == before, set(matplotlib.colormaps) - before")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=pathlib.Path(__file__).resolve().parent.parent)
 
 
 # ------------------------------------------------------------------------------ GPU record
 def test_gpu_record_matches_cpu(runs):
     if not GPU_RECORD.exists():
-        pytest.skip("results/gpu/case04_mamba.json not recorded yet")
+        pytest.skip(f"{GPU_RECORD.name} not recorded yet: a GPU session writes it with gpu_record()")
     record = json.loads(GPU_RECORD.read_text())
     assert "error" not in record, f"the GPU run failed: {record.get('error')}"
     gpu, cpu = record["results"], case.key_numbers(runs)

@@ -22,7 +22,7 @@ This module reproduces that contract at a size a CPU can run:
   graph (FULL) or eagerly between graphs of the other layers (PIECEWISE).
 
 The bug of vLLM #42444 is not in this file: the model is correct as long as each step gets a fresh
-(empty) schedule. The capture manager in ``workbench.cases.lazy_attention`` decides that.
+(empty) schedule. The capture manager in ``upstream.py`` beside this file decides that.
 """
 from __future__ import annotations
 

@@ -29,16 +29,17 @@ import dataclasses
 import numpy as np
 import torch
 
-from workbench.models.mamba import NULL_BLOCK_ID
+from .. import VARIANTS
+from .. import check_variant as _check_variant
+from .mamba import NULL_BLOCK_ID
 
-VARIANTS = ("bug", "fix", "guard")
+# 'bug': before vLLM #41873; 'fix': #41873 zeroes padded rows; 'guard': #42947's consumer-side guard.
+VARIANTS_WITH_GUARD = (*VARIANTS, "guard")
 
 
 def check_variant(variant: str) -> str:
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS} ('bug': before vLLM #41873, 'fix': #41873 "
-                         f"zeroes padded rows, 'guard': #42947's consumer-side guard), got {variant!r}")
-    return variant
+    """``variant`` if it is one of ``VARIANTS_WITH_GUARD``, else a ``ValueError`` that lists them."""
+    return _check_variant(variant, VARIANTS_WITH_GUARD)
 
 
 @dataclasses.dataclass

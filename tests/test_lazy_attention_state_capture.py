@@ -1,19 +1,26 @@
 """Case 05: lazily planned split-KV schedule skipped by CUDA-graph capture (vLLM #42444)."""
+import dataclasses
 import json
 import pathlib
+import subprocess
+import sys
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workbench.cases import lazy_attention as case
-from workbench.engine import graph, new_graph
-from workbench.models.split_kv import (LMConfig, empty_schedule, plan_splits, reference_attention,
-                                       split_kv_attention, to_transformers)
+from workbench import cases
+from workbench.cases import VARIANTS
+from workbench.cases import lazy_attention_state_capture as case
+from workbench.cases.lazy_attention_state_capture.split_kv import (LMConfig, empty_schedule, plan_splits,
+                                                                   reference_attention, split_kv_attention,
+                                                                   to_transformers)
+from workbench.engine import CUDAGraphMode, events, graph, new_graph
 
-GPU_RECORD = pathlib.Path(__file__).resolve().parent.parent / "results" / "gpu" / "case05_lazy_attention.json"
+GPU_RECORD = cases.get("lazy_attention_state_capture").record
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +155,7 @@ def test_training_steps_are_deterministic():
 def test_checkpoint_is_the_trained_model(model):
     ckpt = torch.load(case.CHECKPOINT, weights_only=True)
     assert ckpt["train"]["seed"] == 0 and ckpt["train"]["steps"] == 1500    # write_checkpoint()'s defaults
-    assert ckpt["config"] == case.dataclasses.asdict(case.CONFIG)
+    assert ckpt["config"] == dataclasses.asdict(case.CONFIG)
     assert case.CHECKPOINT.stat().st_size < 2_000_000
     assert case.serve(model, case.sample_problems(48, seed=11), mode="NONE").accuracy >= 0.95
 
@@ -161,7 +168,7 @@ def test_missing_checkpoint_names_the_regenerate_command(tmp_path):
 # -------------------------------------------------------------------------------- capture manager
 def test_bug_capture_records_no_planner_fix_does(model):
     ops = {}
-    for variant in case.VARIANTS:
+    for variant in VARIANTS:
         m = case.CudaGraphManager(model, [1, 2, 4], variant=variant)
         m.capture()
         ops[variant] = m
@@ -191,7 +198,7 @@ def test_one_replay_after_the_lengths_change(model):
         case.length_change(model, seq_lens=(5, 6, 7))
 
 
-@pytest.mark.parametrize("variant", case.VARIANTS)
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_piecewise_is_unaffected(model, variant):
     problems = case.sample_problems(12, seed=2)
     eager = case.serve(model, problems, mode="NONE")
@@ -207,9 +214,51 @@ def test_piecewise_keeps_the_warmup_state(model):
     assert len(m.graphs[2]) == model.cfg.n_layers + 1 and m.planner_ops(2) == []
 
 
+class _ServeLog:
+    """An engine observer that keeps the ``serve`` announcements and ignores every other event."""
+
+    def __init__(self) -> None:
+        self.served = []
+
+    def serve(self, graph, real, size, padded, outputs, eager=None):
+        self.served.append((graph, real, size, sorted(padded), eager))
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+@pytest.mark.parametrize("mode", ["FULL", "PIECEWISE"])
+def test_every_replayed_graph_is_announced(model, mode):
+    """FULL and PIECEWISE alike: each graph replayed for a step is announced with its real and padded
+    rows, and the announced eager step gives the logits the replay handed out."""
+    m = case.CudaGraphManager(model, [1, 2, 4], mode=mode)
+    m.capture()
+    tokens = torch.tensor([[1, 2, 10, 3, 4, 11], [5, 10, 6, 11, 13, 13], [7, 8, 10, 9, 1, 11]])
+    lens = torch.tensor([6, 4, 6])
+    m.prefill(tokens, lens)
+    log = _ServeLog()
+    events.subscribe(log)
+    try:
+        out = m.decode(torch.tensor([2, 3, 4]), lens, lens + 1).clone()
+    finally:
+        events.unsubscribe(log)
+    assert [s[0] for s in log.served] == m.graphs[4]
+    assert len(log.served) == (1 if mode == "FULL" else model.cfg.n_layers + 1)
+    assert all(s[1:4] == (3, 4, ["input_ids", "positions", "seq_lens"]) for s in log.served)
+    torch.testing.assert_close(log.served[0][4]()[:3], out, atol=1e-5, rtol=1e-5)
+
+
+def test_the_case_does_not_import_workbench_data():
+    """``workbench.data`` calls the case's training; the case must not import it back (no cycle)."""
+    code = ("import sys, workbench.cases.lazy_attention_state_capture; "
+            "assert 'workbench.data' not in sys.modules, 'the case imports workbench.data'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=pathlib.Path(__file__).resolve().parent.parent)
+
+
 def test_manager_rejects_bad_use(model):
+    assert case.CudaGraphManager(model, [1], mode="full").mode is CUDAGraphMode.FULL     # names in any case
     with pytest.raises(ValueError, match="mode"):
-        case.CudaGraphManager(model, [1], mode="full")
+        case.CudaGraphManager(model, [1], mode="fullgraph")
     with pytest.raises(ValueError, match="variant"):
         case.CudaGraphManager(model, [1], variant="fixed")
     m = case.CudaGraphManager(model, [1, 2])
@@ -236,12 +285,12 @@ def test_case_end_to_end(model):
     for fig in (case.plot_plans(result.example), case.plot_accuracy(result), case.plot_generations(result.example),
                 case.plot_length_change(case.length_change(model))):
         assert fig.axes
-        case.plt.close(fig)
+        plt.close(fig)
 
 
 def test_gpu_record_matches_cpu():
     if not GPU_RECORD.exists():
-        pytest.skip("results/gpu/case05_lazy_attention.json not recorded yet")
+        pytest.skip(f"{GPU_RECORD.name} not recorded yet: a GPU session writes it with gpu_record()")
     record = json.loads(GPU_RECORD.read_text())
     assert "error" not in record, record.get("error")
     gpu = record["results"]

@@ -1,0 +1,68 @@
+"""Which kernels a capture recorded, each with the line of the model it came from.
+
+The case's evidence is a kernel that is *missing* from a graph (the planner), so it needs the list
+of kernels every capture recorded. ``torch.cuda.CUDAGraph`` exposes no op list, so a dispatch mode
+lists them; on the CPU the list equals what ``CPUGraph.ops`` records that is not a view (a test
+checks that). Ops run while no capture is open (warmups, the eager attention between PIECEWISE
+pieces) are not a graph's and are not listed.
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from ...engine import is_capturing
+from . import split_kv
+
+
+class LoggedOp(NamedTuple):
+    name: str          # the aten op, as ``RecordedOp.name``
+    function: str      # the ``split_kv`` function that ran it ("-": none)
+    line: int          # its line in split_kv.py (0: none)
+
+
+def capture_open(device: torch.device) -> bool:
+    """True while a graph capture is open on ``device`` (a CUDA stream capture, or a CPU one)."""
+    if device.type == "cuda":
+        return torch.cuda.is_current_stream_capturing()
+    return is_capturing()
+
+
+class OpLog(TorchDispatchMode):
+    """The kernels recorded by the captures inside the block, by capture size (``size()`` names the
+    size being captured). A kernel is an op that writes one of its arguments or returns new memory.
+
+    The rule "which arguments does this op write" is the one the engine and the graph doctor apply
+    too (``alias_info.is_write`` of the op's schema); this copy only reads it.
+    """
+
+    def __init__(self, device: torch.device, size: Callable[[], int | None]) -> None:
+        super().__init__()
+        self.device, self.size = device, size
+        self.ops: dict[int, list[LoggedOp]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not capture_open(self.device):
+            return out
+        writes = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if writes or any(t.untyped_storage()._cdata not in inputs for t in outputs):
+            self.ops.setdefault(self.size(), []).append(LoggedOp(str(func), *_model_frame()))
+        return out
+
+
+def _model_frame() -> tuple[str, int]:
+    """The innermost ``split_kv`` frame on the stack: (function, line)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename == split_kv.__file__:
+            return frame.f_code.co_name, frame.f_lineno
+        frame = frame.f_back
+    return "-", 0
