@@ -1,11 +1,14 @@
 # The two commands of the README:
 #   make run    execute every notebook headless (papermill); figures land in figures/
 #   make test   unit tests + every notebook under nbval + papermill parameterised runs
-# Both create or reuse .venv (scripts/setup_env.sh) first.
+#   make lab    JupyterLab on notebooks/, with this project's .venv as the python3 kernel
+# All create or reuse .venv (scripts/setup_env.sh) first.
 PY := .venv/bin/python
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
+# Jupyter refuses to run as root unless told; containers run as root, users do not.
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: setup run test fast-run benchmark data clean
+.PHONY: setup run test lab benchmark data clean
 
 setup:
 	@bash scripts/setup_env.sh
@@ -15,6 +18,12 @@ run: setup
 
 test: setup
 	WORKBENCH_FAST=1 WORKBENCH_HEADLESS=1 $(PY) -m pytest tests notebooks --nbval-lax --nbval-current-env --nbval-cell-timeout=600 -p no:cacheprovider $(ARGS)
+
+# The python3 kernelspec is written into .venv and preferred over a user-wide one of the same
+# name, so the notebooks (kernel "python3") always run on this environment.
+lab: setup
+	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3" >/dev/null
+	JUPYTER_PREFER_ENV_PATH=1 $(PY) -m jupyter lab notebooks/ $(ALLOW_ROOT) $(ARGS)
 
 benchmark: setup
 	$(PY) benchmarks/bench_replay.py
