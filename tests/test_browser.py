@@ -42,11 +42,14 @@ def lab(tmp_path_factory):
     """JupyterLab on a loopback port over a copy of notebooks/; yields its base URL."""
     pytest.importorskip("jupyterlab", reason="jupyterlab missing: install the notebooks extra")
     root = tmp_path_factory.mktemp("lab")
-    # Every cell in the page (no windowing), so the explorers and errors are there to be read.
+    # Every cell in the page (no windowing), so the explorers and errors are there to be read; no
+    # news pop-up over the screenshots.
     settings = tmp_path_factory.mktemp("lab-settings")
-    (settings / "@jupyterlab" / "notebook-extension").mkdir(parents=True)
-    (settings / "@jupyterlab" / "notebook-extension" / "tracker.jupyterlab-settings").write_text(
-        json.dumps({"windowingMode": "none"}))
+    for plugin, values in {"notebook-extension/tracker": {"windowingMode": "none"},
+                           "apputils-extension/notification": {"fetchNews": "false"}}.items():
+        path = settings / "@jupyterlab" / f"{plugin}.jupyterlab-settings"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(values))
     for name in NOTEBOOKS:
         shutil.copy(ROOT / "notebooks" / f"{name}.ipynb", root)
     port = _free_port()
