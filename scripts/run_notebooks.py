@@ -1,8 +1,10 @@
 """The main job: execute every notebook in notebooks/ headless with papermill.
 
-Executed copies go to build/notebooks/ (git-ignored); the notebooks write their figures to
-figures/. Parameters: ``-p NAME VALUE`` (repeatable, values parsed as Python literals), e.g.
-``python scripts/run_notebooks.py -p FAST True -p SEED 1 --only 01``.
+Executed copies go to build/notebooks/ (git-ignored). The notebooks write their figures to
+figures/ only on a full-size run with default parameters, and to build/figures/ otherwise (see
+``workbench.plots.figure_policy``). Parameters: ``-p NAME VALUE`` (repeatable, values parsed as
+Python literals, else passed as text, which each notebook's ``check_parameters`` converts or
+refuses), e.g. ``python scripts/run_notebooks.py -p FAST True -p SEED 1 --only 01``.
 """
 from __future__ import annotations
 

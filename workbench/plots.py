@@ -1,15 +1,20 @@
 """Shared figure helpers. One colour means one state in every figure of every notebook.
 
 Case modules compose these into their figures; notebooks only call the case's ``plot_*``.
+Two house rules hold for every figure made once this module is imported: no text is smaller
+than ``MIN_FONT_PT``, and a committed PNG under ``figures/`` is rewritten only by the run meant to
+regenerate it (see ``figure_policy``); every other run writes under ``build/figures/``.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import matplotlib
 import matplotlib.pyplot as plt
+import matplotlib.text
 import numpy as np
 
 # The meaning of each colour, across all figures.
@@ -23,20 +28,69 @@ COLORS = {
     "predicted": "#9467bd", # predictions from the mechanism
 }
 DPI = 110
-FIGURES = pathlib.Path(__file__).resolve().parent.parent / "figures"
+MIN_FONT_PT = 8.0   # the smallest text size readable in a saved PNG and in JupyterLab
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+FIGURES = ROOT / "figures"                 # committed: what the README and the notebooks show
+BUILD_FIGURES = ROOT / "build" / "figures"  # everything else (git-ignored)
+# Regenerate the committed copies of measured figures too (timings, live addresses): they differ
+# on every run, so a plain default run leaves them alone.
+SAVE_MEASURED_ENV = "WORKBENCH_SAVE_MEASURED"
+
+
+@dataclasses.dataclass(frozen=True)
+class FigurePolicy:
+    default_run: bool                       # full-size run with every parameter at its committed default
+    measured: frozenset[str] = frozenset()  # figure names whose pixels change on every run
+
+
+_POLICIES: dict[str, FigurePolicy] = {}
+
+
+def figure_policy(case: str, *, default_run: bool, measured: Iterable[str] = ()) -> FigurePolicy:
+    """Declare, from a notebook's setup cell, whether this run regenerates ``case``'s committed
+    figures. Without a declaration a case's figures go to ``build/figures/``, so a stray or
+    parameterised run can never overwrite a committed figure."""
+    policy = FigurePolicy(bool(default_run), frozenset(measured))
+    _POLICIES[case] = policy
+    return policy
+
+
+def figure_path(case: str, name: str) -> pathlib.Path:
+    """Where ``save`` writes ``case``/``name``: ``figures/`` only for a declared default run that is
+    not a ``WORKBENCH_FAST=1`` run, and for a measured figure only with ``WORKBENCH_SAVE_MEASURED=1``."""
+    policy = _POLICIES.get(case, FigurePolicy(default_run=False))
+    committed = (policy.default_run and os.environ.get("WORKBENCH_FAST") != "1"
+                 and (name not in policy.measured or os.environ.get(SAVE_MEASURED_ENV) == "1"))
+    return (FIGURES if committed else BUILD_FIGURES) / case / f"{name}.png"
 
 
 def save(fig: plt.Figure, case: str, name: str, enabled: bool = True) -> pathlib.Path | None:
-    """Write ``figures/<case>/<name>.png`` (fixed dpi, tight box) and return the path.
-
-    Not under ``WORKBENCH_FAST=1`` (the test runs): the committed figures are the full-size ones.
-    """
-    if not enabled or os.environ.get("WORKBENCH_FAST") == "1":
+    """Write ``case``/``name``.png (fixed dpi, tight box) where ``figure_path`` says; return the path."""
+    if not enabled:
         return None
-    path = FIGURES / case / f"{name}.png"
+    path = figure_path(case, name)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=DPI, bbox_inches="tight")
     return path
+
+
+def _minimum_font(fig: plt.Figure) -> None:
+    """Figure hook (rcParams ``figure.hooks``): before each draw, raise every text smaller than
+    ``MIN_FONT_PT`` to it. Done at draw time because texts, tick labels and legends are added after
+    the figure is created; new ticks copy the first tick's label size, which is raised with the rest."""
+    draw = fig.draw
+
+    def draw_with_minimum_font(renderer):
+        for text in fig.findobj(matplotlib.text.Text):
+            if text.get_fontsize() < MIN_FONT_PT:
+                text.set_fontsize(MIN_FONT_PT)
+        return draw(renderer)
+
+    fig.draw = draw_with_minimum_font
+
+
+if f"{__name__}:_minimum_font" not in matplotlib.rcParams["figure.hooks"]:
+    matplotlib.rcParams["figure.hooks"] = [*matplotlib.rcParams["figure.hooks"], f"{__name__}:_minimum_font"]
 
 
 def heatmap(ax: plt.Axes, values: np.ndarray, *, xlabel: str, ylabel: str, title: str,
