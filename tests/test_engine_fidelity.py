@@ -75,3 +75,43 @@ def test_gpu_runner_overhead_record_meets_the_target():
         assert r["runner_overhead_pct"] <= 5, r
         assert r["runner_host_ms"] > r["replay_host_ms"], r
         assert r["replay_ms"] < r["eager_ms"], r
+
+
+# ------------------------------------------------------------------ capture queries
+def test_torch_capture_query_answers_true_on_the_capturing_thread_only():
+    import threading
+
+    from transformers.utils.import_utils import is_tracing
+    seen = {}
+    g = new_graph("cpu")
+    x = torch.zeros(2)
+    with graph(g):
+        seen["torch"] = torch.cuda.is_current_stream_capturing()
+        seen["transformers"] = is_tracing(x)
+        other = threading.Thread(target=lambda: seen.update(other=is_tracing(x)))
+        other.start()
+        other.join()
+        x.add_(1)
+    assert seen == {"torch": True, "transformers": True, "other": False}
+    assert not is_tracing(x)
+
+
+@pytest.mark.parametrize("name,mask", [("llama", True), ("qwen2", True), ("mistral", True),
+                                       ("gpt_neox", True), ("gpt2", True), ("gpt2", False)])
+def test_transformers_decoders_capture_and_replay_equal_to_eager(name, mask):
+    from workbench.hf_matrix import build
+    model = build(name)
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    attention = torch.ones(2, 8, dtype=torch.long)
+    kw = {"attention_mask": attention} if mask else {}
+    with torch.no_grad():
+        g = new_graph("cpu")
+        with graph(g):
+            out = model(input_ids=ids, use_cache=False, **kw).last_hidden_state
+        for seed in range(3):
+            x = torch.randint(3, 100, (2, 8), generator=torch.Generator().manual_seed(seed))
+            ids.copy_(x)
+            attention.fill_(1)
+            attention[1, :seed + 1] = 0
+            g.replay()
+            assert torch.equal(out, model(input_ids=x, use_cache=False, **kw).last_hidden_state), seed

@@ -23,7 +23,6 @@ What a CUDA graph is, reduced to the rules that cause bugs in serving stacks:
 from __future__ import annotations
 
 import dataclasses
-import threading
 import weakref
 from typing import Any
 
@@ -32,8 +31,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from . import events, memory
+from . import events, memory, queries
 from .errors import CaptureError, GraphError, IllegalMemoryAccess
+from .queries import is_capturing
 from .source import user_frame
 
 aten = torch.ops.aten
@@ -50,12 +50,7 @@ HOST_SYNC_METHODS = frozenset({
 })
 _INDEX_OPS = frozenset({aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_})
 
-_capturing = threading.local()
-
-
-def is_capturing() -> bool:
-    """True while a ``CPUGraph`` capture is open on this thread."""
-    return getattr(_capturing, "graph", None) is not None
+queries.install()
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -271,7 +266,7 @@ class CPUGraph:
         self._pool = pool if pool is not None else Pool()
         self._ref = weakref.ref(self, self._pool._forget)   # the pool forgets a dropped graph
         self._state = "capturing"
-        _capturing.graph = self
+        queries.set_capturing(self)
         self._modes = (_HostSyncGuard(), _Recorder(self))
         for mode in self._modes:
             mode.__enter__()
@@ -302,7 +297,7 @@ class CPUGraph:
         for mode in reversed(self._modes):
             mode.__exit__(None, None, None)
         self._modes = ()
-        _capturing.graph = None
+        queries.set_capturing(None)
 
     def _record(self, func, args, kwargs):
         packet = func.overloadpacket
