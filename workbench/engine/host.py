@@ -64,7 +64,7 @@ def host(t: torch.Tensor, device: str | torch.device = "cpu") -> torch.Tensor:
     if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
         raise TypeError(f"host() needs a CPU tensor, got {_what(t)}; build it on the CPU, e.g. "
                         "host(torch.zeros(n, dtype=torch.int32), DEVICE)")
-    kind = torch.device(device).type
+    kind = str(device).split(":")[0]
     if kind == "cuda":
         return t.pin_memory()
     if kind != "cpu":
@@ -73,13 +73,12 @@ def host(t: torch.Tensor, device: str | torch.device = "cpu") -> torch.Tensor:
 
 
 def is_host(t: torch.Tensor) -> bool:
-    """Whether ``t`` is host memory (a ``HostTensor`` on the CPU backend, a CPU tensor on CUDA)."""
+    """Whether ``t`` is host memory of the CPU backend (on CUDA, host memory is any CPU tensor)."""
     return type(t) is HostTensor
 
 
 def _target_device(args, kwargs):
-    device = torch._C._nn._parse_to(*args[1:], **kwargs)[0]
-    return device
+    return torch._C._nn._parse_to(*args[1:], **kwargs)[0]
 
 
 def _to_device(args, kwargs) -> torch.Tensor:
