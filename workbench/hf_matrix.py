@@ -10,6 +10,8 @@ same kind of error. ``gpu_record`` writes the CUDA answers (``results/gpu/hf_mat
 from __future__ import annotations
 
 import dataclasses
+import json
+import pathlib
 import time
 
 import torch
@@ -17,6 +19,7 @@ import transformers as T
 
 from .engine import CaptureError, graph, new_graph, synchronize
 
+RECORD = pathlib.Path(__file__).resolve().parent.parent / "results" / "gpu" / "hf_matrix.json"
 VOCAB, SEQ, BATCH = 100, 8, 2
 _LM = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
            intermediate_size=64, max_position_embeddings=64)
@@ -155,3 +158,13 @@ def gpu_record(device: str = "cuda") -> dict:
     """The matrix on a GPU, for ``results/gpu/hf_matrix.json`` (JSON-serialisable)."""
     return {"entries": {e.label: {"arch": e.arch, "kind": e.kind} for e in ENTRIES},
             "results": run_all(device)}
+
+
+def load_record() -> dict | None:
+    """The GPU's answers from ``results/gpu/hf_matrix.json``, or None while it is not recorded."""
+    if not RECORD.exists():
+        return None
+    record = json.loads(RECORD.read_text())
+    if "results" not in record:
+        raise ValueError(f"{RECORD} holds no results: {record.get('error', 'no error recorded')}")
+    return record["results"]
