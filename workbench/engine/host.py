@@ -27,7 +27,6 @@ marker on storages needs an always-on mode that looks every op's arguments up.
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from .errors import GraphError
 from .source import user_frame
@@ -47,15 +46,29 @@ class HostTensor(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        tensors = _tensors(args, kwargs)
         if all(type(t) is HostTensor for t in tensors):
             if func is _Tensor.to and _target_device(args, kwargs) is not None:
                 return _to_device(args, kwargs)
-            return super().__torch_function__(func, types, args, kwargs)   # host in, host out
+            with _plain():
+                return _as_host(func(*args, **kwargs))                    # host in, host out
         if func not in _CROSSINGS and any(type(t) is HostTensor and t.dim() > 0 for t in tensors):
             raise _mix_error(func, tensors)
-        with torch._C.DisableTorchFunctionSubclass():
+        with _plain():
             return func(*args, **kwargs)                                  # a device op
+
+
+_plain = torch._C.DisableTorchFunctionSubclass
+
+
+def _as_host(out):
+    """An op's result on host memory, typed as host memory (what torch's default handler does,
+    without its generic walk over the result)."""
+    if isinstance(out, torch.Tensor):
+        return out if type(out) is HostTensor else out.as_subclass(HostTensor)
+    if isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out):
+        return type(out)(_as_host(o) for o in out) if type(out) in (tuple, list) else out
+    return out
 
 
 def host(t: torch.Tensor, device: str | torch.device = "cpu") -> torch.Tensor:
@@ -77,6 +90,17 @@ def is_host(t: torch.Tensor) -> bool:
     return type(t) is HostTensor
 
 
+def _tensors(args, kwargs) -> list[torch.Tensor]:
+    """The tensor arguments of a call, including those inside list arguments (``torch.cat``)."""
+    found = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found.extend(v for v in value if isinstance(v, torch.Tensor))
+    return found
+
+
 def _target_device(args, kwargs):
     return torch._C._nn._parse_to(*args[1:], **kwargs)[0]
 
@@ -88,7 +112,7 @@ def _to_device(args, kwargs) -> torch.Tensor:
     if device.type != "cpu":
         raise HostDeviceMixError(f"host memory on the CPU backend can move to device 'cpu' only, "
                                  f"got {device}\n  at {user_frame()}")
-    with torch._C.DisableTorchFunctionSubclass():
+    with _plain():
         out = torch.empty(src.shape, dtype=dtype or src.dtype)
         out.copy_(src, non_blocking=non_blocking)
     return out
