@@ -414,3 +414,14 @@ def test_replay_inside_its_own_capture_says_the_capture_is_still_open():
 def test_new_graph_with_a_bogus_device_names_the_choices():
     with pytest.raises(GraphError, match="device must be 'cpu' or 'cuda', got 'bogus'"):
         new_graph("bogus")
+
+
+@pytest.mark.parametrize("inference", [False, True])
+def test_a_constant_made_in_capture_records_no_lift_or_detach(inference):
+    x = torch.ones(3)
+    with torch.inference_mode(inference):
+        g, out = capture(lambda: x + torch.tensor([1.0, 2.0, 3.0]))
+    assert [op.name for op in g.ops] == ["aten.add.Tensor"]
+    x.fill_(2.0)
+    g.replay()
+    assert out.tolist() == [3.0, 4.0, 5.0]

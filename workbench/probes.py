@@ -312,7 +312,8 @@ def probe_shared_retained(device: str) -> dict:
 
 
 def probe_op_trace(device: str) -> dict:
-    """The aten ops a capture records: no op the code did not run (no extra ``detach``)."""
+    """The aten ops a capture records: those the code ran, no more (no extra ``detach``); on CUDA
+    the ops a dispatch logger sees during the real capture, on the CPU the graph's ``ops``."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Log(TorchDispatchMode):
@@ -330,7 +331,7 @@ def probe_op_trace(device: str) -> dict:
     g = new_graph(device)
     with torch.inference_mode():
         with graph(g), Log() as log:
-            layer(x).relu() + torch.tensor([1.0], device=device)
+            (layer(x).relu() + torch.full((1,), 1.0, device=device)).detach()
     ops = [op.name for op in g.ops] if isinstance(g, CPUGraph) else log.ops
     return {"ops": ops}
 

@@ -66,6 +66,8 @@ HOST_SYNC_METHODS = frozenset({
     "__bool__", "__int__", "__float__",
 })
 _INDEX_OPS = frozenset({aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_})
+_LIFTS = frozenset({aten.lift_fresh, aten.lift_fresh_copy})
+_DETACHES = frozenset({aten.detach, aten.detach_})
 
 
 def is_host_sync(func, args) -> bool:
@@ -118,6 +120,7 @@ class CPUGraph:
         self._alias_count: dict[int, int] = {}          # storage key -> number of aliases
         self._owned: list[torch.Tensor] = []
         self._host: set[int] = set()                    # host storages made inside the capture
+        self._lifted: set[int] = set()                  # constants made inside the capture
         self._snapshots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._modes: tuple = ()
         self.replays = 0
@@ -153,6 +156,7 @@ class CPUGraph:
                     memory.retain(ref)
         self._snapshots.clear()
         self._host.clear()
+        self._lifted.clear()
         self._state = "captured"
 
     def capture_abort(self) -> None:
@@ -179,11 +183,14 @@ class CPUGraph:
         if is_host_sync(func, args):
             raise host_sync_error(str(func), user_frame())
         pool = self._pool
-        if func.overloadpacket in (aten.lift_fresh, aten.lift_fresh_copy):
-            # A constant created in the captured code (torch.tensor(...)): the graph keeps it.
-            for t in args:
-                if isinstance(t, torch.Tensor):
-                    self._adopt(t, constant=True)
+        packet = func.overloadpacket
+        if packet in _LIFTS or (packet in _DETACHES and storage_key(args[0]) in self._lifted):
+            # A constant created in the captured code (torch.tensor(...)): the graph keeps it. The
+            # lift and the detach that follows it exist only under a Python dispatch mode, so they
+            # are not recorded: a CUDA trace has neither.
+            self._adopt(args[0], constant=True)
+            self._lifted.add(storage_key(args[0]))
+            return func(*args, **kwargs)
         writes = []
         for t in _written_tensors(func, args, kwargs):
             key = storage_key(t)
@@ -307,6 +314,15 @@ class CPUGraph:
                              "first with `with graph(g): ...`.")
         events.replay_begin(self)
         try:
+            self._run()
+            self.replays += 1
+        finally:
+            events.replay_end(self)
+
+    def _run(self) -> None:
+        """The recorded kernels, outside autograd as on CUDA (a replay records no autograd history
+        and may write tensors captured in inference mode)."""
+        with torch.inference_mode():
             live = [self._materialize(ref) for ref in self._externals]
             for op in self._ops:
                 if op.is_view:
@@ -321,9 +337,6 @@ class CPUGraph:
                     for dst, src in zip(op.outputs, _as_tuple(out)):
                         if dst is not None:
                             dst.copy_(src)
-            self.replays += 1
-        finally:
-            events.replay_end(self)
 
     def _materialize(self, ref: ExternalRef) -> torch.Tensor:
         if ref.weak.expired() and ref.retained is None:
@@ -354,6 +367,7 @@ class CPUGraph:
         self._external_index.clear()
         self._snapshots.clear()
         self._host.clear()
+        self._lifted.clear()
         self._state = "new"
         self.replays = 0
 
