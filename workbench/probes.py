@@ -200,7 +200,15 @@ def _host_sync(device: str) -> dict:
 
 def probe_capture_query(device: str) -> dict:
     """``torch.cuda.is_current_stream_capturing()`` as libraries ask it: True on the capturing
-    thread only, for the duration of the capture."""
+    thread only, for the duration of the capture (on CUDA in a child: a query from another thread
+    during a global-mode capture could invalidate it, and the record then says so)."""
+    if device == "cuda":
+        child = run_in_child(_capture_query, device, timeout=300)
+        return child.value if child.ok else {"error": f"{child.error_type}: {child.error}"}
+    return _capture_query(device)
+
+
+def _capture_query(device: str) -> dict:
     import threading
     seen = {}
     x = torch.zeros(2, device=device)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 _use_count = torch._C._storage_Use_Count
 
@@ -27,7 +28,8 @@ class Block:
     __slots__ = ("whole", "nbytes", "users")
 
     def __init__(self, storage: torch.UntypedStorage) -> None:
-        self.whole = torch.empty(0, dtype=torch.uint8).set_(storage)
+        with _disable_current_modes():     # the pool's bookkeeping, not an op of the watched code
+            self.whole = torch.empty(0, dtype=torch.uint8).set_(storage)
         self.nbytes = storage.nbytes()
         self.users: dict[int, weakref.ref] = {}       # id(graph ref) -> graph ref
 
