@@ -69,7 +69,7 @@ def plot_matrix(cpu: dict, gpu: dict | None, entries) -> plt.Figure:
     """One row per architecture of the matrix: did the capture succeed, and how far replay is from
     eager, on the CPU emulation and (when recorded) on a GPU. Green: captured and within 1e-5; red:
     captured but different, or failed (the error kind is written in the cell); grey: no GPU record."""
-    columns = [("CPU emulation", cpu)] + ([("GPU record", gpu)] if gpu is not None else [])
+    columns = [("CPU emulation", cpu), ("GPU record (results/gpu/hf_matrix.json)", gpu or {})]
     fig, ax = plt.subplots(figsize=(2.6 * len(columns) + 3.2, 0.34 * len(entries) + 1.4))
     for col, (_, answers) in enumerate(columns):
         for row, entry in enumerate(entries):
@@ -81,7 +81,7 @@ def plot_matrix(cpu: dict, gpu: dict | None, entries) -> plt.Figure:
             else:
                 ok = answer["max_abs_diff"] <= 1e-5
                 color = plots.COLORS["fix"] if ok else plots.COLORS["bug"]
-                text = "replay == eager" if answer["max_abs_diff"] == 0 else f"max |diff| {answer['max_abs_diff']:.1e}"
+                text = "replay == eager, bitwise" if answer["max_abs_diff"] == 0 else f"max |diff| {answer['max_abs_diff']:.1e}"
             ax.add_patch(plt.Rectangle((col, row), 0.96, 0.9, color=color, alpha=0.35))
             ax.text(col + 0.48, row + 0.45, text, ha="center", va="center", fontsize=8)
     ax.set_xlim(0, len(columns))
