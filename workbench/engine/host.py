@@ -5,7 +5,9 @@
 *host* memory when it comes from ``host(t, device)``, or from an op whose tensor arguments are all
 host memory (as on CUDA, where an op on CPU tensors gives a CPU tensor). ``host(t, "cuda")`` gives
 pinned host memory, so the same code, with ``DEVICE`` either ``"cpu"`` or ``"cuda"``, stages
-metadata the way serving stacks do.
+metadata the way serving stacks do. Two things the rule cannot see, because they never reach the
+engine on a CPU-only torch: ``pin_memory=True`` (refused by torch without an accelerator; use
+``host()``) and ``dev.cpu()`` (torch returns the same device tensor, not a host copy).
 
 What follows from it, as on CUDA:
 
