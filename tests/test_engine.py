@@ -277,3 +277,151 @@ def test_bad_arguments():
     with pytest.raises(TypeError, match="new_graph"):
         with graph(object()):
             pass
+
+
+# ------------------------------------------------------------------- host memory
+def test_host_memory_in_capture_runs_once_and_is_not_replayed():
+    from workbench.engine import host, is_host
+    staging = host(torch.zeros(1), "cpu")
+    lens = host(torch.tensor([2, 7, 4]), "cpu")
+    dev = torch.zeros(1)
+    g = new_graph("cpu")
+    with graph(g):
+        staging += 1
+        plan = max(lens.tolist())                 # FlashInfer-style planning on host metadata
+        dev.copy_(staging)
+        out = dev + plan
+    assert staging.tolist() == [1.0] and plan == 7 and is_host(staging) and not is_host(out)
+    g.replay()
+    g.replay()
+    assert staging.tolist() == [1.0]
+    staging.fill_(5.0)
+    g.replay()
+    assert out.tolist() == [12.0]                  # the captured copy re-reads the host buffer
+
+
+def test_device_op_on_host_memory_raises_naming_op_and_line():
+    from workbench.engine import HostDeviceMixError, host
+    h = host(torch.ones(3), "cpu")
+    d = torch.ones(3)
+    with pytest.raises(HostDeviceMixError, match=r"(?s)add.*test_engine.py.*d \+ h"):
+        d + h
+    g = new_graph("cpu")
+    with pytest.raises(HostDeviceMixError, match="mul"):
+        with graph(g):
+            d * h
+    assert not g.captured and len(g.pool()) == 0
+    assert torch.equal(d * h.sum(), torch.full((3,), 3.0))   # a 0-dim host tensor is a scalar
+    assert not isinstance(h.to("cpu"), type(h)) and h.to("cpu").data_ptr() != h.data_ptr()
+
+
+def test_item_of_device_memory_in_capture_still_raises():
+    from workbench.engine import host
+    h = host(torch.ones(2), "cpu")
+    with pytest.raises(CaptureError, match="item"):
+        capture(lambda: (h.sum().item(), torch.ones(2).sum().item()))
+
+
+def test_host_requires_a_cpu_tensor_and_a_known_device():
+    from workbench.engine import host
+    with pytest.raises(TypeError, match="CPU tensor"):
+        host([1, 2], "cpu")
+    with pytest.raises(GraphError, match="'cpu' or 'cuda'"):
+        host(torch.ones(1), "tpu")
+
+
+# ------------------------------------------------------------- pool hands blocks on
+def test_recapture_into_a_pool_reuses_the_dropped_graphs_block():
+    pool = graph_pool_handle("cpu")
+    inp = torch.full((4,), 5.0)
+    g_a, a = capture(lambda: inp - 2, pool=pool)
+    g_b, b = capture(lambda: a + 1, pool=pool)
+    del g_a, a
+    g_a2, _ = capture(lambda: inp * 2, pool=pool)
+    g_a2.replay()
+    g_b.replay()
+    assert b.tolist() == [11.0] * 4
+
+
+def test_a_block_still_held_by_the_user_is_not_handed_on():
+    pool = graph_pool_handle("cpu")
+    inp = torch.full((4,), 5.0)
+    g_a, a = capture(lambda: inp - 2, pool=pool)
+    g_b, b = capture(lambda: a + 1, pool=pool)
+    del g_a                                       # the user keeps `a`
+    g_a2, a2 = capture(lambda: inp * 2, pool=pool)
+    assert a2.data_ptr() != a.data_ptr()
+    g_b.replay()
+    assert torch.isnan(b).all()                   # b reads a, which no replay wrote since capture
+
+
+def test_memory_freed_inside_a_capture_is_reused_by_later_allocations():
+    x = torch.ones(8)
+
+    def body():
+        t = x * 2
+        address = t.data_ptr()
+        y = t + 1
+        del t
+        u = x * 3
+        return address == u.data_ptr(), u + y
+
+    g = new_graph("cpu")
+    with graph(g):
+        reused, out = body()
+    assert reused
+    x.fill_(2.0)
+    g.replay()
+    assert torch.equal(out, torch.full((8,), 11.0))
+
+
+def test_reuse_mode_graphs_of_one_address_share_one_retained_block():
+    tmp = torch.arange(16.0)
+    gs = [capture(lambda: tmp.sum().reshape(1), on_freed="reuse") for _ in range(3)]
+    refs = [g.ops[-1].external_refs() or g.ops[0].external_refs() for g, _ in gs]
+    assert len({r[0].retained.data_ptr() for r in refs}) == 1
+    del tmp
+    gc.collect()
+    with reuse_freed_blocks():
+        first = torch.full((16,), 1.0)
+        second = torch.full((16,), 2.0)
+    for g, out in gs:
+        g.replay()
+        assert out.item() == 16.0
+    assert second.data_ptr() != first.data_ptr()
+
+
+# ------------------------------------------------------------------- replay errors
+def test_an_error_in_an_emulated_replay_names_the_recorded_op_and_line():
+    x = torch.ones(4)
+    idx = torch.tensor([0, 1])
+    g, _ = capture(lambda: x[idx] * 2)
+    idx.fill_(99)                                 # out of range: the replayed kernel fails
+    with pytest.raises(IndexError) as info:
+        g.replay()
+    assert any("aten.index" in n and "test_engine.py" in n for n in info.value.__notes__)
+
+
+def test_replay_inside_its_own_capture_says_the_capture_is_still_open():
+    g = new_graph("cpu")
+    with pytest.raises(GraphError, match="still open"):
+        with graph(g):
+            torch.ones(1) + 1
+            g.replay()
+    assert not g.captured
+
+
+def test_new_graph_with_a_bogus_device_names_the_choices():
+    with pytest.raises(GraphError, match="device must be 'cpu' or 'cuda', got 'bogus'"):
+        new_graph("bogus")
+
+
+@pytest.mark.parametrize("inference", [False, True])
+def test_a_constant_made_in_capture_records_no_lift_or_detach(inference):
+    x = torch.ones(3)
+    with torch.inference_mode(inference):
+        g, out = capture(lambda: x + torch.tensor([1.0, 2.0, 3.0]))
+    assert [op.name for op in g.ops] == ["aten.add.Tensor"]
+    x.fill_(2.0)
+    g.replay()
+    assert out.tolist() == [3.0, 4.0, 5.0]

@@ -40,13 +40,35 @@ def test_transformers_model_through_the_runner_matches_eager(name):
             assert torch.equal(runner(input_ids=x), model(x).last_hidden_state)
 
 
-def test_cpu_emulation_gives_the_recorded_gpu_answers():
+@pytest.fixture(scope="module")
+def gpu_record():
     record = json.loads(GPU_PROBES.read_text())
     assert "results" in record, record.get("error")
     assert record["torch"] and record["device"] and record["date"]
-    gpu = probes.comparable(record["results"])
-    cpu = probes.comparable(probes.run_all("cpu"))
-    assert cpu == gpu
+    return record
+
+
+@pytest.fixture(scope="module")
+def cpu_answers():
+    return probes.comparable(probes.run_all("cpu"))
+
+
+@pytest.mark.parametrize("name", sorted(probes.PROBES))
+def test_cpu_emulation_gives_the_recorded_gpu_answer(name, gpu_record, cpu_answers):
+    if name not in gpu_record["results"]:
+        pytest.skip(f"results/gpu/engine_probes.json ({gpu_record['date']}) predates the {name!r} probe: "
+                    "re-record it on a GPU with workbench.probes:run_all('cuda')")
+    assert cpu_answers[name] == probes.comparable(gpu_record["results"])[name]
+
+
+def test_cpu_probe_answers_are_cudas_where_the_issue_states_them(cpu_answers):
+    """The answers a real H100 gave in the issue that asked for these probes."""
+    assert cpu_answers["host_memory"]["host_after_capture"] == [1.0, 1.0]
+    assert cpu_answers["host_memory"]["host_after_two_replays"] == [1.0, 1.0]
+    assert cpu_answers["host_memory"]["tolist_longest"] == 5
+    assert cpu_answers["host_memory"]["device_op_on_host"] == "raised"
+    assert cpu_answers["recapture_pool"]["b_reads"] == 11.0
+    assert cpu_answers["capture_query"] == {"inside": True, "other_thread": False, "after": False}
 
 
 def test_probes_detect_a_broken_emulation(monkeypatch):
@@ -75,3 +97,43 @@ def test_gpu_runner_overhead_record_meets_the_target():
         assert r["runner_overhead_pct"] <= 5, r
         assert r["runner_host_ms"] > r["replay_host_ms"], r
         assert r["replay_ms"] < r["eager_ms"], r
+
+
+# ------------------------------------------------------------------ capture queries
+def test_torch_capture_query_answers_true_on_the_capturing_thread_only():
+    import threading
+
+    from transformers.utils.import_utils import is_tracing
+    seen = {}
+    g = new_graph("cpu")
+    x = torch.zeros(2)
+    with graph(g):
+        seen["torch"] = torch.cuda.is_current_stream_capturing()
+        seen["transformers"] = is_tracing(x)
+        other = threading.Thread(target=lambda: seen.update(other=is_tracing(x)))
+        other.start()
+        other.join()
+        x.add_(1)
+    assert seen == {"torch": True, "transformers": True, "other": False}
+    assert not is_tracing(x)
+
+
+@pytest.mark.parametrize("name,mask", [("llama", True), ("qwen2", True), ("mistral", True),
+                                       ("gpt_neox", True), ("gpt2", True), ("gpt2", False)])
+def test_transformers_decoders_capture_and_replay_equal_to_eager(name, mask):
+    from workbench.hf_matrix import build
+    model = build(name)
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    attention = torch.ones(2, 8, dtype=torch.long)
+    kw = {"attention_mask": attention} if mask else {}
+    with torch.no_grad():
+        g = new_graph("cpu")
+        with graph(g):
+            out = model(input_ids=ids, use_cache=False, **kw).last_hidden_state
+        for seed in range(3):
+            x = torch.randint(3, 100, (2, 8), generator=torch.Generator().manual_seed(seed))
+            ids.copy_(x)
+            attention.fill_(1)
+            attention[1, :seed + 1] = 0
+            g.replay()
+            assert torch.equal(out, model(input_ids=x, use_cache=False, **kw).last_hidden_state), seed

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .childproc import run_in_child
-from .engine import graph, graph_pool_handle, new_graph, synchronize
+from .engine import CPUGraph, graph, graph_pool_handle, host, new_graph, reuse_freed_blocks, synchronize
 
 
 def _values(t: torch.Tensor) -> list:
@@ -139,7 +139,6 @@ def _freed_reuse(device: str) -> dict:
     synchronize(device)
     alive = _values(out)
     del w
-    from .engine import reuse_freed_blocks
     with reuse_freed_blocks():
         junk = torch.full(_SHAPE, 5.0, device=device)     # same size: the allocator hands the block on
     g.replay()
@@ -199,6 +198,152 @@ def _host_sync(device: str) -> dict:
         return {"raised": True}
 
 
+def probe_capture_query(device: str) -> dict:
+    """``torch.cuda.is_current_stream_capturing()`` as libraries ask it: True on the capturing
+    thread only, for the duration of the capture (on CUDA in a child: a query from another thread
+    during a global-mode capture could invalidate it, and the record then says so)."""
+    if device == "cuda":
+        child = run_in_child(_capture_query, device, timeout=300)
+        return child.value if child.ok else {"error": f"{child.error_type}: {child.error}"}
+    return _capture_query(device)
+
+
+def _capture_query(device: str) -> dict:
+    import threading
+    seen = {}
+    x = torch.zeros(2, device=device)
+    g = new_graph(device)
+    with graph(g):
+        seen["inside"] = torch.cuda.is_current_stream_capturing()
+        other = threading.Thread(target=lambda: seen.update(other_thread=_query()))
+        other.start()
+        other.join()
+        x.add_(1)
+    seen["after"] = _query()
+    return seen
+
+
+def _query() -> bool:
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except Exception:  # noqa: BLE001 - a CPU-only torch has no CUDA runtime to ask: not capturing
+        return False
+
+
+def probe_host_memory(device: str) -> dict:
+    """Host memory inside a capture: host work runs once at capture, ``.tolist()`` of it is legal,
+    a captured host-to-device copy re-reads the host buffer at every replay, and a device op given
+    host memory raises."""
+    staging = host(torch.zeros(2), device)
+    lens = host(torch.tensor([3, 5]), device)
+    dev = torch.zeros(2, device=device)
+    g = new_graph(device)
+    with graph(g):
+        staging += 1
+        longest = max(lens.tolist())
+        dev.copy_(staging, non_blocking=True)
+        out = dev * 2
+    synchronize(device)
+    after_capture = _values(staging)
+    g.replay()
+    g.replay()
+    synchronize(device)
+    after_replays = _values(staging)
+    staging.fill_(10.0)
+    g.replay()
+    synchronize(device)
+    try:
+        dev + staging
+        mix = "allowed"
+    except RuntimeError:
+        mix = "raised"
+    return {"host_after_capture": after_capture, "host_after_two_replays": after_replays,
+            "tolist_longest": longest, "copy_rereads_host": _values(out), "device_op_on_host": mix}
+
+
+def probe_recapture_pool(device: str) -> dict:
+    """Graph B reads graph A's output, both in one pool; A and its output are dropped and A is
+    re-captured: the pool hands A's freed block to the new output, so B reads it."""
+    pool = graph_pool_handle(device)
+    inp = torch.full((4,), 5.0, device=device)
+    g_a, g_b = new_graph(device), new_graph(device)
+    with graph(g_a, pool=pool):
+        a = inp - 2
+    with graph(g_b, pool=pool):
+        b = a + 1
+    del g_a, a
+    g_a2 = new_graph(device)
+    with graph(g_a2, pool=pool):
+        inp * 2
+    g_a2.replay()
+    g_b.replay()
+    synchronize(device)
+    return {"b_reads": _values(b)[0]}
+
+
+def probe_freed_in_capture(device: str) -> dict:
+    """Memory freed inside a capture is given to a later allocation of the same capture."""
+    x = torch.ones(256, device=device)
+    g = new_graph(device)
+    with graph(g):
+        first = x * 2
+        address = first.data_ptr()
+        y = first + 1
+        del first
+        second = x * 3
+        reused = second.data_ptr() == address
+        z = second + y
+    g.replay()
+    synchronize(device)
+    return {"reused": reused, "replayed": _values(z)[0]}
+
+
+def probe_shared_retained(device: str) -> dict:
+    """Two graphs referencing one freed address read the same later allocation (one block)."""
+    w = _weight(device) * 1.0
+    idx = torch.tensor([1, 2], device=device)
+    graphs, outs = [], []
+    for _ in range(2):
+        g = new_graph(device, on_freed="reuse")
+        with graph(g):
+            outs.append(w[idx].sum(1))
+        graphs.append(g)
+    del w
+    with reuse_freed_blocks():
+        junk = torch.full(_SHAPE, 5.0, device=device)
+    for g in graphs:
+        g.replay()
+    synchronize(device)
+    result = {"first": _values(outs[0]), "second": _values(outs[1])}
+    del junk
+    return result
+
+
+def probe_op_trace(device: str) -> dict:
+    """The aten ops a capture records: those the code ran, no more (no extra ``detach``); on CUDA
+    the ops a dispatch logger sees during the real capture, on the CPU the graph's ``ops``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Log(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 4).to(device)
+    x = torch.ones(2, 4, device=device)
+    g = new_graph(device)
+    with torch.inference_mode():
+        with graph(g), Log() as log:
+            (layer(x).relu() + torch.full((1,), 1.0, device=device)).detach()
+    ops = [op.name for op in g.ops] if isinstance(g, CPUGraph) else log.ops
+    return {"ops": ops}
+
+
 PROBES = {
     "increment": probe_increment,
     "frozen_python": probe_frozen_python,
@@ -207,6 +352,12 @@ PROBES = {
     "shared_pool": probe_shared_pool,
     "freed_input": probe_freed_input,
     "host_sync": probe_host_sync,
+    "capture_query": probe_capture_query,
+    "host_memory": probe_host_memory,
+    "recapture_pool": probe_recapture_pool,
+    "freed_in_capture": probe_freed_in_capture,
+    "shared_retained": probe_shared_retained,
+    "op_trace": probe_op_trace,
 }
 
 
@@ -218,6 +369,8 @@ def run_all(device: str) -> dict:
 def comparable(answers: dict) -> dict:
     """The part of the answers both backends must agree on exactly (error texts differ)."""
     out = {k: v for k, v in answers.items() if k != "freed_input"}
+    if "freed_input" not in answers:
+        return out
     freed = answers["freed_input"]
     out["freed_input"] = {
         "reuse_alive": [round(v, 2) for v in freed["reuse"]["alive"]],   # sum order differs in last bits

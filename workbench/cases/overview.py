@@ -63,3 +63,33 @@ def plot_padding_demo(demo: PaddingDemo) -> plt.Figure:
     ax.text(1.0, -0.42, "red bold: padded row still holding an earlier step's value", transform=ax.transAxes,
             ha="right", fontsize=8, color=plots.COLORS["bug"])
     return fig
+
+
+def plot_matrix(cpu: dict, gpu: dict | None, entries) -> plt.Figure:
+    """One row per architecture of the matrix: did the capture succeed, and how far replay is from
+    eager, on the CPU emulation and (when recorded) on a GPU. Green: captured and within 1e-5; red:
+    captured but different, or failed (the error kind is written in the cell); grey: no GPU record."""
+    columns = [("CPU emulation", cpu), ("GPU record (results/gpu/hf_matrix.json)", gpu or {})]
+    fig, ax = plt.subplots(figsize=(2.6 * len(columns) + 3.2, 0.34 * len(entries) + 1.4))
+    for col, (_, answers) in enumerate(columns):
+        for row, entry in enumerate(entries):
+            answer = answers.get(entry.label)
+            if answer is None:
+                color, text = "#dddddd", "not recorded"
+            elif not answer["captured"]:
+                color, text = plots.COLORS["bug"], f"failed: {answer['error_kind']}"
+            else:
+                ok = answer["max_abs_diff"] <= 1e-5
+                color = plots.COLORS["fix"] if ok else plots.COLORS["bug"]
+                text = "replay == eager, bitwise" if answer["max_abs_diff"] == 0 else f"max |diff| {answer['max_abs_diff']:.1e}"
+            ax.add_patch(plt.Rectangle((col, row), 0.96, 0.9, color=color, alpha=0.35))
+            ax.text(col + 0.48, row + 0.45, text, ha="center", va="center", fontsize=8)
+    ax.set_xlim(0, len(columns))
+    ax.set_ylim(len(entries), 0)
+    ax.set_yticks([r + 0.45 for r in range(len(entries))], [f"{e.label}  ({e.kind})" for e in entries], fontsize=8)
+    ax.set_xticks([c + 0.48 for c in range(len(columns))], [name for name, _ in columns])
+    ax.tick_params(length=0)
+    for side in ("top", "right", "bottom", "left"):
+        ax.spines[side].set_visible(False)
+    ax.set_title("transformers models captured, replayed on 3 fresh inputs, compared with eager", fontsize=10)
+    return fig

@@ -16,7 +16,10 @@ from .errors import GraphError
 
 def resolve_device(device: str | torch.device) -> torch.device:
     """``"cpu"`` or ``"cuda"``; a clear error when CUDA is asked for and absent."""
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise GraphError(f"device must be 'cpu' or 'cuda', got {device!r}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise GraphError(f"device={str(device)!r} was requested but this torch ({torch.__version__}) "
                          "sees no CUDA device. Use device='cpu' for the emulated graphs.")
@@ -39,8 +42,11 @@ class CUDAGraph(torch.cuda.CUDAGraph):
 
     def replay(self) -> None:
         if not self.captured:
-            raise GraphError("replay() called before capture (or after reset): capture the graph "
-                             "first with `with graph(g): ...`.")
+            what = ("inside the graph's own capture block: the capture is still open, so there is "
+                    "nothing complete to replay yet. Replay after the `with graph(g):` block ends"
+                    if torch.cuda.is_current_stream_capturing() else
+                    "before capture (or after reset): capture the graph first with `with graph(g): ...`")
+            raise GraphError(f"replay() called {what}.")
         events.replay_begin(self)
         try:
             super().replay()

@@ -6,37 +6,54 @@ What a CUDA graph is, reduced to the rules that cause bugs in serving stacks:
   records every aten op run inside the capture block, with its arguments keyed on *storage*.
   ``replay()`` re-runs exactly those ops; results of ops that allocated during capture are written
   back into the tensors captured then (the graph's static outputs), so every address stays fixed.
+  An error raised by a replayed op names the op and the user's line that recorded it.
 * **Python is frozen at capture.** Replay runs no Python of the captured function: a branch or a
-  lazy ``if state is None`` check keeps the outcome it had during capture.
+  lazy ``if state is None`` check keeps the outcome it had during capture. Libraries that ask
+  ``torch.cuda.is_current_stream_capturing()`` get True on the capturing thread (``queries``).
 * **Capture launches nothing that lasts.** A CUDA capture does not execute kernels. The emulation
   has to execute ops (later Python needs their outputs), so it snapshots every pre-existing storage
   before the first write to it and restores it when capture ends; memory the graph allocated is
   filled with poison (NaN or an integer sentinel) until the first replay.
-* **The graph owns only what it allocated.** Storages created during capture belong to the graph's
-  pool (shared by every graph captured into it). Everything else is merely *referenced*, by
-  address. If its owner releases it, the next replay reads freed memory: this raises
-  ``IllegalMemoryAccess`` (CUDA after ``empty_cache``), or, with ``on_freed="reuse"``, silently reads
-  whatever a later allocation put there (CUDA's caching allocator handing the block on).
+* **The graph owns only what it allocated.** Storages created during capture are blocks of the
+  graph's pool (shared by every graph captured into it); a block no user tensor holds any more is
+  handed to the pool's next allocation, in the same capture or a later one (``pool``). Everything
+  else is merely *referenced*, by address. If its owner releases it, the next replay reads freed
+  memory: this raises ``IllegalMemoryAccess`` (CUDA after ``empty_cache``), or, with
+  ``on_freed="reuse"``, silently reads whatever a later allocation put there (CUDA's caching
+  allocator handing the block on; graphs that referenced one address share one retained block).
 * **No host synchronisation inside capture.** ``.item()``, ``.cpu()``, ``nonzero``, printing values
-  and boolean-mask indexing raise ``CaptureError`` naming the op and the user's source line.
+  and boolean-mask indexing of device memory raise ``CaptureError`` naming the op and the user's
+  source line.
+* **Host memory is not the device's.** Plain CPU tensors are device memory; host memory is what
+  ``host(t, device)`` returns and what ops on host memory return (``host`` says why a subclass, and
+  what it costs). Inside a capture, work on host memory runs once and is not recorded, ``.item()``
+  and ``.tolist()`` of it are legal, a 0-dim host tensor given to a device op is a constant of the
+  graph (CUDA passes it by value), and a captured ``copy_`` from host memory re-reads it at every
+  replay. A device op given host memory with elements raises, as on CUDA.
 """
 from __future__ import annotations
 
-import dataclasses
-import threading
 import weakref
-from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from . import events, memory
+from . import events, memory, queries
 from .errors import CaptureError, GraphError, IllegalMemoryAccess
+from .host import HostTensor
+from .pool import Pool
+from .queries import is_capturing
+from .recorded import (ExternalRef, RecordedOp, _as_tuple, _poison, _written_tensors, describe,
+                       storage_key)
 from .source import user_frame
 
+__all__ = ["CPUGraph", "ExternalRef", "Pool", "RecordedOp", "describe", "host_sync_error",
+           "is_capturing", "is_host_sync", "storage_key"]
+
 aten = torch.ops.aten
+queries.install()
 
 # Ops whose result the host must wait for (the data decides a shape or a Python value).
 HOST_SYNC_OPS = frozenset({
@@ -49,160 +66,8 @@ HOST_SYNC_METHODS = frozenset({
     "__bool__", "__int__", "__float__",
 })
 _INDEX_OPS = frozenset({aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_})
-
-_capturing = threading.local()
-
-
-def is_capturing() -> bool:
-    """True while a ``CPUGraph`` capture is open on this thread."""
-    return getattr(_capturing, "graph", None) is not None
-
-
-def storage_key(t: torch.Tensor) -> int:
-    """Identity of a tensor's memory: views of one storage share it."""
-    return t.untyped_storage()._cdata
-
-
-def describe(t: torch.Tensor) -> str:
-    """``float32[4, 8]``: what a person needs to recognise a tensor, without reading its values."""
-    dtype = str(t.dtype).replace("torch.", "")
-    return f"{dtype}[{', '.join(str(s) for s in t.shape)}]"
-
-
-class Pool:
-    """Memory owned by graphs (a CUDA graph's private mempool). Several graphs may share one.
-
-    Graphs are held weakly: a graph holds its pool, so a strong back-reference would keep dropped
-    graphs (and, in reuse mode, their retained blocks) alive until the garbage collector runs.
-    """
-
-    def __init__(self) -> None:
-        self._owned: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
-
-    def owns(self, key: int) -> bool:
-        return key in self._owned
-
-    def _adopt(self, graph_ref: weakref.ref, t: torch.Tensor) -> None:
-        self._owned.setdefault(storage_key(t), (graph_ref, t))
-
-    def _forget(self, graph_ref: weakref.ref) -> None:
-        """Give back the memory of a graph that was reset or dropped."""
-        self._owned = {k: v for k, v in self._owned.items() if v[0] is not graph_ref}
-
-    def __len__(self) -> int:
-        return len(self._owned)
-
-    def __repr__(self) -> str:
-        return f"Pool({len(self)} storages)"
-
-
-@dataclasses.dataclass(eq=False)
-class ExternalRef:
-    """A tensor the graph reads or writes but does not own: a weak reference plus its view geometry."""
-
-    index: int
-    weak: StorageWeakRef
-    dtype: torch.dtype
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-    nbytes: int
-    first_use: str
-    origin: str | None
-    retained: torch.UntypedStorage | None = None   # on_freed="reuse": the block's bytes
-
-    def describe(self) -> str:
-        return f"{str(self.dtype).replace('torch.', '')}[{', '.join(map(str, self.size))}]"
-
-    def materialize(self) -> torch.Tensor:
-        """The tensor for this replay; the caller has checked that it is alive or retained."""
-        if self.weak.expired():
-            storage = self.retained
-        else:
-            storage = torch.UntypedStorage._new_with_weak_ptr(self.weak.cdata)
-        return torch.empty(0, dtype=self.dtype).set_(storage, self.offset, self.size, self.stride)
-
-
-@dataclasses.dataclass(eq=False)
-class RecordedOp:
-    """One captured kernel: the op, its arguments, what it reads and writes, and where it came from.
-
-    ``args``/``kwargs`` hold the non-tensor arguments with ``None`` where a tensor goes; ``slots``
-    says which tensor goes where: ``(where, key, list_index, tensor_or_ref)``, ``where`` being
-    ``"a"`` (positional) or ``"k"`` (keyword). Owned tensors are held directly; memory the graph
-    does not own is an ``ExternalRef``, resolved at each replay.
-    """
-
-    func: Any
-    args: list
-    kwargs: dict
-    slots: list
-    outputs: list              # captured owned outputs (None where an output aliases an input)
-    reads: frozenset           # storage keys
-    writes: frozenset
-    is_view: bool
-    source: str
-    bound: tuple | None = None  # (args, kwargs) ready to call, when no argument is external
-
-    def __post_init__(self) -> None:
-        self.has_outputs = any(o is not None for o in self.outputs)
-
-    @property
-    def name(self) -> str:
-        return str(self.func)
-
-    def external_refs(self) -> list[ExternalRef]:
-        return [slot[3] for slot in self.slots if isinstance(slot[3], ExternalRef)]
-
-    def bind(self, live: list[torch.Tensor]) -> tuple[list, dict]:
-        """The call's arguments for this replay, with external tensors taken from ``live``."""
-        if self.bound is not None:
-            return self.bound
-        args, kwargs, copied = list(self.args), dict(self.kwargs), set()
-        for where, key, sub, slot in self.slots:
-            value = live[slot.index] if type(slot) is ExternalRef else slot
-            container = args if where == "a" else kwargs
-            if sub is None:
-                container[key] = value
-            else:
-                if (where, key) not in copied:
-                    container[key] = list(container[key])
-                    copied.add((where, key))
-                container[key][sub] = value
-        return args, kwargs
-
-    def __repr__(self) -> str:
-        kind = "view" if self.is_view else ("writes" if self.writes else "new")
-        return f"<{self.name} ({kind}) at {self.source}>"
-
-
-def _as_tuple(out) -> tuple:
-    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
-
-
-def _written_tensors(func, args, kwargs) -> list[torch.Tensor]:
-    """Tensors the op's schema marks as written (``Tensor(a!)``): in-place self, ``out=`` args."""
-    written = []
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
-        if isinstance(value, torch.Tensor):
-            written.append(value)
-        elif isinstance(value, (list, tuple)):
-            written.extend(v for v in value if isinstance(v, torch.Tensor))
-    return written
-
-
-def _poison(t: torch.Tensor) -> None:
-    """Fill a whole storage with a value no correct computation produces."""
-    whole = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage())
-    if whole.dtype.is_floating_point or whole.dtype.is_complex:
-        whole.fill_(float("nan"))
-    elif whole.dtype == torch.bool:
-        whole.fill_(True)
-    else:
-        whole.fill_(torch.iinfo(whole.dtype).min if whole.dtype.is_signed else torch.iinfo(whole.dtype).max)
+_LIFTS = frozenset({aten.lift_fresh, aten.lift_fresh_copy})
+_DETACHES = frozenset({aten.detach, aten.detach_})
 
 
 def is_host_sync(func, args) -> bool:
@@ -223,7 +88,7 @@ def host_sync_error(op: str, source: str) -> CaptureError:
 class _HostSyncGuard(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
-        if name in HOST_SYNC_METHODS:
+        if name in HOST_SYNC_METHODS and not (args and type(args[0]) is HostTensor):
             raise host_sync_error(f"Tensor.{name}()", user_frame())
         return func(*args, **(kwargs or {}))
 
@@ -251,8 +116,11 @@ class CPUGraph:
         self._externals: list[ExternalRef] = []
         self._external_index: dict[tuple, ExternalRef] = {}
         self._pool: Pool | None = None
+        self._aliases: dict[tuple, torch.Tensor] = {}   # this graph's references to pool blocks
+        self._alias_count: dict[int, int] = {}          # storage key -> number of aliases
         self._owned: list[torch.Tensor] = []
-        self._constants: list[torch.Tensor] = []
+        self._host: set[int] = set()                    # host storages made inside the capture
+        self._lifted: set[int] = set()                  # constants made inside the capture
         self._snapshots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._modes: tuple = ()
         self.replays = 0
@@ -271,7 +139,7 @@ class CPUGraph:
         self._pool = pool if pool is not None else Pool()
         self._ref = weakref.ref(self, self._pool._forget)   # the pool forgets a dropped graph
         self._state = "capturing"
-        _capturing.graph = self
+        queries.set_capturing(self)
         self._modes = (_HostSyncGuard(), _Recorder(self))
         for mode in self._modes:
             mode.__enter__()
@@ -285,9 +153,10 @@ class CPUGraph:
                 _poison(t)
             if self.on_freed == "reuse":
                 for ref in self._externals:
-                    ref.retained = torch.UntypedStorage._new_with_weak_ptr(ref.weak.cdata).clone()
-                    memory.register_retained(ref)
+                    memory.retain(ref)
         self._snapshots.clear()
+        self._host.clear()
+        self._lifted.clear()
         self._state = "captured"
 
     def capture_abort(self) -> None:
@@ -302,18 +171,26 @@ class CPUGraph:
         for mode in reversed(self._modes):
             mode.__exit__(None, None, None)
         self._modes = ()
-        _capturing.graph = None
+        queries.set_capturing(None)
+
+    def _is_host(self, t: torch.Tensor) -> bool:
+        return type(t) is HostTensor or (bool(self._host) and storage_key(t) in self._host)
 
     def _record(self, func, args, kwargs):
-        packet = func.overloadpacket
+        tensors = [t for t in _flat(args, kwargs) if isinstance(t, torch.Tensor)]
+        if tensors and all(self._is_host(t) for t in tensors):
+            return self._run_on_host(func, args, kwargs)
         if is_host_sync(func, args):
             raise host_sync_error(str(func), user_frame())
         pool = self._pool
-        if packet in (aten.lift_fresh, aten.lift_fresh_copy):
-            # A constant created in the captured code (torch.tensor(...)): the graph keeps it.
-            for t in args:
-                if isinstance(t, torch.Tensor):
-                    self._adopt(t, constant=True)
+        packet = func.overloadpacket
+        if packet in _LIFTS or (packet in _DETACHES and storage_key(args[0]) in self._lifted):
+            # A constant created in the captured code (torch.tensor(...)): the graph keeps it. The
+            # lift and the detach that follows it exist only under a Python dispatch mode, so they
+            # are not recorded: a CUDA trace has neither.
+            self._adopt(args[0], constant=True)
+            self._lifted.add(storage_key(args[0]))
+            return func(*args, **kwargs)
         writes = []
         for t in _written_tensors(func, args, kwargs):
             key = storage_key(t)
@@ -340,33 +217,78 @@ class CPUGraph:
         args_t = [template("a", i, a) for i, a in enumerate(args)]
         kwargs_t = {k: template("k", k, v) for k, v in kwargs.items()}
         out = func(*args, **kwargs)
-        outputs = []
+        results, outputs = [], []
         for o in _as_tuple(out):
             if isinstance(o, torch.Tensor) and storage_key(o) not in reads:
-                self._adopt(o)
-                outputs.append(o)
+                o = self._place(o, reads)
+                outputs.append(self._adopt(o))
             else:
                 outputs.append(None)
+            results.append(o)
         is_view = not writes and all(o is None for o in outputs)
         op = RecordedOp(func, args_t, kwargs_t, slots, outputs, frozenset(reads), frozenset(writes),
                         is_view, source)
         if not op.external_refs():
             op.bound = op.bind([])
         self._ops.append(op)
+        if not any(o is not None for o in outputs):
+            return out
+        return tuple(results) if isinstance(out, (tuple, list)) else results[0]
+
+    def _run_on_host(self, func, args, kwargs):
+        """Host work inside a capture runs now, once, and is not part of the graph (as on CUDA)."""
+        with _disable_current_modes():
+            out = func(*args, **kwargs)
+        for o in _as_tuple(out):
+            if isinstance(o, torch.Tensor):
+                self._host.add(storage_key(o))
         return out
 
+    def _place(self, t: torch.Tensor, busy: set) -> torch.Tensor:
+        """``t`` moved into a free block of the pool of its byte size, if there is one (the caching
+        allocator hands freed pool memory to the next allocation); else ``t`` itself."""
+        block = self._pool._free_block(t.untyped_storage().nbytes(), busy, _alias_count)
+        if block is None:
+            return t
+        with _disable_current_modes():
+            placed = torch.empty(0, dtype=t.dtype).set_(block, t.storage_offset(), t.shape, t.stride())
+            placed.copy_(t)
+        return placed
+
     def _slot(self, t: torch.Tensor, func, source: str, reads: set):
-        """What the recorded op holds for argument ``t``: the tensor if owned, else a weak ref."""
+        """What the recorded op holds for argument ``t``: an alias if the pool owns it, a constant
+        for a 0-dim host tensor (passed by value), else a weak reference."""
         key = storage_key(t)
         reads.add(key)
-        return t if self._pool.owns(key) else self._external(t, func, source)
+        if self._pool.owns(key):
+            self._pool._adopt(self._ref, t)          # this graph uses the block too
+            return self._alias(t)
+        if t.dim() == 0 and self._is_host(t) and func.overloadpacket is not aten.copy_:
+            with _disable_current_modes(), torch._C.DisableTorchFunctionSubclass():
+                return t.clone()
+        return self._external(t, func, source)
 
-    def _adopt(self, t: torch.Tensor, constant: bool = False) -> None:
-        """Make ``t``'s storage the graph's; constants keep their value, the rest is poisoned at
-        capture end (a CUDA capture computes nothing)."""
-        if not self._pool.owns(storage_key(t)):
-            self._pool._adopt(self._ref, t)
-            (self._constants if constant else self._owned).append(t)
+    def _alias(self, t: torch.Tensor) -> torch.Tensor:
+        """This graph's own reference to pool memory: never the user's tensor object, so a block
+        whose user tensors are gone can be seen to be free (``pool``)."""
+        key = (storage_key(t), t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
+        alias = self._aliases.get(key)
+        if alias is None:
+            with _disable_current_modes():
+                alias = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), t.storage_offset(),
+                                                           t.shape, t.stride())
+            self._aliases[key] = alias
+            self._alias_count[key[0]] = self._alias_count.get(key[0], 0) + 1
+        return alias
+
+    def _adopt(self, t: torch.Tensor, constant: bool = False) -> torch.Tensor:
+        """Make ``t``'s storage a block of the pool; constants keep their value, the rest is
+        poisoned at capture end (a CUDA capture computes nothing)."""
+        self._pool._adopt(self._ref, t)
+        alias = self._alias(t)
+        if not constant:
+            self._owned.append(alias)
+        return alias
 
     def _external(self, t: torch.Tensor, func, source: str) -> ExternalRef:
         key = (storage_key(t), t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
@@ -382,25 +304,39 @@ class CPUGraph:
 
     # ------------------------------------------------------------------ replay
     def replay(self) -> None:
+        if self._state == "capturing":
+            raise GraphError("replay() called inside the graph's own capture block: the capture is "
+                             "still open, so there is nothing complete to replay yet. Replay after the "
+                             "`with graph(g):` block ends; to run the code once more during capture, "
+                             "call it directly.")
         if self._state != "captured":
-            what = {"new": "before capture (or after reset)", "capturing": "inside its own capture"}
-            raise GraphError(f"replay() called {what[self._state]}: capture the graph first with "
-                             "`with graph(g): ...`.")
+            raise GraphError("replay() called before capture (or after reset): capture the graph "
+                             "first with `with graph(g): ...`.")
         events.replay_begin(self)
         try:
+            self._run()
+            self.replays += 1
+        finally:
+            events.replay_end(self)
+
+    def _run(self) -> None:
+        """The recorded kernels, outside autograd as on CUDA (a replay records no autograd history
+        and may write tensors captured in inference mode)."""
+        with torch.inference_mode():
             live = [self._materialize(ref) for ref in self._externals]
             for op in self._ops:
                 if op.is_view:
                     continue
                 args, kwargs = op.bind(live)
-                out = op.func(*args, **kwargs)
+                try:
+                    out = op.func(*args, **kwargs)
+                except Exception as e:
+                    e.add_note(f"raised replaying {op.name}, recorded at {op.source}")
+                    raise
                 if op.has_outputs:
                     for dst, src in zip(op.outputs, _as_tuple(out)):
                         if dst is not None:
                             dst.copy_(src)
-            self.replays += 1
-        finally:
-            events.replay_end(self)
 
     def _materialize(self, ref: ExternalRef) -> torch.Tensor:
         if ref.weak.expired() and ref.retained is None:
@@ -425,9 +361,13 @@ class CPUGraph:
     def _clear(self) -> None:
         if self._pool is not None:
             self._pool._forget(self._ref)
-        self._ops, self._externals, self._owned, self._constants = [], [], [], []
+        self._ops, self._externals, self._owned = [], [], []
+        self._aliases.clear()
+        self._alias_count.clear()
         self._external_index.clear()
         self._snapshots.clear()
+        self._host.clear()
+        self._lifted.clear()
         self._state = "new"
         self.replays = 0
 
@@ -452,6 +392,18 @@ class CPUGraph:
     def __repr__(self) -> str:
         kernels = sum(not op.is_view for op in self._ops)
         return f"CPUGraph({self._state}, {kernels} kernels, {len(self._externals)} external tensors)"
+
+
+def _alias_count(graph: CPUGraph | None, key: int) -> int:
+    return 0 if graph is None else graph._alias_count.get(key, 0)
+
+
+def _flat(args, kwargs):
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, (list, tuple)):
+            yield from value
+        else:
+            yield value
 
 
 def _has_mask_index(args) -> bool:

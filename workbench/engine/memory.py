@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from .source import user_frame
 
 _origins: dict[int, tuple[StorageWeakRef, str, str]] = {}   # storage -> (weak, source line, op)
-_retained: list = []      # ExternalRef objects of on_freed="reuse" graphs (weakly: see register_retained)
+_retained: list = []      # ExternalRef objects of on_freed="reuse" graphs (weakly: see retain)
 
 
 def origin_of(t: torch.Tensor) -> str | None:
@@ -80,20 +80,35 @@ def track_origins():
         yield
 
 
-def register_retained(ref) -> None:
-    """Called by ``CPUGraph`` (``on_freed="reuse"``) for each block it references."""
+def retain(ref) -> None:
+    """Called by ``CPUGraph`` (``on_freed="reuse"``) at capture end for each block it references.
+
+    Graphs that reference one address share one retained block, as on CUDA, where the address is
+    one block: whatever lands there is what every one of them reads."""
+    key = ref.weak.cdata
+    for r in _retained:
+        other = r()
+        if other is not None and other.retained is not None and other.weak.cdata == key \
+                and not other.weak.expired():
+            ref.retained = other.retained
+            ref.retained.copy_(torch.UntypedStorage._new_with_weak_ptr(key))   # the bytes of now
+            break
+    else:
+        ref.retained = torch.UntypedStorage._new_with_weak_ptr(key).clone()
     _retained.append(weakref.ref(ref))
 
 
 def _free_block(nbytes: int):
-    """A retained block of exactly ``nbytes`` whose owner has released it and nobody reuses yet."""
+    """A retained block of exactly ``nbytes`` whose owner has released it and nobody reuses yet;
+    every graph sharing it stops offering it."""
     for r in list(_retained):
         ref = r()
         if ref is None or ref.retained is None:
             _retained.remove(r)
         elif ref.weak.expired() and ref.nbytes == nbytes:
-            _retained.remove(r)
-            return ref.retained
+            block = ref.retained
+            _retained[:] = [s for s in _retained if s() is not None and s().retained is not block]
+            return block
     return None
 
 

@@ -1,0 +1,81 @@
+"""Graph-pool memory as blocks the pool hands on, as CUDA's caching allocator does.
+
+A CUDA graph's private pool keeps the blocks its captures allocated. A block whose tensors are all
+gone is *free*: the next allocation of a capture into the same pool may be placed in it, whether
+the block was freed by a dropped graph's output (a re-capture then writes where a later graph
+reads, which is how graphs of one pool hand results on) or freed inside the same capture (a
+temporary's memory reused by a later temporary). Code that frees memory a graph still needs
+(torchcomms #877, warp #1419) silently reads someone else's data; the emulation must too.
+
+How "free" is known without hooking the allocator: graphs never hold the user's tensor objects,
+only private aliases (``CPUGraph._alias``); the pool holds one whole-storage view per block, and
+torch keeps the storage's one Python object. A block is free when its storage's use count is
+exactly those references: no user tensor is left.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+_use_count = torch._C._storage_Use_Count
+
+
+class Block:
+    """One storage of the pool, and the graphs whose recorded ops reference it."""
+
+    __slots__ = ("whole", "nbytes", "users")
+
+    def __init__(self, storage: torch.UntypedStorage) -> None:
+        with _disable_current_modes():     # the pool's bookkeeping, not an op of the watched code
+            self.whole = torch.empty(0, dtype=torch.uint8).set_(storage)
+        self.nbytes = storage.nbytes()
+        self.users: dict[int, weakref.ref] = {}       # id(graph ref) -> graph ref
+
+
+class Pool:
+    """Memory owned by graphs (a CUDA graph's private mempool). Several graphs may share one.
+
+    Graphs are held weakly: a graph holds its pool, so a strong back-reference would keep dropped
+    graphs (and their blocks) alive until the garbage collector runs. A block nobody's graph uses
+    any more leaves the pool at once; a block a live graph uses stays, and is handed on when free.
+    """
+
+    def __init__(self) -> None:
+        self._blocks: dict[int, Block] = {}
+
+    def owns(self, key: int) -> bool:
+        return key in self._blocks
+
+    def _adopt(self, graph_ref: weakref.ref, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        block = self._blocks.get(storage._cdata)
+        if block is None:
+            block = self._blocks[storage._cdata] = Block(storage)
+        block.users[id(graph_ref)] = graph_ref
+
+    def _forget(self, graph_ref: weakref.ref) -> None:
+        """A graph was reset or dropped: it uses none of the pool's blocks any more."""
+        for key in list(self._blocks):
+            users = self._blocks[key].users
+            users.pop(id(graph_ref), None)
+            if not users:
+                del self._blocks[key]
+
+    def _free_block(self, nbytes: int, busy: set, aliases) -> torch.UntypedStorage | None:
+        """A block of exactly ``nbytes`` that no user tensor holds (see module doc), not in
+        ``busy``; ``aliases(key)`` counts the live graphs' private references to a block."""
+        for key, block in self._blocks.items():
+            if block.nbytes != nbytes or key in busy:
+                continue
+            ours = 2 + sum(aliases(ref(), key) for ref in block.users.values() if ref() is not None)
+            if _use_count(key) == ours:
+                return block.whole.untyped_storage()
+        return None
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __repr__(self) -> str:
+        return f"Pool({len(self)} storages)"

@@ -1,0 +1,57 @@
+"""Which thread is capturing: the engine's own answer, and torch's, as libraries ask it.
+
+Libraries choose a capture-safe path by asking torch whether the current stream is capturing
+(``transformers``' ``is_tracing`` calls ``torch.cuda.is_current_stream_capturing()`` and then skips
+its data-dependent mask checks). During a ``CPUGraph`` capture the emulation must give CUDA's
+answer, or correct library code takes a path that a real capture never sees and fails on the CPU.
+
+The answer is per thread, as CUDA's is per stream: another thread running eagerly meanwhile is not
+capturing. Torch's functions read the module-level name ``_cuda_isCurrentStreamCapturing``, so
+that name (in ``torch.cuda.graphs`` and ``torch._C``) is wrapped once; every alias of
+``torch.cuda.is_current_stream_capturing`` a library imported earlier answers through it. Outside
+a ``CPUGraph`` capture the wrapper calls torch's own function, so nothing else changes (on a
+CPU-only torch that one raises, as before, and callers such as ``transformers`` treat it as False).
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.cuda.graphs as _cuda_graphs
+
+_state = threading.local()
+
+
+def current_graph():
+    """The ``CPUGraph`` whose capture is open on this thread, or None."""
+    return getattr(_state, "graph", None)
+
+
+def is_capturing() -> bool:
+    """True while a ``CPUGraph`` capture is open on this thread."""
+    return getattr(_state, "graph", None) is not None
+
+
+def set_capturing(graph) -> None:
+    """Called by ``CPUGraph`` when its capture opens (``graph``) and closes (``None``)."""
+    _state.graph = graph
+
+
+def _wrap(torch_answer):
+    if getattr(torch_answer, "_workbench_wrapped", False):
+        return torch_answer
+
+    def is_current_stream_capturing() -> bool:
+        if getattr(_state, "graph", None) is not None:
+            return True
+        return torch_answer()
+
+    is_current_stream_capturing._workbench_wrapped = True
+    return is_current_stream_capturing
+
+
+def install() -> None:
+    """Make torch's capture query see ``CPUGraph`` captures (idempotent)."""
+    wrapped = _wrap(_cuda_graphs._cuda_isCurrentStreamCapturing)
+    _cuda_graphs._cuda_isCurrentStreamCapturing = wrapped
+    torch._C._cuda_isCurrentStreamCapturing = wrapped

@@ -1,0 +1,129 @@
+"""What a ``CPUGraph`` records: its kernels (``RecordedOp``) and the memory they reference but the
+graph does not own (``ExternalRef``), plus the small helpers capture and replay share."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of a tensor's memory: views of one storage share it."""
+    return t.untyped_storage()._cdata
+
+
+def describe(t: torch.Tensor) -> str:
+    """``float32[4, 8]``: what a person needs to recognise a tensor, without reading its values."""
+    dtype = str(t.dtype).replace("torch.", "")
+    return f"{dtype}[{', '.join(str(s) for s in t.shape)}]"
+
+
+@dataclasses.dataclass(eq=False)
+class ExternalRef:
+    """A tensor the graph reads or writes but does not own: a weak reference plus its view geometry."""
+
+    index: int
+    weak: StorageWeakRef
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    nbytes: int
+    first_use: str
+    origin: str | None
+    retained: torch.UntypedStorage | None = None   # on_freed="reuse": the block's bytes
+
+    def describe(self) -> str:
+        return f"{str(self.dtype).replace('torch.', '')}[{', '.join(map(str, self.size))}]"
+
+    def materialize(self) -> torch.Tensor:
+        """The tensor for this replay; the caller has checked that it is alive or retained."""
+        if self.weak.expired():
+            storage = self.retained
+        else:
+            storage = torch.UntypedStorage._new_with_weak_ptr(self.weak.cdata)
+        return torch.empty(0, dtype=self.dtype).set_(storage, self.offset, self.size, self.stride)
+
+
+@dataclasses.dataclass(eq=False)
+class RecordedOp:
+    """One captured kernel: the op, its arguments, what it reads and writes, and where it came from.
+
+    ``args``/``kwargs`` hold the non-tensor arguments with ``None`` where a tensor goes; ``slots``
+    says which tensor goes where: ``(where, key, list_index, tensor_or_ref)``, ``where`` being
+    ``"a"`` (positional) or ``"k"`` (keyword). Owned tensors are held directly; memory the graph
+    does not own is an ``ExternalRef``, resolved at each replay.
+    """
+
+    func: Any
+    args: list
+    kwargs: dict
+    slots: list
+    outputs: list              # captured owned outputs (None where an output aliases an input)
+    reads: frozenset           # storage keys
+    writes: frozenset
+    is_view: bool
+    source: str
+    bound: tuple | None = None  # (args, kwargs) ready to call, when no argument is external
+
+    def __post_init__(self) -> None:
+        self.has_outputs = any(o is not None for o in self.outputs)
+
+    @property
+    def name(self) -> str:
+        return str(self.func)
+
+    def external_refs(self) -> list[ExternalRef]:
+        return [slot[3] for slot in self.slots if isinstance(slot[3], ExternalRef)]
+
+    def bind(self, live: list[torch.Tensor]) -> tuple[list, dict]:
+        """The call's arguments for this replay, with external tensors taken from ``live``."""
+        if self.bound is not None:
+            return self.bound
+        args, kwargs, copied = list(self.args), dict(self.kwargs), set()
+        for where, key, sub, slot in self.slots:
+            value = live[slot.index] if type(slot) is ExternalRef else slot
+            container = args if where == "a" else kwargs
+            if sub is None:
+                container[key] = value
+            else:
+                if (where, key) not in copied:
+                    container[key] = list(container[key])
+                    copied.add((where, key))
+                container[key][sub] = value
+        return args, kwargs
+
+    def __repr__(self) -> str:
+        kind = "view" if self.is_view else ("writes" if self.writes else "new")
+        return f"<{self.name} ({kind}) at {self.source}>"
+
+
+def _as_tuple(out) -> tuple:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def _written_tensors(func, args, kwargs) -> list[torch.Tensor]:
+    """Tensors the op's schema marks as written (``Tensor(a!)``): in-place self, ``out=`` args."""
+    written = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+        if isinstance(value, torch.Tensor):
+            written.append(value)
+        elif isinstance(value, (list, tuple)):
+            written.extend(v for v in value if isinstance(v, torch.Tensor))
+    return written
+
+
+def _poison(t: torch.Tensor) -> None:
+    """Fill a whole storage with a value no correct computation produces."""
+    whole = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage())
+    if whole.dtype.is_floating_point or whole.dtype.is_complex:
+        whole.fill_(float("nan"))
+    elif whole.dtype == torch.bool:
+        whole.fill_(True)
+    else:
+        whole.fill_(torch.iinfo(whole.dtype).min if whole.dtype.is_signed else torch.iinfo(whole.dtype).max)
