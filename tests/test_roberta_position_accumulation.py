@@ -259,7 +259,7 @@ def test_expected_crash_progress_bar_reads_as_predicted(capsys):
     prediction, bug = case.reproduce(QUICK, "cpu", progress=True)
     k = prediction.failing_step
     err = capsys.readouterr().err.split("\r")[-1]             # the bar as it was left
-    assert f"crashed as predicted at request {k}" in err and "100%" in err and f"{k}/{k}" in err
+    assert f"crashed as predicted at request {k}" in err and "100%" in err and f"{k - 1}/{k - 1}" in err
     res = case.serve_stream(QUICK, "bug", k + 10, label="bug", progress=True, predicted_failure=k + 1)
     err = capsys.readouterr().err
     assert res.failing_step == k and f"crashed at request {k}, predicted {k + 1}" in err

@@ -38,12 +38,14 @@ class expect_failure:
         return True
 
 
-def label_predicted_crash(bar, request: int) -> None:
+def label_predicted_crash(bar, request: int, label: str = "") -> None:
     """Close a tqdm bar over requests 1, 2, ... (console or notebook) that an expected crash
     stopped at ``request``, labelled "crashed as predicted at request K" and complete at the K-1
     requests served: a bar cut short ends red, which reads as a failure of the notebook when it
-    is the reproduction succeeding. (A bar driven by ``for`` counts lazily, hence ``n`` is set.)"""
-    bar.set_description(f"crashed as predicted at request {request}", refresh=False)
+    is the reproduction succeeding. (A bar driven by ``for`` counts lazily, hence ``n`` is set.)
+    ``label`` prefixes the description (which stream or variant crashed)."""
+    prefix = f"{label}: " if label else ""
+    bar.set_description(f"{prefix}crashed as predicted at request {request}", refresh=False)
     bar.leave = True
     bar.n = bar.total = request - 1
     if hasattr(bar, "container"):            # tqdm.notebook: the widget keeps its own maximum

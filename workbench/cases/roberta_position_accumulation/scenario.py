@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 from .. import get
 from ...childproc import run_in_child
+from ...expect import label_predicted_crash
 from ...engine import CUDAGraphMode, GraphManager, validate_capture_sizes
 from ...models.hf import tiny_model
 from .upstream import DummyRun, RobertaRunner, from_transformers, startup_runs, vllm_capture_sizes
@@ -280,11 +281,7 @@ def _end_bar(bar: tqdm, result: StreamResult, predicted_failure: int | None) -> 
     if k != predicted_failure:
         bar.set_description(f"{result.label}: crashed at request {k}, predicted {predicted_failure}")
         return
-    bar.leave, started = True, bar.start_t
-    bar.reset(total=k)                  # in a notebook this also resizes the widget
-    bar.start_t = started               # keep the elapsed time and the rate
-    bar.set_description(f"{result.label}: crashed as predicted at request {k}", refresh=False)
-    bar.update(k)
+    label_predicted_crash(bar, k, result.label)
 
 
 def can_crash(variant: str, zero_padding: bool, enforce_eager: bool) -> bool:
