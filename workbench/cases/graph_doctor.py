@@ -18,18 +18,17 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from .. import doctor, plots
+from .. import cases, doctor, plots
 from ..dist import launch
 from ..engine import GraphRunner, synchronize
 from ..models.hf import tiny_model
 
-CASES = ("01 roberta", "02 vit", "03 tp", "04 mamba", "05 lazy attention")
+CASES = tuple(case.id for case in cases.CASES)
 # Case 01 served as vLLM serves it by default: PIECEWISE graphs, the in-place shift in eager code
-# between them (the five cases above capture it in FULL mode, inside the graph).
-PIECEWISE = ("01 roberta piecewise",)
-VARIANTS = ("bug", "fix")
+# between them (in CASES it is captured in FULL mode, inside the graph).
+PIECEWISE = (f"{cases.get(1).id} piecewise",)
 COST_MODELS = ("gpt2", "bert", "roberta")     # the tiny transformers models the cost is measured on
-RESULTS = pathlib.Path(__file__).resolve().parent.parent.parent / "results" / "gpu"
+RESULTS = cases.ROOT / "results" / "gpu"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,82 +47,26 @@ class Expected:
                 and location.endswith(f"in {self.function}"))
 
 
-EXPECTED = {
-    "01 roberta": Expected("persistent-mutation", "aten.add_", "models/roberta.py", "replace_roberta_positions"),
-    "01 roberta piecewise": Expected("persistent-mutation", "aten.add_", "models/roberta.py",
-                                     "replace_roberta_positions"),
-    "02 vit": Expected("undersized-buffer", "aten.randn", "models/vit.py", "prepare_encoder_cudagraph_capture_inputs"),
-    "03 tp": Expected("dangling-reference", "aten.", "models/mtp_head.py", "_select_and_score"),
-    "04 mamba": Expected("stale-padding", "aten._to_copy", "models/mamba.py", "decode"),
-    "05 lazy attention": Expected("warmup-divergence", "aten.", "models/split_kv.py", "plan_splits"),
-}
+def _case_of(key: str) -> cases.Case:
+    return cases.get(key.split()[0])
 
 
-# ----------------------------------------------------------------------------- the workloads
-def _case01(variant: str, device: str, mode: str = "full") -> Callable[[], None]:
-    from ..models.roberta import from_transformers
-    from .roberta_positions import RobertaRunner
-
-    def workload() -> None:
-        hf = tiny_model("roberta", seed=0).to(device)
-        runner = RobertaRunner(from_transformers(hf, variant, device), [1, 2, 4, 8], device=device,
-                               cudagraph_mode=mode)
-        runner.capture()
-        gen = torch.Generator().manual_seed(0)
-        for length in (6, 3, 8, 5, 6):
-            runner([torch.randint(3, hf.config.vocab_size, (length,), generator=gen).to(device)])
-    return workload
+def expected(key: str) -> Expected:
+    """A case's ``DOCTOR_EXPECTED`` (its scenario says what the doctor should find)."""
+    case = _case_of(key)
+    kind, op, file, function = case.module("scenario").DOCTOR_EXPECTED
+    return Expected(kind, op, f"{case.id}/{file}", function)
 
 
-def _case02(variant: str, device: str) -> Callable[[], None]:
-    from . import vit_encoder as case
-
-    def workload() -> None:
-        manager = case.build_manager(variant, case.scaled_config(fast=True), min_budget=case.SCALED_MIN_BUDGET,
-                                     device=device)
-        manager.capture()
-        case.run_stream(manager, case.mixed_stream(3, seed=0, max_side=8), seed=0, repeats=1)
-    return workload
+def workload(key: str, variant: str, device: str) -> Callable[[], None]:
+    """The case's own ``doctor_workload``: its runner captured and serving a few steps."""
+    options = {"mode": "PIECEWISE"} if key in PIECEWISE else {}
+    return _case_of(key).module("scenario").doctor_workload(variant, device, **options)
 
 
-def _case03_rank(variant: str, device: str) -> doctor.Report:
-    """One TP rank: the proposer loads (all-gather, capture) and drafts for a few steps."""
-    from ..dist import local_device
-    from ..models.mtp_head import CentroidsProposer
-    from .tp_lm_head import FAST, hidden_states, load_model
-
-    device = local_device(device)
-
-    def workload() -> None:
-        proposer = CentroidsProposer(load_model(variant, FAST, device), device, FAST.sizes)
-        proposer.load_model()
-        for step, rows in enumerate((3, 8, 1)):
-            proposer._greedy_sample(hidden_states(FAST, step, rows, device))
-        synchronize(device)
-    return doctor.diagnose(workload)
-
-
-def _case04(variant: str, device: str) -> Callable[[], None]:
-    from . import mamba_padding as case
-
-    def workload() -> None:
-        case.serve(variant, device)
-    return workload
-
-
-def _case05(variant: str, device: str) -> Callable[[], None]:
-    from . import lazy_attention as case
-
-    def workload() -> None:
-        manager = case.CudaGraphManager(case.load_model(device), list(case.CAPTURE_SIZES), mode="FULL",
-                                        variant=variant, device=device)
-        manager.capture()
-        case.generate(manager, case.sample_problems(7, seed=0))
-    return workload
-
-
-WORKLOADS = {"01 roberta": _case01, "02 vit": _case02, "04 mamba": _case04, "05 lazy attention": _case05,
-             "01 roberta piecewise": lambda variant, device: _case01(variant, device, mode="piecewise")}
+def _rank_report(key: str, variant: str, device: str) -> doctor.Report:
+    """One rank of a multi-GPU case, diagnosed in its own process."""
+    return doctor.diagnose(workload(key, variant, device))
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -142,7 +85,7 @@ class Row:
 
     @property
     def expected(self) -> Expected | None:
-        return EXPECTED[self.case] if self.variant == "bug" else None
+        return expected(self.case) if self.variant == "bug" else None
 
     @property
     def hit(self) -> doctor.Finding | None:
@@ -164,20 +107,21 @@ class Row:
                 f"{'correct' if self.correct else 'WRONG'}")
 
 
-def evaluate(device: str = "cpu", cases: tuple[str, ...] = CASES, variants: tuple[str, ...] = VARIANTS,
+def evaluate(device: str = "cpu", keys: tuple[str, ...] = CASES, variants: tuple[str, ...] = cases.VARIANTS,
              progress: bool = False) -> list[Row]:
-    """Run ``diagnose`` on every case and variant (case 03 on two tensor-parallel ranks)."""
+    """Run ``diagnose`` on every case and variant (a multi-GPU case on its tensor-parallel ranks)."""
     rows = []
-    for case in cases:
+    for key in keys:
+        ranks = _case_of(key).gpus
         for variant in variants:
             if progress:
-                print(f"diagnosing {case} ({variant})", flush=True)
+                print(f"diagnosing {key} ({variant})", flush=True)
             start = time.perf_counter()
-            if case == "03 tp":
-                report = launch(_case03_rank, 2, variant, device, device=device)[0]
+            if ranks > 1:
+                report = launch(_rank_report, ranks, key, variant, device, device=device)[0]
             else:
-                report = doctor.diagnose(WORKLOADS[case](variant, device))
-            rows.append(Row(case, variant, report, time.perf_counter() - start))
+                report = doctor.diagnose(workload(key, variant, device))
+            rows.append(Row(key, variant, report, time.perf_counter() - start))
     return rows
 
 
@@ -283,9 +227,9 @@ def record(rows: list[Row]) -> list[dict]:
 
 def gpu_record(device: str = "cuda") -> dict:
     """The evaluation and the clean models on CUDA (case 03 needs two GPUs)."""
-    cases = CASES if torch.cuda.device_count() >= 2 else tuple(c for c in CASES if c != "03 tp")
+    keys = tuple(k for k in CASES if _case_of(k).gpus <= torch.cuda.device_count())
     clean = clean_models(device)
-    return {"evaluation": record(evaluate(device, cases)), "other_kinds": other_kinds(device),
+    return {"evaluation": record(evaluate(device, keys)), "other_kinds": other_kinds(device),
             "clean_models": {name: {"kinds": sorted(r.kinds), "not_checked": sorted(r.not_checked)}
                              for name, r in clean.items()}}
 

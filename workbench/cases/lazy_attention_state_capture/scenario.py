@@ -207,6 +207,11 @@ def gpu_record(device: str = "cuda") -> dict:
 
 
 
+# What the graph doctor should find in the bug variant: the kind, the op, and the file (in this
+# package) and function of the source line the finding names. The fix variant: no finding.
+DOCTOR_EXPECTED = ("warmup-divergence", "aten.", "split_kv.py", "plan_splits")
+
+
 def doctor_workload(variant: str, device: str = "cpu", *, n_problems: int = 7) -> Callable[[], None]:
     """What the graph doctor watches: the FULL manager of ``variant`` captured and decoding a few
     held-out problems, nothing changed for the doctor."""

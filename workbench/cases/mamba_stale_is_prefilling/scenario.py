@@ -159,6 +159,11 @@ def describe_step(result: ServedRun, index: int) -> str:
 
 
 
+# What the graph doctor should find in the bug variant: the kind, the op, and the file (in this
+# package) and function of the source line the finding names. The fix variant: no finding.
+DOCTOR_EXPECTED = ("stale-padding", "aten._to_copy", "mamba.py", "decode")
+
+
 def doctor_workload(variant: str, device: str = "cpu", **options) -> Callable[[], None]:
     """What the graph doctor watches: the default workload served through ``variant``'s FULL graphs
     (``options`` go to ``serve``), nothing changed for the doctor."""

@@ -357,6 +357,11 @@ def gpu_record(device: str = "cuda", settings: Settings | None = None, fix_facto
 
 
 # --------------------------------------------------------------------------- graph doctor
+# What the graph doctor should find in the bug variant: the kind, the op, and the file (in this
+# package) and function of the source line the finding names. The fix variant: no finding.
+DOCTOR_EXPECTED = ("persistent-mutation", "aten.add_", "upstream.py", "replace_roberta_positions")
+
+
 def doctor_workload(variant: str, device: str = "cpu",
                     mode: CUDAGraphMode | str = CUDAGraphMode.FULL) -> Callable[[], None]:
     """The scenario made small for the graph doctor: the runner started as vLLM starts it (sizes

@@ -330,6 +330,11 @@ def gpu_record(device: str = "cuda") -> dict:
 
 
 # --------------------------------------------------------------------------- graph doctor
+# What the graph doctor should find in the bug variant: the kind, the op, and the file (in this
+# package) and function of the source line the finding names. The fix variant: no finding.
+DOCTOR_EXPECTED = ("dangling-reference", "aten.", "upstream.py", "_select_and_score")
+
+
 def doctor_workload(variant: str, device: str = "cpu") -> Callable[[], None]:
     """One TP rank's work for the graph doctor, made small: the proposer loads (all-gather, capture)
     and drafts three steps. Call it inside each rank (``device`` is resolved to the rank's own)."""

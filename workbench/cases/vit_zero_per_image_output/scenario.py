@@ -264,6 +264,11 @@ def _exact_float32():
 
 
 # --------------------------------------------------------------- graph doctor
+# What the graph doctor should find in the bug variant: the kind, the op, and the file (in this
+# package) and function of the source line the finding names. The fix variant: no finding.
+DOCTOR_EXPECTED = ("undersized-buffer", "aten.randn", "upstream.py", "prepare_encoder_cudagraph_capture_inputs")
+
+
 def doctor_workload(variant: str, device: str = "cpu") -> Callable[[], None]:
     """The scenario made small for the graph doctor: the FAST-sized manager captured, then a short
     mixed stream served (the bug's capture fails at its first budget, inside the workload)."""
