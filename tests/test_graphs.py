@@ -192,3 +192,27 @@ def test_replay_refuses_a_size_never_captured_and_too_many_rows():
         m.replay(3, 3)
     with pytest.raises(Exception, match="serves 1..4 real rows, got 5"):
         m.replay(4, 5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["FULL", "PIECEWISE"])
+def test_the_same_manager_on_real_cuda_graphs(mode):
+    """FULL and PIECEWISE (an eager region first: CUDA refuses to replay the empty piece before it),
+    replay equal to eager, and re-capture after the weight is replaced."""
+    x = torch.zeros(8, 3, device="cuda")
+    w = [torch.full((3,), 2.0, device="cuda")]
+    offset = [1.0]
+    m = GraphManager(lambda size: (m.eager(lambda t: t + offset[0])(x[:size]) * w[0]).sin(), [2, 4, 8],
+                     device="cuda", mode=mode)
+    m.capture()
+    if mode == "PIECEWISE":
+        assert all(len(pieces) == 1 for pieces in m.graphs.values())
+    x[:3] = torch.randn(3, 3, device="cuda")
+    offset[0] = 5.0
+    out = m.replay(m.dispatch(3), 3)
+    used = 5.0 if mode == "PIECEWISE" else 1.0
+    torch.testing.assert_close(out, ((x[:3] + used) * 2.0).sin(), rtol=0, atol=1e-6)
+    w[0] = torch.full((3,), 3.0, device="cuda")
+    m.recapture()
+    torch.testing.assert_close(m.replay(4, 4), ((x[:4] + offset[0]) * 3.0).sin(), rtol=0, atol=1e-6)

@@ -338,6 +338,7 @@ def probe_op_trace(device: str) -> dict:
     x = torch.ones(2, 4, device=device)
     g = new_graph(device)
     with torch.inference_mode():
+        layer(x).relu()                    # warmup: cuBLAS sets up its handle outside the capture
         with graph(g), Log() as log:
             (layer(x).relu() + torch.full((1,), 1.0, device=device)).detach()
     ops = [op.name for op in g.ops] if isinstance(g, CPUGraph) else log.ops

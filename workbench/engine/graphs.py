@@ -18,8 +18,8 @@ Contract:
   capture at every call of a function wrapped by ``eager(fn)`` and runs that function eagerly,
   between the pieces, at every replay (vLLM's piecewise graphs with attention outside them);
   ``NONE`` captures nothing and ``dispatch`` always answers eager.
-* ``recapture()`` drops every graph and captures again into the same pool: after a weight update
-  or a resize, as a serving stack must.
+* ``recapture()`` drops every graph and captures them again, into a fresh shared pool: after a
+  weight update or a resize, as a serving stack must.
 * Every moment the graph doctor needs is announced (``workbench.engine.events``): static buffers,
   warmups, captures, each served replay with its real and padded rows and an ``eager`` callable
   that re-runs the step without graphs, and the outputs handed to the caller.
@@ -156,11 +156,14 @@ class GraphManager:
         self.capturing = None
 
     def recapture(self) -> None:
-        """Drop every graph and capture again into the same pool (after a weight update or a
-        resize). Outputs handed out before are stale afterwards, as on CUDA."""
+        """Drop every graph and capture them again (after a weight update or a resize). Outputs
+        handed out before are stale afterwards, as on CUDA. The pool goes with its last graph (the
+        caching allocator frees a private pool no graph uses, and refuses its handle afterwards),
+        so the new graphs share a fresh one."""
         for pieces in self.graphs.values():
             for g in pieces:
                 g.reset()
+        self.pool = None
         self.graphs.clear()
         self.outputs.clear()
         self._schedule.clear()
