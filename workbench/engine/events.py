@@ -32,8 +32,11 @@ def unsubscribe(observer: Any) -> None:
 
 
 def _emit(event: str, *args: Any, **kwargs: Any) -> None:
+    """Call ``event`` on every observer that handles it (an observer listens to what it needs)."""
     for observer in _observers:
-        getattr(observer, event)(*args, **kwargs)
+        handler = getattr(observer, event, None)
+        if handler is not None:
+            handler(*args, **kwargs)
 
 
 def capture_begin(graph: Any, name: str | None) -> None:

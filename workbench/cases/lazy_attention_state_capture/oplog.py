@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ...engine import is_capturing
+from ...engine import events, is_capturing
 from . import split_kv
 
 
@@ -34,22 +34,38 @@ def capture_open(device: torch.device) -> bool:
 
 
 class OpLog(TorchDispatchMode):
-    """The kernels recorded by the captures inside the block, by capture size (``size()`` names the
-    size being captured). A kernel is an op that writes one of its arguments or returns new memory.
+    """The kernels recorded by the captures while it listens (``with OpLog(size): ...``), by capture
+    size (``size()`` names the size being captured). A kernel is an op that writes one of its
+    arguments or returns new memory.
 
     The rule "which arguments does this op write" is the one the engine and the graph doctor apply
     too (``alias_info.is_write`` of the op's schema); this copy only reads it.
     """
 
-    def __init__(self, device: torch.device, size: Callable[[], int | None]) -> None:
+    def __init__(self, size: Callable[[], int | None]) -> None:
         super().__init__()
-        self.device, self.size = device, size
+        self.size = size
         self.ops: dict[int, list[LoggedOp]] = {}
+
+    def __enter__(self) -> OpLog:
+        events.subscribe(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        events.unsubscribe(self)
+
+    # The engine's announcements: the dispatch mode is on exactly while a capture is open.
+    def capture_begin(self, graph, name) -> None:
+        super().__enter__()
+
+    def capture_end(self, graph) -> None:
+        super().__exit__(None, None, None)
+
+    def capture_abort(self, graph, error) -> None:
+        super().__exit__(type(error), error, error.__traceback__)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not capture_open(self.device):
-            return out
         writes = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
         inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]

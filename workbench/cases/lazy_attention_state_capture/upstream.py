@@ -92,7 +92,7 @@ class CudaGraphManager:
     def capture(self) -> None:
         """Warmup and capture every size (nothing in mode NONE); the kernels each capture recorded
         go to ``captured_ops``."""
-        log = OpLog(self.device, lambda: self.manager.capturing)
+        log = OpLog(lambda: self.manager.capturing)
         with log:
             self.manager.capture()
         self.captured_ops.update(log.ops)
