@@ -5,11 +5,16 @@ import contextlib
 import time
 from collections.abc import Iterator
 
+import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..engine import events
 from .intake import DELIBERATE, Doctor
 from .report import Report
+from .rules import undersized
+
+_SETITEM = torch.Tensor.__setitem__
 
 
 class _Watch(TorchDispatchMode):
@@ -31,6 +36,24 @@ class _Watch(TorchDispatchMode):
                 raise
             doctor.fail(e, f"watching {func}")
             return run.result()
+
+
+class _ItemAssignment(TorchFunctionMode):
+    """Sees ``tensor[index] = value`` before it becomes a view: the only write path whose slicing
+    dispatches no op (the shape contract needs the index)."""
+
+    def __init__(self, doctor: Doctor) -> None:
+        super().__init__()
+        self.doctor = doctor
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        doctor = self.doctor
+        if func is _SETITEM and doctor.buffers and doctor.failure is None and doctor.phase != "differential":
+            try:
+                undersized.check_index(doctor, args[0], args[1])
+            except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
+                doctor.fail(e, "watching Tensor.__setitem__")
+        return func(*args, **(kwargs or {}))
 
 
 class _Call:
@@ -72,7 +95,9 @@ def watch(*, guard: bool = False, differential: int = 0) -> Iterator[Report]:
 def watching(doctor: Doctor) -> Iterator[Doctor]:
     """``watch()`` with a given observer (``diagnose`` keeps its probe records)."""
     mode = doctor.mode = _Watch(doctor)
+    items = _ItemAssignment(doctor)
     events.subscribe(doctor)
+    items.__enter__()
     mode.__enter__()
     start = time.perf_counter()
     try:
@@ -82,6 +107,7 @@ def watching(doctor: Doctor) -> Iterator[Doctor]:
         raise
     finally:
         mode.__exit__(None, None, None)
+        items.__exit__(None, None, None)
         events.unsubscribe(doctor)
         doctor.finish()
         doctor.report.seconds = time.perf_counter() - start

@@ -98,7 +98,10 @@ def probed(doctor, info, key: int, buf, pattern: str, numbers: dict, shape_of) -
 
 
 def unprobed(doctor, info) -> None:
-    """A graph that writes a static input buffer but was never replayed while watched."""
+    """A graph that writes a static input buffer but was never replayed while watched (a graph
+    probed only on replays before which the runner rewrote everything it writes is not one)."""
+    if info.attempts:
+        return
     for key, op in info.writes.items():
         if (buf := doctor.buffer(key)) is not None and buf.role == "input":
             doctor.add(Finding(

@@ -67,16 +67,34 @@ def check_fit(doctor, dst: torch.Tensor, src) -> None:
 
 
 def check_slice(doctor, args) -> None:
-    """``buffer[a:b]`` with ``b`` past the end of an announced buffer's dimension."""
+    """``buffer[a:b]`` (``aten.slice``) with ``b`` past the end of an announced buffer's dimension."""
     t = args[0]
     buf = doctor.buffers.get(storage_key(t))
     if buf is None or buf.ref() is None:
         return
-    dim = args[1] if len(args) > 1 else 0
     end = args[3] if len(args) > 3 else None
-    if not isinstance(end, int) or end >= _OPEN_END:
+    if isinstance(end, int) and end < _OPEN_END:
+        _past_end(doctor, buf, args[1] if len(args) > 1 else 0, end, t.shape)
+
+
+def check_index(doctor, t: torch.Tensor, index) -> None:
+    """``buffer[a:b, c:d] = ...``: Python's item assignment slices without dispatching an op, so
+    the slices of the index are checked against the buffer's dimensions here."""
+    buf = doctor.buffers.get(storage_key(t))
+    if buf is None or buf.ref() is None:
         return
-    length = t.shape[dim]
+    dim = 0
+    for item in index if isinstance(index, tuple) else (index,):
+        if isinstance(item, slice):
+            if isinstance(item.stop, int) and (item.step or 1) > 0 and dim < t.dim():
+                _past_end(doctor, buf, dim, item.stop, t.shape)
+        elif item is Ellipsis or item is None or isinstance(item, torch.Tensor):
+            return                               # dimensions no longer line up with the index
+        dim += 1
+
+
+def _past_end(doctor, buf, dim: int, end: int, shape) -> None:
+    length = shape[dim]
     if end <= length:
         return
     source = user_frame()
