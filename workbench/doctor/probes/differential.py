@@ -163,6 +163,7 @@ def _finding(doctor, info, pending, what: tuple, divergence, run: EagerRun) -> N
     kind, tensor = "warmup-divergence", "-"
     if divergence is not None:
         op = divergence.graph_op or divergence.eager_op
+        tensor = _read_by(doctor, info, op)
         site = f"First divergence in the launch traces: {divergence.text()}."
         if divergence.how == "reference":
             gkey = next(iter(divergence.graph_keys))
@@ -186,6 +187,14 @@ def _finding(doctor, info, pending, what: tuple, divergence, run: EagerRun) -> N
                 "from an eager run of the same step")
     doctor.add(Finding(kind, info.name, name, tensor, source, evidence, explain.differential(info.name, text, site),
                        {"replay": info.replays, **numbers}), (kind, name, source))
+
+
+def _read_by(doctor, info, op) -> str:
+    """The announced buffer (else the referenced tensor) an op of the trace reads, for the report."""
+    for key in sorted(op.reads):
+        if (buf := doctor.buffer(key)) is not None:
+            return f"{buf.name}: {describe(buf.ref())}"
+    return next((info.externals[key].tensor for key in sorted(op.reads) if key in info.externals), "-")
 
 
 def pre_label(pending, key) -> str:

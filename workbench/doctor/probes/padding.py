@@ -16,14 +16,15 @@ from ..tensors import digest, whole
 
 def fill(doctor, padded: dict, columns: dict, real: int, size: int) -> None:
     """Rows ``[real, size)`` of each padded array and columns ``[width, end)`` of rows ``[0, size)``
-    of each padded-columns tensor get a small value: ``i`` for the i-th array under pattern 0,
-    ``n - i`` under pattern 1, so every array changes and any two swap their order (a comparison
-    between two padded fields flips). Small values stay valid as indices."""
+    of each padded-columns tensor get a small value: ``2i`` for the i-th array under pattern 0,
+    ``2(n - i) - 1`` under pattern 1, so every array changes (even against odd, booleans too) and
+    any two swap their order (a comparison between two padded fields flips). Small values stay
+    valid as indices."""
     arrays = [(arr, slice(real, size), slice(None)) for arr in padded.values()]
     arrays += [(t, slice(0, size), slice(width, None)) for t, width in columns.values()]
     n = len(arrays)
     for i, (arr, rows, cols) in enumerate(arrays):
-        value = i if doctor.pattern == 0 else n - i
+        value = 2 * i if doctor.pattern == 0 else 2 * (n - i) - 1
         if isinstance(arr, torch.Tensor):
             with _disable_current_modes():
                 target = arr[rows] if cols == slice(None) else arr[rows, cols]
