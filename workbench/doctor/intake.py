@@ -15,7 +15,6 @@ How the evidence is gathered (the same on both backends, so a report means the s
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import sys
 import traceback
@@ -30,7 +29,7 @@ from ..engine.errors import CaptureError, GraphError
 from ..engine.opinfo import describe, storage_key, tensors, written_tensors
 from ..engine.source import user_frame
 from .probes import differential, mutation as mutation_probe, padding as padding_probe
-from .records import Op
+from .records import Buffer, External, GraphInfo, Op, Pending
 from .report import KINDS, Finding, Report
 from .rules import dangling, mutation, overwritten, sync, undersized, warmup
 from .tensors import first_line, signature
@@ -69,65 +68,6 @@ def contained(handler):
             self.fail(e, handler.__name__)
             return None
     return run
-
-
-@dataclasses.dataclass
-class External:
-    """A storage a graph reads or writes without owning it."""
-
-    weak: StorageWeakRef
-    tensor: str
-    dtype: torch.dtype
-    op: str
-    source: str
-    origin: str | None
-    view_only: bool
-    reported: bool = False
-
-
-@dataclasses.dataclass
-class Buffer:
-    """An announced tensor: ``role`` is input, state, output, metadata, or padded (named by serve)."""
-
-    name: str
-    owner: str
-    ref: weakref.ref
-    role: str
-
-
-@dataclasses.dataclass
-class Pending:
-    """What ``serve`` announced for the next replay."""
-
-    real: int
-    size: int
-    outputs: object
-    padded: dict
-    eager: object
-    columns: dict
-    differential: bool
-    pre: dict = dataclasses.field(default_factory=dict)
-    rng: tuple = ()
-
-
-class GraphInfo:
-    def __init__(self, graph, name: str) -> None:
-        self.ref = weakref.ref(graph)
-        self.name = name
-        self.cuda = not hasattr(graph, "ops")       # a torch.cuda.CUDAGraph exposes no op list
-        self.ops: list[Op] = []                     # the capture's launch trace
-        self.externals: dict[int, External] = {}
-        self.cdatas: tuple[int, ...] = ()           # the externals' weak references, for a fast check
-        self.writes: dict[int, Op] = {}             # external storage -> first op writing it
-        self.created: set[int] = set()              # storages this capture created
-        self.foreign: dict[int, tuple] = {}         # storage of another graph's pool -> (graph, op, source, tensor)
-        self.out_keys: frozenset = frozenset()      # every storage a replay writes
-        self.warmup: list[Op] | None = None         # the first warmup run before this capture
-        self.eager_lines: set[str] = set()          # lines run eagerly after that warmup, outside the capture
-        self.replays = 0
-        self.probed = False
-        self.attempts = 0                           # mutation probes run (see probes/mutation.py)
-        self.pending: Pending | None = None
 
 
 class Doctor:

@@ -34,6 +34,7 @@ class EagerRun:
     """The eager step's launch trace and the storages it created or wrote."""
 
     known: set                                   # storages kept before the replay
+    graph_ops: list                              # the capture's trace, to align with as it runs
     ops: list = dataclasses.field(default_factory=list)
     new: set = dataclasses.field(default_factory=set)
     extra: dict = dataclasses.field(default_factory=dict)    # other storages it wrote: key -> (whole, before)
@@ -78,9 +79,14 @@ def on_op(doctor, func, args, kwargs, run):
     out = run()
     if not func.is_view or lifted:
         for t in inputs:
-            d.described.setdefault(storage_key(t), (describe(t), memory.origin_of(t)))
-        d.ops.append(Op(str(func), user_frame(), frozenset(keys), frozenset(), frozenset(keys - d.new),
-                        signature(func, args, kwargs)))
+            if storage_key(t) not in d.new:      # pre-existing, so alive anyway: described if reported
+                d.described.setdefault(storage_key(t), t)
+        name, sig, i = str(func), signature(func, args, kwargs), len(d.ops)
+        same = i < len(d.graph_ops) and d.graph_ops[i].name == name and d.graph_ops[i].sig == sig
+        # The source line costs a walk up the stack: where the op matches the capture's op at the
+        # same position, it is taken to be the same line (a divergence is looked up in full).
+        d.ops.append(Op(name, d.graph_ops[i].source if same else user_frame(), frozenset(keys), frozenset(),
+                        frozenset(keys - d.new), sig))
     for o in tensors(out):
         if storage_key(o) not in keys:
             d.new.add(storage_key(o))
@@ -96,7 +102,7 @@ def finish(doctor, info, pending) -> None:
             w.copy_(before)
         rng_after = rng_state(info.cuda)
         set_rng_state(pending.rng)
-    doctor.diff, doctor.phase = EagerRun(set(pre)), "differential"
+    doctor.diff, doctor.phase = EagerRun(set(pre), info.ops), "differential"
     error = None
     try:
         with torch.no_grad():
@@ -172,7 +178,8 @@ def _finding(doctor, info, pending, what: tuple, divergence, run: EagerRun) -> N
             if ext is not None and ext.weak.expired():
                 kind = "dangling-reference"
             ekey = next(iter(divergence.eager_keys))
-            now, origin = run.described.get(ekey, ("a tensor", None))
+            read = run.described.get(ekey)
+            now, origin = (describe(read), memory.origin_of(read)) if read is not None else ("a tensor", None)
             site += (f" The graph reads the {tensor} created {ext.origin or 'before watch()' if ext else '-'}; the "
                      f"eager step reads a {now} created {origin or 'before watch()'}: a reference frozen at capture.")
         numbers = {**numbers, "launch": divergence.index + 1, "how": divergence.how}
