@@ -59,8 +59,8 @@ def run(tmp_path, *options: str) -> subprocess.CompletedProcess:
 def test_the_plugin_fails_exactly_the_tests_with_unexpected_findings(tmp_path):
     done = run(tmp_path, "--graph-doctor")
     assert "1 failed, 3 passed" in done.stdout, done.stdout + done.stderr
-    assert "FAILED test_served.py::test_bug - graph doctor: findings ['persistent-mutation'], expected none" \
-        in done.stdout
+    assert "FAILED test_served.py::test_bug - Failed: graph doctor: findings ['persistent" in done.stdout
+    assert "graph doctor: findings ['persistent-mutation'], expected none" in done.stdout
     assert "x += 1" in done.stdout                      # the report, with the source line, is in the failure
     plain = run(tmp_path)
     assert "4 passed" in plain.stdout, plain.stdout + plain.stderr
