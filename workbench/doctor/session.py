@@ -6,15 +6,12 @@ import time
 from collections.abc import Iterator
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..engine import events
 from .intake import DELIBERATE, Doctor
 from .report import Report
 from .rules import undersized
-
-_SETITEM = torch.Tensor.__setitem__
 
 
 class _Watch(TorchDispatchMode):
@@ -38,22 +35,20 @@ class _Watch(TorchDispatchMode):
             return run.result()
 
 
-class _ItemAssignment(TorchFunctionMode):
-    """Sees ``tensor[index] = value`` before it becomes a view: the only write path whose slicing
-    dispatches no op (the shape contract needs the index)."""
+def _item_assignment(doctor: Doctor):
+    """``Tensor.__setitem__`` that first checks the index against an announced buffer's shape:
+    ``buffer[a:b, c:d] = value`` is the only write path whose slicing dispatches no op. (A
+    function mode would see it too, but would put Python in front of every op of every replay.)"""
+    original = torch.Tensor.__setitem__
 
-    def __init__(self, doctor: Doctor) -> None:
-        super().__init__()
-        self.doctor = doctor
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        doctor = self.doctor
-        if func is _SETITEM and doctor.buffers and doctor.failure is None and doctor.phase != "differential":
+    def __setitem__(self, index, value):
+        if doctor.buffers and doctor.failure is None and doctor.phase in ("eager", "warmup", "capture"):
             try:
-                undersized.check_index(doctor, args[0], args[1])
+                undersized.check_index(doctor, self, index)
             except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
                 doctor.fail(e, "watching Tensor.__setitem__")
-        return func(*args, **(kwargs or {}))
+        return original(self, index, value)
+    return original, __setitem__
 
 
 class _Call:
@@ -95,9 +90,9 @@ def watch(*, guard: bool = False, differential: int = 0) -> Iterator[Report]:
 def watching(doctor: Doctor) -> Iterator[Doctor]:
     """``watch()`` with a given observer (``diagnose`` keeps its probe records)."""
     mode = doctor.mode = _Watch(doctor)
-    items = _ItemAssignment(doctor)
+    original, checked = _item_assignment(doctor)
     events.subscribe(doctor)
-    items.__enter__()
+    torch.Tensor.__setitem__ = checked
     mode.__enter__()
     start = time.perf_counter()
     try:
@@ -107,7 +102,7 @@ def watching(doctor: Doctor) -> Iterator[Doctor]:
         raise
     finally:
         mode.__exit__(None, None, None)
-        items.__exit__(None, None, None)
+        torch.Tensor.__setitem__ = original
         events.unsubscribe(doctor)
         doctor.finish()
         doctor.report.seconds = time.perf_counter() - start
