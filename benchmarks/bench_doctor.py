@@ -97,7 +97,7 @@ def differential_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def cpu_tables(steps: int = 300, repeats: int = 9) -> str:
+def cpu_tables(steps: int = 300, repeats: int = 7) -> str:
     torch.manual_seed(0)
     off = [overhead("cpu", name, steps=steps, repeats=repeats) for name in COST_MODELS]
     on = [differential_cost(name, steps=steps // 3, repeats=repeats) for name in COST_MODELS]

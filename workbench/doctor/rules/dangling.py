@@ -5,10 +5,12 @@ graph of the same pool (a graph reads an output of another graph, which was then
 its memory went back to the pool, to be handed to whatever is allocated next)."""
 from __future__ import annotations
 
+import torch
+
 from .. import explain
 from ..report import Finding
 
-_expired = __import__("torch").UntypedStorage._expired    # what StorageWeakRef.expired() calls, minus a frame
+_expired = torch.UntypedStorage._expired    # what StorageWeakRef.expired() calls, minus a Python frame
 
 
 def check(doctor, info, *, before_replay: bool) -> None:
