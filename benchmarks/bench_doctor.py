@@ -1,44 +1,124 @@
 """The graph doctor's cost on a replay-heavy run: time per served step, without and inside ``watch()``.
 
-CPU (``python benchmarks/bench_doctor.py``): ``GraphRunner`` over three tiny ``transformers`` models,
-3 real rows padded to 4, alternating plain and watched runs; writes ``benchmarks/results_doctor.md``.
-GPU: ``workbench.cases.graph_doctor.cost_record`` (run by ``scripts/gpu_session.py``) measures the same
-function on CUDA into ``results/gpu/graph_doctor_cost*.json`` (one per GPU model); their tables are
-copied in here. ``--gpu-only`` copies in the GPU tables again and keeps the CPU table as measured
-(GPU records arrive from another machine, on another day).
+CPU (``python benchmarks/bench_doctor.py``), on three tiny ``transformers`` models, 3 real rows
+padded to 4, plain and watched runs taking turns; writes ``benchmarks/results_doctor.md``:
+
+* differential replay **off**: ``GraphRunner`` (``workbench.cases.graph_doctor.overhead``), the
+  target being no more than +17 % per step;
+* differential replay **on** (every step sampled, the worst case): a graph manager that announces
+  its eager step (``serve(..., eager=...)``), the target being no more than 2.5x per sampled step.
+
+GPU: ``workbench.cases.graph_doctor.cost_record`` (run by ``scripts/gpu_session.py``) measures the
+first on CUDA into ``results/gpu/graph_doctor_cost*.json``; their tables are copied in here.
+``--gpu-only`` copies in the GPU tables again and keeps the CPU tables as measured.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import pathlib
 import platform
 import sys
+import time
 
+import numpy as np
 import torch
 
+from workbench import doctor
 from workbench.cases.graph_doctor import COST_MODELS, cost_table, gpu_costs, overhead
+from workbench.engine import events, graph, graph_pool_handle, new_graph
+from workbench.models.hf import tiny_model
 
 RESULTS = pathlib.Path(__file__).parent / "results_doctor.md"
+SIZES = (1, 2, 4, 8)
+
+
+class _Manager:
+    """One graph per size in one pool, warmed up, serving with ``eager`` announced (what the
+    engine's graph manager announces)."""
+
+    def __init__(self, model, ids: torch.Tensor) -> None:
+        self.model, self.ids, self.graphs, self.outputs = model, ids, {}, {}
+        events.static_buffers("bench", {"input_ids": ids})
+        pool = graph_pool_handle("cpu")
+        for size in reversed(SIZES):
+            with events.warmup():
+                self.forward(size)
+            g = new_graph("cpu")
+            with graph(g, pool=pool, name=f"size {size}"):
+                self.outputs[size] = self.forward(size)
+            self.graphs[size] = g
+
+    def forward(self, size: int) -> torch.Tensor:
+        return self.model(input_ids=self.ids[:size]).last_hidden_state
+
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        n = batch.shape[0]
+        size = next(s for s in SIZES if s >= n)
+        self.ids[:n].copy_(batch)
+        g = self.graphs[size]
+        events.serve(g, n, size, padded={"input_ids": self.ids}, outputs=self.outputs[size],
+                     eager=functools.partial(self.forward, size))
+        g.replay()
+        out = self.outputs[size][:n]
+        events.handed_out(g, out)
+        return out
+
+
+def differential_cost(name: str, steps: int = 100, repeats: int = 7, batch: int = 3) -> dict:
+    """ms per served step with every step sampled by differential replay, against plain serving."""
+    model = tiny_model(name, seed=0).eval()
+    ids = torch.randint(3, 100, (batch, 8), generator=torch.Generator().manual_seed(0))
+
+    def serve(watched: bool) -> float:
+        with doctor.watch(differential=1) if watched else contextlib.nullcontext(), torch.no_grad():
+            manager = _Manager(model, torch.zeros(max(SIZES), 8, dtype=torch.int64))
+            manager(ids)
+            start = time.perf_counter()
+            for _ in range(steps):
+                manager(ids)
+            return (time.perf_counter() - start) / steps
+
+    times = {"plain": [], "sampled": []}
+    for _ in range(repeats):
+        for watched in (False, True):
+            times["sampled" if watched else "plain"].append(serve(watched))
+    ms = {k: float(np.median(v)) * 1e3 for k, v in times.items()}
+    return {"model": name, "plain_ms_per_step": ms["plain"], "sampled_ms_per_step": ms["sampled"],
+            "ratio": ms["sampled"] / ms["plain"], "spread": [round(1e3 * min(times["sampled"]), 3),
+                                                              round(1e3 * max(times["sampled"]), 3)]}
+
+
+def differential_table(results: list[dict]) -> str:
+    lines = ["| model | plain ms/step | every step sampled ms/step | ratio | sampled range ms |",
+             "|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['model']} | {r['plain_ms_per_step']:.3f} | {r['sampled_ms_per_step']:.3f} | {r['ratio']:.2f}x | "
+              f"{r['spread'][0]:.3f} - {r['spread'][1]:.3f} |" for r in results]
+    return "\n".join(lines)
+
+
+def cpu_tables(steps: int = 300, repeats: int = 7) -> str:
+    torch.manual_seed(0)
+    off = [overhead("cpu", name, steps=steps, repeats=repeats) for name in COST_MODELS]
+    on = [differential_cost(name, steps=steps // 3, repeats=repeats) for name in COST_MODELS]
+    machine = f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads"
+    return (f"Graph doctor overhead (`python benchmarks/bench_doctor.py`), {machine}; tiny models, sizes 1, 2, 4, "
+            f"8, 3 real rows padded to 4, plain and watched runs taking turns, medians over {repeats} runs.\n\n"
+            f"Differential replay off (`GraphRunner`, {steps} steps a run). *wall*: steps back to back; *host*: "
+            f"each step timed alone until it returns (on the CPU backend the two coincide).\n\n{cost_table(off)}\n\n"
+            f"Differential replay on, every step sampled (a graph manager announcing its eager step, {steps // 3} "
+            f"steps a run): the cost of one sampled step.\n\n{differential_table(on)}\n")
 
 
 def main(gpu_only: bool = False) -> None:
-    table = RESULTS.read_text().split("\nGPU (")[0] if gpu_only else cpu_table()
+    table = RESULTS.read_text().split("\nGPU (")[0] if gpu_only else cpu_tables()
     for gpu in gpu_costs():
         runs = gpu["results"]["overhead"]
-        table += (f"\nGPU (`results/gpu/{gpu['file']}`, `scripts/gpu_session.py OUT graph_doctor_cost`): {gpu['device']}, torch {gpu['torch']}, "
-                  f"{gpu['date']}. Median over {runs[0]['repeats']} alternating runs of {runs[0]['steps']} steps "
-                  f"each.\n\n{cost_table(runs)}\n")
+        table += (f"\nGPU (`results/gpu/{gpu['file']}`, `scripts/gpu_session.py OUT graph_doctor_cost`): {gpu['device']}, "
+                  f"torch {gpu['torch']}, {gpu['date']}. Differential replay off. Median over {runs[0]['repeats']} "
+                  f"alternating runs of {runs[0]['steps']} steps each.\n\n{cost_table(runs)}\n")
     RESULTS.write_text(table)
     print(table)
-
-
-def cpu_table() -> str:
-    torch.manual_seed(0)
-    rows = [overhead("cpu", name, steps=300, repeats=9) for name in COST_MODELS]
-    header = (f"Graph doctor overhead (`python benchmarks/bench_doctor.py`): `GraphRunner` (sizes 1, 2, 4, 8), 3 real "
-              f"rows padded to 4, tiny models; torch {torch.__version__}, {platform.machine()}, "
-              f"{torch.get_num_threads()} threads. Median over 9 alternating runs of 300 steps each. *wall*: steps "
-              "back to back; *host*: each step timed alone until it returns (on the CPU backend the two coincide).")
-    return f"{header}\n\n{cost_table(rows)}\n"
 
 
 if __name__ == "__main__":

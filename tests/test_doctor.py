@@ -8,6 +8,7 @@ import inspect
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -53,6 +54,11 @@ def accumulating(x):
 
 
 def overwriting(x):
+    x[-1] = x[0]
+    return x * 3
+
+
+def overwriting_refreshed(x):
     x.fill_(1)
     return x * 3
 
@@ -152,10 +158,8 @@ def capture_matmul(x, w):
 # ------------------------------------------------------------------------ persistent-mutation
 @pytest.mark.parametrize("model, dtype, pattern, op, code", [
     (accumulating, torch.float32, "accumulating", "aten.add_.Tensor", "x += 2"),
-    (overwriting, torch.float32, "overwriting", "aten.fill_.Scalar", "x.fill_(1)"),
-    (self_cancelling, torch.int64, "self-cancelling", "aten.bitwise_or_.Scalar", "x |= 8"),
-    (self_cancelling_float, torch.float32, "self-cancelling", "aten.add_.Tensor", "x += 1"),
-], ids=["accumulating", "overwriting", "self-cancelling-int", "self-cancelling-float"])
+    (overwriting, torch.float32, "overwriting", "aten.copy_.default", "x[-1] = x[0]"),
+], ids=["accumulating", "overwriting"])
 def test_persistent_mutation_pattern_op_and_line(model, dtype, pattern, op, code):
     with doctor.watch() as report:
         runner = make_runner(model, dtype)
@@ -178,8 +182,23 @@ def test_accumulating_numbers():
         runner.capture()
         runner(x=batch(3))
     (finding,) = report.of("persistent-mutation")
-    assert finding.numbers == {"pattern": "accumulating", "rows": 4, "rows_changed": 4,
+    # rows 0-2 are rewritten by the runner before each replay: only the padded row counts
+    assert finding.numbers == {"pattern": "accumulating", "rows": 4, "rows_changed": 1,
                                "max_change_1": 2.0, "max_change_2": 4.0}
+
+
+@pytest.mark.parametrize("model, dtype", [(self_cancelling, torch.int64), (self_cancelling_float, torch.float32),
+                                          (overwriting_refreshed, torch.float32)],
+                         ids=["self-cancelling-int", "self-cancelling-float", "writes-only-refreshed-values"])
+def test_writes_that_leave_unrefreshed_elements_unchanged_give_no_finding(model, dtype):
+    """An idempotent write, and a graph whose writes land only where the runner rewrites before
+    every replay (the padded row already holds what the graph writes there)."""
+    with doctor.watch() as report:
+        runner = make_runner(model, dtype)
+        runner.capture()
+        runner(x=batch(3, dtype=dtype))
+        runner(x=batch(1, dtype=dtype))                  # each graph replayed once, so probed
+    assert report.of("persistent-mutation") == []
 
 
 def test_mutation_without_a_watched_replay_is_reported_not_probed():
@@ -233,13 +252,13 @@ def test_mutation_probe_leaves_the_random_stream_as_without_the_doctor():
         assert torch.equal(a, b)
 
 
-def test_self_cancelling_write_on_poisoned_padded_rows_is_still_self_cancelling():
+def test_self_cancelling_write_on_poisoned_padded_rows_is_still_no_finding():
     with doctor.watch() as report:
         runner = make_runner(self_cancelling_float, poison_padding=True)
         runner.capture()
         runner(x=batch(3))                                # row 3 of 4 is NaN
-    (finding,) = report.of("persistent-mutation")
-    assert finding.numbers["pattern"] == "self-cancelling"
+        runner(x=batch(1))
+    assert report.of("persistent-mutation") == []
 
 
 def serve_with_eager_shift(rows, *, undo: bool = False):
@@ -456,13 +475,28 @@ def test_copy_of_too_many_rows_into_a_static_buffer_is_undersized():
         buf[:2].copy_(torch.ones(2, 3))             # fits
         buf[:1].copy_(torch.ones(3))                # broadcasts: fits
         with pytest.raises(RuntimeError):
-            buf[:6].copy_(torch.ones(6, 3))
+            buf[1:3].copy_(torch.ones(6, 3))
     (finding,) = report.findings
     assert finding.kind == "undersized-buffer"
     assert finding.op == "aten.copy_.default"
     assert finding.location == where(test_copy_of_too_many_rows_into_a_static_buffer_is_undersized,
-                                     "buf[:6].copy_")
+                                     "buf[1:3].copy_")
     assert finding.numbers == {"data_shape": [6, 3], "buffer_shape": [4, 3]}
+
+
+def test_a_slice_past_the_end_of_a_static_buffer_is_undersized_even_when_nothing_fails():
+    """``buf[:bs, :w] = table[:bs, :w]`` with ``bs`` larger than the buffer: Python clamps both
+    slices, the copy succeeds and rows are dropped without an error."""
+    table = torch.arange(30.0).reshape(6, 5)
+    with doctor.watch() as report:
+        buf = torch.zeros(4, 5)
+        events.static_buffers("Runner", {"block_table": buf})
+        bs, w = 6, 5
+        buf[:bs, :w] = table[:bs, :w][:4]
+    (finding,) = report.findings
+    assert (finding.kind, finding.op) == ("undersized-buffer", "aten.slice.Tensor")
+    assert finding.numbers == {"dim": 0, "end": 6, "length": 4}
+    assert finding.tensor == "block_table: float32[4, 5]"
 
 
 # -------------------------------------------------------------------------- overwritten-output
@@ -531,21 +565,24 @@ def test_capture_error_leaving_watch_is_listed_in_the_report():
 
 
 # ------------------------------------------------------------------------ the doctor's own errors
-WATCH = importlib.import_module("workbench.doctor.watch")     # the module (``doctor.watch`` is the function)
+INTAKE = importlib.import_module("workbench.doctor.intake")
+MUTATION_PROBE = importlib.import_module("workbench.doctor.probes.mutation")
+PADDING_PROBE = importlib.import_module("workbench.doctor.probes.padding")
+UNDERSIZED = importlib.import_module("workbench.doctor.rules.undersized")
+DANGLING = importlib.import_module("workbench.doctor.rules.dangling")
 
 
 def broken(*args, **kwargs):
     raise KeyError("planted")
 
 
-@pytest.mark.parametrize("target, where", [
-    ("Doctor._probe_mutations", "replay_begin"),       # an event handler, before the first replay
-    ("Doctor._check_fit", "watching aten.copy_.default"),  # the dispatch mode, before the op runs
-    ("user_frame", "watching aten.add_.Tensor"),       # the dispatch mode, after the warmup's op ran
+@pytest.mark.parametrize("module, name, where", [
+    (MUTATION_PROBE, "probe", "replay_begin"),                    # an event handler, before the first replay
+    (UNDERSIZED, "check_fit", "watching aten.copy_.default"),     # the dispatch mode, before the op runs
+    (INTAKE, "user_frame", "watching aten.add_.Tensor"),          # the dispatch mode, after the warmup's op ran
 ])
-def test_a_failing_doctor_stops_watching_and_leaves_the_run_as_without_it(monkeypatch, target, where):
-    owner, _, name = target.rpartition(".")
-    monkeypatch.setattr(getattr(WATCH, owner) if owner else WATCH, name, broken)
+def test_a_failing_doctor_stops_watching_and_leaves_the_run_as_without_it(monkeypatch, module, name, where):
+    monkeypatch.setattr(module, name, broken)
     plain, watched = serve_accumulator(False), serve_accumulator(True)
     for a, b in zip(plain[0], watched[0], strict=True):       # every op ran, and ran once
         assert torch.equal(a, b)
@@ -554,23 +591,23 @@ def test_a_failing_doctor_stops_watching_and_leaves_the_run_as_without_it(monkey
     assert watched[4].failure.startswith(f"KeyError in {where} at ")
 
 
-def broken_at_the_end(self, info, *, before_replay):
-    """``_check_liveness`` that fails only in the final checks, after the replays were watched."""
+CHECK_LIVENESS = DANGLING.check
+
+
+def broken_at_the_end(doctor, info, *, before_replay):
+    """The liveness check failing only in the final checks, after the replays were watched."""
     if not before_replay:
         raise KeyError("planted")
-    CHECK_LIVENESS(self, info, before_replay=before_replay)
+    CHECK_LIVENESS(doctor, info, before_replay=before_replay)
 
 
-CHECK_LIVENESS = WATCH.Doctor._check_liveness
-
-
-@pytest.mark.parametrize("target, replacement, where, found", [
-    ("_probe_mutations", broken, "replay_begin", []),
-    ("_check_liveness", broken_at_the_end, "_final_checks", ["persistent-mutation"]),  # probed at the replay
+@pytest.mark.parametrize("module, name, replacement, where, found", [
+    (MUTATION_PROBE, "probe", broken, "replay_begin", []),
+    (DANGLING, "check", broken_at_the_end, "_final_checks", ["persistent-mutation"]),  # probed at the replay
 ])
-def test_the_report_of_a_failing_doctor_says_where_it_stopped_and_claims_nothing_more(monkeypatch, target,
+def test_the_report_of_a_failing_doctor_says_where_it_stopped_and_claims_nothing_more(monkeypatch, module, name,
                                                                                        replacement, where, found):
-    monkeypatch.setattr(WATCH.Doctor, target, replacement)
+    monkeypatch.setattr(module, name, replacement)
     with doctor.watch() as report:
         runner = make_runner(accumulating)
         runner.capture()
@@ -606,7 +643,7 @@ def test_an_op_that_fails_by_itself_is_the_watched_code_error_not_the_doctors():
 
 
 def test_diagnose_leaves_stale_padding_unchecked_when_a_padded_row_run_fails(monkeypatch):
-    monkeypatch.setattr(WATCH.Doctor, "_record_inputs", broken)    # only the padded-row runs record
+    monkeypatch.setattr(PADDING_PROBE, "record_inputs", broken)    # only the padded-row runs record
     report = doctor.diagnose(lambda: make_runner(row_mixing), make_batch)
     assert report.of("stale-padding") == []
     assert report.not_checked["stale-padding"].startswith("the doctor stopped early in a padded-row run (KeyError")
@@ -638,9 +675,20 @@ def test_report_text_and_html_show_every_finding():
     for f in report.findings:
         for value in (f.kind, f.op, f.fix):
             assert value in text
-            assert html.escape(value) in page
+            assert re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(value)) in page   # code set as code
+        assert f"<code>{html.escape(f.source)}</code>" in page
+    assert "`" not in page
     for kind, why in report.not_checked.items():
         assert f"not checked: {kind} ({why})" in text
+
+
+def test_the_html_report_fits_a_900_px_output_area():
+    """Fixed layout at 100% of at most 900 px, four columns whose widths add up, long words wrap."""
+    page = several_findings()._repr_html_()
+    assert "table-layout:fixed;width:100%;max-width:900px" in page
+    widths = [int(w) for w in re.findall(r"width:(\d+)%'>", page)]
+    assert len(widths) == 4 and sum(widths) == 100
+    assert page.count("overflow-wrap:anywhere") >= 4 * (len(several_findings().findings) + 1)
 
 
 def test_empty_watch_says_nothing_was_captured_and_checks_nothing():
@@ -683,14 +731,14 @@ SCRIPT = textwrap.dedent("""
 
     runner = GraphRunner(model, {"x": ((2,), torch.float32)}, [2])
     runner.capture()
-    runner(x=torch.ones(2, 2))
+    runner(x=torch.ones(1, 2))      # row 1 is a padded row: nothing rewrites it
 """)
 
 
 def run_script(tmp_path, switch: str) -> subprocess.CompletedProcess:
     script = tmp_path / "serve.py"
     script.write_text(SCRIPT)
-    env = {**os.environ, "WORKBENCH_DOCTOR": switch}
+    env = {**os.environ, "WORKBENCH_DOCTOR": switch, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, str(script)], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=300, check=False)
     assert done.returncode == 0, done.stderr
@@ -734,7 +782,7 @@ def test_compare_runs_differing_outputs():
     assert finding.kind == "stale-padding"
     assert finding.numbers == {"replay": 2, "max_abs_diff": 0.5}
     assert finding.op == "aten.mean.dim" and finding.source == "model.py:3 in f: x.mean(0)"
-    assert finding.tensor == "-"
+    assert finding.tensor == "x"                        # no input differs: the first graph input read
     assert "replay 2 (size 4, 2 real rows of 4)" in finding.evidence
     assert "state float32[8] (state) differs since replay 2" in finding.evidence
 

@@ -2,9 +2,14 @@
 
 ``watch()`` observes every capture, warmup and replay the engine and the runners perform inside it,
 and yields a ``Report``; ``diagnose()`` exercises a workload or a runner under it, with active
-probes of the padded rows. Setting ``WORKBENCH_DOCTOR`` watches a whole script or notebook without
-changing it: ``1`` prints the report to stderr at exit, any other value is a file to write it to;
-``workbench.doctor.current()`` is the report so far.
+probes of the padded rows and differential replay. Setting ``WORKBENCH_DOCTOR`` watches a whole
+script or notebook without changing it: ``1`` prints the report to stderr at exit, any other value
+is a file to write it to; ``workbench.doctor.current()`` is the report so far. ``pytest
+--graph-doctor`` (``workbench.doctor.plugin``) fails each test whose graphs have a finding.
+
+Layout: ``intake`` (events and ops in), ``rules/`` (one module per kind), ``probes/`` (mutation,
+padding, differential replay, launch traces), ``report`` (findings and reports), ``session``
+(``watch``), ``diagnose``, ``plugin``.
 """
 from __future__ import annotations
 
@@ -13,9 +18,11 @@ import os
 import pathlib
 import sys
 
-from .diagnose import compare_runs, diagnose, exercise
-from .findings import FIX_PATTERNS, KINDS, Finding, Report
-from .watch import DanglingReferenceError, watch
+from .diagnose import diagnose, exercise
+from .intake import DanglingReferenceError
+from .report import FIX_PATTERNS, KINDS, Finding, Report
+from .rules.padding import compare_runs
+from .session import watch
 
 __all__ = ["FIX_PATTERNS", "KINDS", "DanglingReferenceError", "Finding", "Report", "compare_runs", "current",
            "diagnose", "exercise", "watch"]

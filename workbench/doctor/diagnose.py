@@ -2,9 +2,10 @@
 
 Whether real rows depend on padded rows cannot be seen from one run: the padded rows hold whatever
 they hold. It can be tested by running the same deterministic workload twice more with every
-announced padded row filled two different ways; any difference in real-row outputs, or in state the
-graphs write, is evidence. Re-running the whole workload (rather than re-playing one graph) also
-catches padded rows that act on the host, before the replay, as metadata does.
+announced padded row (and padded column) filled two different ways; any difference in real-row
+outputs, or in state the graphs write, is evidence -- and so is a run that fails only with the
+padded rows as the runner left them. Re-running the whole workload (rather than re-playing one
+graph) also catches padded rows that act on the host, before the replay, as metadata does.
 """
 from __future__ import annotations
 
@@ -14,24 +15,36 @@ from typing import Any
 import torch
 
 from ..engine import GraphRunner
-from . import explain
-from .findings import Finding, Report
-from .watch import Doctor, _first_line, watching
+from .intake import Doctor
+from .report import Report
+from .rules.padding import compare_runs, crashed_only_as_left
+from .session import watching
+
+
+class _Misuse(TypeError):
+    """A wrong argument to ``diagnose`` found while running it: raised to the caller, never
+    reported as the workload's failure."""
 
 
 def diagnose(target: Callable[[], Any], make_batch: Callable[[int, int], Mapping[str, torch.Tensor]] | None = None,
-             *, rows: Sequence[int] | None = None, guard: bool = True, padding_probe: bool = True) -> Report:
+             *, rows: Sequence[int] | None = None, guard: bool = True, padding_probe: bool = True,
+             differential: int = 1) -> Report:
     """Run a workload under ``watch()`` and return the report, stale-padding probes included.
 
     ``target`` is either a *workload* -- a function of no arguments that builds everything it needs,
     captures and serves, deterministically -- or, with ``make_batch``, a factory of a ``GraphRunner``:
     the runner is captured (warmup, one graph per size) and then serves ``make_batch(n, step)`` for
     each ``n`` of ``rows`` (default: every size and one row short of it, largest first).
-    ``guard`` stops a replay that would read released memory (see ``watch``). An exception in the
-    workload ends that run; it is listed in the report, and what was observed until then counts.
+    ``guard`` stops a replay that would read released memory (see ``watch``); ``differential``
+    compares every Nth replay that announces an eager step with an eager run (0: off). An
+    exception in the workload ends that run: the report's headline says the workload failed, and
+    what was observed until then counts. A factory or ``make_batch`` that returns the wrong type
+    is a ``TypeError`` raised here.
     """
+    if not callable(target):
+        raise TypeError(f"diagnose() needs a workload or a runner factory (a callable), got {type(target).__name__}")
     workload = target if make_batch is None else exercise(target, make_batch, rows)
-    report, doctor = _run(workload, guard=guard)
+    report, doctor = _run(workload, Doctor(guard=guard, differential=differential))
     if not padding_probe:
         report.not_checked["stale-padding"] = "diagnose(padding_probe=False)"
     elif report.captures == 0 or report.failure is not None:
@@ -40,13 +53,15 @@ def diagnose(target: Callable[[], Any], make_batch: Callable[[int, int], Mapping
         report.not_checked["stale-padding"] = ("no padded rows were served: every batch filled its graph, "
                                                "or the runner announced none")
     else:
-        runs = [_run(workload, guard=guard, pattern=p) for p in (0, 1)]
+        runs = [_run(workload, Doctor(guard=guard, pattern=p)) for p in (0, 1)]
         failed = next((r[0].failure for r in runs if r[0].failure is not None), None)
         if failed is not None:          # a run the doctor stopped watching has an incomplete trace
             report.failure = failed
             report.not_checked["stale-padding"] = f"the doctor stopped early in a padded-row run ({failed})"
             return report
         finding = compare_runs(*(r[1].trace for r in runs), *(r[0].errors for r in runs))
+        if finding is None and report.errors and not any(r[0].errors for r in runs):
+            finding = crashed_only_as_left(report.errors[0], runs[0][1].trace[-1] if runs[0][1].trace else None, 2)
         if finding is not None:
             report.findings.append(finding)
         del report.not_checked["stale-padding"]
@@ -58,65 +73,33 @@ def diagnose(target: Callable[[], Any], make_batch: Callable[[int, int], Mapping
 def exercise(make_runner: Callable[[], GraphRunner], make_batch: Callable[[int, int], Mapping[str, torch.Tensor]],
              rows: Sequence[int] | None = None) -> Callable[[], None]:
     """A workload for ``diagnose``: a fresh runner, captured, then one batch per entry of ``rows``."""
+    if not callable(make_runner) or not callable(make_batch):
+        raise TypeError("exercise() needs make_runner() -> GraphRunner and make_batch(n, step) -> dict of tensors")
+
     def workload() -> None:
         runner = make_runner()
         if not isinstance(runner, GraphRunner):
-            raise TypeError(f"make_runner must return a GraphRunner, got {type(runner).__name__}")
+            raise _Misuse(f"make_runner must return a GraphRunner, got {type(runner).__name__}: return the "
+                          "runner itself (not yet captured)")
         runner.capture()
         sizes = runner.capture_sizes
         default = [runner.max_size, *sorted({n for s in sizes for n in (s, s - 1) if n > 0}, reverse=True)]
         with torch.no_grad():
             for step, n in enumerate(default if rows is None else rows):
-                runner(**make_batch(n, step))
+                batch = make_batch(n, step)
+                if not isinstance(batch, Mapping) or not all(isinstance(v, torch.Tensor) for v in batch.values()):
+                    raise _Misuse(f"make_batch({n}, {step}) must return a dict of tensors (input name -> tensor), "
+                                  f"got {type(batch).__name__}")
+                runner(**batch)
     return workload
 
 
-def _run(workload: Callable[[], Any], *, guard: bool, pattern: int | None = None) -> tuple[Report, Doctor]:
-    with watching(Doctor(guard=guard, pattern=pattern)) as doctor:
-        try:
+def _run(workload: Callable[[], Any], doctor: Doctor) -> tuple[Report, Doctor]:
+    try:
+        with watching(doctor):
             workload()
-        except Exception as e:  # noqa: BLE001 - what the workload raised is part of the evidence
-            doctor.report.errors.append(f"{type(e).__name__}: {_first_line(e)}")
+    except _Misuse:
+        raise
+    except Exception:  # noqa: BLE001, S110 - watching() lists what the workload raised in the report
+        pass
     return doctor.report, doctor
-
-
-def compare_runs(a: list[dict], b: list[dict], errors_a: list[str], errors_b: list[str]) -> Finding | None:
-    """The first replay whose real-row outputs differ between the two padded-row patterns (or
-    where the runs take different graphs, or end differently), as a ``stale-padding`` finding;
-    ``None`` when the runs agree. State the graphs write is compared too, as supporting evidence:
-    padded rows may legitimately write rows of a cache that no real request reads."""
-    state_since = None
-    for k, (ra, rb) in enumerate(zip(a, b)):
-        if ra["graph"] != rb["graph"]:
-            return _finding(ra, k, f"replay {k + 1} ran {ra['graph']} under one pattern and {rb['graph']} under "
-                                   "the other", {"replay": k + 1}, None)
-        states = [label for label in ra["state"] if ra["state"][label] != rb["state"].get(label)]
-        if states and state_since is None:
-            state_since = (k + 1, states[0])
-        oa, ob = ra["outputs"], rb["outputs"]
-        if oa is not None and ob is not None and not torch.equal(oa.nan_to_num(), ob.nan_to_num()):
-            differing = [label for label in ra["inputs"] if ra["inputs"][label] != rb["inputs"].get(label)]
-            diff = float((oa - ob).abs().nan_to_num(float("inf")).max())
-            evidence = (f"replay {k + 1} ({ra['graph']}, {ra['real']} real rows of {ra['size']}): real-row outputs "
-                        f"differ by max |diff| = {diff:.3g}")
-            if state_since is not None:
-                evidence += f"; state {state_since[1]} differs since replay {state_since[0]}"
-            return _finding(ra, k, evidence, {"replay": k + 1, "max_abs_diff": diff},
-                            differing[0] if differing else None)
-    if len(a) != len(b) or errors_a != errors_b:
-        shorter = a if len(a) <= len(b) else b
-        what = "; ".join(f"pattern {i}: {e[0] if e else 'no error'}, {n} replays"
-                         for i, (e, n) in enumerate(((errors_a, len(a)), (errors_b, len(b)))))
-        return _finding(shorter[-1] if shorter else None, len(shorter), f"the two runs ended differently ({what})",
-                        {"replays": [len(a), len(b)]}, None)
-    return None
-
-
-def _finding(record: dict | None, k: int, evidence: str, numbers: dict, first: str | None) -> Finding:
-    graph = record["graph"] if record else "-"
-    op, source = record["readers"].get(first, ("-", "-")) if record and first else ("-", "-")
-    if record and first is None and record["readers"]:
-        op, source = next(iter(record["readers"].values()))
-    if first:
-        evidence += f"; first graph input whose real rows differ: {first}"
-    return Finding("stale-padding", graph, op, first or "-", source, evidence, explain.stale_padding(first), numbers)

@@ -6,8 +6,6 @@ MUTATION_PATTERNS = {
                     "(padded rows) drift further with each step",
     "overwriting": "the first replay changes it and later ones write the same values, so rows the runner "
                    "does not refresh keep the graph's values instead of the runner's",
-    "self-cancelling": "its writes undo each other within one replay (the buffer is unchanged afterwards): "
-                       "harmless today, but it races with anything reading the buffer meanwhile",
     "not probed": "the graph was not replayed while watched, so the effect was not measured",
 }
 
@@ -63,9 +61,12 @@ def warmup(missing: int, first: str) -> str:
             "then reuses) is not in the graph: every replay uses what warmup computed for the dummy batch.")
 
 
-def overwritten(op: str, graph: str, generation: int, now: int) -> str:
-    return (f"{op} reads an output of replay {generation} of {graph}, but the graph has replayed since (replay "
-            f"{now}) and wrote its new outputs to the same memory: the values read are the newer replay's.")
+def overwritten(op: str, graph: str, generation: int, now: int, writer: str | None = None) -> str:
+    if writer is None or writer == graph:
+        return (f"{op} reads an output of replay {generation} of {graph}, but the graph has replayed since (replay "
+                f"{now}) and wrote its new outputs to the same memory: the values read are the newer replay's.")
+    return (f"{op} reads an output of replay {generation} of {graph}, but {writer} writes the same memory (an output "
+            f"buffer the graphs share) and has replayed since: the values read are {writer}'s.")
 
 
 def sync(op: str) -> str:
@@ -78,3 +79,38 @@ def stale_padding(first_input: str | None) -> str:
            "derived from padded rows decided what real rows read." if first_input else "")
     return ("Real-row results depend on what padded rows hold: two otherwise identical runs, with the padded "
             f"rows filled two different ways, gave different results for real rows.{via}")
+
+
+def dangling_pool(tensor: str, op: str, owner: str, how: str) -> str:
+    return (f"The graph reads the {tensor} tensor through {op}; that tensor is an output of {owner}, captured into "
+            f"the same pool. {owner} was {how} afterwards, so its memory belongs to the pool again and the next "
+            "capture or allocation from it is handed the same block: the replay reads another tensor's data.")
+
+
+def overflow_slice(name: str, dim: int, end: int, length: int) -> str:
+    return (f"The code asks for elements [.., {end}) of dimension {dim} of the static buffer `{name}`, which has "
+            f"only {length}: Python slicing clamps silently, so {end - length} of them are dropped, and whatever "
+            "is written through the view (or read from it) covers fewer rows or columns than the step has.")
+
+
+def failed_write(name: str, error: str) -> str:
+    return (f"A write into the static buffer `{name}` failed: {error}. The buffer was sized at capture for less "
+            "than this data.")
+
+
+def over_served(what: str, real: int, captured: int) -> str:
+    return (f"A replay was announced to serve {real} {what} but the graph was captured for {captured}: the graph "
+            "computes only the captured ones, so the rest are silently dropped or read out of bounds.")
+
+
+def live_state(name: str, owner: str) -> str:
+    return (f"A warmup run writes `{name}`, persistent state of {owner}, in rows that already hold live data "
+            "(written since it was announced). A warmup runs the model on a dummy batch; where that batch "
+            "writes its cache entries into rows of running requests (a re-capture after serving started), "
+            "those requests continue from corrupted state.")
+
+
+def differential(graph: str, what: str, site: str) -> str:
+    return (f"A replay of {graph} gave other results than an eager run of the same step on the same inputs and "
+            f"state ({what}). The graph replays what Python decided at capture; the eager run decides again "
+            f"now. {site}")

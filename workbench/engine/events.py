@@ -5,19 +5,31 @@ a replay that reads memory whose owner let go, padded rows nobody refreshed. The
 functions below at those moments; with no observer subscribed each call returns at once, so the
 engine pays one truthiness test per event.
 
-Announcements come from two places:
+Who calls what, and when (a runner built on the graph manager gets all of this for free):
 
 * the engine itself: ``capture_begin``/``capture_end``/``capture_abort`` (``graph()``) and
-  ``replay_begin``/``replay_end`` (both graph classes);
-* the runners, which alone know what a tensor *means*: ``static_buffers`` (persistent inputs, by
-  name), ``warmup`` (the eager runs before a capture), ``serve`` (this replay serves ``real`` rows
-  of ``size``; these arrays' rows ``[real, size)`` are padded rows) and ``handed_out`` (views of
-  graph outputs given to the caller, valid until the graph's next replay).
+  ``replay_begin``/``replay_end`` (both graph classes).
+* a runner, **once, before its first warmup**, names what its tensors *mean*:
+
+  - ``static_buffers``: inputs it rewrites every step and the graphs read through views;
+  - ``persistent_state``: state that lives across steps and that the graphs read *and* write on
+    purpose (KV caches, SSM states);
+  - ``shared_outputs``: output buffers that several graphs write (one buffer, a view per size);
+  - ``written_metadata``: buffers a graph writes on purpose as part of its job (metadata it
+    computes from its inputs), which are not inputs mutated by mistake.
+
+  Announcing again (after a re-capture or a resize) replaces the meaning of those tensors.
+* ``warmup()`` around each eager run made before a capture.
+* ``serve`` **after** the runner has written this step's inputs (and neutralised whatever padded
+  rows it neutralises), **immediately before** ``replay()``. The doctor fills only padded rows and
+  padded columns that nothing rewrote since the previous replay, so the order of the runner's own
+  writes no longer changes the verdict; a ``serve`` announced after the replay describes nothing.
+* ``handed_out`` right after the replay, with the views of the outputs returned to the caller.
 """
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 _observers: list[Any] = []
@@ -65,9 +77,31 @@ def replay_end(graph: Any) -> None:
 
 
 def static_buffers(owner: str, buffers: Mapping[str, Any]) -> None:
-    """Persistent input buffers that graphs read through views (names are for reports)."""
+    """Persistent input buffers that graphs read through views (names are for reports). A graph
+    writing one of them is a mutation of its input; writes into them must fit them."""
     if _observers:
         _emit("static_buffers", owner, dict(buffers))
+
+
+def persistent_state(owner: str, buffers: Mapping[str, Any]) -> None:
+    """State kept across steps that graphs read and write on purpose (KV/SSM caches). Differential
+    replay compares what the graph and an eager step write there; a warmup must not overwrite the
+    parts that already hold live data."""
+    if _observers:
+        _emit("persistent_state", owner, dict(buffers))
+
+
+def shared_outputs(owner: str, buffers: Mapping[str, Any]) -> None:
+    """Output buffers written by several graphs: a view handed out after one graph's replay is
+    stale once *any* graph writing the same memory replays."""
+    if _observers:
+        _emit("shared_outputs", owner, dict(buffers))
+
+
+def written_metadata(owner: str, buffers: Mapping[str, Any]) -> None:
+    """Buffers a graph writes on purpose (metadata it derives from its inputs): not a mutation."""
+    if _observers:
+        _emit("written_metadata", owner, dict(buffers))
 
 
 @contextlib.contextmanager
@@ -84,16 +118,25 @@ def warmup() -> Iterator[None]:
 
 
 def serve(graph: Any, real: int, size: int, *, padded: Mapping[str, Any] | None = None,
-          outputs: Any = None, eager: Any = None) -> None:
-    """The next replay of ``graph`` serves ``real`` of its ``size`` rows. ``padded`` maps names to
-    tensors or NumPy arrays whose rows ``[real, size)`` are this step's padded rows; an observer may
-    overwrite them (probes). ``outputs`` are the graph's static outputs (rows ``[0, real)`` are real).
-    ``eager``, when given, re-runs this step without graphs and returns its outputs."""
+          outputs: Any = None, eager: Callable[[], Any] | None = None,
+          padded_columns: Mapping[str, tuple[Any, int]] | None = None) -> None:
+    """The next replay of ``graph`` serves ``real`` of its ``size`` rows (call it after writing the
+    step's inputs, immediately before ``replay()``).
+
+    ``padded`` maps names to tensors or NumPy arrays whose rows ``[real, size)`` are this step's
+    padded rows; ``padded_columns`` maps names to ``(tensor, real_width)``: columns
+    ``[real_width, tensor.shape[1])`` of rows ``[0, size)`` are padded columns. An observer may
+    overwrite padded rows and columns (probes). ``outputs`` are the graph's static outputs (rows
+    ``[0, real)`` are real). ``eager()``, when given, runs this step's forward eagerly on the same
+    static buffers and returns its outputs: the doctor's differential replay compares it with the
+    replay (without it, differential replay reports "not checked")."""
     if _observers:
-        _emit("serve", graph, real, size, dict(padded or {}), outputs, eager=eager)
+        _emit("serve", graph, real, size, dict(padded or {}), outputs, eager=eager,
+              padded_columns=dict(padded_columns or {}))
 
 
 def handed_out(graph: Any, tensors: Any) -> None:
-    """Views of ``graph``'s static outputs returned to the caller: stale after its next replay."""
+    """Views of ``graph``'s static outputs returned to the caller: stale after the next replay of
+    any graph that writes the same memory."""
     if _observers:
         _emit("handed_out", graph, tensors)

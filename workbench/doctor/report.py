@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import html
+import re
 
 KINDS = (
     "persistent-mutation",   # the graph writes a static input buffer it does not own
     "stale-padding",         # real rows depend on what padded rows hold
     "dangling-reference",    # the graph reads memory whose owner has released it
-    "warmup-divergence",     # warmup ran work (lazy init) that the capture did not record
-    "undersized-buffer",     # a zero-sized capture input, or data that does not fit a static buffer
-    "overwritten-output",    # an output of replay N is read after replay N+1 overwrote it
+    "warmup-divergence",     # warmup or capture decided something (lazy init, a plan, a branch, a tensor
+                             # reference) that replays reuse while an eager step now decides otherwise
+    "undersized-buffer",     # a zero-sized capture input, data that does not fit a static buffer, or a
+                             # replay asked to serve more rows or columns than were captured
+    "overwritten-output",    # an output is read after a replay (of any graph) overwrote its memory
     "sync-in-capture",       # a host synchronisation attempted during capture
 )
 
@@ -32,12 +35,14 @@ FIX_PATTERNS = {
                           "owns it.",
     "warmup-divergence": "Capture with fresh state: build the state/metadata object again for the capture so "
                          "its lazy work runs -- and is recorded -- inside the graph; or do that work "
-                         "unconditionally on every step.",
+                         "unconditionally on every step. Decisions Python makes per step (a plan, a branch, a "
+                         "feature flag, which tensor to read) must be inputs in static buffers, a key of the "
+                         "graph, or a reason to re-capture.",
     "undersized-buffer": "Validate the sizes before capturing: every capture input needs >= 1 element per item "
                          "(e.g. max_batch_size <= min(token budgets)), size buffers with ceil division, and "
                          "reject or fall back to eager for batches larger than a buffer.",
     "overwritten-output": "Copy (`.clone()`) graph outputs that must outlive the next replay, or finish using "
-                          "them before replaying the graph again.",
+                          "them before replaying the graph again (or any graph that writes the same buffer).",
     "sync-in-capture": "Move the host read (`.item()`, `.cpu()`, `nonzero`, printing) before or after the "
                        "captured region, or keep the value on the device (`torch.where`, fixed shapes).",
 }
@@ -77,14 +82,16 @@ class Finding:
 
 @dataclasses.dataclass
 class Report:
-    """What a ``watch()`` saw: counts, findings, the kinds it could not check (and why), what the
-    watched code raised, and the doctor's own error if it had to stop early (``failure``)."""
+    """What a ``watch()`` saw: counts, findings, the kinds it could not check (and why), the
+    mechanisms it did not run (``skipped``, e.g. differential replay without an eager step), what
+    the watched code raised, and the doctor's own error if it had to stop early (``failure``)."""
 
     findings: list[Finding] = dataclasses.field(default_factory=list)
     captures: int = 0
     replays: int = 0
     warmups: int = 0
     not_checked: dict[str, str] = dataclasses.field(default_factory=dict)
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)
     errors: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
     failure: str | None = None
@@ -98,17 +105,26 @@ class Report:
     def checked(self) -> list[str]:
         return [k for k in KINDS if k not in self.not_checked]
 
+    @property
+    def clean(self) -> bool:
+        """No finding, the workload ran to its end and the doctor watched all of it."""
+        return not self.findings and not self.errors and self.failure is None and self.captures > 0
+
     def of(self, kind: str) -> list[Finding]:
         if kind not in KINDS:
             raise ValueError(f"unknown finding kind {kind!r}; kinds are {KINDS}")
         return [f for f in self.findings if f.kind == kind]
 
     def headline(self) -> str:
-        if self.captures == 0 and not self.findings:
-            return "Graph doctor: nothing was captured inside watch(), so nothing could be checked."
         n = len(self.findings)
-        line = (f"Graph doctor: {self.captures} capture(s), {self.warmups} warmup run(s), {self.replays} "
-                f"replay(s) watched: {n} finding{'s' if n != 1 else ''}.")
+        if self.errors:
+            line = (f"Graph doctor: the workload failed: {self.errors[0]} -- {n} finding{'s' if n != 1 else ''} "
+                    f"in what ran before ({self.captures} capture(s), {self.replays} replay(s)).")
+        elif self.captures == 0 and not self.findings:
+            return "Graph doctor: nothing was captured inside watch(), so nothing could be checked."
+        else:
+            line = (f"Graph doctor: {self.captures} capture(s), {self.warmups} warmup run(s), {self.replays} "
+                    f"replay(s) watched: {n} finding{'s' if n != 1 else ''}.")
         if self.failure is not None:
             line += f" The doctor stopped early on an error of its own; what came after was not checked: {self.failure}"
         return line
@@ -121,20 +137,36 @@ class Report:
         for i, f in enumerate(self.findings, 1):
             lines += [f"[{i}] {f.kind}", f.text()]
         lines += [f"not checked: {k} ({why})" for k, why in self.not_checked.items()]
+        lines += [f"not checked: {k} ({why})" for k, why in self.skipped.items()]
         lines += [f"the watched code raised: {e}" for e in self.errors]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
-        e = html.escape
-        head = "".join(f"<th style='text-align:left'>{c}</th>" for c in
-                       ("kind", "graph", "op", "tensor", "source", "evidence", "root cause", "fix"))
+        """A table that fits a 900 px output area (four columns that wrap, code set as code)."""
+        cell = "text-align:left;vertical-align:top;padding:3px 6px;overflow-wrap:anywhere"
+        head = "".join(f"<th style='{cell};width:{w}'>{c}</th>" for c, w in
+                       (("finding", "16%"), ("where", "26%"), ("what was seen, and why", "34%"), ("fix", "24%")))
         body = "".join(
-            "<tr>" + "".join(f"<td style='text-align:left;vertical-align:top'>{e(v)}</td>" for v in
-                             (f.kind, f.graph, f.op, f.tensor, f.source, f.evidence, f.cause, f.fix)) + "</tr>"
+            "<tr>" + "".join(f"<td style='{cell}'>{v}</td>" for v in (
+                f"<b>{_e(f.kind)}</b><br>{_e(f.graph)}",
+                f"<code>{_e(f.op)}</code><br><code>{_e(f.tensor)}</code><br><code>{_e(f.source)}</code>",
+                f"{_code(f.evidence)}<br><br>{_code(f.cause)}", _code(f.fix))) + "</tr>"
             for f in self.findings)
-        table = f"<table><tr>{head}</tr>{body}</table>" if self.findings else ""
-        extra = "".join(f"<li>not checked: <b>{e(k)}</b> ({e(w)})</li>" for k, w in self.not_checked.items())
-        extra += "".join(f"<li>the watched code raised: <code>{e(x)}</code></li>" for x in self.errors)
-        extra += "".join(f"<li>{e(n)}</li>" for n in self.notes)
-        return f"<p><b>{e(self.headline())}</b></p>{table}<ul>{extra}</ul>"
+        table = (f"<table style='table-layout:fixed;width:100%;max-width:900px;font-size:12px'>"
+                 f"<tr>{head}</tr>{body}</table>" if self.findings else "")
+        extra = "".join(f"<li>not checked: <b>{_e(k)}</b> ({_code(w)})</li>"
+                        for k, w in (*self.not_checked.items(), *self.skipped.items()))
+        extra += "".join(f"<li>the watched code raised: <code>{_e(x)}</code></li>" for x in self.errors)
+        extra += "".join(f"<li>{_code(n)}</li>" for n in self.notes)
+        return (f"<div style='max-width:900px'><p><b>{_e(self.headline())}</b></p>{table}"
+                f"<ul style='font-size:12px'>{extra}</ul></div>")
+
+
+def _e(text: str) -> str:
+    return html.escape(str(text))
+
+
+def _code(text: str) -> str:
+    """Escaped text with `backticked` spans set as code."""
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", _e(text))

@@ -1,0 +1,642 @@
+"""The graph doctor's general mechanisms, each on small bug and fix workloads of its own.
+
+Every workload here is a tiny serving loop written for this file, on the engine's public API: a
+graph manager of a few lines (one graph per size in one pool, warmups, ``serve`` with an eager
+step), buffers, and a model with one deliberate flaw -- or its fix, which must give no finding.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from workbench import doctor
+from workbench.engine import GraphRunner, events, graph, graph_pool_handle, new_graph
+
+
+class Manager:
+    """One graph per size, captured largest first into one pool after a warmup; ``replay(n)``
+    announces ``serve`` (with the eager step) and hands the real rows of the outputs out."""
+
+    def __init__(self, forward, sizes, buffers, *, state=None, shared=None, metadata=None, name="Tiny"):
+        self.forward, self.sizes, self.buffers = forward, sorted(sizes), buffers
+        self.graphs, self.outputs = {}, {}
+        self.pool = graph_pool_handle("cpu")
+        events.static_buffers(name, buffers)
+        if state:
+            events.persistent_state(name, state)
+        if shared:
+            events.shared_outputs(name, shared)
+        if metadata:
+            events.written_metadata(name, metadata)
+
+    def capture(self, sizes=None):
+        with torch.no_grad():
+            for size in sorted(sizes or self.sizes, reverse=True):
+                with events.warmup():
+                    self.forward(size)
+                g = new_graph("cpu")
+                with graph(g, pool=self.pool, name=f"size {size}"):
+                    self.outputs[size] = self.forward(size)
+                self.graphs[size] = g
+
+    def replay(self, n, *, padded=None, columns=None, eager=True):
+        size = next(s for s in self.sizes if s >= n)
+        g = self.graphs[size]
+        events.serve(g, n, size, padded=self.buffers if padded is None else padded, outputs=self.outputs[size],
+                     eager=functools.partial(self.forward, size) if eager else None, padded_columns=columns)
+        g.replay()
+        out = self.outputs[size][:n]
+        events.handed_out(g, out)
+        return out
+
+
+def rows(n, width=4, seed=0, dtype=torch.float32):
+    return torch.randint(0, 5, (n, width), generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+# ------------------------------------------------------------------------------ differential replay
+class Sampler:
+    """Logits divided by a temperature the user changes between requests."""
+
+    def __init__(self, variant):
+        self.variant = variant
+        self.x = torch.zeros(4, 4)
+        self.temperature = 1.0
+        self.temp_buf = torch.ones(())          # fix: the temperature lives in a static buffer
+
+    def forward(self, size):
+        if self.variant == "bug":
+            return torch.softmax(self.x[:size] / self.temperature, -1)
+        return torch.softmax(self.x[:size] / self.temp_buf, -1)
+
+    def set_temperature(self, t):
+        self.temperature = t
+        self.temp_buf.fill_(t)
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_python_scalar_changed_after_capture(variant):
+    def workload():
+        s = Sampler(variant)
+        m = Manager(s.forward, [2, 4], {"x": s.x})
+        m.capture()
+        for step, t in enumerate((1.0, 0.5)):
+            s.set_temperature(t)
+            s.x[:3].copy_(rows(3, seed=step))
+            m.replay(3)
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [] and report.errors == []
+        assert "differential replay: 2 replay(s) compared" in " ".join(report.notes)
+        return
+    (finding,) = report.findings
+    assert finding.kind == "warmup-divergence"
+    assert finding.op == "aten.div.Tensor" and finding.location.endswith("in forward")
+    assert "self.x[:size] / self.temperature" in finding.source
+    assert finding.numbers["how"] == "arguments" and finding.numbers["replay"] == 2
+    assert "eager run" in finding.evidence
+
+
+class Biased:
+    """A bias switched on after capture (a feature flag read by Python)."""
+
+    def __init__(self):
+        self.x = torch.zeros(4, 3)
+        self.bias = torch.full((3,), 0.5)
+        self.use_bias = False
+
+    def forward(self, size):
+        y = self.x[:size] * 2
+        if self.use_bias:
+            y = y + self.bias
+        return y
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_feature_switched_on_after_capture(variant):
+    def workload():
+        model = Biased()
+        m = Manager(model.forward, [4], {"x": model.x})
+        m.capture()
+        model.x.copy_(rows(4, 3))
+        m.replay(4)
+        model.use_bias = True
+        if variant == "fix":
+            m.capture()                         # re-capture when Python's decisions change
+        m.replay(4)
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == []
+        return
+    (finding,) = report.findings
+    assert finding.kind == "warmup-divergence" and finding.numbers["how"] == "length"
+    assert "y = y + self.bias" in finding.source          # the op the eager step launches and the graph lacks
+
+
+class Rescaled:
+    """A weight replaced by a new tensor after capture (an update that rebinds, not copies)."""
+
+    def __init__(self):
+        self.x = torch.zeros(2, 3)
+        self.scale = torch.ones(3)
+        self.old = []
+
+    def forward(self, size):
+        return self.x[:size] * self.scale
+
+    def update(self, how):
+        new = torch.full((3,), 3.0)
+        if how == "copy":
+            self.scale.copy_(new)
+        else:
+            self.old.append(self.scale)           # still alive: the graph reads it without error
+            self.scale = new
+
+
+@pytest.mark.parametrize("variant", ["bug", "copy in place", "re-capture"])
+def test_a_weight_rebound_after_capture(variant):
+    def workload():
+        model = Rescaled()
+        m = Manager(model.forward, [2], {"x": model.x})
+        m.capture()
+        model.x.copy_(rows(2, 3))
+        model.update("copy" if variant == "copy in place" else "rebind")
+        if variant == "re-capture":
+            m.capture()
+        m.replay(2)
+    report = doctor.diagnose(workload)
+    if variant != "bug":
+        assert report.findings == []
+        return
+    (finding,) = report.findings
+    assert finding.kind == "warmup-divergence" and finding.numbers["how"] == "reference"
+    assert finding.tensor == "float32[3]" and "self.x[:size] * self.scale" in finding.source
+    assert "a reference frozen at capture" in finding.cause
+
+
+class Planned:
+    """Planning deferred into the captured forward: a host-side plan turned into a tensor there."""
+
+    def __init__(self):
+        self.x = torch.zeros(4, 4)
+        self.lengths = [4, 4, 4, 4]
+
+    def forward(self, size):
+        mask = torch.tensor([[c < n for c in range(4)] for n in self.lengths[:size]])
+        return (self.x[:size] * mask).sum(-1)
+
+
+def test_planning_deferred_into_the_captured_forward():
+    def workload():
+        model = Planned()
+        m = Manager(model.forward, [4], {"x": model.x})
+        m.capture()
+        model.x.copy_(rows(4))
+        model.lengths = [1, 2, 3, 4]
+        m.replay(4)
+    (finding,) = doctor.diagnose(workload).findings
+    assert finding.kind == "warmup-divergence" and finding.numbers["how"] == "arguments"
+    assert "torch.tensor(" in finding.source
+
+
+class Keyed:
+    """Graphs keyed on the batch size only, though the step also depends on a causal flag."""
+
+    def __init__(self):
+        self.x = torch.zeros(4, 4)
+        self.causal = True
+
+    def forward(self, size):
+        scores = self.x[:size] @ self.x[:size].T
+        if self.causal:
+            scores = scores.tril()
+        return scores.sum(-1)
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_graph_keyed_on_the_wrong_property(variant):
+    def workload():
+        model = Keyed()
+        managers = {flag: Manager(model.forward, [4], {"x": model.x}) for flag in (True, False)}
+        for flag, m in managers.items():
+            model.causal = flag
+            m.capture()
+        model.x.copy_(rows(4))
+        model.causal = False
+        (managers[True] if variant == "bug" else managers[model.causal]).replay(4)
+    report = doctor.diagnose(workload)
+    assert [f.kind for f in report.findings] == (["warmup-divergence"] if variant == "bug" else [])
+
+
+def test_without_an_eager_step_differential_replay_says_not_checked():
+    def workload():
+        s = Sampler("bug")
+        m = Manager(s.forward, [4], {"x": s.x})
+        m.capture()
+        s.set_temperature(0.5)
+        m.replay(4, eager=False)
+    report = doctor.diagnose(workload)
+    assert report.findings == []
+    assert report.skipped == {"differential replay": "no eager step announced (serve(..., eager=...))"}
+    assert "not checked: differential replay (no eager step announced" in str(report)
+
+
+def test_launch_traces_that_differ_with_equal_values_are_a_note_not_a_finding():
+    """A branch on capture (another but equivalent kernel) is no hazard."""
+    from workbench.engine import is_capturing
+
+    x = torch.zeros(2, 3)
+
+    def forward(size):
+        return x[:size] * 2 if is_capturing() else x[:size] + x[:size]
+
+    def workload():
+        m = Manager(forward, [2], {"x": x})
+        m.capture()
+        x.copy_(rows(2, 3))
+        m.replay(2)
+    report = doctor.diagnose(workload)
+    assert report.findings == []
+    assert any("launch traces differ" in n and "outputs and state agree" in n for n in report.notes)
+
+
+def test_differential_replay_leaves_the_program_as_the_replay_left_it():
+    """The eager step writes the state too; afterwards state and outputs are the replay's."""
+    cache = torch.zeros(4, 3)
+    x = torch.zeros(4, 3)
+
+    def forward(size):
+        cache[:size] += x[:size]
+        return cache[:size] * 1
+
+    def serve(watched):
+        cache.zero_()
+        x.zero_()
+        m = Manager(forward, [4], {"x": x}, state={"cache": cache})
+        m.capture()
+        cache.zero_()
+        outs = []
+        for step in range(3):
+            x.copy_(rows(4, 3, seed=step))
+            outs.append(m.replay(4).clone())
+        return outs, cache.clone()
+
+    plain = serve(False)
+    with doctor.watch(differential=1) as report:
+        watched = serve(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain[0], watched[0], strict=True))
+    assert torch.equal(plain[1], watched[1])
+    assert report.findings == [] and "differential replay: 3 replay(s) compared" in " ".join(report.notes)
+
+
+def test_differential_replay_is_refused_with_a_clear_error_for_a_bad_rate():
+    with pytest.raises(ValueError, match="differential must be a whole number >= 0"):
+        with doctor.watch(differential=-1):
+            pass
+
+
+def test_a_divergence_names_the_buffer_the_diverging_op_reads():
+    def workload():
+        s = Sampler("bug")
+        m = Manager(s.forward, [4], {"x": s.x})
+        m.capture()
+        s.set_temperature(0.25)
+        s.x.copy_(rows(4))
+        m.replay(4)
+    (finding,) = doctor.diagnose(workload).findings
+    assert finding.tensor == "x: float32[4, 4]"
+
+
+# ------------------------------------------------------------------------------ shape contracts
+@pytest.mark.parametrize("phase", ["warmup", "capture", "eager"])
+def test_a_write_past_the_end_of_a_static_buffer_in_any_phase(phase):
+    """A prefill table copied with slice assignment, in whichever phase the runner does it."""
+    table = torch.arange(24.0).reshape(6, 4)
+    block = torch.zeros(4, 4)
+    out = torch.zeros(4)
+
+    def forward(size, fill=False):
+        if fill:
+            block[:6, :4] = table[:6, :4][:4]
+        return block[:size].sum(-1) + out[:size]
+
+    with doctor.watch() as report:
+        events.static_buffers("Prefill", {"block_table": block})
+        with events.warmup():
+            forward(4, fill=phase in ("warmup", "capture"))
+        g = new_graph("cpu")
+        with graph(g, name="size 4"):
+            forward(4, fill=phase in ("warmup", "capture"))    # the capture runs what the warmup ran
+        if phase == "eager":
+            forward(4, fill=True)
+    (finding,) = report.of("undersized-buffer")      # (a graph writing it, never replayed, is another)
+    assert finding.kind == "undersized-buffer" and finding.tensor == "block_table: float32[4, 4]"
+    assert "block[:6, :4] = table[:6, :4][:4]" in finding.source
+    assert f"during {'warmup' if phase == 'capture' else phase}" in finding.evidence   # the first write
+
+
+def test_a_replay_announced_for_more_rows_or_columns_than_captured():
+    x = torch.zeros(8, 4)
+    with doctor.watch() as report:
+        m = Manager(lambda size: x[:size] * 2, [8], {"x": x})
+        m.capture()
+        events.serve(m.graphs[8], 12, 8, padded={"x": x})
+        m.graphs[8].replay()
+        events.serve(m.graphs[8], 8, 8, padded_columns={"x": (x, 6)})
+        m.graphs[8].replay()
+    findings = report.of("undersized-buffer")
+    assert [f.numbers for f in findings] == [{"real": 12, "size": 8}, {"real_columns": 6, "columns": 4}]
+    assert all(f.op == "serve" for f in findings)
+
+
+def test_a_write_that_fails_on_a_static_buffer_names_it():
+    buf = torch.zeros(4, 3)
+    with pytest.raises(RuntimeError), doctor.watch() as report:
+        events.static_buffers("Runner", {"slots": buf})
+        buf.index_put_((torch.tensor([0, 1]),), torch.ones(2, 5))
+    (finding,) = report.findings
+    assert (finding.kind, finding.op) == ("undersized-buffer", "aten.index_put_.default")
+    assert finding.tensor == "slots: float32[4, 3]" and "failed" in finding.evidence
+
+
+# ------------------------------------------------------------------------------ cross-graph
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_an_output_buffer_shared_by_two_graphs(variant):
+    x = torch.zeros(4, 3)
+    out = torch.zeros(4, 3)
+
+    def forward(size):
+        out[:size] = x[:size] * 2
+        return out[:size]
+
+    with doctor.watch() as report:
+        m = Manager(forward, [2, 4], {"x": x}, shared={"out": out})
+        m.capture()
+        x.copy_(rows(4, 3))
+        small = m.replay(2)
+        small = small.clone() if variant == "fix" else small
+        m.replay(4)
+        small.sum()
+    if variant == "fix":
+        assert report.findings == []
+        return
+    (finding,) = report.findings
+    assert finding.kind == "overwritten-output" and finding.graph == "size 2"
+    assert finding.numbers["overwritten_by"] == "size 4" and "small.sum()" in finding.source
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_graph_reading_the_output_of_another_graph_that_was_captured_again(variant):
+    """A two-stage pipeline in one pool: the head graph reads the encoder graph's output."""
+    x = torch.zeros(2, 3)
+    w = torch.ones(3, 3)
+    pool = graph_pool_handle("cpu")
+    stages = {}
+
+    def capture(name):
+        g = new_graph("cpu")
+        with graph(g, pool=pool, name=name):
+            stages[name + " out"] = (x @ w) if name == "encoder" else stages["encoder out"].sum(-1)
+        stages[name] = g
+
+    with doctor.watch() as report:
+        events.static_buffers("Pipeline", {"x": x})
+        capture("encoder")
+        capture("head")
+        capture("encoder")                      # the encoder is captured again (a weight update)
+        if variant == "fix":
+            capture("head")                     # ... and so is everything that reads its outputs
+        stages["encoder"].replay()
+        stages["head"].replay()
+    if variant == "fix":
+        assert report.findings == []
+        return
+    (finding,) = report.findings
+    assert finding.kind == "dangling-reference" and finding.graph == "head"
+    assert "output of encoder, which was dropped" in finding.evidence
+
+
+# ------------------------------------------------------------------------------ padding
+class Paged:
+    """Attention-like gather through a block table with padded columns (blocks beyond the step's
+    longest sequence): the sum over a row's blocks reads every column."""
+
+    def __init__(self, variant):
+        self.variant = variant
+        self.cache = torch.arange(1.0, 9.0).reshape(8, 1) * torch.ones(8, 2)
+        self.cache[0] = 0                               # block 0 is the null block
+        self.table = torch.zeros(4, 4, dtype=torch.int64)
+
+    def forward(self, size):
+        return self.cache[self.table[:size]].sum(1)
+
+    def step(self, m, width, seed):
+        self.table[:, :width] = torch.randint(1, 8, (4, width), generator=torch.Generator().manual_seed(seed))
+        if self.variant == "fix":
+            self.table[:, width:] = 0                   # padded columns point at the null block
+        return m.replay(4, columns={"table": (self.table, width)})
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_stale_padded_columns(variant):
+    def workload():
+        model = Paged(variant)
+        m = Manager(model.forward, [4], {"table": model.table})
+        m.capture()
+        model.step(m, 4, 0)
+        model.step(m, 2, 1)                             # columns 2 and 3 still hold step 0's blocks
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == []
+        return
+    (finding,) = report.findings
+    assert finding.kind == "stale-padding" and finding.tensor == "table"
+
+
+class Decoder:
+    """Positions advanced inside the graph for the next decode step, rotary table of 8 positions:
+    padded rows nobody resets keep advancing until they index past the table."""
+
+    def __init__(self, variant):
+        self.variant = variant
+        self.rope = torch.arange(16.0).reshape(8, 2)
+        self.positions = torch.zeros(4, dtype=torch.int64)
+
+    def forward(self, size):
+        out = self.rope[self.positions[:size]] * 1
+        self.positions[:size] += 1
+        return out
+
+    def step(self, m, n):
+        self.positions[:n].copy_(torch.arange(n))
+        if self.variant == "fix":
+            self.positions[n:].zero_()                  # padded rows reset before each replay
+        return m.replay(n, padded={"positions": self.positions})
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_crash_only_with_the_padded_rows_as_the_runner_left_them(variant):
+    def workload():
+        model = Decoder(variant)
+        m = Manager(model.forward, [4], {"positions": model.positions})
+        m.capture()
+        for _ in range(10):
+            model.step(m, 3)
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [] and report.errors == []
+        return
+    assert report.headline().startswith("Graph doctor: the workload failed: IndexError")
+    assert "raised by the replay of size 4 in aten.index.Tensor, recorded at" in report.errors[0]
+    (finding,) = report.of("stale-padding")
+    assert "completed" in finding.evidence and finding.tensor == "positions"
+    assert report.kinds == {"stale-padding", "persistent-mutation"}
+
+
+# ------------------------------------------------------------------------------ persistent state
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_recapture_warmup_writing_rows_of_running_requests(variant):
+    kv = torch.zeros(6, 2)
+    slots = torch.zeros(2, dtype=torch.int64)
+    x = torch.zeros(2, 2)
+
+    def forward(size):
+        kv.index_copy_(0, slots[:size], x[:size])
+        return kv[slots[:size]] * 1
+
+    with doctor.watch() as report:
+        m = Manager(forward, [2], {"slots": slots, "x": x}, state={"kv": kv})
+        slots.copy_(torch.tensor([5, 5]))               # the dummy batch writes the reserved row 5
+        m.capture()
+        slots.copy_(torch.tensor([0, 1]))               # two running requests in rows 0 and 1
+        x.copy_(torch.ones(2, 2))
+        m.replay(2, eager=False)
+        if variant == "bug":
+            slots.copy_(torch.arange(2))                # the re-capture's dummy batch: rows 0, 1
+        else:
+            slots.copy_(torch.tensor([5, 5]))
+        x.zero_()
+        m.capture()
+    (*findings,) = report.findings
+    if variant == "fix":
+        assert findings == []
+        return
+    (finding,) = findings
+    assert finding.kind == "persistent-mutation" and finding.graph == "warmup"
+    assert finding.numbers == {"rows_overwritten": 2, "live_rows": 2, "rows": 6}
+
+
+# ------------------------------------------------------------------------------ fix idioms
+def counting(x):
+    x[:, 0] += 1
+    return x * 1
+
+
+@pytest.mark.parametrize("reset", [False, True])
+def test_rows_reset_before_each_replay_are_the_fix(reset):
+    """The graph bumps a counter column in place; the runner resetting every row before each
+    replay is the standard fix (so the probe refreshes as it does)."""
+    x = torch.zeros(4, 3)
+
+    def workload():
+        m = Manager(lambda size: counting(x[:size]), [4], {"x": x})
+        m.capture()
+        for step, n in enumerate((3, 4, 2)):
+            if reset:
+                x.zero_()
+            x[:n].copy_(rows(n, 3, step))
+            m.replay(n)
+    report = doctor.diagnose(workload)
+    assert [f.kind for f in report.findings] == ([] if reset else ["persistent-mutation"])
+
+
+def test_gather_inside_the_capture_eager_fallback_and_an_idempotent_refresh_give_no_finding():
+    table = torch.arange(40.0).reshape(10, 4)
+    ids = torch.zeros(4, dtype=torch.int64)
+    meta = torch.zeros(4, dtype=torch.int64)
+
+    def forward(size):
+        meta.copy_(meta.clone())                         # an idempotent refresh inside the graph
+        return table[ids[:size]] * 2                     # the gather happens inside the capture
+
+    def workload():
+        m = Manager(forward, [2, 4], {"ids": ids, "meta": meta})
+        m.capture()
+        for step, n in enumerate((3, 4, 6)):
+            batch = torch.randint(0, 10, (n,), generator=torch.Generator().manual_seed(step))
+            if n > 4:
+                table[batch] * 2                         # eager fallback beyond the largest size
+                continue
+            ids[:n].copy_(batch)
+            meta.copy_(torch.arange(4))                  # the runner refreshes the metadata
+            m.replay(n)
+        m.replay(1)
+    report = doctor.diagnose(workload)
+    assert report.findings == [] and report.errors == []
+
+
+def test_metadata_the_graph_writes_on_purpose_is_no_mutation():
+    x = torch.zeros(4, 3)
+    lengths = torch.zeros(4)
+
+    def forward(size):
+        lengths[:size] = (x[:size] != 0).sum(-1)         # metadata derived from the inputs
+        return x[:size] * lengths[:size, None]
+
+    def workload():
+        m = Manager(forward, [4], {"x": x}, metadata={"lengths": lengths})
+        m.capture()
+        x[:3].copy_(rows(3, 3))
+        m.replay(3)
+    assert doctor.diagnose(workload).findings == []
+
+
+# ------------------------------------------------------------------------------ clean models
+def test_a_clean_transformers_model_with_differential_replay_gives_an_empty_report():
+    from workbench.models.hf import tiny_model
+
+    model = tiny_model("gpt2", seed=0).eval()
+    ids = torch.zeros(4, 8, dtype=torch.int64)
+
+    def forward(size):
+        return model(input_ids=ids[:size]).last_hidden_state
+
+    def workload():
+        m = Manager(forward, [2, 4], {"input_ids": ids})
+        m.capture()
+        for step, n in enumerate((4, 3, 1)):
+            ids[:n].copy_(torch.randint(3, 100, (n, 8), generator=torch.Generator().manual_seed(step)))
+            m.replay(n)
+    report = doctor.diagnose(workload)
+    assert report.findings == [] and report.errors == [] and report.failure is None
+    assert "differential replay: 3 replay(s) compared" in " ".join(report.notes)
+
+
+# ------------------------------------------------------------------------------ bad input
+def test_diagnose_with_a_make_batch_of_the_wrong_dtype_says_the_workload_failed():
+    def make_runner():
+        return GraphRunner(lambda x: x * 2, {"x": ((3,), torch.float32)}, [2, 4])
+
+    report = doctor.diagnose(make_runner, lambda n, step: {"x": torch.ones(n, 3, dtype=torch.int64)})
+    assert report.headline().startswith("Graph doctor: the workload failed: GraphError: input 'x' has dtype")
+    assert not report.clean and "stale-padding" not in report.kinds
+
+
+@pytest.mark.parametrize("factory, batch, match", [
+    (lambda: "a runner", lambda n, s: {}, "make_runner must return a GraphRunner, got str"),
+    (lambda: GraphRunner(lambda x: x, {"x": ((3,), torch.float32)}, [2]), lambda n, s: torch.ones(n, 3),
+     "make_batch\\(2, 0\\) must return a dict of tensors"),
+])
+def test_diagnose_raises_a_type_error_for_a_factory_of_the_wrong_type(factory, batch, match):
+    with pytest.raises(TypeError, match=match):
+        doctor.diagnose(factory, batch)
+
+
+def test_a_workload_that_raises_is_never_a_clean_report():
+    def workload():
+        raise ValueError("broken workload")
+    report = doctor.diagnose(workload)
+    assert report.headline() == ("Graph doctor: the workload failed: ValueError: broken workload -- 0 findings in "
+                                 "what ran before (0 capture(s), 0 replay(s)).")

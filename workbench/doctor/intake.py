@@ -1,0 +1,441 @@
+"""Event intake: what the doctor knows about graphs and buffers, and where each event or op goes.
+
+How the evidence is gathered (the same on both backends, so a report means the same on a GPU):
+
+* **One dispatch mode for the whole block.** During a capture it records each op's reads, writes,
+  source line and Python-decided arguments (the capture's launch trace), which storages the capture
+  created (its pool) and which it only references. During a warmup it records the ops run. Outside
+  both, it watches eager writes into announced buffers and reads of handed-out outputs. During a
+  replay it steps aside, so replays cost almost nothing extra.
+* **Events** from the engine and the runners (``workbench.engine.events``) say what a tensor means
+  (static buffer, persistent state, shared output, metadata written on purpose), which rows and
+  columns are padded, and how to run the step eagerly.
+* The **rules** (``rules/``, one module per kind) decide; the **probes** (``probes/``) gather
+  evidence that needs extra work: mutation replays, padded-row fills, differential replay.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+import traceback
+import weakref
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode, _push_mode
+
+from ..engine import memory
+from ..engine.errors import CaptureError, GraphError
+from ..engine.opinfo import describe, storage_key, tensors, written_tensors
+from ..engine.source import user_frame
+from .probes import differential, mutation as mutation_probe, padding as padding_probe
+from .records import Buffer, External, GraphInfo, Op, Pending
+from .report import KINDS, Finding, Report
+from .rules import dangling, mutation, overwritten, sync, undersized, warmup
+from .tensors import first_line, signature
+
+aten = torch.ops.aten
+_ASIDE = ("replay", "probe")          # phases in which the dispatch mode is off the hot path
+_QUIET = ("probe", "differential")    # phases whose events are the doctor's own doing
+
+
+class DanglingReferenceError(GraphError):
+    """Raised by ``watch(guard=True)`` instead of a replay that would read released memory."""
+
+    def __init__(self, finding: Finding) -> None:
+        super().__init__(f"replay stopped by the graph doctor: {finding.evidence}\n  read by {finding.op} at "
+                         f"{finding.source}\n  {finding.cause}")
+        self.finding = finding
+
+
+# What the doctor raises on purpose, into the watched code: a guarded replay, a host sync refused
+# during a CUDA capture (as the CPU engine refuses it). Anything else it raises is its own failure.
+DELIBERATE = (DanglingReferenceError, CaptureError)
+
+
+def contained(handler):
+    """An event handler whose own failure is reported, not raised into the watched code: a
+    diagnostic must never break what it diagnoses. After a failure the doctor stops watching."""
+    @functools.wraps(handler)
+    def run(self, *args, **kwargs):
+        if self.failure is not None or self.phase == "differential":
+            return None
+        try:
+            return handler(self, *args, **kwargs)
+        except DELIBERATE:
+            raise
+        except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
+            self.fail(e, handler.__name__)
+            return None
+    return run
+
+
+class Doctor:
+    """The observer behind ``watch()``; subscribed to ``workbench.engine.events``."""
+
+    def __init__(self, *, guard: bool = False, pattern: int | None = None, differential: int = 0) -> None:
+        if isinstance(differential, bool) or not isinstance(differential, int) or differential < 0:
+            raise ValueError(f"differential must be a whole number >= 0 (0: off, N: every Nth replay), "
+                             f"got {differential!r}")
+        self.report = Report()
+        self.guard = guard
+        self.pattern = pattern                      # diagnose's padded-row fill (0 or 1), else None
+        self.every = differential
+        self.graphs: dict[int, GraphInfo] = {}
+        self.buffers: dict[int, Buffer] = {}
+        self.owned: dict[int, tuple[StorageWeakRef, GraphInfo]] = {}
+        self.capturing: GraphInfo | None = None
+        self.phase = "eager"                        # eager | warmup | capture | replay | probe | differential
+        self.warmup_runs: list[list[Op]] = []
+        self.eager_lines: set[str] = set()          # source lines run eagerly between a warmup and its capture
+        self.updates: dict[int, dict[tuple, list]] = {}    # rules.mutation: eager in-place updates
+        self.fresh: dict[int, torch.Tensor] = {}    # elements rewritten outside graphs since the last replay
+        self.unprobed = 0                           # graphs writing a static input, not yet probed
+        self.initial: dict[int, torch.Tensor] = {}  # persistent state as announced
+        self.warm_saved: dict[int, tuple] = {}      # persistent state before the current warmup wrote it
+        self.handed: dict[int, tuple] = {}          # rules.overwritten
+        self.generation: dict[int, int] = {}        # storage -> replays that wrote it (handed-out ones)
+        self.writers: dict[int, tuple] = {}         # storage -> (graph, its replay) that wrote it last
+        self.handed_any = False
+        self.padded_steps = 0
+        self.unknown_replays = 0
+        self.served = 0
+        self.no_eager = 0
+        self.compared = 0
+        self.trace: list[dict] = []                 # per replay, under diagnose's padded-row probes
+        self.diff = None                            # the eager run of a differential replay
+        self.replay_error: tuple | None = None      # (error, where) of a replay that raised
+        self.mode = None                            # set by watching()
+        self.stepped_aside = False                  # our mode is off the stack for this replay
+        self.failure: str | None = None             # the doctor's own error, once it has stopped
+        self._keys: dict[tuple, Finding] = {}
+
+    # ------------------------------------------------------------------ shared lookups
+    def add(self, finding: Finding, key: tuple) -> Finding:
+        """Record a finding once; the same hazard in another graph adds that graph's name."""
+        known = self._keys.get(key)
+        if known is None:
+            self._keys[key] = finding
+            self.report.findings.append(finding)
+            return finding
+        if finding.graph not in known.graph.split(", "):
+            known.graph = f"{known.graph}, {finding.graph}"
+        return known
+
+    def info(self, graph) -> GraphInfo | None:
+        info = self.graphs.get(id(graph))
+        return info if info is not None and info.ref() is graph else None
+
+    def owner_of(self, key: int) -> GraphInfo | None:
+        entry = self.owned.get(key)
+        return entry[1] if entry is not None and not entry[0].expired() else None
+
+    def buffer(self, key: int) -> Buffer | None:
+        buf = self.buffers.get(key)
+        return buf if buf is not None and buf.ref() is not None else None
+
+    @property
+    def tracking_fresh(self) -> bool:
+        return self.unprobed > 0 or self.pattern is not None
+
+    def fail(self, error: Exception, where: str) -> None:
+        """The doctor's own code raised: stop watching, keep the findings made so far, and report
+        where it broke (so the failure can be reported upstream) and what went unchecked."""
+        frame = traceback.extract_tb(error.__traceback__)[-1] if error.__traceback__ else None
+        at = f" at {frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}" if frame else ""
+        self.failure = self.report.failure = f"{type(error).__name__} in {where}{at}: {first_line(error)}"
+
+    def describe_error(self, error: BaseException) -> str:
+        """The watched code's error for the report, tied to the recorded op when a replay raised it."""
+        text = f"{type(error).__name__}: {first_line(error)}"
+        if self.replay_error is not None and self.replay_error[0] is error:
+            text += f" ({self.replay_error[1]})"
+        return text
+
+    # ------------------------------------------------------------------ engine events
+    @contained
+    def capture_begin(self, graph, name: str | None) -> None:
+        info = GraphInfo(graph, name or f"graph #{len(self.graphs) + 1}")
+        info.warmup = self.warmup_runs[0] if self.warmup_runs else None
+        info.eager_lines, self.eager_lines = self.eager_lines, set()
+        self.warmup_runs = []
+        self.graphs[id(graph)] = info
+        self.capturing = info
+        self.phase = "capture"
+        self.report.captures += 1
+
+    @contained
+    def capture_end(self, graph) -> None:
+        info = self.capturing
+        self.capturing, self.phase = None, "eager"
+        self.fresh.clear()
+        if info is None:
+            return
+        if info.warmup is not None and not info.ops and not info.cuda:
+            # Nothing captured: a PIECEWISE piece closed before its first op (the step begins with
+            # eager code). The warmup, and what runs eagerly next, belong to the step's next piece.
+            self.warmup_runs, self.eager_lines = [info.warmup], info.eager_lines
+            return
+        info.out_keys = frozenset(info.writes) | frozenset(info.created)
+        if any(self.buffer(k) is not None and self.buffer(k).role == "input" for k in info.writes):
+            self.unprobed += 1
+        if info.warmup is not None:
+            warmup.check(self, info)
+
+    @contained
+    def capture_abort(self, graph, error: BaseException) -> None:
+        info = self.capturing
+        self.capturing, self.phase = None, "eager"
+        name = info.name if info is not None else "a graph"
+        self.report.notes.append(f"capture of {name} failed: {type(error).__name__}: {first_line(error)}")
+        if isinstance(error, CaptureError) and error.op is not None:
+            sync.finding(self, name, error.op, error.source or "<unknown>")
+
+    @contained
+    def replay_begin(self, graph) -> None:
+        if self.phase in _QUIET:
+            return
+        info = self.info(graph)
+        if info is None:
+            self.unknown_replays += 1
+        else:
+            if self.updates:
+                mutation.replayed(self, info)
+            dangling.check(self, info, before_replay=True)
+            if not info.probed:
+                mutation_probe.probe(self, info, graph)
+            if self.pattern is not None:
+                padding_probe.record_inputs(self, info)
+            if info.pending is not None and info.pending.differential:
+                differential.begin(self, info)
+        self.phase = "replay"
+        if _get_current_dispatch_mode() is self.mode:    # step aside: a CPU replay runs many ops
+            _pop_mode()
+            self.stepped_aside = True
+
+    @contained
+    def replay_end(self, graph) -> None:
+        if self.phase in _QUIET:
+            return
+        if self.stepped_aside:
+            _push_mode(self.mode)
+            self.stepped_aside = False
+        self.phase = "eager"
+        self.report.replays += 1
+        self.fresh.clear()
+        info = self.info(graph)
+        error = sys.exc_info()[1]
+        if info is None:
+            return
+        if error is not None:
+            self.replay_error = (error, _recorded_op(error, info.name))
+        info.replays += 1
+        overwritten.replayed(self, info)
+        pending, info.pending = info.pending, None
+        if self.pattern is not None:
+            padding_probe.record_outputs(self, info, pending)
+        if pending is not None and pending.differential and error is None:
+            differential.finish(self, info, pending)
+
+    # ------------------------------------------------------------------ runner events
+    def _announce(self, owner: str, buffers: dict, role: str) -> None:
+        for name, t in buffers.items():
+            self.buffers[storage_key(t)] = Buffer(name, owner, weakref.ref(t), role)
+        undersized.announced(self, owner, buffers)
+
+    @contained
+    def static_buffers(self, owner: str, buffers: dict) -> None:
+        self._announce(owner, buffers, "input")
+
+    @contained
+    def persistent_state(self, owner: str, buffers: dict) -> None:
+        self._announce(owner, buffers, "state")
+        for t in buffers.values():
+            self.initial[storage_key(t)] = t.detach().clone()
+
+    @contained
+    def shared_outputs(self, owner: str, buffers: dict) -> None:
+        self._announce(owner, buffers, "output")
+
+    @contained
+    def written_metadata(self, owner: str, buffers: dict) -> None:
+        self._announce(owner, buffers, "metadata")
+
+    @contained
+    def warmup_begin(self) -> None:
+        self.phase = "warmup"
+        self.warmup_runs.append([])
+        self.report.warmups += 1
+
+    @contained
+    def warmup_end(self) -> None:
+        self.phase = "eager"
+        mutation.warmup_wrote_state(self)
+
+    @contained
+    def serve(self, graph, real: int, size: int, padded: dict, outputs, eager=None, padded_columns=None) -> None:
+        info = self.info(graph)
+        columns = padded_columns or {}
+        undersized.serve_contract(self, info.name if info else "a graph", real, size, padded, columns)
+        for name, t in (*padded.items(), *((n, c[0]) for n, c in columns.items())):
+            if isinstance(t, torch.Tensor) and storage_key(t) not in self.buffers:
+                self.buffers[storage_key(t)] = Buffer(name, "serve", weakref.ref(t), "padded")
+        if (padded and real < size) or any(w < c.shape[1] for c, w in columns.values()):
+            self.padded_steps += 1
+            if self.pattern is not None and real <= size:
+                padding_probe.fill(self, padded, columns, real, size)
+        self.served += 1
+        self.no_eager += eager is None
+        sampled = eager is not None and self.every > 0 and (self.served - 1) % self.every == 0
+        if info is not None:
+            info.pending = Pending(real, size, outputs, padded, eager, columns, sampled)
+
+    @contained
+    def handed_out(self, graph, tensors_out) -> None:
+        info = self.info(graph)
+        if info is None:
+            return
+        self.handed_any = True
+        for t in (tensors_out if isinstance(tensors_out, (tuple, list)) else (tensors_out,)):
+            overwritten.tag(self, t, info)
+
+    # ------------------------------------------------------------------ the dispatch mode's work
+    def targets(self, func, args, kwargs) -> list:
+        """The announced buffers an op writes: ``[(key, written view, Buffer)]``."""
+        if not self.buffers or not func._schema.is_mutable:
+            return []
+        return [(key, t, buf) for t in written_tensors(func, args, kwargs)
+                if (buf := self.buffer(key := storage_key(t))) is not None]
+
+    def on_op(self, func, args, kwargs, run):
+        phase = self.phase
+        if phase == "differential":
+            return differential.on_op(self, func, args, kwargs, run)
+        if func is aten.slice.Tensor and self.buffers:
+            undersized.check_slice(self, args)
+        if phase == "capture":
+            return self._captured(func, args, kwargs, run)
+        targets = self.targets(func, args, kwargs)
+        if targets and func is aten.copy_.default:
+            undersized.check_fit(self, args[0], args[1])
+        if phase == "warmup":
+            mutation.before_warmup_write(self, targets, str(func))
+            out = undersized.write(self, func, targets, run)
+            if not func.is_view:
+                self.warmup_runs[-1].append(Op(str(func), user_frame()))
+            memory.record_new_storages(func, args, kwargs, out)
+            return out
+        if self.handed and not func.is_view:
+            overwritten.check_read(self, func, args, kwargs)
+        if self.warmup_runs and not func.is_view:     # between a warmup and its capture
+            self.eager_lines.add(user_frame())
+        out = mutation.eager_write(self, func, args, kwargs, run, targets) if targets else run()
+        if self.handed and func.is_view and isinstance(out, torch.Tensor):
+            overwritten.tag_view(self, args[0], out)
+        memory.record_new_storages(func, args, kwargs, out)
+        return out
+
+    def _captured(self, func, args, kwargs, run):
+        info = self.capturing
+        source = user_frame()
+        sync.check(self, info, func, args, kwargs, source)
+        inputs = list(tensors((args, kwargs)))
+        in_keys = {storage_key(t) for t in inputs}
+        targets = self.targets(func, args, kwargs)
+        if targets and func is aten.copy_.default:
+            undersized.check_fit(self, args[0], args[1])
+        written = frozenset(storage_key(t) for t in written_tensors(func, args, kwargs))
+        sig = signature(func, args, kwargs)
+        out = undersized.write(self, func, targets, run)
+        lifted = func.overloadpacket in (aten.lift_fresh, aten.lift_fresh_copy)
+        if lifted:
+            for t in inputs:                          # a constant of the captured code: the graph keeps it
+                self.owned[storage_key(t)] = (StorageWeakRef(t.untyped_storage()), info)
+                info.created.add(storage_key(t))
+        for t in inputs:
+            key = storage_key(t)
+            owner = self.owner_of(key)
+            if owner is info:
+                continue
+            if owner is not None:
+                info.foreign.setdefault(key, (owner, str(func), source, describe(t)))
+                continue
+            ext = info.externals.get(key)
+            if ext is None:
+                info.externals[key] = External(StorageWeakRef(t.untyped_storage()), describe(t), t.dtype,
+                                               str(func), source, memory.origin_of(t), func.is_view)
+            elif ext.view_only and not func.is_view:      # name the first op that really reads it
+                ext.op, ext.source, ext.tensor, ext.view_only = str(func), source, describe(t), False
+        for key in written:
+            if self.owner_of(key) is None:
+                info.writes.setdefault(key, Op(str(func), source))
+        for o in tensors(out):
+            key = storage_key(o)
+            if key not in in_keys and self.owner_of(key) is None:
+                self.owned[key] = (StorageWeakRef(o.untyped_storage()), info)
+                info.created.add(key)
+        if not func.is_view or lifted:              # a constant's value is part of the trace
+            info.ops.append(Op(str(func), source, frozenset(in_keys), written,
+                               frozenset(in_keys - info.created), sig))
+        return out
+
+    # ------------------------------------------------------------------ the end
+    def finish(self) -> Report:
+        report = self.report
+        self._final_checks()
+        report.not_checked = self._not_checked()
+        if self.every and self.served and self.no_eager == self.served:
+            report.skipped["differential replay"] = "no eager step announced (serve(..., eager=...))"
+        elif not self.every and self.report.captures:
+            report.skipped["differential replay"] = "off (watch(differential=N) or diagnose() turns it on)"
+        if self.compared:
+            report.notes.append(f"differential replay: {self.compared} replay(s) compared with an eager run "
+                                "of the same step")
+        if self.unknown_replays:
+            report.notes.append(f"{self.unknown_replays} replays of graphs captured before watch() were not checked")
+        report.findings.sort(key=lambda f: KINDS.index(f.kind))
+        return report
+
+    @contained
+    def _final_checks(self) -> None:
+        """Liveness once more (memory released after the last replay), and graphs that write a
+        static buffer but were never replayed, so never probed."""
+        for info in list(self.graphs.values()):
+            if info.ref() is None:
+                continue
+            dangling.check(self, info, before_replay=False)
+            if not info.probed:
+                mutation.unprobed(self, info)
+
+    def _not_checked(self) -> dict[str, str]:
+        if self.failure is not None:
+            found = self.report.kinds
+            return {k: f"the doctor stopped early ({self.failure})" for k in KINDS if k not in found}
+        if self.report.captures == 0:
+            why = {k: "nothing was captured inside watch()" for k in KINDS}
+            if self.buffers:                        # announced capture inputs were still checked
+                del why["undersized-buffer"]
+            return why
+        why = {"stale-padding": "needs two runs with the padded rows filled differently: use diagnose()"}
+        if not self.buffers:
+            why["persistent-mutation"] = "no runner announced its static input buffers"
+            why["undersized-buffer"] = "no runner announced its static input buffers"
+        if not any(info.warmup is not None for info in self.graphs.values()) and not self.compared:
+            why["warmup-divergence"] = "no warmup run was announced before any capture"
+        if not self.handed_any:
+            why["overwritten-output"] = "no runner handed graph outputs out"
+        return why
+
+
+def _recorded_op(error: BaseException, graph: str) -> str:
+    """Where in the captured code an emulated replay failed: the recorded op the replay was
+    running (the CPU graph's replay loop holds it), else just the graph."""
+    tb, op = error.__traceback__, None
+    while tb is not None:
+        candidate = tb.tb_frame.f_locals.get("op")
+        if hasattr(candidate, "source") and hasattr(candidate, "func"):
+            op = candidate
+        tb = tb.tb_next
+    if op is None:
+        return f"raised by the replay of {graph}"
+    return f"raised by the replay of {graph} in {op.func}, recorded at {op.source}"

@@ -1,0 +1,64 @@
+"""dangling-reference: a graph reads memory whose owner has let it go.
+
+Two owners can let go: the program (a tensor the graph only references is released) and another
+graph of the same pool (a graph reads an output of another graph, which was then reset or dropped:
+its memory went back to the pool, to be handed to whatever is allocated next)."""
+from __future__ import annotations
+
+import torch
+
+from .. import explain
+from ..report import Finding
+
+_expired = torch.UntypedStorage._expired    # what StorageWeakRef.expired() calls, minus a Python frame
+
+
+def check(doctor, info, *, before_replay: bool) -> None:
+    # This runs before every replay and a graph may reference every weight of a model: one C
+    # call per storage, and the findings are built only when something has gone.
+    if len(info.cdatas) != len(info.externals):      # externals are only ever added
+        info.cdatas = tuple(ext.weak.cdata for ext in info.externals.values())
+    if any(map(_expired, info.cdatas)):
+        _released(doctor, info, before_replay)
+    if info.foreign:
+        _other_graph(doctor, info, before_replay)
+
+
+def _when(info, before_replay: bool) -> str:
+    return (f"before replay {info.replays + 1}" if before_replay else
+            f"at the end of watch() (after {info.replays} replays)")
+
+
+def _released(doctor, info, before_replay: bool) -> None:
+    for ext in info.externals.values():
+        if ext.reported or not ext.weak.expired():
+            continue
+        ext.reported = True
+        origin = ext.origin or "before watch() (its creation was not seen)"
+        finding = doctor.add(Finding(
+            "dangling-reference", info.name, ext.op, ext.tensor, ext.source,
+            f"{_when(info, before_replay)}: the {ext.tensor} storage the graph reads has no owner left; it was "
+            f"created {origin}", explain.dangling(ext.tensor, ext.op, origin), {"replays_before": info.replays}),
+            ("dangling-reference", ext.op, ext.source))
+        _stop(doctor, finding, before_replay)
+
+
+def _other_graph(doctor, info, before_replay: bool) -> None:
+    for key, (owner, op, source, tensor) in list(info.foreign.items()):
+        graph = owner.ref()
+        if graph is not None and getattr(graph, "captured", True):
+            continue
+        del info.foreign[key]
+        how = "dropped" if graph is None else "reset"
+        finding = doctor.add(Finding(
+            "dangling-reference", info.name, op, tensor, source,
+            f"{_when(info, before_replay)}: the graph reads a {tensor} output of {owner.name}, which was {how}: "
+            "its memory went back to the shared pool", explain.dangling_pool(tensor, op, owner.name, how),
+            {"replays_before": info.replays}), ("dangling-reference", op, source))
+        _stop(doctor, finding, before_replay)
+
+
+def _stop(doctor, finding: Finding, before_replay: bool) -> None:
+    if doctor.guard and before_replay:
+        from ..intake import DanglingReferenceError
+        raise DanglingReferenceError(finding)

@@ -1,0 +1,141 @@
+"""persistent-mutation: persistent memory changed where nobody expects it.
+
+* A graph writes one of its static input buffers (the mutation probe measures whether a replay
+  keeps changing it: ``probes/mutation.py``); a graph never replayed is reported unprobed.
+* Eager code around the graphs updates a static input in place, reading what is there (``+=``):
+  harmless on rows the runner rewrites every step, drift on rows nobody rewrites (padded rows).
+* A warmup overwrites rows of persistent state (announced KV/SSM caches) that hold live data.
+
+Buffers announced as persistent state, shared outputs or metadata are written on purpose: only the
+last rule concerns them.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ...engine.opinfo import describe, overwrites, storage_key
+from ...engine.source import user_frame
+from .. import explain
+from ..report import Finding
+from ..tensors import changed, region
+from . import undersized
+
+
+def eager_write(doctor, func, args, kwargs, run, targets: list):
+    """An in-place op on announced buffers outside any graph. Evidence of drift: elements the op
+    changes that its previous call wrote and no other write outside warmups and captures has
+    touched since (a warmup runs the model's own code, so its writes are not a runner's refresh)."""
+    inputs = [(key, t, buf) for key, t, buf in targets if buf.role == "input"]
+    accumulate = bool(inputs) and not overwrites(func)
+    with _disable_current_modes():
+        before = [buf.ref().clone() for _, _, buf in inputs] if accumulate else None
+    out = undersized.write(doctor, func, targets, run)
+    if not (doctor.tracking_fresh or doctor.updates or accumulate):
+        return out
+    source = user_frame() if accumulate else None
+    with _disable_current_modes():
+        regions = {key: region(t, buf.ref()) for key, t, buf in targets}
+        if doctor.tracking_fresh:
+            for key, mask in regions.items():
+                doctor.fresh[key] = doctor.fresh[key] | mask if key in doctor.fresh else mask
+        if not accumulate:
+            for key, _, _ in inputs:
+                _rewritten(doctor, key, regions[key])
+            return out
+        for (key, _, buf), was in zip(inputs, before, strict=True):
+            _accumulated(doctor, func, key, buf, was, regions[key], source)
+    return out
+
+
+def _accumulated(doctor, func, key: int, buf, was: torch.Tensor, mask: torch.Tensor, source: str) -> None:
+    whole = buf.ref()
+    slot = (str(func), source, buf.name)
+    _rewritten(doctor, key, mask, but=slot)
+    entry = doctor.updates.setdefault(key, {}).setdefault(slot, [None, 0])
+    last, entry[0] = entry[0], mask
+    entry[1] += 1
+    again = None if last is None else last & changed(was, whole)
+    if again is None or not again.any():
+        return
+    rows = whole.shape[0] if whole.dim() else 1
+    again_rows = again.reshape(rows, -1).any(1)
+    first = int(again.reshape(-1).nonzero()[0])
+    numbers = {"pattern": "accumulating", "call": entry[1], "rows": rows, "rows_changed": int(again_rows.sum()),
+               "first_row": int(again_rows.nonzero()[0]), "was": was.reshape(-1)[first].item(),
+               "now": whole.reshape(-1)[first].item()}
+    doctor.add(Finding(
+        "persistent-mutation", f"outside the graphs (eager code of {buf.owner})", str(func),
+        f"{buf.name}: {describe(whole)}", source, explain.eager_update_evidence(buf.name, numbers),
+        explain.eager_update(str(func), buf.name, buf.owner), numbers),
+        ("persistent-mutation", str(func), source, buf.name))
+
+
+def _rewritten(doctor, key: int, mask: torch.Tensor, but: tuple | None = None) -> None:
+    """Elements ``mask`` of a static buffer were written: no tracked update (other than ``but``)
+    can build on what it wrote there any more."""
+    for slot, entry in doctor.updates.get(key, {}).items():
+        if slot != but and entry[0] is not None:
+            entry[0] &= ~mask
+
+
+def replayed(doctor, info) -> None:
+    """A replay about to run rewrites the tracked buffers the graph writes: all of them."""
+    for key in info.writes.keys() & doctor.updates.keys():
+        if (buf := doctor.buffer(key)) is not None:
+            with _disable_current_modes():
+                whole = buf.ref()
+                _rewritten(doctor, key, torch.ones(whole.shape, dtype=torch.bool, device=whole.device))
+
+
+def probed(doctor, info, key: int, buf, pattern: str, numbers: dict, shape_of) -> None:
+    op = info.writes[key]
+    doctor.add(Finding(
+        "persistent-mutation", info.name, op.name, f"{buf.name}: {describe(shape_of)}", op.source,
+        explain.mutation_evidence(buf.name, pattern, numbers),
+        explain.mutation(op.name, buf.name, buf.owner, pattern), {"pattern": pattern, **numbers}),
+        ("persistent-mutation", op.name, op.source, buf.name))
+
+
+def unprobed(doctor, info) -> None:
+    """A graph that writes a static input buffer but was never replayed while watched (a graph
+    probed only on replays before which the runner rewrote everything it writes is not one)."""
+    if info.attempts:
+        return
+    for key, op in info.writes.items():
+        if (buf := doctor.buffer(key)) is not None and buf.role == "input":
+            doctor.add(Finding(
+                "persistent-mutation", info.name, op.name, f"{buf.name}: {describe(buf.ref())}", op.source,
+                f"{op.name} writes {buf.name} inside the graph; not replayed inside watch(), so whether writes "
+                "accumulate was not probed", explain.mutation(op.name, buf.name, buf.owner, "not probed"),
+                {"pattern": "not probed"}), ("persistent-mutation", op.name, op.source, buf.name))
+
+
+def before_warmup_write(doctor, targets: list, op: str) -> None:
+    """Keep persistent state as it was before the current warmup first writes it."""
+    for key, _, buf in targets:
+        if buf.role == "state" and key not in doctor.warm_saved and key in doctor.initial:
+            with _disable_current_modes():
+                doctor.warm_saved[key] = (buf, buf.ref().clone(), op, user_frame())
+
+
+def warmup_wrote_state(doctor) -> None:
+    """At the end of a warmup: rows of persistent state that held live data (changed since the
+    announcement) and that the warmup changed."""
+    saved, doctor.warm_saved = doctor.warm_saved, {}
+    for key, (buf, was, op, source) in saved.items():
+        now = buf.ref()
+        if now is None:
+            continue
+        with _disable_current_modes():
+            rows = was.shape[0] if was.dim() else 1
+            live = changed(doctor.initial[key], was).reshape(rows, -1).any(1)
+            hit = (changed(was, now).reshape(rows, -1).any(1) & live).nonzero().reshape(-1)
+        if not len(hit):
+            continue
+        doctor.add(Finding(
+            "persistent-mutation", "warmup", op, f"{buf.name}: {describe(now)}", source,
+            f"a warmup changed {len(hit)} row(s) of {buf.name} that held live data (first row {int(hit[0])}; "
+            f"{int(live.sum())} live rows of {rows})", explain.live_state(buf.name, buf.owner),
+            {"rows_overwritten": len(hit), "live_rows": int(live.sum()), "rows": rows}),
+            ("persistent-mutation", op, source, buf.name))

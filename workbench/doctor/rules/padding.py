@@ -1,0 +1,66 @@
+"""stale-padding: real rows depend on what padded rows (or padded columns) hold.
+
+Decided by ``diagnose`` from three runs of one deterministic workload: as the runner left the
+padded rows, and twice with them filled two different ways (``probes/padding.py``). The runs
+differ only in what padded rows hold, so any difference in what real rows get is the finding."""
+from __future__ import annotations
+
+import torch
+
+from .. import explain
+from ..report import Finding
+
+
+def compare_runs(a: list[dict], b: list[dict], errors_a: list[str], errors_b: list[str]) -> Finding | None:
+    """The first replay whose real-row outputs differ between the two padded-row patterns (or
+    where the runs take different graphs, or end differently), as a ``stale-padding`` finding;
+    ``None`` when the runs agree. State the graphs write is compared too, as supporting evidence:
+    padded rows may legitimately write rows of a cache that no real request reads."""
+    state_since = None
+    for k, (ra, rb) in enumerate(zip(a, b)):
+        if ra["graph"] != rb["graph"]:
+            return _finding(ra, f"replay {k + 1} ran {ra['graph']} under one pattern and {rb['graph']} under "
+                                "the other", {"replay": k + 1}, None)
+        states = [label for label in ra["state"] if ra["state"][label] != rb["state"].get(label)]
+        if states and state_since is None:
+            state_since = (k + 1, states[0])
+        oa, ob = ra["outputs"], rb["outputs"]
+        if oa is not None and ob is not None and not torch.equal(oa.nan_to_num(), ob.nan_to_num()):
+            differing = [label for label in ra["inputs"] if ra["inputs"][label] != rb["inputs"].get(label)]
+            diff = float((oa - ob).abs().nan_to_num(float("inf")).max())
+            evidence = (f"replay {k + 1} ({ra['graph']}, {ra['real']} real rows of {ra['size']}): real-row outputs "
+                        f"differ by max |diff| = {diff:.3g}")
+            if state_since is not None:
+                evidence += f"; state {state_since[1]} differs since replay {state_since[0]}"
+            return _finding(ra, evidence, {"replay": k + 1, "max_abs_diff": diff},
+                            differing[0] if differing else None)
+    if len(a) != len(b) or errors_a != errors_b:
+        shorter = a if len(a) <= len(b) else b
+        what = "; ".join(f"pattern {i}: {e[0] if e else 'no error'}, {n} replays"
+                         for i, (e, n) in enumerate(((errors_a, len(a)), (errors_b, len(b)))))
+        return _finding(shorter[-1] if shorter else None, f"the two runs ended differently ({what})",
+                        {"replays": [len(a), len(b)]}, None)
+    return None
+
+
+def crashed_only_as_left(error: str, record: dict | None, patterns: int) -> Finding:
+    """The run with padded rows as the runner left them failed; the runs with padded rows filled
+    with small valid values did not: what padded rows held made the difference."""
+    return _finding(record, f"the run with padded rows as the runner left them failed ({error}); the {patterns} "
+                            "runs with padded rows filled with small values completed", {"crashed": error}, None)
+
+
+def _finding(record: dict | None, evidence: str, numbers: dict, first: str | None) -> Finding:
+    graph = record["graph"] if record else "-"
+    if record and first:
+        op, source = record["readers"].get(first, ("-", "-"))
+        evidence += f"; first graph input whose real rows differ: {first}"
+        tensor = first
+    elif record and record.get("padded_reader"):
+        op, source, tensor = record["padded_reader"]
+        evidence += f"; {op} is the first op of the graph that reads the padded buffer {tensor}"
+    elif record and record["readers"]:
+        (tensor, (op, source)) = next(iter(record["readers"].items()))
+    else:
+        op, source, tensor = "-", "-", "-"
+    return Finding("stale-padding", graph, op, tensor, source, evidence, explain.stale_padding(first), numbers)

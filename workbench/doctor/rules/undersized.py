@@ -1,0 +1,143 @@
+"""undersized-buffer: shape contracts of static buffers, on every write path and every replay.
+
+* an announced buffer with a zero-sized dimension (a capture for no data);
+* a write into an announced buffer, in eager code, a warmup or a capture, by any op (``copy_``,
+  slice assignment, ``index_put_``, ``fill_``...): data that does not fit its destination, an op
+  that fails on it, or a slice that asks for more rows or columns than the buffer has (Python
+  clamps it silently, so data is dropped without an error);
+* a replay announced for more real rows than the graph's size, or more real columns than the
+  padded-columns buffer holds.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...engine import memory
+from ...engine.opinfo import describe, storage_key
+from ...engine.source import user_frame
+from .. import explain
+from ..report import Finding
+from ..tensors import first_line
+
+_OPEN_END = 2 ** 62          # ``x[a:]`` slices up to sys.maxsize
+
+
+def announced(doctor, owner: str, buffers: dict) -> None:
+    """One finding per announcement: the inputs of one capture are sized by one computation, so
+    several empty ones share one cause. It points at the first; the evidence lists them all."""
+    empty = {name: t for name, t in buffers.items() if 0 in t.shape}
+    if not empty:
+        return
+    name, t = next(iter(empty.items()))
+    op, source = memory.created_by(t) or ("-", "<created before watch()>")
+    evidence = "; ".join(f"{n} has shape {tuple(x.shape)}: dimension {list(x.shape).index(0)} is 0"
+                         for n, x in empty.items())
+    if len(empty) > 1:
+        evidence = f"{len(empty)} of {len(buffers)} capture inputs are empty: {evidence}"
+    doctor.add(Finding(
+        "undersized-buffer", f"capture inputs of {owner}", op, f"{name}: {describe(t)}", source, evidence,
+        explain.zero_sized(name, tuple(t.shape)), {"shape": list(t.shape), "empty_inputs": list(empty)}),
+        ("undersized-buffer", owner, name))
+
+
+def _where(doctor) -> str:
+    return doctor.capturing.name if doctor.phase == "capture" and doctor.capturing else doctor.phase
+
+
+def check_fit(doctor, dst: torch.Tensor, src) -> None:
+    """``copy_`` of data that does not broadcast to its destination in an announced buffer."""
+    buf = doctor.buffer(storage_key(dst))
+    if buf is None or not isinstance(src, torch.Tensor) or src.shape == dst.shape:
+        return
+    try:
+        fits = torch.broadcast_shapes(src.shape, dst.shape) == dst.shape
+    except RuntimeError:
+        fits = False
+    if fits:
+        return
+    whole = buf.ref()
+    source = user_frame()
+    doctor.add(Finding(
+        "undersized-buffer", buf.owner, str(torch.ops.aten.copy_.default), f"{buf.name}: {describe(whole)}", source,
+        f"data of shape {tuple(src.shape)} copied into {buf.name} rows of shape {tuple(dst.shape)} "
+        f"(the whole buffer is {tuple(whole.shape)}; during {_where(doctor)})",
+        explain.overflow(buf.name, tuple(src.shape), tuple(whole.shape)),
+        {"data_shape": list(src.shape), "buffer_shape": list(whole.shape)}),
+        ("undersized-buffer", buf.owner, buf.name, source))
+
+
+def check_slice(doctor, args) -> None:
+    """``buffer[a:b]`` (``aten.slice``) with ``b`` past the end of an announced buffer's dimension."""
+    t = args[0]
+    buf = doctor.buffers.get(storage_key(t))
+    if buf is None or buf.ref() is None:
+        return
+    end = args[3] if len(args) > 3 else None
+    if isinstance(end, int) and end < _OPEN_END:
+        _past_end(doctor, buf, args[1] if len(args) > 1 else 0, end, t.shape)
+
+
+def check_index(doctor, t: torch.Tensor, index) -> None:
+    """``buffer[a:b, c:d] = ...``: Python's item assignment slices without dispatching an op, so
+    the slices of the index are checked against the buffer's dimensions here."""
+    buf = doctor.buffers.get(storage_key(t))
+    if buf is None or buf.ref() is None:
+        return
+    dim = 0
+    for item in index if isinstance(index, tuple) else (index,):
+        if isinstance(item, slice):
+            if isinstance(item.stop, int) and (item.step or 1) > 0 and dim < t.dim():
+                _past_end(doctor, buf, dim, item.stop, t.shape)
+        elif item is Ellipsis or item is None or isinstance(item, torch.Tensor):
+            return                               # dimensions no longer line up with the index
+        dim += 1
+
+
+def _past_end(doctor, buf, dim: int, end: int, shape) -> None:
+    length = shape[dim]
+    if end <= length:
+        return
+    source = user_frame()
+    doctor.add(Finding(
+        "undersized-buffer", buf.owner, str(torch.ops.aten.slice.Tensor), f"{buf.name}: {describe(buf.ref())}",
+        source, f"a slice asks for [.., {end}) of dimension {dim} of {buf.name}, which has {length} (during "
+        f"{_where(doctor)}): {end - length} silently dropped", explain.overflow_slice(buf.name, dim, end, length),
+        {"dim": dim, "end": end, "length": length}), ("undersized-buffer", buf.owner, buf.name, source))
+
+
+def write(doctor, func, targets: list, run):
+    """Run a write into announced buffers; if the op itself fails on them, that failure is the
+    finding (the error is still the watched code's, and is raised)."""
+    if not targets:
+        return run()
+    try:
+        return run()
+    except RuntimeError as e:
+        _, t, buf = targets[0]
+        source = user_frame()
+        doctor.add(Finding(
+            "undersized-buffer", buf.owner, str(func), f"{buf.name}: {describe(buf.ref())}", source,
+            f"{func} into {buf.name} (view {describe(t)}, during {_where(doctor)}) failed: {first_line(e)}",
+            explain.failed_write(buf.name, first_line(e)), {"view_shape": list(t.shape)}),
+            ("undersized-buffer", buf.owner, buf.name, source))
+        raise
+
+
+def serve_contract(doctor, graph: str, real: int, size: int, padded: dict, columns: dict) -> None:
+    """Every replay: no more real rows than the graph's size, no wider real columns than captured."""
+    if real > size:
+        source = user_frame()
+        name = next(iter(padded), "-")
+        doctor.add(Finding(
+            "undersized-buffer", graph, "serve", name, source,
+            f"serve announced {real} real rows for {graph} (size {size})", explain.over_served("rows", real, size),
+            {"real": real, "size": size}), ("undersized-buffer", graph, "rows", source))
+    for name, (t, width) in columns.items():
+        if width > t.shape[1]:
+            source = user_frame()
+            doctor.add(Finding(
+                "undersized-buffer", graph, "serve", f"{name}: {describe(t)}", source,
+                f"serve announced {width} real columns of {name}, which has {t.shape[1]}",
+                explain.over_served(f"columns of `{name}`", width, t.shape[1]), {"real_columns": width,
+                                                                                 "columns": t.shape[1]}),
+                ("undersized-buffer", graph, name, source))

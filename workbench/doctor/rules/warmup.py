@@ -1,0 +1,33 @@
+"""warmup-divergence from the warmup: source lines the warmup ran and the capture never executed.
+
+(The other source of this kind, a replay that an eager run of the same step contradicts, is decided
+by differential replay: ``probes/differential.py``.)"""
+from __future__ import annotations
+
+from collections import Counter
+
+from .. import explain
+from ..report import Finding
+
+
+def check(doctor, info) -> None:
+    """Ops of source lines the fresh warmup ran and the capture never executed: Python skipped
+    them at capture (lazy work already done). A line that ran in both but dispatched other
+    kernels (a backend choosing another algorithm under capture) is not a skipped step, nor is
+    one the runner ran eagerly before the capture (code it keeps outside the graph, as
+    PIECEWISE graphs do: whether that code is safe is the mutation rule's question)."""
+    ran_since = {op.source for op in info.ops} | info.eager_lines
+    missing = [op for op in info.warmup if op.source not in ran_since]
+    if not missing:
+        return
+    first = missing[0]
+    lines = Counter(op.source.split(": ", 1)[0] for op in missing)
+    doctor.add(Finding(
+        "warmup-divergence", info.name, first.name, "-", first.source,
+        f"the warmup ran {len(info.warmup)} ops, the capture recorded {len(info.ops)}; {len(missing)} warmup ops "
+        f"come from {len(lines)} source line(s) the capture never executed: "
+        + ", ".join(f"{k} (x{v})" for k, v in lines.items()),
+        explain.warmup(len(missing), first.name),
+        {"warmup_ops": len(info.warmup), "captured_ops": len(info.ops), "missing": len(missing),
+         "lines": len(lines)}),
+        ("warmup-divergence", first.name, first.source))

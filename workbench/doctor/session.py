@@ -1,0 +1,108 @@
+"""``watch()``: one dispatch mode and one subscription to the engine's events for a block of code."""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..engine import events
+from .intake import DELIBERATE, Doctor
+from .report import Report
+from .rules import undersized
+
+
+class _Watch(TorchDispatchMode):
+    def __init__(self, doctor: Doctor) -> None:
+        super().__init__()
+        self.doctor = doctor
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        doctor, kwargs = self.doctor, kwargs or {}
+        if doctor.phase in ("replay", "probe") or doctor.failure is not None:
+            return func(*args, **kwargs)
+        run = _Call(func, args, kwargs)
+        try:
+            return doctor.on_op(func, args, kwargs, run)
+        except DELIBERATE:
+            raise
+        except Exception as e:
+            if e is run.error:                   # the op itself failed: the watched code's error
+                raise
+            doctor.fail(e, f"watching {func}")
+            return run.result()
+
+
+def _item_assignment(doctor: Doctor):
+    """``Tensor.__setitem__`` that first checks the index against an announced buffer's shape:
+    ``buffer[a:b, c:d] = value`` is the only write path whose slicing dispatches no op. (A
+    function mode would see it too, but would put Python in front of every op of every replay.)"""
+    original = torch.Tensor.__setitem__
+
+    def __setitem__(self, index, value):
+        if doctor.buffers and doctor.failure is None and doctor.phase in ("eager", "warmup", "capture"):
+            try:
+                undersized.check_index(doctor, self, index)
+            except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
+                doctor.fail(e, "watching Tensor.__setitem__")
+        return original(self, index, value)
+    return original, __setitem__
+
+
+class _Call:
+    """The watched op, run at most once whatever the doctor does around it (an in-place op run
+    twice after a failure of the doctor would corrupt the user's data)."""
+
+    __slots__ = ("func", "args", "kwargs", "done", "out", "error")
+
+    def __init__(self, func, args, kwargs) -> None:
+        self.func, self.args, self.kwargs = func, args, kwargs
+        self.done, self.out, self.error = False, None, None
+
+    def __call__(self):
+        try:
+            self.out = self.func(*self.args, **self.kwargs)
+        except BaseException as e:
+            self.error = e
+            raise
+        self.done = True
+        return self.out
+
+    def result(self):
+        return self.out if self.done else self()
+
+
+@contextlib.contextmanager
+def watch(*, guard: bool = False, differential: int = 0) -> Iterator[Report]:
+    """Observe every capture, warmup and replay inside the block; yields the ``Report``, complete
+    when the block ends. ``guard=True`` raises ``DanglingReferenceError`` instead of replaying a
+    graph whose referenced memory is gone (on CUDA that replay is an illegal memory access, which
+    ends the process's CUDA context). ``differential=N`` compares every Nth served replay that
+    announces an eager step with an eager run of that step (0: off; it costs about one eager
+    step per sampled replay)."""
+    with watching(Doctor(guard=guard, differential=differential)) as doctor:
+        yield doctor.report
+
+
+@contextlib.contextmanager
+def watching(doctor: Doctor) -> Iterator[Doctor]:
+    """``watch()`` with a given observer (``diagnose`` keeps its probe records)."""
+    mode = doctor.mode = _Watch(doctor)
+    original, checked = _item_assignment(doctor)
+    events.subscribe(doctor)
+    torch.Tensor.__setitem__ = checked
+    mode.__enter__()
+    start = time.perf_counter()
+    try:
+        yield doctor
+    except BaseException as e:
+        doctor.report.errors.append(doctor.describe_error(e))
+        raise
+    finally:
+        mode.__exit__(None, None, None)
+        torch.Tensor.__setitem__ = original
+        events.unsubscribe(doctor)
+        doctor.finish()
+        doctor.report.seconds = time.perf_counter() - start

@@ -1,0 +1,104 @@
+"""Small tensor helpers the doctor's rules and probes share: whole storages, element regions,
+digests, tolerant comparison, RNG state, and a readable signature of an op's arguments."""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ..engine.opinfo import tensors
+
+aten = torch.ops.aten
+
+
+def whole(weak, dtype: torch.dtype = torch.uint8) -> torch.Tensor | None:
+    """All of a storage (a ``StorageWeakRef``) as a flat tensor of ``dtype``; None once released."""
+    if weak.expired():
+        return None
+    storage = torch.UntypedStorage._new_with_weak_ptr(weak.cdata)
+    n = storage.nbytes() // torch.empty(0, dtype=dtype).element_size()
+    return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, 0, (n,), (1,))
+
+
+def region(view: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """Which elements of ``buffer`` the tensor ``view`` (of the same storage) covers: a bool mask
+    shaped like ``buffer``; all of it when the view reinterprets the bytes."""
+    with _disable_current_modes():
+        if view.dtype != buffer.dtype:
+            return torch.ones(buffer.shape, dtype=torch.bool, device=buffer.device)
+        flat = torch.zeros(buffer.untyped_storage().nbytes() // buffer.element_size(), dtype=torch.bool,
+                           device=buffer.device)
+        flat.as_strided(view.shape, view.stride(), view.storage_offset()).fill_(True)
+        return flat.as_strided(buffer.shape, buffer.stride(), buffer.storage_offset()).clone()
+
+
+def digest(t: torch.Tensor) -> str:
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+    return hashlib.blake2b(data, digest_size=12).hexdigest()
+
+
+def changed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise ``a != b`` where NaN equals NaN (poisoned padded rows hold NaN)."""
+    diff = a != b
+    return diff & ~(a.isnan() & b.isnan()) if a.dtype.is_floating_point else diff
+
+
+def differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elements that differ beyond what two launches of the same kernels may (a GPU may pick
+    another algorithm eagerly than under capture): exact for integers, close for floats."""
+    if a.shape != b.shape:
+        return torch.ones(1, dtype=torch.bool)
+    if a.dtype.is_floating_point or a.dtype.is_complex:
+        return ~torch.isclose(a, b, rtol=1e-3, atol=1e-5, equal_nan=True)
+    return a != b
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape or not a.numel():
+        return float("inf") if a.shape != b.shape else 0.0
+    return float((a.double() - b.double()).abs().nan_to_num(float("inf")).max())
+
+
+def rng_state(cuda: bool) -> tuple:
+    return torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None
+
+
+def set_rng_state(state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1])
+
+
+def signature(func, args, kwargs) -> tuple:
+    """The arguments of an op that Python decided and a replay keeps: scalars, shapes, dtypes,
+    and the values of constants made from Python data (``torch.tensor([...])``)."""
+    if func.overloadpacket in (aten.lift_fresh, aten.lift_fresh_copy):
+        with _disable_current_modes():
+            return tuple(digest(t) for t in tensors(args))
+    return tuple(_plain(a) for a in (*args, *kwargs.items()))
+
+
+def _plain(value):
+    if isinstance(value, torch.Tensor):
+        return "T"
+    if isinstance(value, (tuple, list)):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, float):
+        return repr(value)                          # NaN equals NaN here
+    return value if isinstance(value, (int, bool, str, type(None))) else str(value)
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def device_to_host(func, args, kwargs) -> bool:
+    """A copy from a CUDA tensor to host memory (``.cpu()``, ``.to("cpu")``)."""
+    if func is aten._to_copy.default:
+        device = kwargs.get("device")
+        return args[0].is_cuda and device is not None and torch.device(device).type == "cpu"
+    if func is aten.copy_.default:
+        return args[1].is_cuda and not args[0].is_cuda
+    return False

@@ -1,0 +1,78 @@
+"""What an aten op reads and writes, decided in one place.
+
+The emulated graph (which storages to snapshot at capture), the memory tracker (which storages an
+op created), the graph doctor (which static buffers a graph writes) and op loggers all need the same
+answer. Each deciding it for itself is how they come to disagree: an ``out=`` argument or a list of
+tensors counted by one and not the other. The answer comes from the op's schema: an argument
+annotated ``Tensor(a!)`` is written; every tensor argument is read (an in-place op reads its
+destination; ``copy_`` and ``fill_`` do not need to, see ``overwrites``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+
+aten = torch.ops.aten
+
+# In-place ops that write their destination without reading it: a runner refreshing its buffers.
+_OVERWRITES = frozenset({aten.copy_, aten.fill_, aten.zero_, aten.index_put_, aten.index_fill_,
+                         aten.masked_fill_, aten.set_, aten.resize_, aten.random_, aten.uniform_, aten.normal_})
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of a tensor's memory: views of one storage share it."""
+    return t.untyped_storage()._cdata
+
+
+def describe(t: torch.Tensor) -> str:
+    """``float32[4, 8]``: what a person needs to recognise a tensor, without reading its values."""
+    dtype = str(t.dtype).replace("torch.", "")
+    return f"{dtype}[{', '.join(str(s) for s in t.shape)}]"
+
+
+def tensors(obj) -> Iterator[torch.Tensor]:
+    """Every tensor in nested tuples, lists and dicts (an op's arguments or outputs)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for x in obj:
+            yield from tensors(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from tensors(x)
+
+
+def written_tensors(func, args, kwargs) -> list[torch.Tensor]:
+    """Tensors the op's schema marks as written (``Tensor(a!)``): in-place self, ``out=`` args."""
+    written = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+        if isinstance(value, torch.Tensor):
+            written.append(value)
+        elif isinstance(value, (list, tuple)):
+            written.extend(v for v in value if isinstance(v, torch.Tensor))
+    return written
+
+
+def overwrites(func) -> bool:
+    """Whether the op writes its destination without reading it (a copy or a fill, not ``+=``)."""
+    return func.overloadpacket in _OVERWRITES
+
+
+@dataclasses.dataclass(frozen=True)
+class Effects:
+    """The storages an op reads and writes, by ``storage_key``."""
+
+    reads: frozenset[int]
+    writes: frozenset[int]
+
+
+def effects(func, args, kwargs) -> Effects:
+    """The one answer to "what does this op read and write" (see the module docstring)."""
+    reads = frozenset(storage_key(t) for t in tensors((args, kwargs)))
+    writes = frozenset(storage_key(t) for t in written_tensors(func, args, kwargs))
+    return Effects(reads, writes)
