@@ -34,6 +34,9 @@ class Manager:
     def capture(self, sizes=None):
         with torch.no_grad():
             for size in sorted(sizes or self.sizes, reverse=True):
+                if size in self.graphs:                 # a re-capture releases the old graph first
+                    self.graphs.pop(size).reset()
+                    del self.outputs[size]
                 with events.warmup():
                     self.forward(size)
                 g = new_graph("cpu")

@@ -146,6 +146,25 @@ def test_serve_announces_an_eager_step_equal_to_the_replay():
     assert torch.equal(kw["eager"]()[:3], out)
 
 
+def test_a_piecewise_step_announces_no_eager_step():
+    """Its eager regions change state between pieces: no single piece's replay can be re-run."""
+    step, m = make("PIECEWISE")
+    m.capture()
+    seen = []
+
+    class Listener:
+        def serve(self, *args, **kw):
+            seen.append(kw["eager"])
+
+    listener = Listener()
+    events.subscribe(listener)
+    try:
+        m.replay(4, 4)
+    finally:
+        events.unsubscribe(listener)
+    assert seen == [None, None]
+
+
 def test_static_buffers_per_size_are_prepared_before_their_warmups():
     made = []
 

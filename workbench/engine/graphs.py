@@ -21,8 +21,9 @@ Contract:
 * ``recapture()`` drops every graph and captures them again, into a fresh shared pool: after a
   weight update or a resize, as a serving stack must.
 * Every moment the graph doctor needs is announced (``workbench.engine.events``): static buffers,
-  warmups, captures, each served replay with its real and padded rows and an ``eager`` callable
-  that re-runs the step without graphs, and the outputs handed to the caller.
+  warmups, captures, each served replay with its real and padded rows (in FULL mode also an
+  ``eager`` callable that re-runs the step without graphs, for differential replay), and the
+  outputs handed to the caller.
 """
 from __future__ import annotations
 
@@ -268,7 +269,10 @@ class GraphManager:
         if not 1 <= real <= size:
             raise GraphError(f"a graph of size {size} serves 1..{size} real rows, got {real}")
         pieces = self.graphs[size]
-        eager = self._eager_step(size)
+        # A FULL step can be re-run eagerly from the state before its one replay. A PIECEWISE step
+        # cannot be rewound from any one piece: its eager regions change state between pieces (and
+        # the first piece's outputs are not the step's), so no eager step is announced for it.
+        eager = self._eager_step(size) if self.mode is CUDAGraphMode.FULL else None
         with self._grad_mode():
             for step in self._schedule.get(size, pieces):
                 if isinstance(step, _EagerCall):

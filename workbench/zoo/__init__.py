@@ -17,7 +17,7 @@ import importlib
 import pkgutil
 from types import ModuleType
 
-from ..doctor.findings import KINDS
+from ..doctor import KINDS
 from . import programs as _programs
 from .kit import EQUALS, MISBEHAVES, TOLERANCE, VARIANTS, Outcome
 
