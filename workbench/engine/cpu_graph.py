@@ -68,6 +68,10 @@ HOST_SYNC_METHODS = frozenset({
 _INDEX_OPS = frozenset({aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_})
 _LIFTS = frozenset({aten.lift_fresh, aten.lift_fresh_copy})
 _DETACHES = frozenset({aten.detach, aten.detach_})
+# Ops that only allocate: a CUDA capture records no kernel for them, so replay runs nothing and the
+# memory keeps whatever was last written there (until the first write, the capture's poison).
+ALLOCATIONS = frozenset({aten.empty, aten.empty_like, aten.new_empty, aten.empty_strided,
+                         aten.new_empty_strided})
 
 
 def is_host_sync(func, args) -> bool:
@@ -120,6 +124,7 @@ class CPUGraph:
         self._alias_count: dict[int, int] = {}          # storage key -> number of aliases
         self._owned: list[torch.Tensor] = []
         self._host: set[int] = set()                    # host storages made inside the capture
+        self._held: list[torch.UntypedStorage] = []     # those the graph copies from, until capture end
         self._lifted: set[int] = set()                  # constants made inside the capture
         self._snapshots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._modes: tuple = ()
@@ -154,6 +159,7 @@ class CPUGraph:
             if self.on_freed == "reuse":
                 for ref in self._externals:
                     memory.retain(ref)
+        self._held.clear()              # host memory made in the capture now lives only if its owner keeps it
         self._snapshots.clear()
         self._host.clear()
         self._lifted.clear()
@@ -244,6 +250,26 @@ class CPUGraph:
                 self._host.add(storage_key(o))
         return out
 
+    def _claim_host(self, t: torch.Tensor) -> None:
+        """``host(t)`` inside the capture: ``t``'s memory is host memory, made by host work that
+        CUDA does not record (``torch.tensor(...).pin_memory()``). If the capture took it for a
+        block of the graph's pool (a constant or a factory's output), give it back: the graph keeps
+        neither the block nor the op that made it, and a captured copy from it keeps only its
+        address (``_external``), as a CUDA memcpy node keeps the host pointer."""
+        key = storage_key(t)
+        self._host.add(key)
+        if not self._pool.owns(key):
+            return
+        self._pool._drop(key)
+        for alias_key in [k for k in self._aliases if k[0] == key]:
+            del self._aliases[alias_key]
+        self._alias_count.pop(key, None)
+        self._lifted.discard(key)
+        with _disable_current_modes():
+            self._owned = [o for o in self._owned if storage_key(o) != key]
+            self._ops = [op for op in self._ops if op.writes or not op.has_outputs
+                         or any(o is not None and storage_key(o) != key for o in op.outputs)]
+
     def _place(self, t: torch.Tensor, busy: set) -> torch.Tensor:
         """``t`` moved into a free block of the pool of its byte size, if there is one (the caching
         allocator hands freed pool memory to the next allocation); else ``t`` itself."""
@@ -294,10 +320,13 @@ class CPUGraph:
         key = (storage_key(t), t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
         ref = self._external_index.get(key)
         if ref is None:
+            host = self._is_host(t)
             ref = ExternalRef(len(self._externals), StorageWeakRef(t.untyped_storage()), t.dtype,
                               tuple(t.shape), t.stride(), t.storage_offset(),
                               t.untyped_storage().nbytes(), f"{func} at {source}",
-                              memory.origin_of(t))
+                              memory.origin_of(t), host=host)
+            if host and storage_key(t) in self._host:
+                self._held.append(t.untyped_storage())   # its bytes are retained at capture end
             self._externals.append(ref)
             self._external_index[key] = ref
         return ref
@@ -325,7 +354,7 @@ class CPUGraph:
         with torch.inference_mode():
             live = [self._materialize(ref) for ref in self._externals]
             for op in self._ops:
-                if op.is_view:
+                if op.is_view or op.func.overloadpacket in ALLOCATIONS:
                     continue
                 args, kwargs = op.bind(live)
                 try:
@@ -367,6 +396,7 @@ class CPUGraph:
         self._external_index.clear()
         self._snapshots.clear()
         self._host.clear()
+        self._held.clear()
         self._lifted.clear()
         self._state = "new"
         self.replays = 0

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from . import queries
 from .errors import GraphError
 from .source import user_frame
 
@@ -84,7 +85,14 @@ def host(t: torch.Tensor, device: str | torch.device = "cpu") -> torch.Tensor:
         return t.pin_memory()
     if kind != "cpu":
         raise GraphError(f"device must be 'cpu' or 'cuda', got {str(device)!r}")
-    return t if type(t) is HostTensor else t.as_subclass(HostTensor)
+    if type(t) is HostTensor:
+        return t
+    from . import memory        # memory knows host memory by this module's type
+    out = memory.allocate_host(t).as_subclass(HostTensor)
+    graph = queries.current_graph()
+    if graph is not None:
+        graph._claim_host(out)  # host work inside a capture: not the graph's memory
+    return out
 
 
 def is_host(t: torch.Tensor) -> bool:
