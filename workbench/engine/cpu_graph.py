@@ -6,6 +6,7 @@ What a CUDA graph is, reduced to the rules that cause bugs in serving stacks:
   records every aten op run inside the capture block, with its arguments keyed on *storage*.
   ``replay()`` re-runs exactly those ops; results of ops that allocated during capture are written
   back into the tensors captured then (the graph's static outputs), so every address stays fixed.
+  An allocation (``torch.empty``) is no kernel: replay skips it, its memory keeps what it holds.
   An error raised by a replayed op names the op and the user's line that recorded it.
 * **Python is frozen at capture.** Replay runs no Python of the captured function: a branch or a
   lazy ``if state is None`` check keeps the outcome it had during capture. Libraries that ask
@@ -29,7 +30,9 @@ What a CUDA graph is, reduced to the rules that cause bugs in serving stacks:
   what it costs). Inside a capture, work on host memory runs once and is not recorded, ``.item()``
   and ``.tolist()`` of it are legal, a 0-dim host tensor given to a device op is a constant of the
   graph (CUDA passes it by value), and a captured ``copy_`` from host memory re-reads it at every
-  replay. A device op given host memory with elements raises, as on CUDA.
+  replay, by address (a CUDA memcpy node keeps the host pointer), also when the captured code made
+  it: it is no block of the graph, and once released it raises or, with ``on_freed="reuse"``, holds
+  the next host allocation's data. A device op given host memory with elements raises, as on CUDA.
 """
 from __future__ import annotations
 
