@@ -322,6 +322,73 @@ def test_item_of_device_memory_in_capture_still_raises():
         capture(lambda: (h.sum().item(), torch.ones(2).sum().item()))
 
 
+def _copy_from_host_made_in_capture(on_freed, make):
+    """A graph whose captured copy reads host memory that the captured code made (and dropped,
+    unless ``make`` keeps it); the device tensors it reads live as long as the graph."""
+    dev, x = torch.zeros(4, dtype=torch.int64), torch.arange(4.0) * 10
+    g = new_graph("cpu", on_freed=on_freed)
+    with graph(g):
+        dev.copy_(make(), non_blocking=True)
+        out = x.index_select(0, dev)
+    return g, out, (dev, x)
+
+
+def test_host_memory_made_in_capture_is_read_by_address_and_handed_to_the_next_host_allocation():
+    from workbench.engine import host
+    g, out, _inputs = _copy_from_host_made_in_capture("reuse", lambda: host(torch.tensor([3, 1, 2, 0]), "cpu"))
+    assert len(g.pool()) == 1 and not any(op.name.startswith("aten.lift") for op in g.ops)
+    g.replay()
+    assert out.tolist() == [30.0, 10.0, 20.0, 0.0]          # the bytes the copy saw at capture
+    with reuse_freed_blocks():
+        device_same_size = torch.tensor([9, 9, 9, 9])       # device memory: not the host block
+        g.replay()
+        assert out.tolist() == [30.0, 10.0, 20.0, 0.0]
+        other = host(torch.tensor([0, 0, 1, 1]), "cpu")      # the next host allocation takes it
+    g.replay()
+    assert out.tolist() == [0.0, 0.0, 10.0, 10.0] and device_same_size.tolist() == [9] * 4
+    other.fill_(2)
+    g.replay()
+    assert out.tolist() == [20.0] * 4                        # read at replay, through the address
+
+
+def test_host_memory_made_in_capture_and_dropped_raises_on_replay_by_default():
+    from workbench.engine import host
+    g, _, _inputs = _copy_from_host_made_in_capture("raise", lambda: host(torch.zeros(4, dtype=torch.int64), "cpu") + 1)
+    assert [op.name for op in g.ops if not op.is_view] == ["aten.copy_.default", "aten.index_select.default"]
+    with pytest.raises(IllegalMemoryAccess, match=r"(?s)copy_.*host int64\[4\]"):
+        g.replay()
+
+
+def test_host_memory_made_in_capture_and_kept_is_read_live():
+    from workbench.engine import host
+    kept = []
+    g, out, _inputs = _copy_from_host_made_in_capture("raise", lambda: kept.append(host(torch.zeros(4, dtype=torch.int64), "cpu"))
+                                              or kept[0])
+    kept[0].copy_(torch.tensor([1, 1, 2, 3]))
+    g.replay()
+    assert out.tolist() == [10.0, 10.0, 20.0, 30.0] and kept[0].tolist() == [1, 1, 2, 3]
+
+
+@pytest.mark.parametrize("alloc", [lambda s: torch.empty(3), lambda s: torch.empty_like(s),
+                                   lambda s: s.new_empty(3), lambda s: torch.empty_strided((3,), (1,))])
+def test_replay_launches_nothing_for_an_allocation(alloc):
+    s = torch.ones(3)
+    g = new_graph("cpu")
+    with graph(g):
+        buf = alloc(s)
+        buf[:2].copy_(s[:2])
+    assert buf.isnan().all()                                 # capture computes nothing
+    g.replay()
+    assert buf[:2].tolist() == [1.0, 1.0] and buf[2].isnan()  # the unwritten element keeps its bytes
+    buf[2] = 7.0
+    g.replay()
+    assert buf.tolist() == [1.0, 1.0, 7.0]
+
+
+def test_capture_query_answers_false_outside_a_capture():
+    assert torch.cuda.is_current_stream_capturing() is False
+
+
 def test_host_requires_a_cpu_tensor_and_a_known_device():
     from workbench.engine import host
     with pytest.raises(TypeError, match="CPU tensor"):

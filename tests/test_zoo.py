@@ -175,8 +175,10 @@ def test_detect_rejects_bad_arguments():
         detectors.detect("doctor", prog, "buggy")
 
 
-def test_benchmark_table_summary_and_figures():
+def test_benchmark_table_summary_and_figures(monkeypatch):
     names = ["imp_1648_per_step_metadata_alloc", "candle_3352_param_upload_freed", "warp_1663_host_reduction_not_replayed"]
+    # no program is an engine gap now; mark one, to check that the summary leaves a gap out
+    monkeypatch.setattr(zoo.program(names[1]), "ENGINE_GAP", {"bug": "marked by this test"}, raising=False)
     rows = bench.benchmark(programs=names)
     assert len(rows) == len(names) * 2 * len(detectors.DETECTORS)
     assert {r["detector"] for r in rows} == set(detectors.DETECTORS)

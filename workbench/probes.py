@@ -261,6 +261,35 @@ def probe_host_memory(device: str) -> dict:
             "tolist_longest": longest, "copy_rereads_host": _values(out), "device_op_on_host": mix}
 
 
+def probe_host_made_in_capture(device: str) -> dict:
+    """Pinned host memory made inside a capture and dropped at once (a staging buffer): the
+    captured copy keeps the host address, so once the caching host allocator hands the block to the
+    next host allocation of that size, replays copy that allocation's data. On CUDA in a child:
+    pinning inside a capture may break it, and the record then says so (torch versions whose host
+    allocator keeps capture-time blocks for the graph answer with the first values twice)."""
+    if device == "cuda":
+        child = run_in_child(_host_made_in_capture, device, timeout=300)
+        return child.value if child.ok else {"error": child.error_type}
+    return _host_made_in_capture(device)
+
+
+def _host_made_in_capture(device: str) -> dict:
+    x = torch.arange(4.0, device=device) * 10
+    index = torch.zeros(4, dtype=torch.int64, device=device)
+    g = new_graph(device, on_freed="reuse")
+    with graph(g):
+        index.copy_(host(torch.tensor([3, 1, 2, 0]), device), non_blocking=True)
+        out = x.index_select(0, index)
+    g.replay()
+    synchronize(device)
+    first = _values(out)
+    with reuse_freed_blocks():
+        later = host(torch.tensor([0, 0, 1, 1]), device)
+    g.replay()
+    synchronize(device)
+    return {"first": first, "after_next_host_allocation": _values(out), "later": _values(later)}
+
+
 def probe_recapture_pool(device: str) -> dict:
     """Graph B reads graph A's output, both in one pool; A and its output are dropped and A is
     re-captured: the pool hands A's freed block to the new output, so B reads it."""
@@ -355,6 +384,7 @@ PROBES = {
     "host_sync": probe_host_sync,
     "capture_query": probe_capture_query,
     "host_memory": probe_host_memory,
+    "host_made_in_capture": probe_host_made_in_capture,
     "recapture_pool": probe_recapture_pool,
     "freed_in_capture": probe_freed_in_capture,
     "shared_retained": probe_shared_retained,

@@ -6,6 +6,7 @@ What a CUDA graph is, reduced to the rules that cause bugs in serving stacks:
   records every aten op run inside the capture block, with its arguments keyed on *storage*.
   ``replay()`` re-runs exactly those ops; results of ops that allocated during capture are written
   back into the tensors captured then (the graph's static outputs), so every address stays fixed.
+  An allocation (``torch.empty``) is no kernel: replay skips it, its memory keeps what it holds.
   An error raised by a replayed op names the op and the user's line that recorded it.
 * **Python is frozen at capture.** Replay runs no Python of the captured function: a branch or a
   lazy ``if state is None`` check keeps the outcome it had during capture. Libraries that ask
@@ -29,7 +30,9 @@ What a CUDA graph is, reduced to the rules that cause bugs in serving stacks:
   what it costs). Inside a capture, work on host memory runs once and is not recorded, ``.item()``
   and ``.tolist()`` of it are legal, a 0-dim host tensor given to a device op is a constant of the
   graph (CUDA passes it by value), and a captured ``copy_`` from host memory re-reads it at every
-  replay. A device op given host memory with elements raises, as on CUDA.
+  replay, by address (a CUDA memcpy node keeps the host pointer), also when the captured code made
+  it: it is no block of the graph, and once released it raises or, with ``on_freed="reuse"``, holds
+  the next host allocation's data. A device op given host memory with elements raises, as on CUDA.
 """
 from __future__ import annotations
 
@@ -68,6 +71,10 @@ HOST_SYNC_METHODS = frozenset({
 _INDEX_OPS = frozenset({aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_})
 _LIFTS = frozenset({aten.lift_fresh, aten.lift_fresh_copy})
 _DETACHES = frozenset({aten.detach, aten.detach_})
+# Ops that only allocate: a CUDA capture records no kernel for them, so replay runs nothing and the
+# memory keeps whatever was last written there (until the first write, the capture's poison).
+ALLOCATIONS = frozenset({aten.empty, aten.empty_like, aten.new_empty, aten.empty_strided,
+                         aten.new_empty_strided})
 
 
 def is_host_sync(func, args) -> bool:
@@ -120,6 +127,7 @@ class CPUGraph:
         self._alias_count: dict[int, int] = {}          # storage key -> number of aliases
         self._owned: list[torch.Tensor] = []
         self._host: set[int] = set()                    # host storages made inside the capture
+        self._held: list[torch.UntypedStorage] = []     # those the graph copies from, until capture end
         self._lifted: set[int] = set()                  # constants made inside the capture
         self._snapshots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._modes: tuple = ()
@@ -154,6 +162,7 @@ class CPUGraph:
             if self.on_freed == "reuse":
                 for ref in self._externals:
                     memory.retain(ref)
+        self._held.clear()              # host memory made in the capture now lives only if its owner keeps it
         self._snapshots.clear()
         self._host.clear()
         self._lifted.clear()
@@ -244,6 +253,26 @@ class CPUGraph:
                 self._host.add(storage_key(o))
         return out
 
+    def _claim_host(self, t: torch.Tensor) -> None:
+        """``host(t)`` inside the capture: ``t``'s memory is host memory, made by host work that
+        CUDA does not record (``torch.tensor(...).pin_memory()``). If the capture took it for a
+        block of the graph's pool (a constant or a factory's output), give it back: the graph keeps
+        neither the block nor the op that made it, and a captured copy from it keeps only its
+        address (``_external``), as a CUDA memcpy node keeps the host pointer."""
+        key = storage_key(t)
+        self._host.add(key)
+        if not self._pool.owns(key):
+            return
+        self._pool._drop(key)
+        for alias_key in [k for k in self._aliases if k[0] == key]:
+            del self._aliases[alias_key]
+        self._alias_count.pop(key, None)
+        self._lifted.discard(key)
+        with _disable_current_modes():
+            self._owned = [o for o in self._owned if storage_key(o) != key]
+            self._ops = [op for op in self._ops if op.writes or not op.has_outputs
+                         or any(o is not None and storage_key(o) != key for o in op.outputs)]
+
     def _place(self, t: torch.Tensor, busy: set) -> torch.Tensor:
         """``t`` moved into a free block of the pool of its byte size, if there is one (the caching
         allocator hands freed pool memory to the next allocation); else ``t`` itself."""
@@ -294,10 +323,13 @@ class CPUGraph:
         key = (storage_key(t), t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
         ref = self._external_index.get(key)
         if ref is None:
+            host = self._is_host(t)
             ref = ExternalRef(len(self._externals), StorageWeakRef(t.untyped_storage()), t.dtype,
                               tuple(t.shape), t.stride(), t.storage_offset(),
                               t.untyped_storage().nbytes(), f"{func} at {source}",
-                              memory.origin_of(t))
+                              memory.origin_of(t), host=host)
+            if host and storage_key(t) in self._host:
+                self._held.append(t.untyped_storage())   # its bytes are retained at capture end
             self._externals.append(ref)
             self._external_index[key] = ref
         return ref
@@ -325,7 +357,7 @@ class CPUGraph:
         with torch.inference_mode():
             live = [self._materialize(ref) for ref in self._externals]
             for op in self._ops:
-                if op.is_view:
+                if op.is_view or op.func.overloadpacket in ALLOCATIONS:
                     continue
                 args, kwargs = op.bind(live)
                 try:
@@ -367,6 +399,7 @@ class CPUGraph:
         self._external_index.clear()
         self._snapshots.clear()
         self._host.clear()
+        self._held.clear()
         self._lifted.clear()
         self._state = "new"
         self.replays = 0

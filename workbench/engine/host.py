@@ -17,7 +17,14 @@ What follows from it, as on CUDA:
   as scalars;
 * inside a capture, work on host memory runs once, at capture, and is not recorded; ``.item()``
   and ``.tolist()`` of host memory are legal; a captured ``copy_`` from host memory re-reads it at
-  every replay (``cpu_graph`` applies these).
+  every replay, by address; ``host()`` called inside a capture tells the graph that the memory is
+  not its own (``cpu_graph`` applies these);
+* a released host block goes to the next host allocation, never to device memory (``memory``).
+
+On CUDA the pinned memory must stay alive as long as a graph copies from it; torch refuses a copy
+of *pageable* CPU memory inside a capture ("Cannot copy between CPU and CUDA tensors during CUDA
+graph capture unless the CPU tensor is pinned", pytorch#172156). ``host()`` memory stands for
+pinned memory, so the CPU backend has no pageable case.
 
 **Why a subclass.** Host memory is a ``torch.Tensor`` subclass with only ``__torch_function__``:
 ops on device memory never see it, so eager device code pays nothing; only ops that touch host
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import torch
 
+from . import queries
 from .errors import GraphError
 from .source import user_frame
 
@@ -75,7 +83,8 @@ def _as_host(out):
 
 def host(t: torch.Tensor, device: str | torch.device = "cpu") -> torch.Tensor:
     """``t`` as host memory for a program running on ``device``: pinned host memory on CUDA, a
-    ``HostTensor`` sharing ``t``'s memory on the CPU backend. ``t`` must be a CPU tensor."""
+    ``HostTensor`` sharing ``t``'s memory on the CPU backend (inside ``reuse_freed_blocks()``, a
+    released host block it is copied into, as a pinned allocation). ``t`` must be a CPU tensor."""
     if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
         raise TypeError(f"host() needs a CPU tensor, got {_what(t)}; build it on the CPU, e.g. "
                         "host(torch.zeros(n, dtype=torch.int32), DEVICE)")
@@ -84,7 +93,14 @@ def host(t: torch.Tensor, device: str | torch.device = "cpu") -> torch.Tensor:
         return t.pin_memory()
     if kind != "cpu":
         raise GraphError(f"device must be 'cpu' or 'cuda', got {str(device)!r}")
-    return t if type(t) is HostTensor else t.as_subclass(HostTensor)
+    if type(t) is HostTensor:
+        return t
+    from . import memory        # memory knows host memory by this module's type
+    out = memory.allocate_host(t).as_subclass(HostTensor)
+    graph = queries.current_graph()
+    if graph is not None:
+        graph._claim_host(out)  # host work inside a capture: not the graph's memory
+    return out
 
 
 def is_host(t: torch.Tensor) -> bool:

@@ -9,7 +9,10 @@ Two pieces, both opt-in because they watch every op:
   next allocation that fits; the graph, which kept the address, now reads that allocation's data:
   silently wrong values instead of a crash. Graphs created with ``on_freed="reuse"`` retain the
   block's bytes; inside this context the next new tensor of the same byte size is placed in a
-  retained block whose owner is gone. On CUDA the real allocator does this by itself.
+  retained block whose owner is gone. On CUDA the real allocator does this by itself. Host and
+  device memory have allocators of their own (CUDA's caching host allocator keeps pinned blocks):
+  a released host block goes to the next host allocation (an op on host memory, or ``host()``),
+  never to device memory, and the other way round.
 """
 from __future__ import annotations
 
@@ -21,10 +24,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .host import HostTensor
 from .source import user_frame
 
 _origins: dict[int, tuple[StorageWeakRef, str, str]] = {}   # storage -> (weak, source line, op)
 _retained: list = []      # ExternalRef objects of on_freed="reuse" graphs (weakly: see retain)
+_reusing = 0              # depth of open reuse_freed_blocks() blocks
 
 
 def origin_of(t: torch.Tensor) -> str | None:
@@ -98,35 +103,47 @@ def retain(ref) -> None:
     _retained.append(weakref.ref(ref))
 
 
-def _free_block(nbytes: int):
-    """A retained block of exactly ``nbytes`` whose owner has released it and nobody reuses yet;
-    every graph sharing it stops offering it."""
+def _free_block(nbytes: int, host: bool):
+    """A retained block of exactly ``nbytes``, of host memory or of device memory, whose owner has
+    released it and nobody reuses yet; every graph sharing it stops offering it."""
     for r in list(_retained):
         ref = r()
         if ref is None or ref.retained is None:
             _retained.remove(r)
-        elif ref.weak.expired() and ref.nbytes == nbytes:
+        elif ref.weak.expired() and ref.nbytes == nbytes and ref.host == host:
             block = ref.retained
             _retained[:] = [s for s in _retained if s() is not None and s().retained is not block]
             return block
     return None
 
 
+def _place(o: torch.Tensor, host: bool) -> torch.Tensor:
+    """``o`` moved into a free retained block of its kind and size, if there is one."""
+    block = _free_block(o.untyped_storage().nbytes(), host)
+    if block is None:
+        return o
+    placed = torch.empty(0, dtype=o.dtype).set_(block, o.storage_offset(), o.shape, o.stride())
+    placed.copy_(o)
+    return placed
+
+
+def allocate_host(t: torch.Tensor) -> torch.Tensor:
+    """``host(t)``'s memory: inside ``reuse_freed_blocks()``, a released host block of ``t``'s size
+    if there is one (the caching host allocator's next allocation), else ``t``'s own."""
+    return _place(t, host=True) if _reusing else t
+
+
 class _Reuser(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {a.untyped_storage()._cdata for a in tree_flatten((args, kwargs))[0]
-                  if isinstance(a, torch.Tensor)}
+        tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        inputs = {a.untyped_storage()._cdata for a in tensors}
+        host = bool(tensors) and all(type(a) is HostTensor for a in tensors)   # an op on host memory
 
         def place(o):
             if not isinstance(o, torch.Tensor) or o.untyped_storage()._cdata in inputs:
                 return o
-            block = _free_block(o.untyped_storage().nbytes())
-            if block is None:
-                return o
-            placed = torch.empty(0, dtype=o.dtype).set_(block, o.storage_offset(), o.shape, o.stride())
-            placed.copy_(o)
-            return placed
+            return _place(o, host)
 
         return tree_map(place, out)
 
@@ -134,5 +151,10 @@ class _Reuser(TorchDispatchMode):
 @contextlib.contextmanager
 def reuse_freed_blocks():
     """Inside this block, new tensors may land in memory a graph still references (see module doc)."""
-    with _Reuser():
-        yield
+    global _reusing
+    _reusing += 1
+    try:
+        with _Reuser():
+            yield
+    finally:
+        _reusing -= 1

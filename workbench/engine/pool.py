@@ -55,6 +55,10 @@ class Pool:
             block = self._blocks[storage._cdata] = Block(storage)
         block.users[id(graph_ref)] = graph_ref
 
+    def _drop(self, key: int) -> None:
+        """The storage ``key`` is not graph memory after all (host memory, see ``CPUGraph._claim_host``)."""
+        self._blocks.pop(key, None)
+
     def _forget(self, graph_ref: weakref.ref) -> None:
         """A graph was reset or dropped: it uses none of the pool's blocks any more."""
         for key in list(self._blocks):

@@ -9,8 +9,10 @@ The answer is per thread, as CUDA's is per stream: another thread running eagerl
 capturing. Torch's functions read the module-level name ``_cuda_isCurrentStreamCapturing``, so
 that name (in ``torch.cuda.graphs`` and ``torch._C``) is wrapped once; every alias of
 ``torch.cuda.is_current_stream_capturing`` a library imported earlier answers through it. Outside
-a ``CPUGraph`` capture the wrapper calls torch's own function, so nothing else changes (on a
-CPU-only torch that one raises, as before, and callers such as ``transformers`` treat it as False).
+a ``CPUGraph`` capture the wrapper calls torch's own function, so nothing changes on a CUDA
+build; on a CPU-only torch, whose function raises, it answers False, as CUDA does outside a capture
+(code that asks eagerly, such as an allocator refusing buffers while capturing, then runs on the
+CPU backend as it does on a GPU; ``transformers`` already read the raise as False).
 """
 from __future__ import annotations
 
@@ -44,6 +46,8 @@ def _wrap(torch_answer):
     def is_current_stream_capturing() -> bool:
         if getattr(_state, "graph", None) is not None:
             return True
+        if not torch.backends.cuda.is_built():
+            return False
         return torch_answer()
 
     is_current_stream_capturing._workbench_wrapped = True

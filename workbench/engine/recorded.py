@@ -34,9 +34,10 @@ class ExternalRef:
     first_use: str
     origin: str | None
     retained: torch.UntypedStorage | None = None   # on_freed="reuse": the block's bytes
+    host: bool = False                              # host memory (a captured copy's host address)
 
     def describe(self) -> str:
-        return f"{str(self.dtype).replace('torch.', '')}[{', '.join(map(str, self.size))}]"
+        return ("host " if self.host else "") + f"{str(self.dtype).replace('torch.', '')}[{', '.join(map(str, self.size))}]"
 
     def materialize(self) -> torch.Tensor:
         """The tensor for this replay; the caller has checked that it is alive or retained."""

@@ -11,15 +11,12 @@ from freed host memory, which the next launch of another shape reuses.
 Doctor: dangling-reference, at ``launch_row_mean`` (the captured copy from the released host vector).
 Fix (upstream): a capture pool on the device owns every parameter vector uploaded while a stream is
 capturing, for as long as the graphs live.
-Engine gap (CPU): the emulation treats a host tensor created inside the capture as a constant the
-graph keeps; on CUDA a captured host-to-device copy keeps only the host address. Until the engine
-separates host from device memory, the bug does not reproduce on the CPU.
 """
 from __future__ import annotations
 
 import torch
 
-from ...engine import reuse_freed_blocks
+from ...engine import host as engine_host, reuse_freed_blocks
 from ..kit import capture, compare, generator, randn, replay
 
 UPSTREAM = "https://github.com/huggingface/candle/pull/3352"
@@ -27,8 +24,6 @@ FAMILY = "dangling references"
 KIND = "dangling-reference"
 SITE = "launch_row_mean"
 SYMPTOM = "replay reads kernel parameters from freed memory (crash / illegal memory access)"
-ENGINE_GAP = {"bug": "host memory: a host tensor created inside a capture is kept by the CPU graph as a "
-                     "constant, while a CUDA graph's host-to-device copy keeps only its address"}
 COLS = 8
 
 
@@ -41,7 +36,7 @@ class Device:
         self.capture_pool: list[torch.Tensor] = []
 
     def upload_params(self, values: list[int]) -> torch.Tensor:
-        host = torch.tensor(values, dtype=torch.float32, pin_memory=torch.device(self.name).type == "cuda")
+        host = engine_host(torch.tensor(values, dtype=torch.float32), self.name)      # pinned host memory
         params = torch.empty(len(values), device=self.name)
         params.copy_(host, non_blocking=True)
         if self.keep:

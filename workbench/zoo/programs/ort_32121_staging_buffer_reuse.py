@@ -10,15 +10,12 @@ graph node that keeps the host address, so every replay copies whatever that blo
 inference of another shape allocates a staging buffer of the same size and gets that block.
 Doctor: dangling-reference, at ``gather_rows`` (the captured copy from the released staging buffer).
 Fix (upstream): while a stream is capturing, retain the staging buffer for the provider's lifetime.
-Engine gap (CPU): the emulation treats a host tensor created inside the capture as a constant the
-graph keeps; on CUDA the captured copy keeps only the host address. Until the engine separates host
-from device memory (and hands released host blocks on), the bug does not reproduce on the CPU.
 """
 from __future__ import annotations
 
 import torch
 
-from ...engine import reuse_freed_blocks
+from ...engine import host as engine_host, reuse_freed_blocks
 from ..kit import capture, compare, generator, randn, replay
 
 UPSTREAM = "https://github.com/microsoft/onnxruntime/pull/32121"
@@ -26,8 +23,6 @@ FAMILY = "dangling references"
 KIND = "dangling-reference"
 SITE = "gather_rows"
 SYMPTOM = "after a prefill, decode replays gather with the prefill's argument array: wrong outputs"
-ENGINE_GAP = {"bug": "host memory: a host tensor created inside a capture is kept by the CPU graph as a "
-                     "constant, while a CUDA graph's host-to-device copy keeps only its address"}
 DIM = 5
 
 
@@ -38,7 +33,7 @@ class Provider:
         self.retained: list[torch.Tensor] = []
 
     def staging(self, values: list[int]) -> torch.Tensor:
-        host = torch.tensor(values, dtype=torch.int64, pin_memory=torch.device(self.device).type == "cuda")
+        host = engine_host(torch.tensor(values, dtype=torch.int64), self.device)      # pinned host memory
         if self.retain:
             self.retained.append(host)
         return host

@@ -11,14 +11,12 @@ whatever memory those tensors were handed on to.
 Doctor: dangling-reference, at ``dispatch`` (the captured copy from the released host tensor).
 Fix (upstream): the work object retains those tensors, and in graph-capture mode they move to the
 graph's state so they live as long as the graph.
-Engine gap (CPU): the emulation keeps a host tensor created inside the capture as a graph constant,
-so the released pointer tensor is never handed on there.
 """
 from __future__ import annotations
 
 import torch
 
-from ...engine import reuse_freed_blocks
+from ...engine import host as engine_host, reuse_freed_blocks
 from ..kit import capture, compare, generator, randn, replay
 
 UPSTREAM = "https://github.com/meta-pytorch/torchcomms/pull/877"
@@ -26,8 +24,6 @@ FAMILY = "dangling references"
 KIND = "dangling-reference"
 SITE = "dispatch"
 SYMPTOM = "replay reads a freed host pointer tensor (garbage pointers, registration errors)"
-ENGINE_GAP = {"bug": "host memory: a host tensor created inside a capture is kept by the CPU graph as a "
-                     "constant, while a CUDA graph's host-to-device copy keeps only its address"}
 ROWS, DIM = 4, 3
 
 
@@ -47,7 +43,7 @@ class Work:
 
 def dispatch(x, order, retain, offsets_dev):
     work = Work(retain)
-    host = torch.tensor(order, dtype=torch.int64, pin_memory=x.device.type == "cuda")   # CPU pointer tensor
+    host = engine_host(torch.tensor(order, dtype=torch.int64), x.device)   # CPU pointer tensor, pinned
     offsets_dev.copy_(host, non_blocking=True)
     out = x.index_select(0, offsets_dev)
     work.keep(host, out)

@@ -13,8 +13,6 @@ Doctor: dangling-reference (the graph writes memory its owner has given back, he
 the doctor cannot see into), site ``all_reduce``.
 Fix (upstream): do not hand out window buffers while a graph is capturing
 (``torch.cuda.is_current_stream_capturing()``); the collective then writes a plain tensor the graph owns.
-Engine gap (CPU): ``torch.cuda.is_current_stream_capturing()`` cannot answer under the CPU emulation
-(it raises on a CPU build), so the fix cannot ask whether it is being captured.
 """
 from __future__ import annotations
 
@@ -29,8 +27,6 @@ FAMILY = "dangling references"
 KIND = "dangling-reference"
 SITE = "all_reduce"
 SYMPTOM = "replays overwrite a window buffer the allocator has handed to another request: wrong tokens"
-ENGINE_GAP = {"fix": "capture queries: torch.cuda.is_current_stream_capturing() does not answer under the "
-                     "CPU emulation (it raises on a CPU build)"}
 ROWS, DIM, TP = 2, 4, 2
 
 

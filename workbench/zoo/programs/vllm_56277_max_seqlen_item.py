@@ -10,13 +10,12 @@ capture is invalidated and the engine fails at startup.
 Doctor: sync-in-capture, at ``attention`` (the ``.item()`` call).
 Fix (upstream): keep ``max_seqlen`` in host memory, where ``.item()`` reads it without touching the
 device.
-Engine gap (CPU): the emulation cannot tell host from device memory (everything is host memory there),
-so it refuses ``.item()`` on the host tensor of the fix as well.
 """
 from __future__ import annotations
 
 import torch
 
+from ...engine import host
 from ..kit import capture, compare, generator, randn, replay
 
 UPSTREAM = "https://github.com/vllm-project/vllm/pull/56277"
@@ -24,8 +23,6 @@ FAMILY = "warmup/capture vs replay state"
 KIND = "sync-in-capture"
 SITE = "attention"
 SYMPTOM = "capture fails: .item() on a device tensor inside the captured region"
-ENGINE_GAP = {"fix": "host vs device memory: the CPU emulation refuses .item() on every tensor inside a "
-                     "capture, including host tensors, which CUDA reads without a synchronisation"}
 TOKENS, DIM = 6, 4
 
 
@@ -38,7 +35,7 @@ def attention(x, max_seqlen):
 def run(variant: str, device: str = "cpu"):
     gen = generator(56277)
     x = randn(TOKENS, DIM, gen=gen, device=device)
-    max_seqlen = torch.tensor(TOKENS, device=device if variant == "bug" else "cpu")
+    max_seqlen = torch.tensor(TOKENS, device=device) if variant == "bug" else host(torch.tensor(TOKENS), device)
 
     def eager():
         return [attention(x, max_seqlen)]
