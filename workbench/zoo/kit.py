@@ -15,13 +15,14 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from ..cases import VARIANTS  # noqa: F401 - the zoo speaks of the same variants as the cases
 from ..engine import events, graph, new_graph
 
 TOLERANCE = 1e-5          # a graph equals eager when every output is within this of eager's
 # Observers of the runner itself (the baseline detectors): ``captured(graph, fn)`` after each capture
 # with the captured callable, ``replaying(graph)`` before each replay. Engine events cover the rest.
 hooks: list = []
-VARIANTS = ("bug", "fix")
+
 MISBEHAVES, EQUALS = "misbehaves", "equals eager"
 
 
