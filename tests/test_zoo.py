@@ -208,7 +208,7 @@ def test_case_scenarios_run_under_the_workload_detectors():
     for r in rows:
         r["right_site"] = bool(r["site"]) and r["site"].endswith(f" in {case.SITE}")
     table = bench.case_markdown(rows)
-    assert "| 02 vit | bug | doctor | yes | undersized-buffer | undersized-buffer | yes |" in table
+    assert "| vit_zero_per_image_output | bug | doctor | yes | undersized-buffer | undersized-buffer | yes |" in table
 
 
 def test_gpu_record_runs_each_program_in_a_child_and_is_json():

@@ -59,7 +59,7 @@ class _Observer:
     def static_buffers(self, owner, buffers): pass
     def warmup_begin(self): pass
     def warmup_end(self): pass
-    def serve(self, graph, real, size, padded, outputs, eager=None): pass
+    def serve(self, graph, real, size, padded, outputs, **announced): pass
     def handed_out(self, graph, tensors): pass
 
 
@@ -103,7 +103,7 @@ class _Poisoner(_Observer):
         self.poisoned = False
         self.survived: list[str] = []
 
-    def serve(self, graph, real, size, padded, outputs, eager=None):
+    def serve(self, graph, real, size, padded, outputs, **announced):
         if self.poisoned:
             for name, t in padded.items():
                 if isinstance(t, torch.Tensor) and (t[:size] == SENTINEL).any() and name not in self.survived:
