@@ -20,6 +20,9 @@ def _case(name, variant):
 @pytest.mark.parametrize("name", [_case(n, "bug") for n in NAMES])
 def test_bug_misbehaves_on_cpu(name):
     outcome = zoo.run(name, "bug")
+    if zoo.latent(name):                        # the current torch keeps the bug from showing
+        assert outcome.verdict == zoo.EQUALS, outcome.summary()
+        return
     assert outcome.verdict == zoo.MISBEHAVES, outcome.summary()
     assert outcome.error is not None or outcome.max_abs_error > zoo.TOLERANCE
 

@@ -167,4 +167,4 @@ def load_record() -> dict | None:
     record = json.loads(RECORD.read_text())
     if "results" not in record:
         raise ValueError(f"{RECORD} holds no results: {record.get('error', 'no error recorded')}")
-    return record["results"]
+    return record["results"]["results"]          # gpu_record's answers, per entry

@@ -6,6 +6,7 @@ one notebook show the same failure on both.
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import torch
 
@@ -94,14 +95,23 @@ def graph(g, pool=None, *, name: str | None = None):
             raise GraphError("A graph capture is already open; captures do not nest.")
         if getattr(g, "captured", False):
             raise GraphError("This graph already holds a capture. Call g.reset() first.")
+        # torch collects garbage on entering the capture; no collection may run inside it. A
+        # collection there can finalise a dropped runner's graphs or pool, and releasing CUDA
+        # resources during a global-mode capture invalidates it ("operation not permitted when
+        # stream is capturing", reported at whatever op comes next).
+        collecting = gc.isenabled()
         try:
             with torch.cuda.graph(g, pool=pool):
+                gc.disable()
                 events.capture_begin(g, name)
                 yield g
                 events.capture_end(g)
         except BaseException as e:
             events.capture_abort(g, e)
             raise
+        finally:
+            if collecting:
+                gc.enable()
     else:
         raise TypeError(f"graph() needs a graph from new_graph(), got {type(g).__name__}")
 

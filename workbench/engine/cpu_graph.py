@@ -127,6 +127,7 @@ class CPUGraph:
         self._alias_count: dict[int, int] = {}          # storage key -> number of aliases
         self._owned: list[torch.Tensor] = []
         self._host: set[int] = set()                    # host storages made inside the capture
+        self._host_kept: list[torch.Tensor] = []        # ... which live as long as the graph
         self._held: list[torch.UntypedStorage] = []     # those the graph copies from, until capture end
         self._lifted: set[int] = set()                  # constants made inside the capture
         self._snapshots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -257,10 +258,13 @@ class CPUGraph:
         """``host(t)`` inside the capture: ``t``'s memory is host memory, made by host work that
         CUDA does not record (``torch.tensor(...).pin_memory()``). If the capture took it for a
         block of the graph's pool (a constant or a factory's output), give it back: the graph keeps
-        neither the block nor the op that made it, and a captured copy from it keeps only its
-        address (``_external``), as a CUDA memcpy node keeps the host pointer."""
+        neither the op that made it nor a device block for it, and a captured copy from it reads it
+        by address (``_external``), as a CUDA memcpy node keeps the host pointer. The host block
+        itself lives as long as the graph: on an H100 with torch 2.11 its values survive the next
+        host allocation (``results/gpu/engine_probes.json``, probe ``host_made_in_capture``)."""
         key = storage_key(t)
         self._host.add(key)
+        self._host_kept.append(t)           # torch's host allocator keeps capture-time blocks for the graph
         if not self._pool.owns(key):
             return
         self._pool._drop(key)
@@ -393,7 +397,7 @@ class CPUGraph:
     def _clear(self) -> None:
         if self._pool is not None:
             self._pool._forget(self._ref)
-        self._ops, self._externals, self._owned = [], [], []
+        self._ops, self._externals, self._owned, self._host_kept = [], [], [], []
         self._aliases.clear()
         self._alias_count.clear()
         self._external_index.clear()

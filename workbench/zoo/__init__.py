@@ -39,7 +39,7 @@ PROPOSED_KINDS = {
 _FIELDS = ("UPSTREAM", "FAMILY", "KIND", "SITE", "SYMPTOM")
 
 __all__ = ["EQUALS", "FAMILIES", "MISBEHAVES", "PROPOSED_KINDS", "TOLERANCE", "VARIANTS", "Outcome",
-           "engine_gap", "names", "program", "programs", "run", "verdicts"]
+           "engine_gap", "latent", "names", "program", "programs", "run", "verdicts"]
 
 
 @functools.cache
@@ -68,6 +68,13 @@ def run(name: str, variant: str, device: str = "cpu") -> Outcome:
 def engine_gap(name: str, variant: str) -> str | None:
     """Why the CPU emulation cannot give this variant's GPU behaviour yet (None: it can)."""
     return getattr(program(name), "ENGINE_GAP", {}).get(variant)
+
+
+def latent(name: str) -> str | None:
+    """Why this program's bug does not show on the torch the GPU record was made with (None: it
+    does): the program stays a faithful model of the upstream bug, and its test asserts that the bug
+    variant equals eager, on the CPU emulation as on the GPU."""
+    return getattr(program(name), "LATENT", None)
 
 
 def verdicts(device: str = "cpu") -> dict[str, dict[str, str]]:

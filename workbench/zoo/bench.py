@@ -19,7 +19,7 @@ from .. import plots
 from ..detectors import DETECTORS, detect
 from .. import cases as registry
 from ..doctor import KINDS
-from . import PROPOSED_KINDS, VARIANTS, engine_gap, names, program
+from . import PROPOSED_KINDS, VARIANTS, engine_gap, latent, names, program
 
 NO_FINDING = "no finding"
 # The five cases' scenarios (notebooks 01-05) as the doctor's evaluation runs them; a case needing
@@ -44,7 +44,8 @@ def benchmark(device: str = "cpu", programs: Sequence[str] | None = None,
                     "variant": variant, "detector": det, "found": d.found, "kind": d.kind, "site": d.site,
                     "right_kind": d.found and d.kind == prog.KIND,
                     "right_site": d.found and d.site is not None and d.site.endswith(f" in {prog.SITE}"),
-                    "engine_gap": engine_gap(name, variant), "detail": d.detail,
+                    "engine_gap": engine_gap(name, variant) or (latent(name) if variant == "bug" else None),
+                    "detail": d.detail,
                     "seconds": time.perf_counter() - start})
     return rows
 

@@ -23,6 +23,7 @@ UPSTREAM = "https://github.com/huggingface/candle/pull/3352"
 FAMILY = "dangling references"
 KIND = "dangling-reference"
 SITE = "launch_row_mean"
+LATENT = ("torch 2.11's host allocator keeps pinned blocks allocated inside a capture for the graph (H100 record: probe host_made_in_capture), so the freed staging buffer is never handed on and the replay reads its capture-time values, as eager does")
 SYMPTOM = "replay reads kernel parameters from freed memory (crash / illegal memory access)"
 COLS = 8
 

@@ -23,6 +23,7 @@ UPSTREAM = "https://github.com/meta-pytorch/torchcomms/pull/877"
 FAMILY = "dangling references"
 KIND = "dangling-reference"
 SITE = "dispatch"
+LATENT = ("torch 2.11's host allocator keeps pinned blocks allocated inside a capture for the graph (H100 record: probe host_made_in_capture), so the freed staging buffer is never handed on and the replay reads its capture-time values, as eager does")
 SYMPTOM = "replay reads a freed host pointer tensor (garbage pointers, registration errors)"
 ROWS, DIM = 4, 3
 
