@@ -9,6 +9,7 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+from importlib.metadata import entry_points
 
 import pytest
 
@@ -50,7 +51,9 @@ TESTS = textwrap.dedent("""
 def run(tmp_path, *options: str) -> subprocess.CompletedProcess:
     (tmp_path / "test_served.py").write_text(TESTS)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "workbench.doctor.plugin", "-q", "-rA",
+    installed = any(e.value == "workbench.doctor.plugin" for e in entry_points(group="pytest11"))
+    load = [] if installed else ["-p", "workbench.doctor.plugin"]    # the entry point loads it once installed
+    return subprocess.run([sys.executable, "-m", "pytest", *load, "-q", "-rA",
                            "-p", "no:cacheprovider", *options, str(tmp_path / "test_served.py")],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
 

@@ -171,7 +171,7 @@ class Doctor:
         self.fresh.clear()
         if info is None:
             return
-        if info.warmup is not None and not info.ops and not info.cuda:
+        if info.warmup is not None and not info.ops:
             # Nothing captured: a PIECEWISE piece closed before its first op (the step begins with
             # eager code). The warmup, and what runs eagerly next, belong to the step's next piece.
             self.warmup_runs, self.eager_lines = [info.warmup], info.eager_lines
