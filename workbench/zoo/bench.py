@@ -171,7 +171,7 @@ def plot_matrix(rows: list[dict]) -> plt.Figure:
               plt.matplotlib.lines.Line2D([], [], ls="", marker="x", color=plots.COLORS["bug"],
                                           label="finding on the fix"),
               plt.matplotlib.lines.Line2D([], [], ls="", marker="o", ms=3, color=plots.COLORS["limit"],
-                                          label="CPU engine gap (a variant not reproduced)")]
+                                          label="not counted: latent on this torch, or a CPU engine gap")]
     ax.legend(handles=legend, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, frameon=False, fontsize=8)
     ax.set_title("Which detector finds which zoo bug", pad=40)
     fig.tight_layout()
