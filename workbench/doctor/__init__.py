@@ -19,7 +19,7 @@ import pathlib
 import sys
 
 from .diagnose import diagnose, exercise
-from .intake import DanglingReferenceError
+from .rules.dangling import DanglingReferenceError
 from .report import FIX_PATTERNS, KINDS, Finding, Report
 from .rules.padding import compare_runs
 from .session import watch

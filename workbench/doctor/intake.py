@@ -25,27 +25,19 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode, _push_mode
 
 from ..engine import memory
-from ..engine.errors import CaptureError, GraphError
+from ..engine.errors import CaptureError
 from ..engine.opinfo import describe, storage_key, tensors, written_tensors
 from ..engine.source import user_frame
 from .probes import differential, mutation as mutation_probe, padding as padding_probe
 from .records import Buffer, External, GraphInfo, Op, Pending
 from .report import KINDS, Finding, Report
+from .rules.dangling import DanglingReferenceError
 from .rules import dangling, mutation, overwritten, sync, undersized, warmup
 from .tensors import first_line, signature
 
 aten = torch.ops.aten
 _ASIDE = ("replay", "probe")          # phases in which the dispatch mode is off the hot path
 _QUIET = ("probe", "differential")    # phases whose events are the doctor's own doing
-
-
-class DanglingReferenceError(GraphError):
-    """Raised by ``watch(guard=True)`` instead of a replay that would read released memory."""
-
-    def __init__(self, finding: Finding) -> None:
-        super().__init__(f"replay stopped by the graph doctor: {finding.evidence}\n  read by {finding.op} at "
-                         f"{finding.source}\n  {finding.cause}")
-        self.finding = finding
 
 
 # What the doctor raises on purpose, into the watched code: a guarded replay, a host sync refused

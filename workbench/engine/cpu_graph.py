@@ -48,8 +48,8 @@ from .errors import CaptureError, GraphError, IllegalMemoryAccess
 from .host import HostTensor
 from .pool import Pool
 from .queries import is_capturing
-from .recorded import (ExternalRef, RecordedOp, _as_tuple, _poison, _written_tensors, describe,
-                       storage_key)
+from .opinfo import describe, storage_key, written_tensors
+from .recorded import ExternalRef, RecordedOp, _as_tuple, _poison
 from .source import user_frame
 
 __all__ = ["CPUGraph", "ExternalRef", "Pool", "RecordedOp", "describe", "host_sync_error",
@@ -202,7 +202,7 @@ class CPUGraph:
             self._lifted.add(storage_key(args[0]))
             return func(*args, **kwargs)
         writes = []
-        for t in _written_tensors(func, args, kwargs):
+        for t in written_tensors(func, args, kwargs):
             key = storage_key(t)
             writes.append(key)
             if not pool.owns(key) and key not in self._snapshots:

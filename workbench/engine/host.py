@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from . import queries
+from . import memory, queries
 from .errors import GraphError
 from .source import user_frame
 
@@ -81,6 +81,9 @@ def _as_host(out):
     return out
 
 
+memory.HOST_TYPES.add(HostTensor)
+
+
 def host(t: torch.Tensor, device: str | torch.device = "cpu") -> torch.Tensor:
     """``t`` as host memory for a program running on ``device``: pinned host memory on CUDA, a
     ``HostTensor`` sharing ``t``'s memory on the CPU backend (inside ``reuse_freed_blocks()``, a
@@ -95,7 +98,6 @@ def host(t: torch.Tensor, device: str | torch.device = "cpu") -> torch.Tensor:
         raise GraphError(f"device must be 'cpu' or 'cuda', got {str(device)!r}")
     if type(t) is HostTensor:
         return t
-    from . import memory        # memory knows host memory by this module's type
     out = memory.allocate_host(t).as_subclass(HostTensor)
     graph = queries.current_graph()
     if graph is not None:

@@ -24,7 +24,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .host import HostTensor
 from .source import user_frame
 
 _origins: dict[int, tuple[StorageWeakRef, str, str]] = {}   # storage -> (weak, source line, op)
@@ -127,6 +126,11 @@ def _place(o: torch.Tensor, host: bool) -> torch.Tensor:
     return placed
 
 
+# Tensor types that are host memory on the CPU backend (``host.HostTensor`` registers itself): kept
+# here so that this module, below ``host`` in the engine, never imports it.
+HOST_TYPES: set[type] = set()
+
+
 def allocate_host(t: torch.Tensor) -> torch.Tensor:
     """``host(t)``'s memory: inside ``reuse_freed_blocks()``, a released host block of ``t``'s size
     if there is one (the caching host allocator's next allocation), else ``t``'s own."""
@@ -138,7 +142,7 @@ class _Reuser(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         inputs = {a.untyped_storage()._cdata for a in tensors}
-        host = bool(tensors) and all(type(a) is HostTensor for a in tensors)   # an op on host memory
+        host = bool(tensors) and all(type(a) in HOST_TYPES for a in tensors)   # an op on host memory
 
         def place(o):
             if not isinstance(o, torch.Tensor) or o.untyped_storage()._cdata in inputs:

@@ -8,16 +8,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-
-def storage_key(t: torch.Tensor) -> int:
-    """Identity of a tensor's memory: views of one storage share it."""
-    return t.untyped_storage()._cdata
-
-
-def describe(t: torch.Tensor) -> str:
-    """``float32[4, 8]``: what a person needs to recognise a tensor, without reading its values."""
-    dtype = str(t.dtype).replace("torch.", "")
-    return f"{dtype}[{', '.join(str(s) for s in t.shape)}]"
+from .opinfo import describe, storage_key
 
 
 @dataclasses.dataclass(eq=False)
@@ -103,20 +94,6 @@ class RecordedOp:
 
 def _as_tuple(out) -> tuple:
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
-
-
-def _written_tensors(func, args, kwargs) -> list[torch.Tensor]:
-    """Tensors the op's schema marks as written (``Tensor(a!)``): in-place self, ``out=`` args."""
-    written = []
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
-        if isinstance(value, torch.Tensor):
-            written.append(value)
-        elif isinstance(value, (list, tuple)):
-            written.extend(v for v in value if isinstance(v, torch.Tensor))
-    return written
 
 
 def _poison(t: torch.Tensor) -> None:

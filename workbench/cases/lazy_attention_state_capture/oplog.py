@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ...engine import events, is_capturing
+from ...engine.opinfo import written_tensors
 from . import split_kv
 
 
@@ -38,8 +39,8 @@ class OpLog(TorchDispatchMode):
     size (``size()`` names the size being captured). A kernel is an op that writes one of its
     arguments or returns new memory.
 
-    The rule "which arguments does this op write" is the one the engine and the graph doctor apply
-    too (``alias_info.is_write`` of the op's schema); this copy only reads it.
+    Which arguments an op writes is decided where the engine and the graph doctor decide it
+    (``workbench.engine.opinfo.written_tensors``).
     """
 
     def __init__(self, size: Callable[[], int | None]) -> None:
@@ -66,7 +67,7 @@ class OpLog(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        writes = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+        writes = bool(written_tensors(func, args, kwargs))
         inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if writes or any(t.untyped_storage()._cdata not in inputs for t in outputs):

@@ -8,9 +8,19 @@ from __future__ import annotations
 import torch
 
 from .. import explain
+from ...engine.errors import GraphError
 from ..report import Finding
 
 _expired = torch.UntypedStorage._expired    # what StorageWeakRef.expired() calls, minus a Python frame
+
+
+class DanglingReferenceError(GraphError):
+    """Raised by ``watch(guard=True)`` instead of a replay that would read released memory."""
+
+    def __init__(self, finding: Finding) -> None:
+        super().__init__(f"replay stopped by the graph doctor: {finding.evidence}\n  read by {finding.op} at "
+                         f"{finding.source}\n  {finding.cause}")
+        self.finding = finding
 
 
 def check(doctor, info, *, before_replay: bool) -> None:
@@ -60,5 +70,4 @@ def _other_graph(doctor, info, before_replay: bool) -> None:
 
 def _stop(doctor, finding: Finding, before_replay: bool) -> None:
     if doctor.guard and before_replay:
-        from ..intake import DanglingReferenceError
         raise DanglingReferenceError(finding)
