@@ -13,7 +13,7 @@ from workbench.engine import CUDAGraphMode, GraphError, GraphManager
 from workbench.models.hf import tiny_model
 
 # written by scripts/gpu_session.py: {"name", "device", "torch", "cuda", "date", "results": gpu_record("cuda")}
-GPU_RECORD = get("roberta_position_accumulation").record
+CASE = get("roberta_position_accumulation")
 # Cheap to start: two graphs, but 100 warmups each push the padded slots near the limit.
 QUICK = case.Settings(capture_sizes=(8, 16), max_num_reqs=16, num_warmups=100)
 
@@ -294,11 +294,10 @@ def _same_key_numbers(gpu: dict, cpu: dict) -> None:
 
 
 def test_gpu_record_matches_cpu(record):
-    if not GPU_RECORD.exists():
-        pytest.skip(f"{GPU_RECORD.name} not recorded on a GPU yet")
-    gpu = json.loads(GPU_RECORD.read_text())
-    assert "error" not in gpu, f"the GPU run failed: {gpu.get('error')}"
-    _same_key_numbers(gpu["results"], json.loads(json.dumps(record)))
+    gpu = CASE.gpu_results()
+    if gpu is None:
+        pytest.skip(f"{CASE.record.name} not recorded on a GPU yet: a GPU session writes it with gpu_record()")
+    _same_key_numbers(gpu, json.loads(json.dumps(record)))
 
 
 @pytest.mark.cuda

@@ -19,7 +19,7 @@ from workbench.dist import RankError, launch, tensor_model_parallel_all_gather
 from workbench.engine import IllegalMemoryAccess
 
 # written by scripts/gpu_session.py: {"name", "device", "torch", ..., "results": gpu_record("cuda")}
-GPU_RECORD = get("tp_lm_head_illegal_memory_access").record
+CASE = get("tp_lm_head_illegal_memory_access")
 SMALL = MTPHeadConfig(vocab_size=3000, hidden_size=32, num_centroids=60, centroid_intermediate_top_k=4)
 QUICK = case.FAST
 
@@ -305,12 +305,10 @@ def test_record_is_json_ready(results):
 # --------------------------------------------------------------------------- against the GPU
 @pytest.mark.multiproc
 def test_gpu_record_matches_cpu(results):
-    if not GPU_RECORD.exists():
-        pytest.skip(f"{GPU_RECORD.name} not recorded on a GPU yet")
-    stored = json.loads(GPU_RECORD.read_text())
-    if "error" in stored:
-        pytest.fail(f"the GPU run failed: {stored['error']}")
-    gpu, cpu = stored["results"], case.record(results)      # = gpu_record("cpu"): same settings, same run
+    gpu = CASE.gpu_results()
+    if gpu is None:
+        pytest.skip(f"{CASE.record.name} not recorded on a GPU yet: a GPU session writes it with gpu_record()")
+    cpu = case.record(results)      # = gpu_record("cpu"): same settings, same run
     assert gpu["settings"] == cpu["settings"]
     assert gpu["tp1_bug_agreement"] == cpu["tp1_bug_agreement"] == 1.0
     assert gpu["release_outcome"] == cpu["release_outcome"] == case.ILLEGAL_MEMORY_ACCESS

@@ -17,7 +17,7 @@ from workbench.cases.vit_zero_per_image_output.model import _same_sequence_mask
 
 matplotlib.use("Agg")
 # written by scripts/gpu_session.py: {"name", "device", "torch", "cuda", "date", "results": gpu_record("cuda")}
-GPU_RECORD = get("vit_zero_per_image_output").record
+CASE = get("vit_zero_per_image_output")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -339,11 +339,10 @@ def _same_key_numbers(gpu: dict, cpu: dict) -> None:
 
 
 def test_gpu_record_matches_cpu(record):
-    if not GPU_RECORD.exists():
-        pytest.skip(f"{GPU_RECORD.name} not recorded on a GPU yet")
-    gpu = json.loads(GPU_RECORD.read_text())
-    assert "error" not in gpu, f"the GPU run failed: {gpu.get('error')}"
-    _same_key_numbers(gpu["results"], json.loads(json.dumps(record)))
+    gpu = CASE.gpu_results()
+    if gpu is None:
+        pytest.skip(f"{CASE.record.name} not recorded on a GPU yet: a GPU session writes it with gpu_record()")
+    _same_key_numbers(gpu, json.loads(json.dumps(record)))
 
 
 @pytest.mark.cuda

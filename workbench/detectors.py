@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import doctor
 from .engine import events
+from .engine.opinfo import tensors
 from .zoo import kit
 
 DETECTORS = ("eager_diff", "poison_fill", "address_check", "input_liveness", "doctor")
@@ -206,11 +207,11 @@ class _Liveness(_Observer, TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         tracked = self.external.get(self.capturing)
         if tracked is not None:
-            for t in _tensors((args, kwargs)):
+            for t in tensors((args, kwargs)):
                 key = t.untyped_storage()._cdata
                 if key not in self.internal and key not in tracked:
                     tracked[key] = (StorageWeakRef(t.untyped_storage()), f"{t.dtype}{list(t.shape)}")
-            for t in _tensors(out):
+            for t in tensors(out):
                 key = t.untyped_storage()._cdata
                 if key not in tracked:
                     self.internal.add(key)
@@ -227,17 +228,6 @@ def input_liveness(prog: ModuleType, variant: str, device: str = "cpu") -> Detec
         prog.run(variant, device)
     return Detection("input_liveness", bool(check.dead), kind="dangling-reference" if check.dead else None,
                      detail=f"deallocated before replay: {', '.join(check.dead)}" if check.dead else "all inputs alive")
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for x in obj:
-            yield from _tensors(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from _tensors(x)
 
 
 # ----------------------------------------------------------------------------- (e) the doctor

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import pathlib
 from types import ModuleType
 
@@ -63,6 +64,16 @@ class Case:
     @property
     def test_file(self) -> pathlib.Path:
         return ROOT / "tests" / f"test_{self.id}.py"
+
+    def gpu_results(self) -> dict | None:
+        """What ``gpu_record`` returned on a GPU (``results/gpu/<id>.json``), or None while it is not
+        recorded; a record of a failed GPU run is an error, never a silent pass."""
+        if not self.record.exists():
+            return None
+        stored = json.loads(self.record.read_text())
+        if "error" in stored:
+            raise RuntimeError(f"the GPU run of {self.id} failed: {stored['error']}")
+        return stored["results"]
 
     @property
     def package(self) -> str:
