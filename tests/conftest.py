@@ -12,6 +12,16 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
+@pytest.fixture(scope="module")
+def one_cpu_thread():
+    """For modules of tiny ops: a second intra-op thread only adds synchronisation (on a busy
+    2-core machine it makes each op ~100x slower). Use with ``pytestmark = usefixtures(...)``."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "browser: drives JupyterLab in Chromium; runs only when -m names it "
                                        "(make browser-test)")

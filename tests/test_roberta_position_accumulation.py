@@ -18,14 +18,7 @@ CASE = get("roberta_position_accumulation")
 QUICK = case.Settings(capture_sizes=(8, 16), max_num_reqs=16, num_warmups=100)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These ops are tiny: a second intra-op thread only adds synchronisation (and on a busy
-    machine makes each op ~100x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 @pytest.fixture(scope="module")

@@ -20,13 +20,7 @@ matplotlib.use("Agg")
 CASE = get("vit_zero_per_image_output")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tensors here are tiny: one thread is faster and steadier than two competing ones."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 @pytest.fixture(scope="module")
