@@ -21,6 +21,11 @@ KINDS = (
                              # replay asked to serve more rows or columns than were captured
     "overwritten-output",    # an output is read after a replay (of any graph) overwrote its memory
     "sync-in-capture",       # a host synchronisation attempted during capture
+    "host-work-frozen",      # host work inside the captured region (a Python scalar, a host reduction, an
+                             # attribute assignment) ran once at capture; replays repeat only the kernels,
+                             # so its result stays at its capture-time value
+    "padded-shape-mismatch", # code run at a graph's padded size combines tensors sized for the padded rows
+                             # with tensors sized for the real rows
 )
 
 FIX_PATTERNS = {
@@ -43,6 +48,13 @@ FIX_PATTERNS = {
                          "reject or fall back to eager for batches larger than a buffer.",
     "overwritten-output": "Copy (`.clone()`) graph outputs that must outlive the next replay, or finish using "
                           "them before replaying the graph again (or any graph that writes the same buffer).",
+    "host-work-frozen": "Compute per-step values on the device inside the captured region (a reduction, a "
+                        "tensor op instead of Python arithmetic), or pass them in a static buffer the runner "
+                        "refreshes before each replay; keep state the graph produces in a persistent buffer "
+                        "written in place (`self.x.copy_(y)`), never in a Python attribute rebound per step.",
+    "padded-shape-mismatch": "Slice graph outputs to the real rows (`out[:num_real]`) before combining them with "
+                             "per-request tensors, or give every per-row tensor the padded size with neutral "
+                             "padded rows; check the two counts agree where they meet.",
     "sync-in-capture": "Move the host read (`.item()`, `.cpu()`, `nonzero`, printing) before or after the "
                        "captured region, or keep the value on the device (`torch.where`, fixed shapes).",
 }

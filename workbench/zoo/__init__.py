@@ -28,17 +28,9 @@ FAMILIES = (
     "warmup/capture vs replay state",
     "stale padded metadata",
 )
-# Kinds the doctor does not have, proposed by programs whose bug fits none of its kinds.
-PROPOSED_KINDS = {
-    "host-work-frozen": "work done in Python or host code inside the captured region (host arithmetic, "
-                        "attribute assignment) ran once at capture; replay re-runs only the recorded kernels, "
-                        "so its result stays at its capture-time value",
-    "padded-shape-mismatch": "code run at a graph's padded size combines tensors sized for the padded rows "
-                             "with tensors sized for the real rows",
-}
 _FIELDS = ("UPSTREAM", "FAMILY", "KIND", "SITE", "SYMPTOM")
 
-__all__ = ["EQUALS", "FAMILIES", "MISBEHAVES", "PROPOSED_KINDS", "TOLERANCE", "VARIANTS", "Outcome",
+__all__ = ["EQUALS", "FAMILIES", "MISBEHAVES", "TOLERANCE", "VARIANTS", "Outcome",
            "engine_gap", "latent", "names", "program", "programs", "run", "verdicts"]
 
 
@@ -88,9 +80,8 @@ def _check(module: ModuleType) -> None:
         raise TypeError(f"zoo program {module.__name__} lacks {missing or ['run()']}")
     if module.FAMILY not in FAMILIES:
         raise ValueError(f"{module.__name__}: FAMILY {module.FAMILY!r} is not one of {FAMILIES}")
-    if module.KIND not in KINDS and module.KIND not in PROPOSED_KINDS:
-        raise ValueError(f"{module.__name__}: KIND {module.KIND!r} is neither a doctor kind {KINDS} nor "
-                         f"a proposed one {tuple(PROPOSED_KINDS)}")
+    if module.KIND not in KINDS:
+        raise ValueError(f"{module.__name__}: KIND {module.KIND!r} is not a doctor kind {KINDS}")
     gaps = getattr(module, "ENGINE_GAP", {})
     if set(gaps) - set(VARIANTS):
         raise ValueError(f"{module.__name__}: ENGINE_GAP keys must be variants {VARIANTS}, got {sorted(gaps)}")

@@ -19,7 +19,7 @@ from .. import plots
 from ..detectors import DETECTORS, detect
 from .. import cases as registry
 from ..doctor import KINDS
-from . import PROPOSED_KINDS, VARIANTS, engine_gap, latent, names, program
+from . import VARIANTS, engine_gap, latent, names, program
 
 NO_FINDING = "no finding"
 # The five cases' scenarios (notebooks 01-05) as the doctor's evaluation runs them; a case needing
@@ -113,7 +113,7 @@ def markdown(summary_rows: list[dict]) -> str:
 def confusion(rows: list[dict], detector: str = "doctor") -> tuple[list[str], list[str], np.ndarray]:
     """``(expected kinds, given kinds, counts)`` over the bug variants the CPU reproduces."""
     bugs = [r for r in rows if r["detector"] == detector and r["variant"] == "bug" and r["engine_gap"] is None]
-    expected = [k for k in (*KINDS, *PROPOSED_KINDS) if any(r["expected_kind"] == k for r in bugs)]
+    expected = [k for k in KINDS if any(r["expected_kind"] == k for r in bugs)]
     given = [*KINDS, NO_FINDING]
     counts = Counter((r["expected_kind"], r["kind"] if r["found"] else NO_FINDING) for r in bugs)
     grid = np.array([[counts[(e, g)] for g in given] for e in expected], dtype=float)
@@ -134,7 +134,7 @@ def plot_confusion(rows: list[dict], detector: str = "doctor") -> plt.Figure:
             if e == g:
                 ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, lw=2, ec=plots.COLORS["limit"]))
     ax.set_xticks(range(len(given)), given, rotation=30, ha="right")
-    ax.set_yticks(range(len(expected)), [f"{e} (proposed)" if e in PROPOSED_KINDS else e for e in expected])
+    ax.set_yticks(range(len(expected)), expected)
     ax.set_xlabel(f"kind given by {detector}")
     ax.set_ylabel("expected kind (program header)")
     ax.set_title(f"Zoo bugs: expected kind vs the kind {detector} gave (outlined: agreement)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -22,6 +23,9 @@ TOLERANCE = 1e-5          # a graph equals eager when every output is within thi
 # Observers of the runner itself (the baseline detectors): ``captured(graph, fn)`` after each capture
 # with the captured callable, ``replaying(graph)`` before each replay. Engine events cover the rest.
 hooks: list = []
+# graph -> the callable it captured: each replay announces it as the step's eager form, as the graph
+# manager does, so that differential replay can re-run the step (weak keys: a graph dies with its program)
+_captured: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 MISBEHAVES, EQUALS = "misbehaves", "equals eager"
 
@@ -96,6 +100,10 @@ def capture(fn: Callable[[], object], *, device: str, pool=None, warmups: int = 
     g = new_graph(device, on_freed=on_freed)
     with graph(g, pool=pool, name=name):
         out = fn()
+    try:
+        _captured[g] = fn
+    except TypeError:                 # a graph type without weak references: no eager form announced
+        pass
     for hook in hooks:
         hook.captured(g, fn)
     return g, out
@@ -104,11 +112,14 @@ def capture(fn: Callable[[], object], *, device: str, pool=None, warmups: int = 
 def replay(g, outputs, *, real: int | None = None, size: int | None = None,
            padded: Mapping[str, torch.Tensor] | None = None):
     """Replay ``g`` and hand out views of its static ``outputs`` (valid until its next replay), as a
-    graph manager does. With ``real`` < ``size``, rows ``[real, size)`` of the buffers in ``padded``
-    are announced as this step's padded rows: name there only the buffers whose padded rows the step
-    left as they were (not those it neutralised)."""
-    if real is not None and size is not None:
-        events.serve(g, real, size, padded=padded, outputs=outputs)
+    graph manager does. Every replay is announced as a served step whose eager form is the captured
+    callable (``real``/``size`` default to the outputs' rows: no padding). With ``real`` < ``size``,
+    rows ``[real, size)`` of the buffers in ``padded`` are announced as this step's padded rows: name
+    there only the buffers whose padded rows the step left as they were (not those it neutralised)."""
+    if size is None:
+        first = outputs[0] if isinstance(outputs, (tuple, list)) else outputs
+        size = first.shape[0] if first.dim() else 1
+    events.serve(g, size if real is None else real, size, padded=padded, outputs=outputs, eager=_captured.get(g))
     for hook in hooks:
         hook.replaying(g)
     g.replay()

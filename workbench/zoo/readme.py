@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pathlib
 
-from . import PROPOSED_KINDS, VARIANTS, engine_gap, names, program, run
+from . import VARIANTS, engine_gap, names, program, run
 from .record import load
 
 README = pathlib.Path(__file__).with_name("README.md")
@@ -49,16 +49,13 @@ def markdown(table: list[dict] | None = None) -> str:
     ]
     for r in table:
         link = r["upstream"].replace("https://github.com/", "")
-        kind = f"{r['kind']} (proposed)" if r["kind"] in PROPOSED_KINDS else r["kind"]
-        lines.append(f"| `{r['program']}` | {r['family']} | [{link}]({r['upstream']}) | {kind} | `{r['site']}` | "
+        lines.append(f"| `{r['program']}` | {r['family']} | [{link}]({r['upstream']}) | {r['kind']} | `{r['site']}` | "
                      f"{_verdicts(r['cpu'])} | {_verdicts(r['gpu'])} |")
     gaps = [(r["program"], v, why) for r in table for v, why in r["gaps"].items()]
     if gaps:
         lines += ["", "Variants the CPU emulation cannot reproduce yet (engine gaps; their tests are strict xfails):",
                   ""]
         lines += [f"- `{p}` ({v}): {why}" for p, v, why in gaps]
-    lines += ["", "Kinds proposed for bugs that fit none of the doctor's kinds:", ""]
-    lines += [f"- `{k}`: {d}" for k, d in PROPOSED_KINDS.items()]
     return "\n".join(lines) + "\n"
 
 

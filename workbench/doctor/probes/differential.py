@@ -139,7 +139,7 @@ def finish(doctor, info, pending) -> None:
 def _rows(out, real: int) -> list | None:
     if out is None:
         return None
-    return [o[:real].detach().clone() for o in tensors(out)]
+    return [(o[:real] if o.dim() else o).detach().clone() for o in tensors(out)]
 
 
 def _compare(graph_out, eager_out, replayed, eager_state, extra, pre) -> tuple | None:

@@ -6,7 +6,7 @@ of the replayed step (PyTorch, Nov 2023).
 Mechanism: ``forward`` stores an intermediate with ``self.x = res``, a Python assignment. Capture runs
 it once, binding ``self.x`` to the graph's internal tensor; replay runs kernels only. Once anything
 rebinds ``model.x``, no replay will bind it back, so the model exposes a stale tensor.
-Doctor: none of its kinds fits; proposed kind ``host-work-frozen`` (see warp_1663). Site: ``forward``.
+Doctor: host-work-frozen (the attribute assignment ran once, at capture). Site: ``forward``.
 Fix (the answer on the issue: state must live in static memory): keep ``x`` in a persistent buffer
 that ``forward`` writes in place (``self.x.copy_(res)``), and never rebind it.
 """

@@ -6,10 +6,9 @@ under CUDA graphs (vLLM main, Nov 2025).
 Mechanism: decode batches are padded to a captured size, so the mixer's input has the padded number
 of rows. Its conv-state indices were sliced to the real number of decodes. The kernel asserts
 ``(batch,) == conv_state_indices.shape`` and fails on every padded step.
-Doctor: none of its kinds fits (it is a shape contract between padded activations and real-count
-metadata inside code run eagerly); proposed kind ``padded-shape-mismatch``: code run at a graph's
-padded size combines tensors sized for the padded rows with tensors sized for the real rows. Site:
-``conv_update`` (the assertion).
+Doctor: padded-shape-mismatch (a shape contract between padded activations and real-count metadata,
+inside code run eagerly: code run at a graph's padded size combines tensors sized for the padded rows
+with tensors sized for the real rows). Site: ``conv_update`` (the assertion).
 Fix (upstream): pass the activations of the real decodes only (slice them to ``num_decodes``).
 """
 from __future__ import annotations

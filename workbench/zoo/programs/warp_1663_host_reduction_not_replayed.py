@@ -7,9 +7,9 @@ Style3D PCG solver, July 2026).
 Mechanism: the reduction runs as host code, not as a kernel the capture can record. It executes once,
 while capturing, and its result enters the graph as a constant. Every replay reuses that capture-time
 value whatever the arrays hold now.
-Doctor: none of its kinds fits; proposed kind ``host-work-frozen``: work done in Python or host code
-inside the captured region (host arithmetic, attribute assignment) ran once at capture, and replay
-re-runs only the recorded kernels, so its result stays at its capture-time value. Site: ``solver_step``.
+Doctor: host-work-frozen (work done in Python or host code inside the captured region ran once at
+capture; replay re-runs only the recorded kernels, so its result stays at its capture-time value).
+Site: ``solver_step``.
 Fix (the issue's request): compute the reduction with a recorded kernel on the device (or refuse to
 capture it).
 """
