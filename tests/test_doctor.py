@@ -107,14 +107,15 @@ class Accumulator:
 
 
 class LazyTable:
-    """Builds its table on the first call: the warmup does it, the capture then finds it built."""
+    """Builds its table from the first batch it sees: the warmup does it (from the dummy batch),
+    the capture then finds it built."""
 
     def __init__(self):
         self.table = None
 
     def forward(self, x):
         if self.table is None:
-            self.table = torch.arange(3.0) * 2
+            self.table = x.sum(0) + torch.arange(3.0)
         return x * self.table
 
 
@@ -418,9 +419,9 @@ def test_lazy_init_in_warmup_is_warmup_divergence():
     (finding,) = report.findings
     assert finding.kind == "warmup-divergence"
     assert finding.graph == "size 4"                 # size 2's warmup found the table built, as its capture did
-    assert finding.op == "aten.arange.default"
-    assert finding.location == where(LazyTable.forward, "self.table = torch.arange(3.0) * 2")
-    assert finding.numbers == {"warmup_ops": 3, "captured_ops": 1, "missing": 2, "lines": 1}
+    assert finding.op == "aten.sum.dim_IntList"     # arange alone reads no data: a constant, not counted
+    assert finding.location == where(LazyTable.forward, "self.table = x.sum(0) + torch.arange(3.0)")
+    assert finding.numbers == {"warmup_ops": 4, "captured_ops": 1, "missing": 2, "lines": 1}
 
 
 def test_eager_init_gives_no_warmup_divergence():
@@ -566,11 +567,11 @@ def test_capture_error_leaving_watch_is_listed_in_the_report():
 
 
 # ------------------------------------------------------------------------ the doctor's own errors
-INTAKE = importlib.import_module("workbench.doctor.intake")
 MUTATION_PROBE = importlib.import_module("workbench.doctor.probes.mutation")
 PADDING_PROBE = importlib.import_module("workbench.doctor.probes.padding")
 UNDERSIZED = importlib.import_module("workbench.doctor.rules.undersized")
 DANGLING = importlib.import_module("workbench.doctor.rules.dangling")
+WARMUP = importlib.import_module("workbench.doctor.rules.warmup")
 
 
 def broken(*args, **kwargs):
@@ -580,7 +581,7 @@ def broken(*args, **kwargs):
 @pytest.mark.parametrize("module, name, where", [
     (MUTATION_PROBE, "probe", "replay_begin"),                    # an event handler, before the first replay
     (UNDERSIZED, "check_fit", "watching aten.copy_.default"),     # the dispatch mode, before the op runs
-    (INTAKE, "user_frame", "watching aten.add_.Tensor"),          # the dispatch mode, after the warmup's op ran
+    (WARMUP, "user_frame", "watching aten.add_.Tensor"),          # the dispatch mode, after the warmup's op ran
 ])
 def test_a_failing_doctor_stops_watching_and_leaves_the_run_as_without_it(monkeypatch, module, name, where):
     monkeypatch.setattr(module, name, broken)

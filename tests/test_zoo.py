@@ -188,11 +188,11 @@ def test_benchmark_table_summary_and_figures(monkeypatch):
     summary = {s["detector"]: s for s in bench.summary(rows)}
     assert summary["eager_diff"]["bugs"] == 2                 # the engine-gap program is left out
     assert summary["eager_diff"]["found"] == 2 and summary["eager_diff"]["right_kind"] == 0
-    assert summary["doctor"]["right_site"] == 1               # imp: decode; warp: a proposed kind, no finding
+    assert summary["doctor"]["right_site"] == 2               # imp: decode; warp: solver_step (differential replay)
     assert summary["input_liveness"]["findings_on_fixes"] == 0
-    assert "| doctor | 1 / 2 |" in bench.markdown(bench.summary(rows))
+    assert "| doctor | 2 / 2 |" in bench.markdown(bench.summary(rows))
     expected, given, grid = bench.confusion(rows)
-    assert grid.sum() == 2 and grid[expected.index("host-work-frozen"), given.index(bench.NO_FINDING)] == 1
+    assert grid.sum() == 2 and grid[expected.index("host-work-frozen"), given.index("host-work-frozen")] == 1
     fig = bench.plot_confusion(rows)
     assert [t.get_text() for t in fig.axes[0].get_xticklabels()][-1] == bench.NO_FINDING
     fig = bench.plot_matrix(rows)

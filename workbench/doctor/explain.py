@@ -114,3 +114,21 @@ def differential(graph: str, what: str, site: str) -> str:
     return (f"A replay of {graph} gave other results than an eager run of the same step on the same inputs and "
             f"state ({what}). The graph replays what Python decided at capture; the eager run decides again "
             f"now. {site}")
+
+
+def startup_write(tensor: str, op: str) -> str:
+    return (f"The runs made before capture (warmups on dummy inputs) wrote {tensor} with {op}, and a real step "
+            "reads what they left there: its answer depends on the dummy batches. Memory that outlives the warmups "
+            "(caches, recurrent state, null blocks that masked reads rely on) must leave them as it was: send dummy "
+            "writes to a scratch slot, or save that memory before the warmups and put it back before serving.")
+
+
+def pool_handed_on(tensor: str, producer: str, writer: str, handed_on: bool) -> str:
+    if handed_on:
+        return (f"The {tensor} was allocated during the capture of {producer}, from the shared graph pool, in memory "
+                f"that {writer} had freed during its own capture; {writer}'s replays still write there. The graph "
+                "that reads it across replays finds whatever the last of them wrote. Memory that must keep its "
+                "value from one replay to the next belongs outside the graph pool: allocate it before capturing.")
+    return (f"The graph reads the {tensor} that {producer} produces, but {writer}'s replay wrote the same memory after "
+            f"{producer}'s last replay: it reads another graph's data. Replay {producer} right before the graph "
+            "that reads its output, or copy the output out before any other graph of the pool replays.")

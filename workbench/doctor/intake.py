@@ -29,10 +29,12 @@ from ..engine.errors import CaptureError
 from ..engine.opinfo import describe, storage_key, tensors, written_tensors
 from ..engine.source import user_frame
 from .probes import differential, mutation as mutation_probe, padding as padding_probe
+from .probes.startup import Startup
 from .records import Buffer, External, GraphInfo, Op, Pending
 from .report import KINDS, Finding, Report
 from .rules.dangling import DanglingReferenceError
 from .rules import dangling, mutation, overwritten, sync, undersized, warmup
+from .rules.pool import PoolReads
 from .tensors import first_line, signature
 
 aten = torch.ops.aten
@@ -85,6 +87,10 @@ class Doctor:
         self.unprobed = 0                           # graphs writing a static input, not yet probed
         self.initial: dict[int, torch.Tensor] = {}  # persistent state as announced
         self.warm_saved: dict[int, tuple] = {}      # persistent state before the current warmup wrote it
+        self.startup = Startup()                    # what warmups wrote into memory older than them
+        self.pool = PoolReads()                     # pool memory read across graphs
+        self.graph_writes: set[int] = set()         # external storages some graph writes
+        self.touched: dict[int, str] = {}           # of those, written outside graphs since: -> source line
         self.handed: dict[int, tuple] = {}          # rules.overwritten
         self.generation: dict[int, int] = {}        # storage -> replays that wrote it (handed-out ones)
         self.writers: dict[int, tuple] = {}         # storage -> (graph, its replay) that wrote it last
@@ -168,7 +174,11 @@ class Doctor:
             # eager code). The warmup, and what runs eagerly next, belong to the step's next piece.
             self.warmup_runs, self.eager_lines = [info.warmup], info.eager_lines
             return
+        self.pool.settle(info)
         info.out_keys = frozenset(info.writes) | frozenset(info.created)
+        self.graph_writes.update(info.writes)
+        for key in info.writes:
+            self.touched.pop(key, None)
         if any(self.buffer(k) is not None and self.buffer(k).role == "input" for k in info.writes):
             self.unprobed += 1
         if info.warmup is not None:
@@ -194,6 +204,8 @@ class Doctor:
             if self.updates:
                 mutation.replayed(self, info)
             dangling.check(self, info, before_replay=True)
+            if info.expects:
+                self.pool.check(self, info)
             if not info.probed:
                 mutation_probe.probe(self, info, graph)
             if self.pattern is not None:
@@ -223,6 +235,7 @@ class Doctor:
             self.replay_error = (error, _recorded_op(error, info.name))
         info.replays += 1
         overwritten.replayed(self, info)
+        self.pool.replayed(info)
         pending, info.pending = info.pending, None
         if self.pattern is not None:
             padding_probe.record_outputs(self, info, pending)
@@ -263,6 +276,7 @@ class Doctor:
     def warmup_end(self) -> None:
         self.phase = "eager"
         mutation.warmup_wrote_state(self)
+        self.startup.warmup_end()
 
     @contained
     def serve(self, graph, real: int, size: int, padded: dict, outputs, eager=None, padded_columns=None) -> None:
@@ -312,15 +326,22 @@ class Doctor:
             undersized.check_fit(self, args[0], args[1])
         if phase == "warmup":
             mutation.before_warmup_write(self, targets, str(func))
+            if func._schema.is_mutable:
+                self.startup.before_write(func, args, kwargs)
             out = undersized.write(self, func, targets, run)
             if not func.is_view:
-                self.warmup_runs[-1].append(Op(str(func), user_frame()))
+                self.warmup_runs[-1].append(warmup.op(func, args, kwargs, self.startup.constant))
+                self.startup.created_by(args, kwargs, out)
             memory.record_new_storages(func, args, kwargs, out)
             return out
         if self.handed and not func.is_view:
             overwritten.check_read(self, func, args, kwargs)
         if self.warmup_runs and not func.is_view:     # between a warmup and its capture
             self.eager_lines.add(user_frame())
+        if self.graph_writes and func._schema.is_mutable:
+            for t in written_tensors(func, args, kwargs):
+                if (key := storage_key(t)) in self.graph_writes:
+                    self.touched[key] = user_frame()
         out = mutation.eager_write(self, func, args, kwargs, run, targets) if targets else run()
         if self.handed and func.is_view and isinstance(out, torch.Tensor):
             overwritten.tag_view(self, args[0], out)
@@ -339,6 +360,7 @@ class Doctor:
         written = frozenset(storage_key(t) for t in written_tensors(func, args, kwargs))
         sig = signature(func, args, kwargs)
         out = undersized.write(self, func, targets, run)
+        self.pool.captured(info, func, args, kwargs, out, Op(str(func), source))
         lifted = func.overloadpacket in (aten.lift_fresh, aten.lift_fresh_copy)
         if lifted:
             for t in inputs:                          # a constant of the captured code: the graph keeps it

@@ -20,6 +20,7 @@ class Op:
     writes: frozenset = frozenset()
     ext: frozenset = frozenset()
     sig: tuple = ()
+    memory: frozenset = frozenset()     # warmup ops: where its tensors live ("host", "cpu", "cuda")
 
 
 @dataclasses.dataclass
@@ -79,3 +80,8 @@ class GraphInfo:
         self.probed = False
         self.attempts = 0                           # mutation probes run (see probes/mutation.py)
         self.pending: Pending | None = None
+        self.python: list | None = None            # Python containers its eager step reaches (probes/pystate.py)
+        self.startup_checked = False                # compared once from the state before the warmups
+        self.blocks: set[tuple] = set()             # memory blocks the capture wrote (rules/pool.py)
+        self.own_blocks: set[tuple] = set()         # of those, blocks it allocated
+        self.expects: dict[tuple, tuple] = {}       # blocks read from another capture -> that producer

@@ -279,14 +279,15 @@ class CPUGraph:
 
     def _place(self, t: torch.Tensor, busy: set) -> torch.Tensor:
         """``t`` moved into a free block of the pool of its byte size, if there is one (the caching
-        allocator hands freed pool memory to the next allocation); else ``t`` itself."""
+        allocator hands freed pool memory to the next allocation): ``t`` itself, its storage swapped."""
         block = self._pool._free_block(t.untyped_storage().nbytes(), busy, _alias_count)
         if block is None:
             return t
         with _disable_current_modes():
             placed = torch.empty(0, dtype=t.dtype).set_(block, t.storage_offset(), t.shape, t.stride())
             placed.copy_(t)
-        return placed
+            t.set_(placed.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+        return t                 # the same object: whoever saw it made (an observer below) sees it moved
 
     def _slot(self, t: torch.Tensor, func, source: str, reads: set):
         """What the recorded op holds for argument ``t``: an alias if the pool owns it, a constant

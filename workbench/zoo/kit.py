@@ -88,12 +88,15 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def capture(fn: Callable[[], object], *, device: str, pool=None, warmups: int = 1, name: str | None = None,
-            static: Mapping[str, torch.Tensor] | None = None, owner: str = "zoo program",
-            on_freed: str = "raise"):
+            static: Mapping[str, torch.Tensor] | None = None, state: Mapping[str, torch.Tensor] | None = None,
+            owner: str = "zoo program", on_freed: str = "raise"):
     """Warm up ``fn`` (eagerly, ``warmups`` times), then capture it; returns ``(graph, outputs)``.
-    ``static`` names the persistent buffers the graph reads (announced as static buffers)."""
+    ``static`` names the per-step input buffers the graph reads (announced as static buffers),
+    ``state`` the memory it reads and writes on purpose across steps (a recurrent state, a cache)."""
     if static:
         events.static_buffers(owner, static)
+    if state:
+        events.persistent_state(owner, state)
     for _ in range(warmups):
         with events.warmup():
             fn()

@@ -8,7 +8,10 @@ that gives, and puts the replay's state back: the watched program goes on as if 
 had run. Outputs (real rows) and state are compared; where they differ, the launch traces say
 where the replay's frozen Python parted from what Python decides now (``launch``), and the
 finding names that op, its tensor and its source line. On CUDA the traces are the doctor's own
-records of the capture and of the eager run, so the same localisation holds.
+records of the capture and of the eager run, so the same localisation holds (``rootcause``
+turns the parting into a kind). Python state the eager step rebinds is compared too, and put back
+(``pystate``). Once per graph, the step is also run from the state as it was before the warmups
+(``startup``): a real step must not depend on what dummy batches wrote.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from .. import explain
 from ..records import Op
 from ..report import Finding
 from ..tensors import differs, first_line, max_abs_diff, rng_state, set_rng_state, signature, whole
-from . import launch
+from . import launch, pystate, rootcause
 
 aten = torch.ops.aten
 
@@ -37,6 +40,7 @@ class EagerRun:
     graph_ops: list                              # the capture's trace, to align with as it runs
     ops: list = dataclasses.field(default_factory=list)
     new: set = dataclasses.field(default_factory=set)
+    created_by: dict = dataclasses.field(default_factory=dict)   # storage it created -> the Op that did
     extra: dict = dataclasses.field(default_factory=dict)    # other storages it wrote: key -> (whole, before)
     described: dict = dataclasses.field(default_factory=dict)
 
@@ -90,6 +94,8 @@ def on_op(doctor, func, args, kwargs, run):
     for o in tensors(out):
         if storage_key(o) not in keys:
             d.new.add(storage_key(o))
+            if d.ops and not func.is_view:
+                d.created_by.setdefault(storage_key(o), d.ops[-1])
     return out
 
 
@@ -98,20 +104,53 @@ def finish(doctor, info, pending) -> None:
     with _disable_current_modes():
         replayed = {key: w.clone() for key, (w, _, _) in pre.items()}
         graph_out = _rows(pending.outputs, pending.real)
+        rng_after = rng_state(info.cuda)
+    if info.python is None:
+        info.python = pystate.watched(pending.eager)
+    bindings = pystate.snapshot(info.python)
+    run, got, error = _eager(doctor, info, pending, replayed, rng_after)
+    changed = pystate.changes(bindings, run.new)
+    pystate.restore(changed)
+    doctor.compared += 1
+    if error is not None:
+        doctor.report.notes.append(f"differential replay of {info.name}: the eager step raised "
+                                   f"{type(error).__name__}: {first_line(error)}")
+        return
+    eager_out, eager_state, extra = got
+    what = _compare(graph_out, eager_out, replayed, eager_state, extra, pre)
+    divergence = launch.compare(info.ops, run.ops)
+    if what is not None:
+        rootcause.classify(doctor, info, pending, what, divergence, run)
+    elif changed:
+        rootcause.rebound(doctor, info, pending, changed, run)
+    else:
+        if divergence is not None:
+            doctor.report.notes.append(f"differential replay of {info.name}: launch traces differ ("
+                                       f"{divergence.text()}) but outputs and state agree on the sampled steps")
+        if not info.startup_checked:
+            info.startup_checked = True
+            _from_before_warmups(doctor, info, pending, replayed, rng_after, graph_out)
+
+
+def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None = None):
+    """Run the eager step from the state before the replay (with ``reset``'s bytes put back as they
+    were before the warmups), keep what it gives, and put the replay's state back."""
+    pre = pending.pre
+    with _disable_current_modes():
         for w, _, before in pre.values():
             w.copy_(before)
-        rng_after = rng_state(info.cuda)
+        for now, mask, before, _ in (reset or {}).values():
+            now[mask] = before[mask]
         set_rng_state(pending.rng)
     doctor.diff, doctor.phase = EagerRun(set(pre), info.ops), "differential"
-    error = None
+    got = error = None
     try:
         with torch.no_grad():
             out = pending.eager()
         with _disable_current_modes():
-            eager_out = _rows(out, pending.real)
-            eager_state = {key: w.clone() for key, (w, _, _) in pre.items()}
-            extra = {key: (before, w.clone()) for key, (w, before) in doctor.diff.extra.items()}
-    except Exception as e:  # noqa: BLE001 - the eager step's failure is evidence, reported below
+            got = (_rows(out, pending.real), {key: w.clone() for key, (w, _, _) in pre.items()},
+                   {key: (before, w.clone()) for key, (w, before) in doctor.diff.extra.items()})
+    except Exception as e:  # noqa: BLE001 - the eager step's failure is evidence, reported by the caller
         error = e
     finally:
         run, doctor.diff, doctor.phase = doctor.diff, None, "eager"
@@ -120,20 +159,33 @@ def finish(doctor, info, pending) -> None:
                 w.copy_(replayed[key])
             for w, before in run.extra.values():
                 w.copy_(before)
+            for key, (now, mask, _, kept) in (reset or {}).items():
+                if key not in pre:                  # (the replay's state, put back above, covers the rest)
+                    now[mask] = kept.after[mask]
             set_rng_state(rng_after)
-    doctor.compared += 1
-    if error is not None:
-        doctor.report.notes.append(f"differential replay of {info.name}: the eager step raised "
-                                   f"{type(error).__name__}: {first_line(error)}")
+    return run, got, error
+
+
+def _from_before_warmups(doctor, info, pending, replayed: dict, rng_after, graph_out) -> None:
+    """Once per graph: the same eager step from the state as it was before the warmups, where they
+    changed it and nothing rewrote it since. A different answer: the step reads what dummy batches
+    wrote (``probes/startup.py``)."""
+    reset = doctor.startup.dirty(info.externals.keys())
+    if not reset:
         return
-    what = _compare(graph_out, eager_out, replayed, eager_state, extra, pre)
-    divergence = launch.compare(info.ops, run.ops)
-    if what is None:
-        if divergence is not None:
-            doctor.report.notes.append(f"differential replay of {info.name}: launch traces differ ("
-                                       f"{divergence.text()}) but outputs and state agree on the sampled steps")
+    _, got, error = _eager(doctor, info, pending, replayed, rng_after, reset)
+    if error is not None or graph_out is None or got[0] is None:
         return
-    _finding(doctor, info, pending, what, divergence, run)
+    for i, (g, e) in enumerate(zip(graph_out, got[0])):
+        if g.shape == e.shape and not bool(differs(g, e).any()):
+            continue
+        key, (_, mask, _, kept) = next(iter(reset.items()))
+        text = (f"output {i} (real rows) differs by max |diff| = {max_abs_diff(g, e):.3g} between the replay and an "
+                f"eager run of the same step from the state before the warmups ({int(mask.sum())} element(s) of "
+                f"{kept.tensor} put back, first written by {kept.op} in a warmup)")
+        rootcause.startup(doctor, info, pending, text, {"output": i, "max_abs_diff": max_abs_diff(g, e),
+                                                        "elements_reset": int(mask.sum())}, kept)
+        return
 
 
 def _rows(out, real: int) -> list | None:
@@ -162,47 +214,3 @@ def _compare(graph_out, eager_out, replayed, eager_state, extra, pre) -> tuple |
             return ("the eager step writes memory the graph never writes", {"elements": int((before != after).sum())},
                     key)
     return None
-
-
-def _finding(doctor, info, pending, what: tuple, divergence, run: EagerRun) -> None:
-    text, numbers, key = what
-    kind, tensor = "warmup-divergence", "-"
-    if divergence is not None:
-        op = divergence.graph_op or divergence.eager_op
-        tensor = _read_by(doctor, info, op)
-        site = f"First divergence in the launch traces: {divergence.text()}."
-        if divergence.how == "reference":
-            gkey = next(iter(divergence.graph_keys))
-            ext = info.externals.get(gkey)
-            tensor = ext.tensor if ext else "-"
-            if ext is not None and ext.weak.expired():
-                kind = "dangling-reference"
-            ekey = next(iter(divergence.eager_keys))
-            read = run.described.get(ekey)
-            now, origin = (describe(read), memory.origin_of(read)) if read is not None else ("a tensor", None)
-            site += (f" The graph reads the {tensor} created {ext.origin or 'before watch()' if ext else '-'}; the "
-                     f"eager step reads a {now} created {origin or 'before watch()'}: a reference frozen at capture.")
-        numbers = {**numbers, "launch": divergence.index + 1, "how": divergence.how}
-    else:
-        writer = info.writes.get(key) if key is not None else None
-        op = writer or (info.ops[-1] if info.ops else None)
-        tensor = pre_label(pending, key)
-        site = ("The launch traces agree: the difference first shows at "
-                f"{'the state it writes' if key is not None else 'the outputs'}.")
-    name, source = (op.name, op.source) if op is not None else ("-", "-")
-    evidence = (f"sampled replay {info.replays} of {info.name} ({pending.real} real rows of {pending.size}): {text} "
-                "from an eager run of the same step")
-    doctor.add(Finding(kind, info.name, name, tensor, source, evidence, explain.differential(info.name, text, site),
-                       {"replay": info.replays, **numbers}), (kind, name, source))
-
-
-def _read_by(doctor, info, op) -> str:
-    """The announced buffer (else the referenced tensor) an op of the trace reads, for the report."""
-    for key in sorted(op.reads):
-        if (buf := doctor.buffer(key)) is not None:
-            return f"{buf.name}: {describe(buf.ref())}"
-    return next((info.externals[key].tensor for key in sorted(op.reads) if key in info.externals), "-")
-
-
-def pre_label(pending, key) -> str:
-    return pending.pre[key][1] if key is not None and key in pending.pre else "-"

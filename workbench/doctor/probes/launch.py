@@ -9,9 +9,12 @@ import dataclasses
 
 @dataclasses.dataclass
 class Divergence:
-    """Where two launch traces part: ``how`` is ``ops`` (another op or line), ``arguments``
-    (the same op with other Python-decided arguments), ``reference`` (the same op reading
-    another pre-existing tensor) or ``length`` (one trace goes on after the other ends)."""
+    """Where two launch traces part: ``how`` is ``skipped`` (the eager step launches ops the graph
+    never recorded, then both go on alike: ``eager_op`` is the first of them, ``after`` the eager
+    op that lines up with ``graph_op`` again), ``extra`` (the graph replays ops the eager step no
+    longer launches), ``ops`` (another op or line, no realignment in sight), ``arguments`` (the
+    same op with other Python-decided arguments), ``reference`` (the same op reading another
+    pre-existing tensor) or ``length`` (one trace goes on after the other ends)."""
 
     how: str
     index: int
@@ -19,6 +22,7 @@ class Divergence:
     eager_op: object
     graph_keys: frozenset = frozenset()
     eager_keys: frozenset = frozenset()
+    after: object = None
 
     def text(self) -> str:
         g, e = self.graph_op, self.eager_op
@@ -27,6 +31,12 @@ class Divergence:
             if g is not None:
                 return f"{at}: the graph replays {g.name} at {g.source}, which the eager step no longer launches"
             return f"{at}: the eager step launches {e.name} at {e.source}, which the graph never recorded"
+        if self.how == "skipped":
+            return (f"{at}: the eager step launches {e.name} at {e.source}, which the graph never recorded (the graph "
+                    f"goes on with {g.name} at {g.source})")
+        if self.how == "extra":
+            return (f"{at}: the graph replays {g.name} at {g.source}, which the eager step no longer launches (it "
+                    f"goes on with {e.name} at {e.source})")
         if self.how == "ops":
             return (f"{at}: the graph replays {g.name} at {g.source} where the eager step launches {e.name} at "
                     f"{e.source}")
@@ -36,10 +46,13 @@ class Divergence:
         return f"{at}: {g.name} at {g.source} reads another tensor in the graph than in the eager step"
 
 
+_LOOKAHEAD = 64     # ops searched ahead for the point where two parted traces line up again
+
+
 def compare(graph_ops: list, eager_ops: list) -> Divergence | None:
     for i, (g, e) in enumerate(zip(graph_ops, eager_ops)):
         if g.name != e.name or g.source != e.source:
-            return Divergence("ops", i, g, e)
+            return _parted(graph_ops, eager_ops, i)
         if g.sig != e.sig:
             return Divergence("arguments", i, g, e)
         only_graph, only_eager = g.ext - e.ext, e.ext - g.ext
@@ -49,6 +62,26 @@ def compare(graph_ops: list, eager_ops: list) -> Divergence | None:
         i = min(len(graph_ops), len(eager_ops))
         return Divergence("length", i, graph_ops[i] if i < len(graph_ops) else None,
                           eager_ops[i] if i < len(eager_ops) else None)
+    return None
+
+
+def _parted(graph_ops: list, eager_ops: list, i: int) -> Divergence:
+    """Which trace inserted ops at ``i``: the nearer realignment wins (work the graph skipped, or
+    work it replays that Python no longer does)."""
+    g, e = graph_ops[i], eager_ops[i]
+    skip = _ahead(eager_ops, i, (g.name, g.source))
+    extra = _ahead(graph_ops, i, (e.name, e.source))
+    if skip is not None and (extra is None or skip <= extra):
+        return Divergence("skipped", i, g, e, after=eager_ops[i + skip])
+    if extra is not None:
+        return Divergence("extra", i, g, e)
+    return Divergence("ops", i, g, e)
+
+
+def _ahead(ops: list, i: int, key: tuple) -> int | None:
+    for k in range(1, min(_LOOKAHEAD, len(ops) - i)):
+        if (ops[i + k].name, ops[i + k].source) == key:
+            return k
     return None
 
 

@@ -121,7 +121,7 @@ def before_warmup_write(doctor, targets: list, op: str) -> None:
 
 def warmup_wrote_state(doctor) -> None:
     """At the end of a warmup: rows of persistent state that held live data (changed since the
-    announcement) and that the warmup changed."""
+    announcement by anything but a warmup) and that the warmup changed."""
     saved, doctor.warm_saved = doctor.warm_saved, {}
     for key, (buf, was, op, source) in saved.items():
         now = buf.ref()
@@ -130,7 +130,10 @@ def warmup_wrote_state(doctor) -> None:
         with _disable_current_modes():
             rows = was.shape[0] if was.dim() else 1
             live = changed(doctor.initial[key], was).reshape(rows, -1).any(1)
-            hit = (changed(was, now).reshape(rows, -1).any(1) & live).nonzero().reshape(-1)
+            written = changed(was, now).reshape(rows, -1).any(1)
+            hit = (written & live).nonzero().reshape(-1)
+            # What a warmup wrote is dummy data, not live data: a later warmup may overwrite it.
+            doctor.initial[key].reshape(rows, -1)[written] = now.reshape(rows, -1)[written]
         if not len(hit):
             continue
         doctor.add(Finding(

@@ -6,8 +6,21 @@ from __future__ import annotations
 
 from collections import Counter
 
+from ...engine.memory import HOST_TYPES
+from ...engine.opinfo import storage_key, tensors
+from ...engine.source import user_frame
+from ..records import Op
+
 from .. import explain
 from ..report import Finding
+
+
+def op(func, args, kwargs, constant: set) -> Op:
+    """A warmup op as the rule needs it: the data it reads (not constants the warmups computed from
+    no data) and where its tensors live."""
+    ts = list(tensors((args, kwargs)))
+    return Op(str(func), user_frame(), frozenset(k for t in ts if (k := storage_key(t)) not in constant),
+              memory=frozenset("host" if type(t) in HOST_TYPES else t.device.type for t in ts))
 
 
 def check(doctor, info) -> None:
@@ -15,9 +28,12 @@ def check(doctor, info) -> None:
     them at capture (lazy work already done). A line that ran in both but dispatched other
     kernels (a backend choosing another algorithm under capture) is not a skipped step, nor is
     one the runner ran eagerly before the capture (code it keeps outside the graph, as
-    PIECEWISE graphs do: whether that code is safe is the mutation rule's question)."""
+    PIECEWISE graphs do: whether that code is safe is the mutation rule's question). Not counted
+    either: host work (a capture never records it, so it cannot have skipped it) and work that
+    reads no data, only constants (a buffer or a table made once, outside the graph's pool, is the
+    same for every step: replays that reuse it are right)."""
     ran_since = {op.source for op in info.ops} | info.eager_lines
-    missing = [op for op in info.warmup if op.source not in ran_since]
+    missing = [op for op in info.warmup if op.source not in ran_since and op.reads and not _host(op, info.cuda)]
     if not missing:
         return
     first = missing[0]
@@ -31,3 +47,8 @@ def check(doctor, info) -> None:
         {"warmup_ops": len(info.warmup), "captured_ops": len(info.ops), "missing": len(missing),
          "lines": len(lines)}),
         ("warmup-divergence", first.name, first.source))
+
+
+def _host(op: Op, cuda: bool) -> bool:
+    """All its tensors in host memory: host tensors, or the CPU's beside a CUDA graph."""
+    return bool(op.memory) and op.memory <= ({"host", "cpu"} if cuda else {"host"})

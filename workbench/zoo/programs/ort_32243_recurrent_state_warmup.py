@@ -7,7 +7,8 @@ output gives wrong generations from the first token (onnxruntime CUDA EP, 2026).
 Mechanism: the runner makes two ordinary runs before it captures, to meet its minimum-runs rule. The
 step updates the state buffer in place, so those runs advance the state twice before the first real
 token. Every replay then starts from a state that is two steps ahead of eager's.
-Doctor: persistent-mutation, at ``step`` (the in-place update of the state static buffer).
+Doctor: persistent-mutation, at ``step`` (the in-place update of the state, run by the warmups; the
+runner announces the state as persistent state: the graph updating it on every replay is intended).
 Fix (upstream workaround): copy the state before the runs that precede capture and put it back after.
 """
 from __future__ import annotations
@@ -47,7 +48,7 @@ def run(variant: str, device: str = "cpu"):
         x_buf = model.inputs[0].clone()             # the first request's input, bound before capture
         saved = state.clone() if variant == "fix" else None
         g, out = capture(lambda: model.step(x_buf, state), device=device, warmups=WARMUPS,
-                         static={"x": x_buf, "state": state}, owner="LinearAttention session")
+                         static={"x": x_buf}, state={"state": state}, owner="LinearAttention session")
         if saved is not None:
             state.copy_(saved)
         outs = []

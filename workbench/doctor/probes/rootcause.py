@@ -1,0 +1,123 @@
+"""From a differential replay that disagrees with its eager step to a kind, an op and a source line.
+
+The launch traces say where the replay's frozen Python parted from what Python decides now; what
+kind of parting it is decides the kind:
+
+* the same op with other Python-decided arguments (a scalar, a shape, a constant) -- a value the
+  host computed once, at capture, is baked into the graph: ``host-work-frozen``;
+* the eager step rebinds Python state (an attribute, an entry of a dict) that the replay leaves as
+  capture left it: ``host-work-frozen``, at the op that made the new value;
+* the graph uses a pre-existing tensor where the eager step now uses another or a fresh one -- a
+  reference frozen at capture: ``dangling-reference`` when that memory has no owner left or code
+  outside the graph has written it since the capture (it was handed to someone else), else
+  ``warmup-divergence``;
+* the eager step launches work the graph never recorded (a plan, a lazy step, a branch), or the
+  graph replays work Python no longer does: ``warmup-divergence``, at the first such op;
+* the traces agree but the numbers do not: ``warmup-divergence``, at the op that wrote what differs.
+"""
+from __future__ import annotations
+
+from ...engine import memory
+from ...engine.opinfo import describe, storage_key
+from .. import explain
+from ..report import Finding
+from . import pystate
+
+
+def classify(doctor, info, pending, what: tuple, divergence, run) -> None:
+    """A finding for a replay whose outputs or state differ from the eager step's (``what``)."""
+    text, numbers, key = what
+    if divergence is None:
+        writer = info.writes.get(key) if key is not None else None
+        op = writer or (info.ops[-1] if info.ops else None)
+        kind, tensor = "warmup-divergence", _label(pending, key)
+        site = ("The launch traces agree: the difference first shows at "
+                f"{'the state it writes' if key is not None else 'the outputs'}.")
+    else:
+        kind, op, tensor, site = _parted(doctor, info, divergence, run)
+        numbers = {**numbers, "launch": divergence.index + 1, "how": divergence.how}
+    _add(doctor, info, pending, kind, op, tensor, text, site, numbers)
+
+
+def _parted(doctor, info, d, run) -> tuple:
+    site = f"First divergence in the launch traces: {d.text()}."
+    if d.how == "arguments":
+        return ("host-work-frozen", d.graph_op, _read_by(doctor, info, d.graph_op),
+                site + " A value Python computed on the host at capture is baked into the graph; the eager step "
+                       "computes it again now.")
+    if d.how == "reference":
+        return _frozen_reference(doctor, info, d.graph_op, next(iter(d.graph_keys)), next(iter(d.eager_keys)), run,
+                                 site)
+    if d.how == "skipped":
+        gone = d.graph_op.ext - d.after.ext
+        if gone and d.after.reads - d.after.ext:      # the graph's pre-existing tensor, eager's fresh one
+            kind, op, tensor, why = _frozen_reference(doctor, info, d.graph_op, next(iter(gone)), None, run, site)
+            if kind == "dangling-reference":
+                return kind, op, tensor, why
+        return "warmup-divergence", d.eager_op, "-", site
+    op = d.graph_op or d.eager_op
+    return "warmup-divergence", op, _read_by(doctor, info, op), site
+
+
+def _frozen_reference(doctor, info, op, gkey: int, ekey: int | None, run, site: str) -> tuple:
+    ext = info.externals.get(gkey)
+    tensor = ext.tensor if ext else "-"
+    created = (ext.origin or "before watch()") if ext else "-"
+    if ekey is not None and (read := run.described.get(ekey)) is not None:
+        now = f"a {describe(read)} created {memory.origin_of(read) or 'before watch()'}"
+    else:
+        now = "a tensor it allocates now"
+    site += f" The graph uses the {tensor} created {created}; the eager step uses {now}: a reference frozen at capture."
+    if ext is not None and ext.weak.expired():
+        return "dangling-reference", op, tensor, site + " That memory has no owner left."
+    if gkey in doctor.touched:
+        return ("dangling-reference", op, tensor,
+                site + f" Code outside the graph has written that memory since the capture ({doctor.touched[gkey]}): "
+                       "it was handed on while the graph still uses it.")
+    return "warmup-divergence", op, tensor, site
+
+
+def rebound(doctor, info, pending, changed: list, run) -> None:
+    """The eager step rebound Python state that replays leave as capture left it."""
+    obj, key, old, new = changed[0]
+    made = run.created_by.get(storage_key(new)) if hasattr(new, "untyped_storage") else None
+    op = made or (run.ops[-1] if run.ops else None)
+    value = describe(new) if hasattr(new, "untyped_storage") else repr(new)[:40]
+    names = ", ".join(pystate.name(o, k) for o, k, _, _ in changed[:4]) + (", ..." if len(changed) > 4 else "")
+    text = f"the eager step rebinds {names}; a replay runs no Python, so it leaves them as capture bound them"
+    site = (f"{pystate.name(obj, key)} becomes a {value}"
+            + (f" made by {made.name} at {made.source}." if made else ".")
+            + " Replays keep the binding capture made; state the step produces must live in memory the graph writes.")
+    _add(doctor, info, pending, "host-work-frozen", op, f"{pystate.name(obj, key)}: {value}", text, site,
+         {"rebound": len(changed)})
+
+
+def startup(doctor, info, pending, text: str, numbers: dict, kept) -> None:
+    """A real step's answer depends on what the warmups (dummy batches) wrote into ``kept``."""
+    doctor.add(Finding(
+        "persistent-mutation", info.name, kept.op, kept.tensor, kept.source,
+        f"sampled replay {info.replays} of {info.name}: {text}",
+        explain.startup_write(kept.tensor, kept.op), {"replay": info.replays, **numbers}),
+        ("persistent-mutation", kept.op, kept.source, kept.tensor))
+
+
+def _add(doctor, info, pending, kind, op, tensor, text, site, numbers) -> None:
+    name, source = (op.name, op.source) if op is not None else ("-", "-")
+    evidence = (f"sampled replay {info.replays} of {info.name} ({pending.real} real rows of {pending.size}): {text} "
+                "from an eager run of the same step")
+    doctor.add(Finding(kind, info.name, name, tensor, source, evidence, explain.differential(info.name, text, site),
+                       {"replay": info.replays, **numbers}), (kind, name, source))
+
+
+def _read_by(doctor, info, op) -> str:
+    """The announced buffer (else the referenced tensor) an op of the trace reads, for the report."""
+    if op is None:
+        return "-"
+    for key in sorted(op.reads):
+        if (buf := doctor.buffer(key)) is not None:
+            return f"{buf.name}: {describe(buf.ref())}"
+    return next((info.externals[key].tensor for key in sorted(op.reads) if key in info.externals), "-")
+
+
+def _label(pending, key) -> str:
+    return pending.pre[key][1] if key is not None and key in pending.pre else "-"

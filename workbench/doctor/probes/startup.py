@@ -1,0 +1,103 @@
+"""What the runs made before capturing (warmups, dummy batches) left in memory that outlives them.
+
+Warmups are dummy steps: a runner makes them so that lazy work and allocations happen before
+capture, on made-up inputs. Whatever they write into memory that existed before them -- a KV
+cache, a recurrent state, a null block that masked reads rely on -- stays there. If a later step
+reads it, its answer depends on the dummy batches (vLLM #57156: NaN in the null KV block;
+onnxruntime #32243: a recurrent state advanced by the runs before capture).
+
+The doctor keeps, on the first write of each warmup, a copy of every storage that existed before
+it, and a second copy after the warmup. At a graph's first sampled differential replay, the
+elements the warmups changed and nothing has rewritten since are put back as they were before the
+warmups, and the step is run eagerly from there: an answer that differs from the replay's is a
+real step depending on what dummy batches wrote. Lazy initialisation the eager step redoes gives
+the same answer, and so do writes into memory no real step reads (a scratch slot).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ...engine.opinfo import describe, storage_key, tensors, written_tensors
+from ...engine.source import user_frame
+from ..tensors import changed, whole
+
+_MAX_BYTES = 256 << 20       # larger storages (a whole KV cache on a GPU) are not copied: see ``skipped``
+
+
+@dataclasses.dataclass
+class Kept:
+    """A storage as it was before the first warmup wrote it (``before``), and after the last
+    warmup (``after``); the warmup op that first wrote it, and where."""
+
+    weak: StorageWeakRef
+    dtype: torch.dtype                   # compared element by element in the dtype it was written in
+    before: torch.Tensor
+    after: torch.Tensor | None
+    op: str
+    source: str
+    tensor: str
+
+
+class Startup:
+    """The doctor's record of warmup writes (``Doctor.startup``)."""
+
+    def __init__(self) -> None:
+        self.kept: dict[int, Kept] = {}
+        self.created: set[int] = set()       # storages the warmups created: nothing to put back there
+        self.constant: set[int] = set()      # of those, the ones computed from no data (constants)
+        self.skipped: int = 0                # storages too large to copy
+
+    def before_write(self, func, args, kwargs) -> None:
+        """In a warmup, before a mutable op: keep each pre-existing storage it writes, once."""
+        for t in written_tensors(func, args, kwargs):
+            key = storage_key(t)
+            if key in self.kept or key in self.created:
+                continue
+            storage = t.untyped_storage()
+            if storage.nbytes() > _MAX_BYTES:
+                self.skipped += 1
+                self.created.add(key)
+                continue
+            weak = StorageWeakRef(storage)
+            dtype = t.dtype if storage.nbytes() % t.element_size() == 0 else torch.uint8
+            with _disable_current_modes():
+                self.kept[key] = Kept(weak, dtype, whole(weak, dtype).clone(), None, str(func), user_frame(),
+                                      describe(t))
+
+    def created_by(self, args, kwargs, out) -> None:
+        """Outputs of a warmup op that are new storages (not views of its inputs); constants when
+        every input is one (an allocation, ``torch.arange(3) * 2``)."""
+        inputs = {storage_key(t) for t in tensors((args, kwargs))}
+        new = {k for o in tensors(out) if (k := storage_key(o)) not in inputs}
+        self.created |= new
+        if inputs <= self.constant:
+            self.constant |= new
+
+    def warmup_end(self) -> None:
+        with _disable_current_modes():
+            for key, kept in list(self.kept.items()):
+                now = whole(kept.weak, kept.dtype)
+                if now is None:
+                    del self.kept[key]
+                else:
+                    kept.after = now.clone()
+
+    def dirty(self, keys) -> dict[int, tuple]:
+        """For the storages among ``keys`` that warmups changed: ``key -> (whole storage, mask of
+        the elements the warmups changed and nothing rewrote since, their values before the
+        warmups, the Kept record)``."""
+        out = {}
+        with _disable_current_modes():
+            for key in keys & self.kept.keys():
+                kept = self.kept[key]
+                now = whole(kept.weak, kept.dtype)
+                if now is None or kept.after is None or now.shape != kept.after.shape:
+                    continue
+                mask = changed(kept.before, kept.after) & ~changed(now, kept.after)
+                if bool(mask.any()):
+                    out[key] = (now, mask, kept.before, kept)
+        return out

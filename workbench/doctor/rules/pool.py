@@ -1,0 +1,95 @@
+"""Pool memory read across graphs: does a replay read what its capture read?
+
+Graphs of one pool hand memory on: a block one capture freed (a temporary) may hold a tensor of
+the next capture, and a graph may read another graph's output (PIECEWISE pieces do, every step).
+Both are safe while every replay that reads pool memory finds there what the graph it read from
+at capture wrote -- the producer. The doctor notes, per capture, each pool block it reads before
+writing it and which capture wrote that block last (the producer), and, per replay, which graph
+wrote each such block last. A reader that finds another graph's writes there reads someone else's
+data: a graph whose capture freed the block and whose replays still write it
+(``dangling-reference``: the block was handed on while its first owner still uses it, aiter
+#5393), or a third graph that writes the producer's output (``overwritten-output``).
+
+Blocks are keyed by device and address, as the allocator hands them on (on the CPU emulation a
+handed-on block keeps its storage; on CUDA it gets a new one at the same address)."""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ...engine.opinfo import describe, overwrites, tensors, written_tensors
+from .. import explain
+from ..report import Finding
+
+
+def block(t: torch.Tensor) -> tuple:
+    return (t.device.type, t.untyped_storage().data_ptr())
+
+
+class PoolReads:
+    """``Doctor.pool``: producers of blocks at capture, last writers at replay."""
+
+    def __init__(self) -> None:
+        self.producer: dict[tuple, tuple] = {}     # block -> (GraphInfo, Op, tensor) of the capture that wrote it last
+        self.expected: set[tuple] = set()          # blocks some graph reads from another graph's capture
+        self.last: dict[tuple, object] = {}        # block -> GraphInfo whose replay wrote it last
+        self.pending: list = []                    # the last captured op's new outputs (weak), to settle
+
+    def captured(self, info, func, args, kwargs, out, op) -> None:
+        """One op of a capture: blocks it reads before the capture wrote them, blocks it writes.
+        Outputs are taken in at the next op (or at the capture's end): the CPU engine may still move
+        a new output into a handed-on block after this observer has seen it made."""
+        self.settle(info)
+        if func.is_view:
+            return
+        written = written_tensors(func, args, kwargs)
+        in_place = not overwrites(func) and func._schema.name.endswith("_")
+        written_ids = {id(t) for t in written}
+        for t in tensors((args, kwargs)):
+            if id(t) in written_ids and not in_place:
+                continue                            # an ``out=`` or a copy destination: written, not read
+            b = block(t)
+            if b in info.blocks:
+                continue
+            producer = self.producer.get(b)
+            if producer is not None and producer[0] is not info:
+                info.expects.setdefault(b, producer)
+                self.expected.add(b)
+        inputs = {t.untyped_storage()._cdata for t in tensors((args, kwargs))}
+        for t in written:
+            self._wrote(info, t, op)
+        self.pending = [(weakref.ref(t), op) for t in tensors(out) if t.untyped_storage()._cdata not in inputs]
+
+    def settle(self, info) -> None:
+        """Take in the previous op's new outputs, where they now live: memory the capture allocated."""
+        for ref, op in self.pending:
+            if (t := ref()) is not None:
+                info.own_blocks.add(block(t))
+                self._wrote(info, t, op)
+        self.pending = []
+
+    def _wrote(self, info, t, op) -> None:
+        b = block(t)
+        info.blocks.add(b)
+        if b not in self.producer or self.producer[b][0] is not info:
+            self.producer[b] = (info, op, describe(t))     # its first write in this capture names it
+
+    def replayed(self, info) -> None:
+        if self.expected:
+            for b in info.blocks & self.expected:
+                self.last[b] = info
+
+    def check(self, doctor, info) -> None:
+        """Before ``info`` replays: blocks it reads whose last writer is not their producer."""
+        for b, (producer, op, tensor) in info.expects.items():
+            last = self.last.get(b)
+            if last is None or last is producer or last is info:
+                continue
+            handed_on = b in last.own_blocks
+            kind = "dangling-reference" if handed_on else "overwritten-output"
+            evidence = (f"before replay {info.replays + 1} of {info.name}: it reads the {tensor} that {producer.name}'s "
+                        f"capture wrote ({op.name}), but {last.name}'s replay wrote that memory last")
+            doctor.add(Finding(kind, info.name, op.name, tensor, op.source, evidence,
+                               explain.pool_handed_on(tensor, producer.name, last.name, handed_on),
+                               {"replays_before": info.replays}), (kind, op.name, op.source))
