@@ -493,3 +493,20 @@ def test_a_constant_made_in_capture_records_no_lift_or_detach(inference):
     x.fill_(2.0)
     g.replay()
     assert out.tolist() == [3.0, 4.0, 5.0]
+
+
+def test_constants_made_inside_a_capture_live_as_long_as_the_graph():
+    """``torch.tensor([...])`` in the captured code is a constant the graph keeps: its block is never
+    handed to a later allocation of the capture (which would overwrite the index it holds)."""
+    from workbench.engine import graph, new_graph
+    cache, x = torch.arange(8.0).reshape(4, 2), torch.ones(2, 2)
+
+    def step():
+        gathered = cache[torch.tensor([1, 0])]
+        return (gathered * torch.tensor([[1.0], [0.0]])).sum(0, keepdim=True) + x
+    g = new_graph("cpu")
+    with graph(g):
+        out = step()
+    x.fill_(2.0)
+    g.replay()
+    assert torch.equal(out, step())

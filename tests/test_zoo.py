@@ -219,7 +219,9 @@ def test_gpu_record_runs_each_program_in_a_child_and_is_json():
     rec = record.gpu_record("cpu", programs=["imp_1648_per_step_metadata_alloc"])
     row = rec["programs"]["imp_1648_per_step_metadata_alloc"]
     assert row["bug"]["verdict"] == zoo.MISBEHAVES and row["bug"]["error"][0] == "IllegalMemoryAccess"
-    assert row["fix"] == {"verdict": zoo.EQUALS, "max_abs_error": 0.0, "error": None}
+    assert row["fix"] == {"verdict": zoo.EQUALS, "max_abs_error": 0.0, "error": None,
+                          "doctor": {"found": False, "kind": None, "site": None}}
+    assert row["bug"]["doctor"] == {"found": True, "kind": "dangling-reference", "site": "decode"}
     assert json.loads(json.dumps(rec)) == rec and rec["device"] == "cpu"
 
 

@@ -130,6 +130,7 @@ class CPUGraph:
         self._host_kept: list[torch.Tensor] = []        # ... which live as long as the graph
         self._held: list[torch.UntypedStorage] = []     # those the graph copies from, until capture end
         self._lifted: set[int] = set()                  # constants made inside the capture
+        self._constants: list[torch.Tensor] = []        # ... held for the graph's life: never a free block
         self._snapshots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._modes: tuple = ()
         self.replays = 0
@@ -200,6 +201,7 @@ class CPUGraph:
             # are not recorded: a CUDA trace has neither.
             self._adopt(args[0], constant=True)
             self._lifted.add(storage_key(args[0]))
+            self._constants.append(args[0])
             return func(*args, **kwargs)
         writes = []
         for t in written_tensors(func, args, kwargs):
@@ -272,6 +274,7 @@ class CPUGraph:
             del self._aliases[alias_key]
         self._alias_count.pop(key, None)
         self._lifted.discard(key)
+        self._constants = [c for c in self._constants if storage_key(c) != key]
         with _disable_current_modes():
             self._owned = [o for o in self._owned if storage_key(o) != key]
             self._ops = [op for op in self._ops if op.writes or not op.has_outputs
@@ -398,7 +401,7 @@ class CPUGraph:
     def _clear(self) -> None:
         if self._pool is not None:
             self._pool._forget(self._ref)
-        self._ops, self._externals, self._owned, self._host_kept = [], [], [], []
+        self._ops, self._externals, self._owned, self._host_kept, self._constants = [], [], [], [], []
         self._aliases.clear()
         self._alias_count.clear()
         self._external_index.clear()

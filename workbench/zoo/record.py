@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from ..childproc import run_in_child
-from . import VARIANTS, names, run
+from . import VARIANTS, names, program, run
 
 RESULT = pathlib.Path(__file__).resolve().parents[2] / "results" / "gpu" / "zoo.json"
 
@@ -30,9 +30,17 @@ def outcome_of(name: str, variant: str, device: str) -> dict:
             "error": None if o.error is None else list(o.error)}
 
 
+def doctor_of(name: str, variant: str, device: str) -> dict:
+    """What ``doctor.diagnose`` says of one variant (run inside a child process of its own)."""
+    from ..detectors import detect
+    d = detect("doctor", program(name), variant, device)
+    return {"found": d.found, "kind": d.kind, "site": d.site.rsplit(" in ", 1)[-1] if d.site else None}
+
+
 def gpu_record(device: str = "cuda", programs: Sequence[str] | None = None) -> dict:
     """``{"device", "torch", "date", "programs": {name: {"bug": {...}, "fix": {...}}}}`` for every
-    program (or those named); a child that dies outright records its exit as the variant's error."""
+    program (or those named), each variant's verdict and what the doctor said of it; a child that
+    dies outright records its exit as the variant's error."""
     out = {}
     for name in (names() if programs is None else programs):
         out[name] = {}
@@ -44,6 +52,9 @@ def gpu_record(device: str = "cuda", programs: Sequence[str] | None = None) -> d
                 error = [result.error_type or "ChildDied",
                          (result.error or f"exit code {result.exitcode}").splitlines()[0]]
                 out[name][variant] = {"verdict": "misbehaves", "max_abs_error": None, "error": error}
+            seen = run_in_child(doctor_of, name, variant, device, timeout=300)
+            out[name][variant]["doctor"] = seen.value if seen.ok else {
+                "found": None, "kind": None, "site": None, "error": (seen.error or f"exit code {seen.exitcode}")[:200]}
     on_gpu = torch.device(device).type == "cuda" and torch.cuda.is_available()
     return {"device": torch.cuda.get_device_name() if on_gpu else device,
             "torch": torch.__version__, "date": datetime.date.today().isoformat(), "programs": out}

@@ -170,7 +170,7 @@ def _from_before_warmups(doctor, info, pending, replayed: dict, rng_after, graph
     """Once per graph: the same eager step from the state as it was before the warmups, where they
     changed it and nothing rewrote it since. A different answer: the step reads what dummy batches
     wrote (``probes/startup.py``)."""
-    reset = doctor.startup.dirty(info.externals.keys())
+    reset = doctor.startup.dirty(info.externals.keys(), {key: before for key, (_, _, before) in pending.pre.items()})
     if not reset:
         return
     _, got, error = _eager(doctor, info, pending, replayed, rng_after, reset)

@@ -1,19 +1,20 @@
 """Python state an eager step changes and a replay cannot: attribute and item bindings.
 
 A replay runs kernels only. Whatever the step's Python does besides launching them -- bind an
-attribute to this step's tensor (``self.x = h``), count steps, cache a value -- happened once, at
-capture, and never again. Differential replay makes that visible: the bindings reachable from the
+attribute to this step's tensor (``self.x = h``) -- happened once, at capture, and never again. Differential replay makes that visible: the bindings reachable from the
 step's eager callable are noted before its eager run and compared after it; a binding the eager
 step changed is host work the graph does not repeat. The doctor then puts every binding back as
 the replay left it, so the watched program goes on as if only the replay had run.
 
-Reachable means through closures, bound methods, object ``__dict__`` entries, dicts, lists and
-tuples (an ``nn.Module``'s submodules and buffers included), up to ``_MAX_OBJECTS`` objects. The
+Reachable means through closures, bound methods, ``functools.partial``, object ``__dict__``
+entries, dicts, lists and tuples (an ``nn.Module``'s submodules and buffers included), up to
+``_MAX_OBJECTS`` objects. Only tensor bindings count: see ``changes``. The
 engine's own objects are walked through (a graph manager leads to the model) but not watched: their
 bookkeeping is not the step's.
 """
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -41,6 +42,8 @@ def watched(root: object) -> list:
             stack += [(d, watch) for d in obj.__defaults__ or ()]
         elif isinstance(obj, types.MethodType):
             stack += [(obj.__self__, watch), (obj.__func__, watch)]
+        elif isinstance(obj, functools.partial):
+            stack += [(v, watch) for v in (obj.func, *obj.args, *obj.keywords.values())]
         elif isinstance(obj, (dict, list, tuple)):
             if watch and isinstance(obj, dict):
                 out.append(obj)

@@ -86,10 +86,11 @@ class Startup:
                 else:
                     kept.after = now.clone()
 
-    def dirty(self, keys) -> dict[int, tuple]:
+    def dirty(self, keys, before_replay: dict) -> dict[int, tuple]:
         """For the storages among ``keys`` that warmups changed: ``key -> (whole storage, mask of
-        the elements the warmups changed and nothing rewrote since, their values before the
-        warmups, the Kept record)``."""
+        the elements the warmups changed and nothing rewrote before this replay, their values
+        before the warmups, the Kept record)``. ``before_replay`` holds the storages the replay
+        wrote, as they were before it (the others are as they were)."""
         out = {}
         with _disable_current_modes():
             for key in keys & self.kept.keys():
@@ -97,7 +98,8 @@ class Startup:
                 now = whole(kept.weak, kept.dtype)
                 if now is None or kept.after is None or now.shape != kept.after.shape:
                     continue
-                mask = changed(kept.before, kept.after) & ~changed(now, kept.after)
+                was = before_replay[key].reshape(-1).view(torch.uint8).view(kept.dtype) if key in before_replay else now
+                mask = changed(kept.before, kept.after) & ~changed(was, kept.after)
                 if bool(mask.any()):
                     out[key] = (now, mask, kept.before, kept)
         return out

@@ -3,7 +3,8 @@
 Graphs of one pool hand memory on: a block one capture freed (a temporary) may hold a tensor of
 the next capture, and a graph may read another graph's output (PIECEWISE pieces do, every step).
 Both are safe while every replay that reads pool memory finds there what the graph it read from
-at capture wrote -- the producer. The doctor notes, per capture, each pool block it reads before
+at capture wrote -- the producer. (Memory older than the captures, such as a KV cache every graph
+updates, is state, not pool memory: any graph may have written it last.) The doctor notes, per capture, each pool block it reads before
 writing it and which capture wrote that block last (the producer), and, per replay, which graph
 wrote each such block last. A reader that finds another graph's writes there reads someone else's
 data: a graph whose capture freed the block and whose replays still write it
@@ -35,6 +36,7 @@ class PoolReads:
         self.expected: set[tuple] = set()          # blocks some graph reads from another graph's capture
         self.last: dict[tuple, object] = {}        # block -> GraphInfo whose replay wrote it last
         self.pending: list = []                    # the last captured op's new outputs (weak), to settle
+        self.allocated: set[tuple] = set()         # blocks some capture allocated: the pool's memory
 
     def captured(self, info, func, args, kwargs, out, op) -> None:
         """One op of a capture: blocks it reads before the capture wrote them, blocks it writes.
@@ -50,8 +52,8 @@ class PoolReads:
             if id(t) in written_ids and not in_place:
                 continue                            # an ``out=`` or a copy destination: written, not read
             b = block(t)
-            if b in info.blocks:
-                continue
+            if b in info.blocks or b not in self.allocated:
+                continue                            # written by this capture first, or not pool memory
             producer = self.producer.get(b)
             if producer is not None and producer[0] is not info:
                 info.expects.setdefault(b, producer)
@@ -66,6 +68,7 @@ class PoolReads:
         for ref, op in self.pending:
             if (t := ref()) is not None:
                 info.own_blocks.add(block(t))
+                self.allocated.add(block(t))
                 self._wrote(info, t, op)
         self.pending = []
 

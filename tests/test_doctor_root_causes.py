@@ -1,0 +1,187 @@
+"""Root causes the doctor tells apart, each on a tiny bug workload and its fix (which must be clean):
+a Python binding frozen at capture, dummy-batch writes a real step reads, pool memory read across
+graphs after it was handed on, a reference handed to other code since capture, and warmup work
+that is only constants or host work (no finding)."""
+from __future__ import annotations
+
+import torch
+
+from workbench import doctor
+from workbench.engine import events, graph, graph_pool_handle, host, new_graph
+
+from test_doctor_mechanisms import Manager, rows
+
+
+# ------------------------------------------------------------------ a Python binding frozen at capture
+class Keeps:
+    """Keeps the step's hidden state as an attribute: rebinding it (the bug) or writing in place."""
+
+    def __init__(self, in_place: bool):
+        self.x, self.in_place = torch.zeros(2, 4), in_place
+        self.hidden = torch.zeros(2, 4)
+
+    def forward(self, size):
+        h = self.x[:size] * 2
+        if self.in_place:
+            self.hidden[:size].copy_(h)
+        else:
+            self.hidden = h
+        return h + 1
+
+
+def test_an_attribute_rebound_by_the_step_is_host_work_frozen():
+    for in_place in (False, True):
+        after = []
+
+        def workload():
+            model = Keeps(in_place)
+            m = Manager(model.forward, [2], {"x": model.x})
+            m.capture()
+            model.x.copy_(rows(2))
+            if in_place:
+                model.hidden.fill_(7.0)                  # the user's own value, before the replay
+            else:
+                model.hidden = torch.full((2, 4), 7.0)
+            m.replay(2)
+            after.append(model.hidden.clone())
+        report = doctor.diagnose(workload)
+        # in place, the replay writes the step's state; rebound, a replay rebinds nothing (nor may the doctor)
+        assert all(bool((h == 7.0).all()) != in_place for h in after)
+        if in_place:
+            assert report.findings == [], report
+            continue
+        (finding,) = report.findings
+        assert finding.kind == "host-work-frozen" and finding.numbers["rebound"] == 1
+        assert finding.tensor.startswith("Keeps.hidden: float32[2, 4]")
+        assert "h = self.x[:size] * 2" in finding.source       # the op that made the new value
+
+
+# ------------------------------------------------------------------ dummy batches write what real steps read
+class NullBlock:
+    """A cache whose slot 0 is a null block read with weight 0; the dummy batch writes its slot."""
+
+    def __init__(self, dummy_slot: int):
+        self.cache = torch.zeros(4, 2)
+        self.x = torch.zeros(2, 2)
+        self.slots = torch.full((2,), dummy_slot)
+
+    def forward(self, size):
+        self.cache[self.slots[:size]] = self.x[:size] / self.x[:size].abs().amax(-1, keepdim=True)   # 0/0: NaN
+        gathered = self.cache[torch.tensor([1, 0])]
+        return (gathered * torch.tensor([[1.0], [0.0]])).sum(0, keepdim=True) + self.x[:size]
+
+
+def test_a_real_step_reading_what_the_warmup_wrote_is_persistent_mutation():
+    for dummy_slot, bug in ((0, True), (3, False)):
+        def workload():
+            model = NullBlock(dummy_slot)
+            m = Manager(model.forward, [2], {"x": model.x, "slots": model.slots})
+            m.capture()
+            model.x.copy_(rows(2, 2) + 1)
+            model.slots.copy_(torch.tensor([1, 2]))
+            m.replay(2)
+        report = doctor.diagnose(workload)
+        if not bug:
+            assert report.findings == [], report
+            continue
+        (finding,) = report.findings
+        assert finding.kind == "persistent-mutation" and finding.graph == "size 2"
+        assert finding.op == "aten.index_put_.default" and "self.cache[self.slots[:size]]" in finding.source
+        assert "from the state before the warmups" in finding.evidence
+
+
+# ------------------------------------------------------------------ pool memory read across graphs
+def test_a_block_handed_on_while_its_first_graph_still_writes_it_is_dangling():
+    """Size 4's temporary is freed at its capture; size 2's capture allocates a counter there and
+    keeps it in a cache; size 1 reads the counter across replays, and size 4's replay rewrites it."""
+    for keep_out_of_pool in (False, True):
+        def workload():
+            cache, x = {}, torch.zeros(4, 2)
+            if keep_out_of_pool:
+                cache["count"] = torch.zeros(8)          # the fix: made before any capture
+            pool = graph_pool_handle("cpu")
+
+            def forward(size):
+                if size == 4:
+                    return (x * 3.0).sum(1, keepdim=True) * 1.0     # an 8-float temporary, freed at capture
+                if "count" not in cache:
+                    cache["count"] = torch.zeros(8)
+                cache["count"].add_(1.0)
+                return x[:size] + cache["count"][:2]
+
+            graphs = {}
+            with torch.no_grad():
+                for size in (4, 2, 1):
+                    g = new_graph("cpu")
+                    with graph(g, pool=pool, name=f"size {size}"):
+                        graphs[size] = (g, forward(size))
+            for size in (2, 1, 4, 1):
+                graphs[size][0].replay()
+        report = doctor.diagnose(workload)
+        if keep_out_of_pool:
+            assert report.findings == [], report
+            continue
+        kinds = {f.kind: f for f in report.findings}
+        finding = kinds["dangling-reference"]
+        assert finding.graph == "size 1" and finding.op == "aten.zeros.default"
+        assert "size 4's replay wrote that memory last" in finding.evidence
+
+
+# ------------------------------------------------------------------ a reference handed to other code since capture
+class Windows:
+    """Registered buffers handed out from a free list (a pool the doctor cannot see into); the fix
+    refuses them while a graph is capturing, so that the graph writes memory of its own."""
+
+    def __init__(self, refuse_while_capturing: bool):
+        self.free, self.refuse = [torch.zeros(2, 2)], refuse_while_capturing
+
+    def all_reduce(self, x):
+        capturing = torch.cuda.is_current_stream_capturing()
+        lent = bool(self.free) and not (self.refuse and capturing)
+        out = self.free.pop() if lent else torch.empty(2, 2)
+        torch.mul(x, 2.0, out=out)
+        result = out * 1.0
+        if lent:
+            self.free.append(out)                     # released: the next requester gets it
+        return result
+
+
+def test_memory_the_graph_writes_handed_to_other_code_since_capture_is_dangling():
+    for refuse in (False, True):
+        def workload():
+            windows, x = Windows(refuse), torch.zeros(2, 2)
+            m = Manager(lambda size: windows.all_reduce(x[:size]), [2], {"x": x})
+            m.capture()
+            kept = windows.free.pop()                     # another request takes the buffer ...
+            kept.copy_(torch.full((2, 2), 5.0))           # ... and writes it
+            x.copy_(rows(2, 2))
+            m.replay(2)
+            windows.free.append(kept)
+        report = doctor.diagnose(workload)
+        if refuse:
+            assert report.findings == [], report
+            continue
+        (finding,) = report.findings
+        assert finding.kind == "dangling-reference" and finding.op == "aten.mul.out"
+        assert "kept.copy_" in finding.cause
+
+
+# ------------------------------------------------------------------ warmup work that cannot be a finding
+def test_warmup_work_on_constants_or_host_memory_is_no_finding():
+    def workload():
+        state = {}
+        limit = host(torch.tensor(2), "cpu")
+        x = torch.zeros(2, 2)
+
+        def forward(size):
+            if "table" not in state:                      # lazily built, from no data: the same every step
+                state["table"] = torch.arange(2.0) * 2
+            n = int(limit.item())                         # host memory: never recorded, never skipped
+            return x[:size, :n] * state["table"]
+
+        m = Manager(forward, [2], {"x": x})
+        m.capture()
+        x.copy_(rows(2, 2))
+        m.replay(2)
+    report = doctor.diagnose(workload)
+    assert report.findings == [], report
