@@ -114,3 +114,18 @@ def differential(graph: str, what: str, site: str) -> str:
     return (f"A replay of {graph} gave other results than an eager run of the same step on the same inputs and "
             f"state ({what}). The graph replays what Python decided at capture; the eager run decides again "
             f"now. {site}")
+
+
+def padded_scatter(op: str, index: str, state: str) -> str:
+    return (f"{op} runs over every row of the padded batch and writes {state} through the index in `{index}`. A "
+            "padded row's index names a slot that a real row of the same step names too, so that slot is "
+            "written twice -- with the real row's data and with the padded row's -- and the real request's state "
+            "gets an update it never asked for. Padded rows need slots of their own (one null slot they share).")
+
+
+def padded_shape_mismatch(graph: str, real: int, size: int) -> str:
+    return (f"A replay of {graph} served {real} real rows at its captured size {size}, so its outputs have {size} "
+            "rows, padded rows included. Eager code after the replay combined them with tensors built for the {real} real rows "
+            "(per-request indices, lengths or parameters): the shapes disagree, and the code asserts, fails to "
+            "broadcast or indexes out of range -- or, where the shapes happen to broadcast, computes with the "
+            "padded rows.")

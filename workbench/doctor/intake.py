@@ -32,7 +32,7 @@ from .probes import differential, mutation as mutation_probe, padding as padding
 from .records import Buffer, External, GraphInfo, Op, Pending
 from .report import KINDS, Finding, Report
 from .rules.dangling import DanglingReferenceError
-from .rules import dangling, mutation, overwritten, sync, undersized, warmup
+from .rules import dangling, mutation, overwritten, padded_scatter, shapes, sync, undersized, warmup
 from .tensors import first_line, signature
 
 aten = torch.ops.aten
@@ -97,6 +97,8 @@ class Doctor:
         self.trace: list[dict] = []                 # per replay, under diagnose's padded-row probes
         self.diff = None                            # the eager run of a differential replay
         self.replay_error: tuple | None = None      # (error, where) of a replay that raised
+        self.plan = None                            # diagnose's record of the steps served (probes/padding.py)
+        self.padded_step = None                     # the last padded replay, its outputs (rules/shapes.py)
         self.mode = None                            # set by watching()
         self.stepped_aside = False                  # our mode is off the stack for this replay
         self.failure: str | None = None             # the doctor's own error, once it has stopped
@@ -142,6 +144,7 @@ class Doctor:
         text = f"{type(error).__name__}: {first_line(error)}"
         if self.replay_error is not None and self.replay_error[0] is error:
             text += f" ({self.replay_error[1]})"
+        shapes.failed(self, error)
         return text
 
     # ------------------------------------------------------------------ engine events
@@ -198,6 +201,7 @@ class Doctor:
                 mutation_probe.probe(self, info, graph)
             if self.pattern is not None:
                 padding_probe.record_inputs(self, info)
+            padded_scatter.check(self, info)
             if info.pending is not None and info.pending.differential:
                 differential.begin(self, info)
         self.phase = "replay"
@@ -226,6 +230,7 @@ class Doctor:
         pending, info.pending = info.pending, None
         if self.pattern is not None:
             padding_probe.record_outputs(self, info, pending)
+        shapes.replayed(self, info, pending)
         if pending is not None and pending.differential and error is None:
             differential.finish(self, info, pending)
 
@@ -276,6 +281,7 @@ class Doctor:
             self.padded_steps += 1
             if self.pattern is not None and real <= size:
                 padding_probe.fill(self, padded, columns, real, size)
+        padding_probe.served(self, real, size, padded, columns)
         self.served += 1
         self.no_eager += eager is None
         sampled = eager is not None and self.every > 0 and (self.served - 1) % self.every == 0
@@ -290,6 +296,7 @@ class Doctor:
         self.handed_any = True
         for t in (tensors_out if isinstance(tensors_out, (tuple, list)) else (tensors_out,)):
             overwritten.tag(self, t, info)
+        padding_probe.carry(self)
 
     # ------------------------------------------------------------------ the dispatch mode's work
     def targets(self, func, args, kwargs) -> list:
@@ -322,6 +329,8 @@ class Doctor:
         if self.warmup_runs and not func.is_view:     # between a warmup and its capture
             self.eager_lines.add(user_frame())
         out = mutation.eager_write(self, func, args, kwargs, run, targets) if targets else run()
+        if self.padded_step is not None and not func.is_view:
+            shapes.derived(self, func, args, kwargs, out)
         if self.handed and func.is_view and isinstance(out, torch.Tensor):
             overwritten.tag_view(self, args[0], out)
         memory.record_new_storages(func, args, kwargs, out)
@@ -339,6 +348,7 @@ class Doctor:
         written = frozenset(storage_key(t) for t in written_tensors(func, args, kwargs))
         sig = signature(func, args, kwargs)
         out = undersized.write(self, func, targets, run)
+        padded_scatter.captured(self, info, func, args, kwargs, source)
         lifted = func.overloadpacket in (aten.lift_fresh, aten.lift_fresh_copy)
         if lifted:
             for t in inputs:                          # a constant of the captured code: the graph keeps it

@@ -79,3 +79,4 @@ class GraphInfo:
         self.probed = False
         self.attempts = 0                           # mutation probes run (see probes/mutation.py)
         self.pending: Pending | None = None
+        self.scatters: list = []                    # captured writes into state through an index (rules/padded_scatter.py)
