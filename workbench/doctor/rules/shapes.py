@@ -9,6 +9,9 @@ graph nor the padding. When the watched workload raises after a padded replay, t
 frames of the traceback are searched for a tensor that is (a view of, or derived eagerly from) that
 replay's outputs with ``size`` rows next to a tensor with ``real`` rows; the frame's line is the
 site. Eager ops that combined such tensors before the failure are the fallback evidence.
+A workload may catch its own failure and carry on (a test harness, a serving loop that logs and
+drops the batch): under ``diagnose`` such errors are seen as they are raised, by a tracer that is
+on only between a padded replay and the next served replay.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import sys
 
 import torch
 
+from ...engine.errors import GraphError, IllegalMemoryAccess
 from ...engine.opinfo import describe, storage_key, tensors
 from ...engine.source import _SKIP_DIRS, _short, user_frame
 from .. import explain
@@ -74,7 +78,7 @@ def failed(doctor, error: BaseException) -> None:
     """The watched code raised out of ``watch()``: explain it when it met a padded replay's rows
     and real rows, in the innermost user frames or, failing that, in an eager op before."""
     step = doctor.padded_step
-    if step is None or (doctor.replay_error is not None and doctor.replay_error[0] is error):
+    if step is None or not _explainable(error) or (doctor.replay_error is not None and doctor.replay_error[0] is error):
         return
     try:
         frames = []
@@ -123,8 +127,6 @@ class _Tracer:
     next served replay, only under ``diagnose``). Stands aside when another tracer (a debugger,
     coverage) is installed."""
 
-    KINDS = (AssertionError, IndexError, RuntimeError, ValueError)   # what shape contracts raise
-
     def __init__(self) -> None:
         self.doctor = None
         self.seen: set[int] = set()
@@ -157,7 +159,7 @@ class _Tracer:
         if event != "exception" or doctor is None or doctor.padded_step is None or doctor.failure is not None:
             return self.local if doctor is not None else None
         error = arg[1]
-        if isinstance(error, self.KINDS) and id(error) not in self.seen:
+        if _explainable(error) and id(error) not in self.seen:
             try:
                 found = _in_frame(doctor.padded_step, frame, frame.f_lineno)
                 if found is not None:
@@ -170,6 +172,13 @@ class _Tracer:
 
 _tracer = _Tracer()
 stop_tracing = _tracer.stop
+
+
+def _explainable(error: BaseException) -> bool:
+    """What a broken shape contract raises; not the engine's own errors (a refused capture, a guarded
+    replay, a replay that read released memory), which the other rules explain."""
+    return (isinstance(error, (AssertionError, IndexError, RuntimeError, ValueError))
+            and not isinstance(error, (GraphError, IllegalMemoryAccess)))
 
 
 def _named_tensors(local_vars: dict):
