@@ -80,6 +80,41 @@ def test_padded_rows_refilled_with_what_they_held_before_are_stale_padding(idiom
     assert finding.location.endswith("in forward") and "replay 2" in finding.evidence
 
 
+class Mirrored:
+    """Work items kept in a persistent host mirror, copied whole into the device buffer every
+    step: entries past the plan keep the previous plan's items (``bug``) or the null item."""
+
+    def __init__(self, variant):
+        self.variant = variant
+        self.table = torch.cat([torch.arange(10.0).reshape(5, 2), torch.zeros(1, 2)])
+        self.host = torch.zeros(6, dtype=torch.int64)
+        self.items = torch.zeros(6, dtype=torch.int64)
+
+    def forward(self):
+        return self.table[self.items].sum(0, keepdim=True)
+
+    def plan(self, items):
+        self.host[:len(items)] = torch.as_tensor(items)
+        if self.variant == "fix":
+            self.host[len(items):] = 5
+        self.items.copy_(self.host)
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_padded_rows_copied_from_a_persistent_host_mirror(variant):
+    data = torch.tensor([1, 2, 3, 4, 0, 1])            # shared by the three runs: put back after each fill
+
+    def workload():
+        p = Mirrored(variant)
+        g, out = captured(p.forward, {"items": p.items})
+        for n in (6, 3, 3):
+            p.plan(data[:n])
+            replay(g, out, n, 6, {"items": p.items})
+    report = doctor.diagnose(workload)
+    assert [f.kind for f in report.findings] == (["stale-padding"] if variant == "bug" else [])
+    assert torch.equal(data, torch.tensor([1, 2, 3, 4, 0, 1]))
+
+
 class Positions:
     """Real rows advanced in place between steps (continuing requests), padded rows reset or not;
     every output row sums over the batch, so it reads the padded rows."""

@@ -317,6 +317,7 @@ class Doctor:
         targets = self.targets(func, args, kwargs)
         if targets and func is aten.copy_.default:
             undersized.check_fit(self, args[0], args[1])
+            padding_probe.copied(self, args[0], args[1])
         if phase == "warmup":
             mutation.before_warmup_write(self, targets, str(func))
             out = undersized.write(self, func, targets, run)

@@ -10,10 +10,12 @@ ways. Two fills, so that whatever a runner does not derive from the step's real 
   in the tensors the graphs read: the first run's record of its steps (``Plan``) says which. A
   runner that rewrites padded rows with what they held before -- a round trip through a host
   mirror of the buffer, the previous step's real values carried along -- carries the fill into
-  the next replay, as TensorRT-LLM's poison-fill tests do on purpose. Real rows of the next step
-  are never touched, so a runner that keeps them (or updates them in place) is left as it is;
-  host arrays are not filled then (they hold requests' bookkeeping that the runner moves around),
-  nor before a warmup or capture (those run on the buffers as the runner left them).
+  the next replay, as TensorRT-LLM's poison-fill tests do on purpose. A tensor of other memory
+  that the runner copies whole into such a buffer (a persistent host mirror) is filled the same
+  way, and put back at the next ``serve``. Real rows of the next step are never touched, so a
+  runner that keeps them (or updates them in place) is left as it is; host arrays are not filled
+  then (they hold requests' bookkeeping that the runner moves around), nor before a warmup or
+  capture (those run on the buffers as the runner left them).
 
 Fill values are 0 and 1 (``False``/``True``), valid as indices: the i-th padded array gets
 ``(i + pattern) % 2``, so every array changes between the runs and neighbours swap their order
@@ -27,7 +29,10 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from torch.multiprocessing.reductions import StorageWeakRef
+
 from ...engine.opinfo import storage_key
+from ..rules.padded_scatter import Index
 from ..tensors import digest, whole
 
 
@@ -35,12 +40,15 @@ class Plan:
     """What ``diagnose`` records of the steps a run serves: ``(real, size, regions, phases)`` per
     ``serve``, where ``regions`` maps each padded array's name to ``None`` (padded rows) or its real
     width (padded columns) and ``phases`` counts warmups and captures so far. A padded-row run is
-    given the first run's steps (``ahead``) and the tensors of its current step."""
+    given the first run's steps (``ahead``), the tensors of its current step, the mirrors copied
+    whole into announced buffers, and the mirrors' regions it filled (to put back)."""
 
     def __init__(self, ahead: list | None = None) -> None:
         self.steps: list[tuple] = []
         self.ahead = ahead
         self.current: dict[str, weakref.ref] = {}
+        self.mirrors: dict[int, Index] = {}
+        self.borrowed: list[tuple] = []
 
 
 def served(doctor, real: int, size: int, padded: dict, columns: dict) -> None:
@@ -49,6 +57,11 @@ def served(doctor, real: int, size: int, padded: dict, columns: dict) -> None:
         return
     regions = {name: None for name in padded} | {name: width for name, (_, width) in columns.items()}
     plan.steps.append((real, size, regions, doctor.report.warmups + doctor.report.captures))
+    with _disable_current_modes():
+        for mirror, index, saved in plan.borrowed:
+            if (m := mirror.read()) is not None:
+                m[index].copy_(saved)
+    plan.borrowed = []
     if plan.ahead is not None:
         arrays = {**padded, **{name: t for name, (t, _) in columns.items()}}
         plan.current = {name: weakref.ref(t) for name, t in arrays.items() if isinstance(t, torch.Tensor)}
@@ -70,9 +83,28 @@ def carry(doctor) -> None:
             t = plan.current[name]() if name in plan.current else None
             if t is None or storage_key(t) not in read or (width is not None and t.dim() < 2):
                 continue
-            target = t[real:size] if width is None else t[:size, width:]
-            target.fill_(_value(i, doctor.pattern, t.dtype == torch.bool))
+            index = (slice(real, size),) if width is None else (slice(0, size), slice(width, None))
+            value = _value(i, doctor.pattern, t.dtype == torch.bool)
+            t[index].fill_(value)
+            mirror = plan.mirrors.get(storage_key(t))
+            if mirror is not None and (m := mirror.read()) is not None:
+                plan.borrowed.append((mirror, index, m[index].clone()))
+                m[index].fill_(value)
     plan.current = {}
+
+
+def copied(doctor, dst: torch.Tensor, src) -> None:
+    """A copy into an announced buffer, in a padded-row run: a tensor of other memory copied over
+    the whole buffer is its mirror, filled with it after each step."""
+    plan = doctor.plan
+    if plan is None or plan.ahead is None or doctor.phase != "eager" or not isinstance(src, torch.Tensor):
+        return
+    buf = doctor.buffer(storage_key(dst)).ref()
+    if (storage_key(src) == storage_key(dst) or src.shape != buf.shape or dst.shape != buf.shape
+            or dst.stride() != buf.stride() or dst.storage_offset() != buf.storage_offset()):
+        return
+    plan.mirrors[storage_key(dst)] = Index(storage_key(src), StorageWeakRef(src.untyped_storage()), src.dtype,
+                                           tuple(src.shape), src.stride(), src.storage_offset())
 
 
 def _value(i: int, pattern: int, boolean: bool):

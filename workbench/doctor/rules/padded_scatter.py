@@ -35,7 +35,8 @@ SCATTERS = {aten.index_add_: "dim", aten.index_copy_: "dim", aten.index_fill_: "
 
 @dataclasses.dataclass(frozen=True)
 class Index:
-    """Where a recorded index lives: its storage and the view the graph read it through."""
+    """A view kept by its storage's weak reference and its geometry, so that recording it keeps
+    nothing alive: an index a graph reads, a host mirror of a buffer (``probes/padding.py``)."""
 
     key: int
     weak: StorageWeakRef
