@@ -272,6 +272,7 @@ def test_eager_code_failing_on_padded_and_real_rows_is_padded_shape_mismatch(com
     assert finding.source.split(": ", 1)[1].startswith(line)
     assert finding.numbers == {"replay": 1, "real": 3, "size": 4}
     assert "(3 real rows)" in finding.tensor and "(the graph's 4 rows)" in finding.tensor
+    assert "its outputs have 4 rows" in finding.cause and "built for the 3 real rows" in finding.cause
 
 
 def test_a_failure_the_workload_catches_itself_is_found_by_diagnose_and_the_fix_is_clean():

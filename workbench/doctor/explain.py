@@ -124,8 +124,8 @@ def padded_scatter(op: str, index: str, state: str) -> str:
 
 
 def padded_shape_mismatch(graph: str, real: int, size: int) -> str:
-    return (f"A replay of {graph} served {real} real rows at its captured size {size}, so its outputs have {size} "
-            "rows, padded rows included. Eager code after the replay combined them with tensors built for the {real} real rows "
-            "(per-request indices, lengths or parameters): the shapes disagree, and the code asserts, fails to "
-            "broadcast or indexes out of range -- or, where the shapes happen to broadcast, computes with the "
-            "padded rows.")
+    return (f"A replay of {graph} served {real} real rows at its captured size {size}, so its outputs have "
+            f"{size} rows, padded rows included. Eager code after the replay combined them with tensors built for "
+            f"the {real} real rows (per-request indices, lengths or parameters): the shapes disagree, and the code "
+            "asserts, fails to broadcast or indexes out of range -- or, where the shapes happen to broadcast, "
+            "computes with the padded rows.")

@@ -27,9 +27,8 @@ import weakref
 
 import numpy as np
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
-
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ...engine.opinfo import storage_key
 from ..rules.padded_scatter import Index
@@ -95,13 +94,15 @@ def carry(doctor) -> None:
 
 def copied(doctor, dst: torch.Tensor, src) -> None:
     """A copy into an announced buffer, in a padded-row run: a tensor of other memory copied over
-    the whole buffer is its mirror, filled with it after each step."""
+    the whole buffer is its mirror, filled with it after each step -- unless a graph owns it (an
+    output fed back), whose rows the caller may still read."""
     plan = doctor.plan
     if plan is None or plan.ahead is None or doctor.phase != "eager" or not isinstance(src, torch.Tensor):
         return
     buf = doctor.buffer(storage_key(dst)).ref()
-    if (storage_key(src) == storage_key(dst) or src.shape != buf.shape or dst.shape != buf.shape
-            or dst.stride() != buf.stride() or dst.storage_offset() != buf.storage_offset()):
+    if (storage_key(src) == storage_key(dst) or doctor.owner_of(storage_key(src)) is not None
+            or src.shape != buf.shape or dst.shape != buf.shape or dst.stride() != buf.stride()
+            or dst.storage_offset() != buf.storage_offset()):
         return
     plan.mirrors[storage_key(dst)] = Index(storage_key(src), StorageWeakRef(src.untyped_storage()), src.dtype,
                                            tuple(src.shape), src.stride(), src.storage_offset())
