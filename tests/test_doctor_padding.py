@@ -6,11 +6,15 @@
 """
 from __future__ import annotations
 
+import json
+import sys
+
 import numpy as np
 import pytest
 import torch
 
 from workbench import doctor
+from workbench.doctor import padding_record
 from workbench.engine import events, graph, new_graph
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -287,7 +291,6 @@ def test_a_failure_the_workload_catches_itself_is_found_by_diagnose_and_the_fix_
     assert [f.kind for f in bug.findings] == ["padded-shape-mismatch"] and bug.errors == []
     assert bug.findings[0].location.endswith("in asserted")
     assert fix.findings == [] and fix.errors == []
-    import sys
     assert sys.gettrace() is None                     # diagnose left no tracer behind
 
 
@@ -298,3 +301,29 @@ def test_an_error_without_padded_and_real_rows_is_only_the_workloads_error():
         m.lengths / out[:, 0]
         raise ValueError("something else")
     assert report.findings == [] and report.errors == ["ValueError: something else"]
+
+
+# ------------------------------------------------------------------ the GPU record
+def test_the_zoo_padded_row_bugs_are_found_and_their_fixes_clean_on_the_cpu():
+    for name in padding_record.programs():
+        expected = padding_record.program(name)
+        bug, fix = (padding_record.findings_of(name, v, "cpu") for v in ("bug", "fix"))
+        assert expected.KIND in bug["kinds"] and bug["sites"][expected.KIND] == expected.SITE, name
+        assert fix["kinds"] == [], name
+
+
+@pytest.mark.skipif(not padding_record.RESULT.exists(),
+                    reason="results/gpu/doctor_padding.json not recorded yet (padding_record.gpu_record on a GPU)")
+def test_the_gpu_record_matches_the_emulation():
+    data = json.loads(padding_record.RESULT.read_text())
+    recorded = data.get("results", data)["programs"]
+    for name, variants in recorded.items():
+        for variant, found in variants.items():
+            assert found == padding_record.findings_of(name, variant, "cpu"), (name, variant)
+
+
+@pytest.mark.cuda
+def test_gpu_record_on_cuda():
+    record = padding_record.gpu_record("cuda", only=["trtllm_9873_repeated_padding_state_index"])
+    found = record["programs"]["trtllm_9873_repeated_padding_state_index"]
+    assert found["bug"]["kinds"] == ["stale-padding"] and found["fix"]["kinds"] == []
