@@ -68,18 +68,18 @@ def captured(doctor, info, func, args, kwargs, source: str) -> None:
     """Record a captured scatter into memory the graph does not own, with indices it reads from
     memory it does not own either."""
     form = SCATTERS.get(func.overloadpacket)
-    if form is None or storage_key(args[0]) in info.created:
+    if form is None or len(args) < (2 if form == "put" else 3) or storage_key(args[0]) in info.created:
         return
     state = args[0]
     if form == "put":
-        indices = [i for i in args[1] if i is not None]
-        dim = next(p for p, i in enumerate(args[1]) if i is not None) if indices else 0
+        indices, dim = [i for i in args[1] if i is not None], 0
         dims = tuple(state.shape[p] for p, i in enumerate(args[1]) if i is not None)
     else:
         dim = args[1] % max(state.dim(), 1)
         indices, dims = [args[2]], (tuple(state.shape) if form == "scatter" else (state.shape[dim],))
-    if not indices or any(i.dtype in (torch.bool, torch.uint8) or storage_key(i) in info.created for i in indices):
-        return
+    if not indices or 0 in dims or any(i.dtype in (torch.bool, torch.uint8) or storage_key(i) in info.created
+                                       or storage_key(i) in info.writes for i in indices):
+        return                      # a mask, or an index the graph computes itself: no value before the replay
     buf = doctor.buffer(storage_key(state))
     info.scatters.append(Scatter(
         str(func), source, f"`{buf.name}`" if buf is not None else f"the state {describe(state)}", form, dim, dims,

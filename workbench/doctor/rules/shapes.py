@@ -110,9 +110,9 @@ def _in_frame(step: PaddedStep, frame, line: int) -> tuple[str, str] | None:
     filename = frame.f_code.co_filename
     if filename.startswith(_SKIP_DIRS) or filename.startswith("<"):
         return None
-    named = list(_named_tensors(frame.f_locals))
-    padded = next(((n, t) for n, t in named if _rows(t) == step.size and storage_key(t) in step.keys), None)
-    real = next(((n, t) for n, t in named if _rows(t) == step.real and storage_key(t) not in step.keys), None)
+    named = [(n, t, _key(t)) for n, t in _named_tensors(frame.f_locals)]
+    padded = next(((n, t) for n, t, k in named if _rows(t) == step.size and k in step.keys), None)
+    real = next(((n, t) for n, t, k in named if _rows(t) == step.real and k not in step.keys), None)
     if padded is None or real is None:
         return None
     code = linecache.getline(filename, line).strip()
@@ -187,6 +187,14 @@ def _named_tensors(local_vars: dict):
             yield from ((f"{name}[{i}]", v) for i, v in enumerate(value) if isinstance(v, torch.Tensor))
         elif isinstance(value, torch.Tensor):
             yield name, value
+
+
+def _key(t: torch.Tensor) -> int | None:
+    """A frame may hold tensors without a storage of their own (sparse, fake, nested)."""
+    try:
+        return storage_key(t)
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _rows(t) -> int | None:
