@@ -119,6 +119,43 @@ def test_padded_rows_copied_from_a_persistent_host_mirror(variant):
     assert torch.equal(data, torch.tensor([1, 2, 3, 4, 0, 1]))
 
 
+class BlockTable:
+    """Block ids per request, rebuilt through the host each step; the graph sums what every
+    column's block holds, so padded columns must name the null block 0."""
+
+    def __init__(self, variant):
+        self.variant = variant
+        self.blocks = torch.cat([torch.zeros(1, 2), torch.arange(1.0, 11.0).reshape(5, 2)])
+        self.table = torch.zeros(2, 4, dtype=torch.int64)
+
+    def forward(self):
+        return self.blocks[self.table].sum(1)
+
+    def plan(self, rows):
+        host = self.table.cpu().clone()
+        width = len(rows[0])
+        host[:, :width] = torch.tensor(rows)
+        if self.variant == "fix":
+            host[:, width:] = 0
+        self.table.copy_(host)
+        return width
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_padded_columns_refilled_with_what_they_held_before(variant):
+    def workload():
+        p = BlockTable(variant)
+        g, out = captured(p.forward, {"table": p.table})
+        for rows in ([[1, 2, 3, 4], [5, 4, 3, 2]], [[2, 1], [3, 5]]):
+            width = p.plan(rows)
+            events.serve(g, 2, 2, outputs=out, padded_columns={"table": (p.table, width)})
+            g.replay()
+            events.handed_out(g, out)
+    report = doctor.diagnose(workload)
+    assert [(f.kind, f.op) for f in report.findings] == ([("stale-padding", "aten.index.Tensor")]
+                                                          if variant == "bug" else [])
+
+
 class Positions:
     """Real rows advanced in place between steps (continuing requests), padded rows reset or not;
     every output row sums over the batch, so it reads the padded rows."""
