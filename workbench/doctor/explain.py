@@ -132,3 +132,18 @@ def pool_handed_on(tensor: str, producer: str, writer: str, handed_on: bool) -> 
     return (f"The graph reads the {tensor} that {producer} produces, but {writer}'s replay wrote the same memory after "
             f"{producer}'s last replay: it reads another graph's data. Replay {producer} right before the graph "
             "that reads its output, or copy the output out before any other graph of the pool replays.")
+
+
+def padded_scatter(op: str, index: str, state: str) -> str:
+    return (f"{op} runs over every row of the padded batch and writes {state} through the index in `{index}`. A "
+            "padded row's index names a slot that a real row of the same step names too, so that slot is "
+            "written twice -- with the real row's data and with the padded row's -- and the real request's state "
+            "gets an update it never asked for. Padded rows need slots of their own (one null slot they share).")
+
+
+def padded_shape_mismatch(graph: str, real: int, size: int) -> str:
+    return (f"A replay of {graph} served {real} real rows at its captured size {size}, so its outputs have "
+            f"{size} rows, padded rows included. Eager code after the replay combined them with tensors built for "
+            f"the {real} real rows (per-request indices, lengths or parameters): the shapes disagree, and the code "
+            "asserts, fails to broadcast or indexes out of range -- or, where the shapes happen to broadcast, "
+            "computes with the padded rows.")

@@ -33,7 +33,7 @@ from .probes.startup import Startup
 from .records import Buffer, External, GraphInfo, Op, Pending
 from .report import KINDS, Finding, Report
 from .rules.dangling import DanglingReferenceError
-from .rules import dangling, mutation, overwritten, sync, undersized, warmup
+from .rules import dangling, mutation, overwritten, padded_scatter, shapes, sync, undersized, warmup
 from .rules.pool import PoolReads
 from .tensors import first_line, signature
 
@@ -103,6 +103,8 @@ class Doctor:
         self.trace: list[dict] = []                 # per replay, under diagnose's padded-row probes
         self.diff = None                            # the eager run of a differential replay
         self.replay_error: tuple | None = None      # (error, where) of a replay that raised
+        self.plan = None                            # diagnose's record of the steps served (probes/padding.py)
+        self.padded_step = None                     # the last padded replay, its outputs (rules/shapes.py)
         self.mode = None                            # set by watching()
         self.stepped_aside = False                  # our mode is off the stack for this replay
         self.failure: str | None = None             # the doctor's own error, once it has stopped
@@ -148,6 +150,7 @@ class Doctor:
         text = f"{type(error).__name__}: {first_line(error)}"
         if self.replay_error is not None and self.replay_error[0] is error:
             text += f" ({self.replay_error[1]})"
+        shapes.failed(self, error)
         return text
 
     # ------------------------------------------------------------------ engine events
@@ -210,6 +213,7 @@ class Doctor:
                 mutation_probe.probe(self, info, graph)
             if self.pattern is not None:
                 padding_probe.record_inputs(self, info)
+            padded_scatter.check(self, info)
             if info.pending is not None and info.pending.differential:
                 differential.begin(self, info)
         self.phase = "replay"
@@ -239,6 +243,7 @@ class Doctor:
         pending, info.pending = info.pending, None
         if self.pattern is not None:
             padding_probe.record_outputs(self, info, pending)
+        shapes.replayed(self, info, pending)
         if pending is not None and pending.differential and error is None:
             differential.finish(self, info, pending)
 
@@ -290,6 +295,7 @@ class Doctor:
             self.padded_steps += 1
             if self.pattern is not None and real <= size:
                 padding_probe.fill(self, padded, columns, real, size)
+        padding_probe.served(self, real, size, padded, columns)
         self.served += 1
         self.no_eager += eager is None
         sampled = eager is not None and self.every > 0 and (self.served - 1) % self.every == 0
@@ -304,6 +310,7 @@ class Doctor:
         self.handed_any = True
         for t in (tensors_out if isinstance(tensors_out, (tuple, list)) else (tensors_out,)):
             overwritten.tag(self, t, info)
+        padding_probe.carry(self)
 
     # ------------------------------------------------------------------ the dispatch mode's work
     def targets(self, func, args, kwargs) -> list:
@@ -324,6 +331,7 @@ class Doctor:
         targets = self.targets(func, args, kwargs)
         if targets and func is aten.copy_.default:
             undersized.check_fit(self, args[0], args[1])
+            padding_probe.copied(self, args[0], args[1])
         if phase == "warmup":
             mutation.before_warmup_write(self, targets, str(func))
             if func._schema.is_mutable:
@@ -343,6 +351,8 @@ class Doctor:
                 if (key := storage_key(t)) in self.graph_writes:
                     self.touched[key] = user_frame()
         out = mutation.eager_write(self, func, args, kwargs, run, targets) if targets else run()
+        if self.padded_step is not None and not func.is_view:
+            shapes.derived(self, func, args, kwargs, out)
         if self.handed and func.is_view and isinstance(out, torch.Tensor):
             overwritten.tag_view(self, args[0], out)
         memory.record_new_storages(func, args, kwargs, out)
@@ -361,6 +371,7 @@ class Doctor:
         sig = signature(func, args, kwargs)
         out = undersized.write(self, func, targets, run)
         self.pool.captured(info, func, args, kwargs, out, Op(str(func), source))
+        padded_scatter.captured(self, info, func, args, kwargs, source)
         lifted = func.overloadpacket in (aten.lift_fresh, aten.lift_fresh_copy)
         if lifted:
             for t in inputs:                          # a constant of the captured code: the graph keeps it

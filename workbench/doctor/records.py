@@ -85,3 +85,4 @@ class GraphInfo:
         self.blocks: set[tuple] = set()             # memory blocks the capture wrote (rules/pool.py)
         self.own_blocks: set[tuple] = set()         # of those, blocks it allocated
         self.expects: dict[tuple, tuple] = {}       # blocks read from another capture -> that producer
+        self.scatters: list = []                    # captured writes into state through an index (rules/padded_scatter.py)

@@ -1,34 +1,129 @@
 """Padded-row and padded-column fills, and the per-replay records ``diagnose`` compares.
 
 ``diagnose`` runs a workload twice more with the padded rows and columns filled two different
-ways. Only elements nothing rewrote since the previous replay are filled (``Doctor.fresh``): what
-the runner neutralises before a replay is its fix, and the fill must not undo it, wherever the
-runner calls ``serve``. NumPy arrays (host metadata) cannot be watched for writes and are filled."""
+ways. Two fills, so that whatever a runner does not derive from the step's real data shows:
+
+* **at serve**, elements nothing rewrote since the previous replay (``Doctor.fresh``): what the
+  runner neutralises before a replay is its fix, and the fill must not undo it, wherever the
+  runner calls ``serve``. NumPy arrays (host metadata) cannot be watched for writes and are filled;
+* **after each step** (``handed_out``), the rows and columns the *next* step will serve as padded,
+  in the tensors the graphs read: the first run's record of its steps (``Plan``) says which. A
+  runner that rewrites padded rows with what they held before -- a round trip through a host
+  mirror of the buffer, the previous step's real values carried along -- carries the fill into
+  the next replay, as TensorRT-LLM's poison-fill tests do on purpose. A tensor of other memory
+  that the runner copies whole into such a buffer (a persistent host mirror) is filled the same
+  way, and put back at the next ``serve``. Real rows of the next step are never touched, so a
+  runner that keeps them (or updates them in place) is left as it is; host arrays are not filled
+  then (they hold requests' bookkeeping that the runner moves around), nor before a warmup or
+  capture (those run on the buffers as the runner left them).
+
+Fill values are 0 and 1 (``False``/``True``), valid as indices: the i-th padded array gets
+``(i + pattern) % 2``, so every array changes between the runs and neighbours swap their order
+(a comparison between two padded fields flips).
+"""
 from __future__ import annotations
+
+import weakref
 
 import numpy as np
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ...engine.opinfo import storage_key
+from ..rules.padded_scatter import Index
 from ..tensors import digest, whole
+
+
+class Plan:
+    """What ``diagnose`` records of the steps a run serves: ``(real, size, regions, phases)`` per
+    ``serve``, where ``regions`` maps each padded array's name to ``None`` (padded rows) or its real
+    width (padded columns) and ``phases`` counts warmups and captures so far. A padded-row run is
+    given the first run's steps (``ahead``), the tensors of its current step, the mirrors copied
+    whole into announced buffers, and the mirrors' regions it filled (to put back)."""
+
+    def __init__(self, ahead: list | None = None) -> None:
+        self.steps: list[tuple] = []
+        self.ahead = ahead
+        self.current: dict[str, weakref.ref] = {}
+        self.mirrors: dict[int, Index] = {}
+        self.borrowed: list[tuple] = []
+
+
+def served(doctor, real: int, size: int, padded: dict, columns: dict) -> None:
+    plan = doctor.plan
+    if plan is None:
+        return
+    regions = {name: None for name in padded} | {name: width for name, (_, width) in columns.items()}
+    plan.steps.append((real, size, regions, doctor.report.warmups + doctor.report.captures))
+    with _disable_current_modes():
+        for mirror, index, saved in plan.borrowed:
+            if (m := mirror.read()) is not None:
+                m[index].copy_(saved)
+    plan.borrowed = []
+    if plan.ahead is not None:
+        arrays = {**padded, **{name: t for name, (t, _) in columns.items()}}
+        plan.current = {name: weakref.ref(t) for name, t in arrays.items() if isinstance(t, torch.Tensor)}
+
+
+def carry(doctor) -> None:
+    """After a step of a padded-row run: fill the next step's padded rows and columns now, in the
+    tensors of this step that a graph reads, if nothing is captured before that step."""
+    plan = doctor.plan
+    if plan is None or plan.ahead is None or not plan.current:
+        return
+    k = len(plan.steps)
+    if not 0 < k < len(plan.ahead) or plan.ahead[k][3] != plan.ahead[k - 1][3] or plan.steps[-1] != plan.ahead[k - 1]:
+        return
+    real, size, regions, _ = plan.ahead[k]
+    read = {key for info in doctor.graphs.values() if info.ref() is not None for key in info.externals}
+    with _disable_current_modes():
+        for i, (name, width) in enumerate(regions.items()):
+            t = plan.current[name]() if name in plan.current else None
+            if t is None or storage_key(t) not in read or (width is not None and t.dim() < 2):
+                continue
+            index = (slice(real, size),) if width is None else (slice(0, size), slice(width, None))
+            value = _value(i, doctor.pattern, t.dtype == torch.bool)
+            t[index].fill_(value)
+            mirror = plan.mirrors.get(storage_key(t))
+            if mirror is not None and (m := mirror.read()) is not None:
+                plan.borrowed.append((mirror, index, m[index].clone()))
+                m[index].fill_(value)
+    plan.current = {}
+
+
+def copied(doctor, dst: torch.Tensor, src) -> None:
+    """A copy into an announced buffer, in a padded-row run: a tensor of other memory copied over
+    the whole buffer is its mirror, filled with it after each step -- unless a graph owns it (an
+    output fed back), whose rows the caller may still read."""
+    plan = doctor.plan
+    if plan is None or plan.ahead is None or doctor.phase != "eager" or not isinstance(src, torch.Tensor):
+        return
+    buf = doctor.buffer(storage_key(dst)).ref()
+    if (storage_key(src) == storage_key(dst) or doctor.owner_of(storage_key(src)) is not None
+            or src.shape != buf.shape or dst.shape != buf.shape or dst.stride() != buf.stride()
+            or dst.storage_offset() != buf.storage_offset()):
+        return
+    plan.mirrors[storage_key(dst)] = Index(storage_key(src), StorageWeakRef(src.untyped_storage()), src.dtype,
+                                           tuple(src.shape), src.stride(), src.storage_offset())
+
+
+def _value(i: int, pattern: int, boolean: bool):
+    value = (i + pattern) % 2
+    return bool(value) if boolean else value
 
 
 def fill(doctor, padded: dict, columns: dict, real: int, size: int) -> None:
     """Rows ``[real, size)`` of each padded array and columns ``[width, end)`` of rows ``[0, size)``
-    of each padded-columns tensor get a small value: ``2i`` for the i-th array under pattern 0,
-    ``2(n - i) - 1`` under pattern 1, so every array changes (even against odd, booleans too) and
-    any two swap their order (a comparison between two padded fields flips). Small values stay
-    valid as indices."""
+    of each padded-columns tensor get the run's value for that array (see the module docstring),
+    except elements rewritten since the previous replay."""
     arrays = [(arr, slice(real, size), slice(None)) for arr in padded.values()]
     arrays += [(t, slice(0, size), slice(width, None)) for t, width in columns.values()]
-    n = len(arrays)
     for i, (arr, rows, cols) in enumerate(arrays):
-        value = 2 * i if doctor.pattern == 0 else 2 * (n - i) - 1
         if isinstance(arr, torch.Tensor):
             with _disable_current_modes():
                 target = arr[rows] if cols == slice(None) else arr[rows, cols]
-                fill_value = torch.full_like(target, bool(value % 2) if arr.dtype == torch.bool else value)
+                fill_value = torch.full_like(target, _value(i, doctor.pattern, arr.dtype == torch.bool))
                 kept = doctor.fresh.get(storage_key(arr))
                 if kept is not None and kept.shape == arr.shape:
                     keep = kept[rows] if cols == slice(None) else kept[rows, cols]
@@ -36,7 +131,7 @@ def fill(doctor, padded: dict, columns: dict, real: int, size: int) -> None:
                 target.copy_(fill_value)
         elif isinstance(arr, np.ndarray):
             index = rows if cols == slice(None) else (rows, cols)
-            arr[index] = bool(value % 2) if arr.dtype == np.bool_ else value
+            arr[index] = _value(i, doctor.pattern, arr.dtype == np.bool_)
         else:
             raise TypeError(f"padded rows must be tensors or NumPy arrays, got {type(arr).__name__}")
 

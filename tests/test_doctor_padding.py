@@ -1,0 +1,366 @@
+"""The doctor's padded-row mechanisms, each on small runners of its own (bug and fix idioms).
+
+* fills after each step that a runner's round trip carries into the next replay;
+* the scatter-index contract: a padded row never names a real row's state slot;
+* padded-shape-mismatch: eager code after a padded replay fails on padded and real rows.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from workbench import doctor
+from workbench.doctor import padding_record
+from workbench.engine import events, graph, new_graph
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+
+def captured(forward, static, *, name="size 4"):
+    """A graph of ``forward`` (a warmup, then the capture) over announced static buffers."""
+    events.static_buffers("Runner", static)
+    with torch.no_grad():
+        with events.warmup():
+            forward()
+        g = new_graph("cpu")
+        with graph(g, name=name):
+            out = forward()
+    return g, out
+
+
+def replay(g, out, real, size, padded):
+    events.serve(g, real, size, padded=padded, outputs=out)
+    g.replay()
+    events.handed_out(g, out)
+    return out
+
+
+# ------------------------------------------------------------------ fills carried by a round trip
+class Planner:
+    """A plan of work items written into a device workspace through a host round trip: entries
+    past the planned count keep what the workspace held (``bug``), are masked (``mask``), or are
+    given a null item (``null``)."""
+
+    def __init__(self, idiom):
+        self.idiom = idiom
+        self.table = torch.arange(12.0).reshape(6, 2)
+        self.items = torch.zeros(6, dtype=torch.int64)
+        self.valid = torch.ones(6)
+
+    def forward(self):
+        return (self.table[self.items] * self.valid[:, None]).sum(0, keepdim=True)
+
+    def plan(self, items):
+        host = self.items.cpu().clone()               # the workspace as left, through the host
+        host[:len(items)] = torch.tensor(items)
+        if self.idiom == "null":
+            host[len(items):] = 5                     # row 5 of the table is all the null items read
+        self.items.copy_(host)
+        if self.idiom == "mask":
+            self.valid.zero_()
+            self.valid[:len(items)] = 1.0
+        if self.idiom == "null":
+            self.table[5] = 0.0
+
+
+@pytest.mark.parametrize("idiom", ["bug", "mask", "null"])
+def test_padded_rows_refilled_with_what_they_held_before_are_stale_padding(idiom):
+    def workload():
+        p = Planner(idiom)
+        g, out = captured(p.forward, {"items": p.items, "valid": p.valid})
+        for items in ([1, 2, 3, 4, 0, 1], [2, 3, 4]):
+            p.plan(items)
+            replay(g, out, len(items), 6, {"items": p.items})
+    report = doctor.diagnose(workload)
+    if idiom != "bug":
+        assert report.findings == [] and report.errors == []
+        return
+    (finding,) = report.findings
+    assert finding.kind == "stale-padding" and finding.op == "aten.index.Tensor"
+    assert finding.location.endswith("in forward") and "replay 2" in finding.evidence
+
+
+class Mirrored:
+    """Work items kept in a persistent host mirror, copied whole into the device buffer every
+    step: entries past the plan keep the previous plan's items (``bug``) or the null item."""
+
+    def __init__(self, variant):
+        self.variant = variant
+        self.table = torch.cat([torch.arange(10.0).reshape(5, 2), torch.zeros(1, 2)])
+        self.host = torch.zeros(6, dtype=torch.int64)
+        self.items = torch.zeros(6, dtype=torch.int64)
+
+    def forward(self):
+        return self.table[self.items].sum(0, keepdim=True)
+
+    def plan(self, items):
+        self.host[:len(items)] = torch.as_tensor(items)
+        if self.variant == "fix":
+            self.host[len(items):] = 5
+        self.items.copy_(self.host)
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_padded_rows_copied_from_a_persistent_host_mirror(variant):
+    data = torch.tensor([1, 2, 3, 4, 0, 1])            # shared by the three runs: put back after each fill
+
+    def workload():
+        p = Mirrored(variant)
+        g, out = captured(p.forward, {"items": p.items})
+        for n in (6, 3, 3):
+            p.plan(data[:n])
+            replay(g, out, n, 6, {"items": p.items})
+    report = doctor.diagnose(workload)
+    assert [f.kind for f in report.findings] == (["stale-padding"] if variant == "bug" else [])
+    assert torch.equal(data, torch.tensor([1, 2, 3, 4, 0, 1]))
+
+
+class BlockTable:
+    """Block ids per request, rebuilt through the host each step; the graph sums what every
+    column's block holds, so padded columns must name the null block 0."""
+
+    def __init__(self, variant):
+        self.variant = variant
+        self.blocks = torch.cat([torch.zeros(1, 2), torch.arange(1.0, 11.0).reshape(5, 2)])
+        self.table = torch.zeros(2, 4, dtype=torch.int64)
+
+    def forward(self):
+        return self.blocks[self.table].sum(1)
+
+    def plan(self, rows):
+        host = self.table.cpu().clone()
+        width = len(rows[0])
+        host[:, :width] = torch.tensor(rows)
+        if self.variant == "fix":
+            host[:, width:] = 0
+        self.table.copy_(host)
+        return width
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_padded_columns_refilled_with_what_they_held_before(variant):
+    def workload():
+        p = BlockTable(variant)
+        g, out = captured(p.forward, {"table": p.table})
+        for rows in ([[1, 2, 3, 4], [5, 4, 3, 2]], [[2, 1], [3, 5]]):
+            width = p.plan(rows)
+            events.serve(g, 2, 2, outputs=out, padded_columns={"table": (p.table, width)})
+            g.replay()
+            events.handed_out(g, out)
+    report = doctor.diagnose(workload)
+    assert [(f.kind, f.op) for f in report.findings] == ([("stale-padding", "aten.index.Tensor")]
+                                                          if variant == "bug" else [])
+
+
+class Positions:
+    """Real rows advanced in place between steps (continuing requests), padded rows reset or not;
+    every output row sums over the batch, so it reads the padded rows."""
+
+    def __init__(self, reset):
+        self.reset = reset
+        self.rope = torch.arange(20.0).reshape(10, 2)
+        self.positions = torch.zeros(4, dtype=torch.int64)
+
+    def forward(self):
+        rows = self.rope[self.positions]
+        return rows + rows.sum(0)
+
+    def step(self, n):
+        self.positions[:n] += 1                        # the real rows: the previous step's values, updated
+        if self.reset:
+            self.positions[n:].zero_()
+
+
+@pytest.mark.parametrize("reset", [False, True])
+def test_real_rows_updated_in_place_are_not_touched_by_the_fills(reset):
+    """The fills reach only the next step's padded rows: real rows a runner keeps or updates in
+    place stay as in the run without the doctor; padded rows never reset remain the finding."""
+    def workload():
+        p = Positions(reset)
+        g, out = captured(p.forward, {"positions": p.positions})
+        for n in (4, 3, 3, 2):
+            p.step(n)
+            replay(g, out, n, 4, {"positions": p.positions})
+    report = doctor.diagnose(workload)
+    assert [f.kind for f in report.findings] == ([] if reset else ["stale-padding"])
+
+
+def test_host_bookkeeping_arrays_and_a_recapture_between_steps_are_left_alone():
+    """NumPy arrays named at serve (requests' counters the runner moves between rows) are not
+    filled after a step, nor is anything before a step preceded by a capture."""
+    def workload():
+        x, counters = torch.zeros(4, 2), np.zeros(4, dtype=np.int64)
+        g, out = captured(lambda: x * 2, {"x": x})
+        for step, n in enumerate((4, 3, 3)):
+            if step == 1:
+                counters[n - 1] = counters[n]           # the last request moves into the finished one's row
+            counters[:n] += 1
+            x[:n] = torch.full((n, 2), float(counters[:n].sum()))
+            x[n:] = 0
+            if step == 2:
+                g, out = captured(lambda: x * 2, {"x": x})   # re-captured after a weight update
+            replay(g, out, n, 4, {"x": x, "counters": counters})
+    report = doctor.diagnose(workload)
+    assert report.findings == [] and report.errors == []
+
+
+# ------------------------------------------------------------------ the scatter-index contract
+def state_update(form):
+    def update(state, index, x):
+        if form == "index_add_":
+            state.index_add_(0, index, x)
+        elif form == "index_put_":
+            state[index] = state[index] * 0.5 + x
+        else:
+            state.scatter_add_(0, index[:, None].expand_as(x), x)
+        return state[index] * 1
+    return update
+
+
+@pytest.mark.parametrize("form, padding", [(form, padding) for form in ("index_add_", "index_put_", "scatter_add_")
+                                           for padding in ("a real slot", "the null slot")]
+                         + [("index_put_", "slot -1")])
+def test_a_padded_row_naming_a_real_rows_state_slot(form, padding):
+    """Slots 0..3 hold requests, slot 4 is the null slot (-1 addresses it as well, where the op
+    takes negative indices)."""
+    state = torch.zeros(5, 3)
+    index = torch.zeros(4, dtype=torch.int64)
+    x = torch.zeros(4, 3)
+    update = state_update(form)
+    with doctor.watch() as report:
+        g, out = captured(lambda: update(state, index, x), {"index": index, "x": x})
+        events.persistent_state("Runner", {"state": state})
+        index[:3] = torch.tensor([2, 0, 1])
+        index[3] = {"a real slot": 0, "the null slot": 4, "slot -1": -1}[padding]
+        x.copy_(torch.ones(4, 3))
+        replay(g, out, 3, 4, {})                       # the runner wrote every padded row itself
+    if padding != "a real slot":
+        assert report.findings == []
+        return
+    (finding,) = report.findings
+    assert finding.kind == "stale-padding" and finding.op.startswith(f"aten.{form}")
+    assert finding.location.endswith("in update") and finding.tensor == "index: int64[4]"
+    assert finding.numbers == {"replay": 1, "real": 3, "size": 4, "padded_row": 3, "real_row": 1,
+                               "slot": (0, 0) if form == "scatter_add_" else 0}   # scatter: an element
+
+
+def test_indices_computed_inside_the_graph_and_scatters_into_its_own_tensors_are_not_checked():
+    """Only indices read from memory the graph does not own have values before a replay, and only
+    writes into memory it does not own are state: neither case gives a finding here."""
+    state = torch.zeros(4, 3)
+    slots = torch.zeros(4, dtype=torch.int64)
+
+    def forward():
+        state.index_add_(0, slots % 2, torch.ones(4, 3))         # index computed in the graph
+        return torch.zeros(4, 3).index_add_(0, slots, torch.ones(4, 3))   # the graph's own tensor
+
+    with doctor.watch() as report:
+        g, out = captured(forward, {"slots": slots})
+        slots.copy_(torch.tensor([0, 1, 2, 0]))
+        replay(g, out, 3, 4, {})
+    assert report.findings == []
+
+
+# ------------------------------------------------------------------ padded-shape-mismatch
+class Mixer:
+    """A graph's 4 padded rows meet per-request tensors of 3 rows in eager code after it."""
+
+    def __init__(self):
+        self.h = torch.zeros(4, 2)
+        self.g, self.out = captured(lambda: self.h * 2, {"h": self.h})
+        self.lengths = torch.tensor([3.0, 1.0, 2.0])
+
+    def step(self):
+        self.h[:3] = 1.0
+        return replay(self.g, self.out, 3, 4, {"h": self.h})
+
+
+def asserted(out, lengths):
+    assert out.shape[0] == lengths.shape[0], "one length per row"
+    return out / lengths[:, None]
+
+
+def broadcast(out, lengths):
+    return out / lengths[:, None]
+
+
+def indexed(out, lengths):
+    return lengths[torch.arange(out.shape[0])]
+
+
+def derived_then_asserted(out, lengths):
+    scaled = out * 2                                   # derived eagerly: still the graph's 4 rows
+    return asserted(scaled, lengths)
+
+
+@pytest.mark.parametrize("combine, error, line", [
+    (asserted, AssertionError, "assert out.shape[0] == lengths.shape[0]"),
+    (broadcast, RuntimeError, "return out / lengths[:, None]"),
+    (indexed, IndexError, "return lengths[torch.arange(out.shape[0])]"),
+    (derived_then_asserted, AssertionError, "assert out.shape[0] == lengths.shape[0]"),
+])
+def test_eager_code_failing_on_padded_and_real_rows_is_padded_shape_mismatch(combine, error, line):
+    with pytest.raises(error), doctor.watch() as report:
+        m = Mixer()
+        combine(m.step(), m.lengths)
+    assert report.headline().startswith(f"Graph doctor: the workload failed: {error.__name__}")
+    (finding,) = report.findings
+    assert finding.kind == "padded-shape-mismatch" and finding.graph == "size 4"
+    assert finding.source.split(": ", 1)[1].startswith(line)
+    assert finding.numbers == {"replay": 1, "real": 3, "size": 4}
+    assert "(3 real rows)" in finding.tensor and "(the graph's 4 rows)" in finding.tensor
+    assert "its outputs have 4 rows" in finding.cause and "built for the 3 real rows" in finding.cause
+
+
+def test_a_failure_the_workload_catches_itself_is_found_by_diagnose_and_the_fix_is_clean():
+    def workload(variant):
+        m = Mixer()
+        out = m.step()
+        try:
+            asserted(out if variant == "bug" else out[:3], m.lengths)
+        except AssertionError:
+            pass                                       # the workload records its failure and goes on
+    bug, fix = doctor.diagnose(lambda: workload("bug")), doctor.diagnose(lambda: workload("fix"))
+    assert [f.kind for f in bug.findings] == ["padded-shape-mismatch"] and bug.errors == []
+    assert bug.findings[0].location.endswith("in asserted")
+    assert fix.findings == [] and fix.errors == []
+    assert sys.gettrace() is None                     # diagnose left no tracer behind
+
+
+def test_an_error_without_padded_and_real_rows_is_only_the_workloads_error():
+    with pytest.raises(ValueError), doctor.watch() as report:
+        m = Mixer()
+        out = m.step()[:3]                             # the real rows only
+        m.lengths / out[:, 0]
+        raise ValueError("something else")
+    assert report.findings == [] and report.errors == ["ValueError: something else"]
+
+
+# ------------------------------------------------------------------ the GPU record
+def test_the_zoo_padded_row_bugs_are_found_and_their_fixes_clean_on_the_cpu():
+    for name in padding_record.programs():
+        expected = padding_record.program(name)
+        bug, fix = (padding_record.findings_of(name, v, "cpu") for v in ("bug", "fix"))
+        assert expected.KIND in bug["kinds"] and bug["sites"][expected.KIND] == expected.SITE, name
+        assert fix["kinds"] == [], name
+
+
+@pytest.mark.skipif(not padding_record.RESULT.exists(),
+                    reason="results/gpu/doctor_padding.json not recorded yet (padding_record.gpu_record on a GPU)")
+def test_the_gpu_record_matches_the_emulation():
+    data = json.loads(padding_record.RESULT.read_text())
+    recorded = data.get("results", data)["programs"]
+    for name, variants in recorded.items():
+        for variant, found in variants.items():
+            assert found == padding_record.findings_of(name, variant, "cpu"), (name, variant)
+
+
+@pytest.mark.cuda
+def test_gpu_record_on_cuda():
+    record = padding_record.gpu_record("cuda", only=["trtllm_9873_repeated_padding_state_index"])
+    found = record["programs"]["trtllm_9873_repeated_padding_state_index"]
+    assert found["bug"]["kinds"] == ["stale-padding"] and found["fix"]["kinds"] == []

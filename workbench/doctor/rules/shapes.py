@@ -1,0 +1,201 @@
+"""padded-shape-mismatch: eager code combines a padded replay's outputs with per-request tensors.
+
+A graph serving ``real`` rows at its captured ``size`` hands out outputs of ``size`` rows, padded
+rows included. Eager code after the replay (a PIECEWISE graph's eager piece, a sampler, a kernel
+called next) often combines them with tensors it built for the real rows only -- state indices,
+sequence lengths, per-request parameters -- and fails: an assertion on the batch size (vLLM's
+``causal_conv1d_update``), a broadcast error, an index or shape error. The error names neither the
+graph nor the padding. When the watched workload raises after a padded replay, the innermost user
+frames of the traceback are searched for a tensor that is (a view of, or derived eagerly from) that
+replay's outputs with ``size`` rows next to a tensor with ``real`` rows; the frame's line is the
+site. Eager ops that combined such tensors before the failure are the fallback evidence.
+A workload may catch its own failure and carry on (a test harness, a serving loop that logs and
+drops the batch): under ``diagnose`` such errors are seen as they are raised, by a tracer that is
+on only between a padded replay and the next served replay.
+"""
+from __future__ import annotations
+
+import dataclasses
+import linecache
+import sys
+
+import torch
+
+from ...engine.errors import GraphError, IllegalMemoryAccess
+from ...engine.opinfo import describe, storage_key, tensors
+from ...engine.source import _SKIP_DIRS, _short, user_frame
+from .. import explain
+from ..report import Finding
+from ..tensors import first_line
+
+
+@dataclasses.dataclass
+class PaddedStep:
+    """The last served replay with padded rows: ``keys`` are the storages of its outputs and of
+    tensors eager code derived from them with ``size`` rows; ``seen`` the first eager op that
+    combined one of them with a tensor of ``real`` rows."""
+
+    graph: str
+    replay: int
+    real: int
+    size: int
+    keys: set
+    seen: tuple | None = None
+
+
+def replayed(doctor, info, pending) -> None:
+    """After a served replay: remember it when it served padded rows, forget the previous one.
+    Under ``diagnose`` (not its padded-row runs) errors are watched as they are raised from then
+    on, because a workload may catch its own failure and carry on."""
+    if pending is None:
+        return
+    if pending.real >= pending.size or pending.outputs is None:
+        doctor.padded_step = None
+        _tracer.stop()
+        return
+    keys = {storage_key(t) for t in tensors(pending.outputs)}
+    doctor.padded_step = PaddedStep(info.name, info.replays, pending.real, pending.size, keys)
+    if doctor.plan is not None and doctor.pattern is None:
+        _tracer.start(doctor)
+
+
+def derived(doctor, func, args, kwargs, out) -> None:
+    """An eager op after a padded replay: its results with ``size`` rows computed from the outputs
+    carry the padded rows too; its combining them with ``real`` rows is noted."""
+    step = doctor.padded_step
+    inputs = list(tensors((args, kwargs)))
+    padded = [t for t in inputs if _rows(t) == step.size and storage_key(t) in step.keys]
+    if not padded:
+        return
+    if step.seen is None:
+        real = next((t for t in inputs if _rows(t) == step.real and storage_key(t) not in step.keys), None)
+        if real is not None:
+            step.seen = (str(func), user_frame(), describe(padded[0]), describe(real))
+    step.keys.update(storage_key(o) for o in tensors(out) if _rows(o) == step.size)
+
+
+def failed(doctor, error: BaseException) -> None:
+    """The watched code raised out of ``watch()``: explain it when it met a padded replay's rows
+    and real rows, in the innermost user frames or, failing that, in an eager op before."""
+    step = doctor.padded_step
+    if step is None or not _explainable(error) or (doctor.replay_error is not None and doctor.replay_error[0] is error):
+        return
+    try:
+        frames = []
+        tb = error.__traceback__
+        while tb is not None:
+            frames.append((tb.tb_frame, tb.tb_lineno))
+            tb = tb.tb_next
+        found = next(filter(None, (_in_frame(step, f, line) for f, line in reversed(frames))), None)
+        if found is None and step.seen is not None:
+            found = (step.seen[1], f"{step.seen[2]} and {step.seen[3]}", step.seen[0])
+        if found is not None:
+            _report(doctor, step, error, *found)
+    except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
+        doctor.fail(e, "explaining the workload's error")
+
+
+def _report(doctor, step: PaddedStep, error: BaseException, source: str, what: str, op: str | None = None) -> None:
+    numbers = {"replay": step.replay, "real": step.real, "size": step.size}
+    doctor.add(Finding(
+        "padded-shape-mismatch", step.graph, op or type(error).__name__, what, source,
+        f"the workload failed after replay {step.replay} of {step.graph}, which served {step.real} real rows of "
+        f"{step.size}: {what} met at this line ({type(error).__name__}: {first_line(error)})",
+        explain.padded_shape_mismatch(step.graph, step.real, step.size), numbers), ("padded-shape-mismatch", source))
+
+
+def _in_frame(step: PaddedStep, frame, line: int) -> tuple[str, str] | None:
+    """``(source line, the two tensors)`` when a user frame holds a tensor with the replay's padded
+    rows and one with its real rows."""
+    filename = frame.f_code.co_filename
+    if filename.startswith(_SKIP_DIRS) or filename.startswith("<"):
+        return None
+    named = [(n, t, _key(t)) for n, t in _named_tensors(frame.f_locals)]
+    padded = next(((n, t) for n, t, k in named if _rows(t) == step.size and k in step.keys), None)
+    real = next(((n, t) for n, t, k in named if _rows(t) == step.real and k not in step.keys), None)
+    if padded is None or real is None:
+        return None
+    code = linecache.getline(filename, line).strip()
+    what = (f"`{padded[0]}` {describe(padded[1])} (the graph's {step.size} rows) and `{real[0]}` "
+            f"{describe(real[1])} ({step.real} real rows)")
+    return f"{_short(filename)}:{line} in {frame.f_code.co_name}: {code}", what
+
+
+class _Tracer:
+    """Sees each error as it is raised in a user frame, caught later or not (``sys.settrace``,
+    line events off: a Python call per user function call, only between a padded replay and the
+    next served replay, only under ``diagnose``). Stands aside when another tracer (a debugger,
+    coverage) is installed."""
+
+    def __init__(self) -> None:
+        self.doctor = None
+        self.seen: set[int] = set()
+
+    def start(self, doctor) -> None:
+        if self.doctor is None and sys.gettrace() is not None:
+            return                                   # someone else's tracer: leave it alone
+        self.doctor = doctor
+        sys.settrace(self.call)
+        frame = sys._getframe(1)
+        while frame is not None:                     # frames already running (the caller of replay)
+            if not frame.f_code.co_filename.startswith(_SKIP_DIRS):
+                frame.f_trace_lines, frame.f_trace = False, self.local
+            frame = frame.f_back
+
+    def stop(self) -> None:
+        if self.doctor is not None:
+            self.doctor = None
+            self.seen.clear()
+            sys.settrace(None)
+
+    def call(self, frame, event, arg):
+        if self.doctor is None or frame.f_code.co_filename.startswith(_SKIP_DIRS):
+            return None
+        frame.f_trace_lines = False
+        return self.local
+
+    def local(self, frame, event, arg):
+        doctor = self.doctor
+        if event != "exception" or doctor is None or doctor.padded_step is None or doctor.failure is not None:
+            return self.local if doctor is not None else None
+        error = arg[1]
+        if _explainable(error) and id(error) not in self.seen:
+            try:
+                found = _in_frame(doctor.padded_step, frame, frame.f_lineno)
+                if found is not None:
+                    self.seen.add(id(error))
+                    _report(doctor, doctor.padded_step, error, *found)
+            except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
+                doctor.fail(e, "watching an error raised after a padded replay")
+        return self.local
+
+
+_tracer = _Tracer()
+stop_tracing = _tracer.stop
+
+
+def _explainable(error: BaseException) -> bool:
+    """What a broken shape contract raises; not the engine's own errors (a refused capture, a guarded
+    replay, a replay that read released memory), which the other rules explain."""
+    return (isinstance(error, (AssertionError, IndexError, RuntimeError, ValueError))
+            and not isinstance(error, (GraphError, IllegalMemoryAccess)))
+
+
+def _named_tensors(local_vars: dict):
+    for name, value in local_vars.items():
+        if isinstance(value, (tuple, list)):
+            yield from ((f"{name}[{i}]", v) for i, v in enumerate(value) if isinstance(v, torch.Tensor))
+        elif isinstance(value, torch.Tensor):
+            yield name, value
+
+
+def _key(t: torch.Tensor) -> int | None:
+    """A frame may hold tensors without a storage of their own (sparse, fake, nested)."""
+    try:
+        return storage_key(t)
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _rows(t) -> int | None:
+    return t.shape[0] if t.dim() else None
