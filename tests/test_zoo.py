@@ -98,6 +98,21 @@ def test_cpu_verdict_agrees_with_gpu_record(name, variant):
 
 
 
+
+def test_the_doctor_says_on_the_gpu_what_it_says_on_the_cpu():
+    """Every program's doctor report on an H100 (kind and function of the finding it names, or none)
+    against the CPU emulation's, from one benchmark run of the doctor."""
+    rec = record.load()
+    if rec is None or "doctor" not in next(iter(rec["programs"].values()))["bug"]:
+        pytest.skip("results/gpu/zoo.json has no doctor reports yet: run workbench.zoo.gpu_record() on a GPU")
+    from workbench.zoo import bench
+    rows = bench.benchmark(detectors=("doctor",))
+    cpu = {(r["program"], r["variant"]): {"found": r["found"], "kind": r["kind"],
+                                           "site": r["site"].rsplit(" in ", 1)[-1] if r["site"] else None}
+           for r in rows}
+    gpu = {(n, v): rec["programs"][n][v]["doctor"] for n in rec["programs"] for v in zoo.VARIANTS}
+    assert {k: gpu[k] for k in cpu} == cpu
+
 # ----------------------------------------------------------------------------- the baseline detectors
 import types  # noqa: E402
 

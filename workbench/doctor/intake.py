@@ -246,6 +246,7 @@ class Doctor:
         shapes.replayed(self, info, pending)
         if pending is not None and pending.differential and error is None:
             differential.finish(self, info, pending)
+        self.startup.replayed(info)
 
     # ------------------------------------------------------------------ runner events
     def _announce(self, owner: str, buffers: dict, role: str) -> None:
@@ -346,7 +347,8 @@ class Doctor:
             overwritten.check_read(self, func, args, kwargs)
         if self.warmup_runs and not func.is_view:     # between a warmup and its capture
             self.eager_lines.add(user_frame())
-        if self.graph_writes and func._schema.is_mutable:
+        if func._schema.is_mutable and (self.graph_writes or self.startup.kept):
+            self.startup.wrote(func, args, kwargs)
             for t in written_tensors(func, args, kwargs):
                 if (key := storage_key(t)) in self.graph_writes:
                     self.touched[key] = user_frame()

@@ -23,19 +23,31 @@ _HANDLERS = ("__torch_dispatch__", "__torch_function__")
 
 def user_frame() -> str:
     """``file:line in function: code`` of the innermost frame that is not torch, engine or doctor
-    code, nor a dispatch mode's handler."""
+    code, nor a dispatch mode's handler. (Called for every op the doctor records: which code
+    objects are the user's, and each line's text, are looked up once.)"""
     frame = sys._getframe(1)
     while frame is not None:
-        filename = frame.f_code.co_filename
-        if (not filename.startswith(_SKIP_DIRS) and not filename.startswith("<frozen")
-                and frame.f_code.co_name not in _HANDLERS):
-            code = linecache.getline(filename, frame.f_lineno).strip()
-            return f"{_short(filename)}:{frame.f_lineno} in {frame.f_code.co_name}: {code}"
+        code = frame.f_code
+        mine = _USER.get(code)
+        if mine is None:
+            mine = _USER[code] = (not code.co_filename.startswith(_SKIP_DIRS)
+                                  and not code.co_filename.startswith("<frozen") and code.co_name not in _HANDLERS)
+        if mine:
+            key = (code, frame.f_lineno)
+            text = _LINES.get(key)
+            if text is None:
+                line = linecache.getline(code.co_filename, frame.f_lineno).strip()
+                text = _LINES[key] = f"{_short(code.co_filename)}:{frame.f_lineno} in {code.co_name}: {line}"
+            return text
         frame = frame.f_back
     return "<unknown>"
 
 
+_USER: dict = {}      # code object -> whether it is the user's
+_LINES: dict = {}     # (code object, line) -> the formatted location
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 def _short(filename: str) -> str:
     """Path relative to the package root's parent when inside it, else as given."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return os.path.relpath(filename, root) if filename.startswith(root) else filename
+    return os.path.relpath(filename, _ROOT) if filename.startswith(_ROOT) else filename

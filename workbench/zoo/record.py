@@ -31,10 +31,19 @@ def outcome_of(name: str, variant: str, device: str) -> dict:
 
 
 def doctor_of(name: str, variant: str, device: str) -> dict:
-    """What ``doctor.diagnose`` says of one variant (run inside a child process of its own)."""
+    """What ``doctor.diagnose`` says of one variant."""
     from ..detectors import detect
     d = detect("doctor", program(name), variant, device)
     return {"found": d.found, "kind": d.kind, "site": d.site.rsplit(" in ", 1)[-1] if d.site else None}
+
+
+def variant_of(name: str, variant: str, device: str) -> dict:
+    """The verdict, then the doctor's report, in one child process -- unless the run left the CUDA
+    context unusable (an illegal memory access): the doctor then gets a child of its own."""
+    out = outcome_of(name, variant, device)
+    error = " ".join(out["error"] or ()).lower()
+    out["doctor"] = None if "cuda" in error or "illegal" in error else doctor_of(name, variant, device)
+    return out
 
 
 def gpu_record(device: str = "cuda", programs: Sequence[str] | None = None) -> dict:
@@ -45,16 +54,18 @@ def gpu_record(device: str = "cuda", programs: Sequence[str] | None = None) -> d
     for name in (names() if programs is None else programs):
         out[name] = {}
         for variant in VARIANTS:
-            result = run_in_child(outcome_of, name, variant, device, timeout=300)
+            result = run_in_child(variant_of, name, variant, device, timeout=300)
             if result.ok:
                 out[name][variant] = result.value
             else:
                 error = [result.error_type or "ChildDied",
                          (result.error or f"exit code {result.exitcode}").splitlines()[0]]
-                out[name][variant] = {"verdict": "misbehaves", "max_abs_error": None, "error": error}
-            seen = run_in_child(doctor_of, name, variant, device, timeout=300)
-            out[name][variant]["doctor"] = seen.value if seen.ok else {
-                "found": None, "kind": None, "site": None, "error": (seen.error or f"exit code {seen.exitcode}")[:200]}
+                out[name][variant] = {"verdict": "misbehaves", "max_abs_error": None, "error": error, "doctor": None}
+            if out[name][variant]["doctor"] is None:
+                seen = run_in_child(doctor_of, name, variant, device, timeout=300)
+                out[name][variant]["doctor"] = seen.value if seen.ok else {
+                    "found": None, "kind": None, "site": None,
+                    "error": (seen.error or f"exit code {seen.exitcode}").splitlines()[0][:200]}
     on_gpu = torch.device(device).type == "cuda" and torch.cuda.is_available()
     return {"device": torch.cuda.get_device_name() if on_gpu else device,
             "torch": torch.__version__, "date": datetime.date.today().isoformat(), "programs": out}

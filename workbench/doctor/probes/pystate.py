@@ -65,22 +65,23 @@ def _filled(cell) -> bool:
 
 
 def snapshot(objects: list) -> list:
-    """``(container, shallow copy of its bindings)`` for each watched object and dict."""
-    return [(o, dict(o if isinstance(o, dict) else o.__dict__)) for o in objects]
+    """``(container, key, tensor)`` for every binding of a tensor in the watched objects and dicts."""
+    out = []
+    for o in objects:
+        items = (o if isinstance(o, dict) else o.__dict__).items()
+        out += [(o, k, v) for k, v in items if isinstance(v, torch.Tensor)]
+    return out
 
 
 def changes(before: list, made: set) -> list[tuple]:
     """``(container, key, old, new)`` for every binding of a tensor that now holds another tensor,
-    one the eager step made (``made``: its new storages). Keys added or removed (a cache filled,
-    a keep-alive list grown) and plain values are bookkeeping the step's kernels do not read."""
+    one the eager step made (``made``: its new storages). Keys added or removed (a cache filled)
+    and plain values are bookkeeping the step's kernels do not read."""
     out = []
-    for obj, was in before:
-        now = obj if isinstance(obj, dict) else obj.__dict__
-        for key, old in was.items():
-            new = now.get(key, old)
-            if new is not old and isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) \
-                    and storage_key(new) in made:
-                out.append((obj, key, old, new))
+    for obj, key, old in before:
+        new = (obj if isinstance(obj, dict) else obj.__dict__).get(key, old)
+        if new is not old and isinstance(new, torch.Tensor) and storage_key(new) in made:
+            out.append((obj, key, old, new))
     return out
 
 

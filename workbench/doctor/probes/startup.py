@@ -7,9 +7,9 @@ reads it, its answer depends on the dummy batches (vLLM #57156: NaN in the null 
 onnxruntime #32243: a recurrent state advanced by the runs before capture).
 
 The doctor keeps, on the first write of each warmup, a copy of every storage that existed before
-it, and a second copy after the warmup. At a graph's first sampled differential replay, the
-elements the warmups changed and nothing has rewritten since are put back as they were before the
-warmups, and the step is run eagerly from there: an answer that differs from the replay's is a
+it, and a second copy after the warmup, and notes which elements eager code or a replay writes
+after it. At a graph's first sampled differential replay, the elements the warmups changed and
+nothing has rewritten since are put back as they were before the warmups, and the step is run eagerly from there: an answer that differs from the replay's is a
 real step depending on what dummy batches wrote. Lazy initialisation the eager step redoes gives
 the same answer, and so do writes into memory no real step reads (a scratch slot).
 """
@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ...engine.opinfo import describe, storage_key, tensors, written_tensors
 from ...engine.source import user_frame
-from ..tensors import changed, whole
+from ..tensors import changed, region, whole
 
 _MAX_BYTES = 256 << 20       # larger storages (a whole KV cache on a GPU) are not copied: see ``skipped``
 
@@ -50,6 +50,7 @@ class Startup:
         self.created: set[int] = set()       # storages the warmups created: nothing to put back there
         self.constant: set[int] = set()      # of those, the ones computed from no data (constants)
         self.skipped: int = 0                # storages too large to copy
+        self.rewritten: dict[int, torch.Tensor] = {}   # elements written since, outside warmups
 
     def before_write(self, func, args, kwargs) -> None:
         """In a warmup, before a mutable op: keep each pre-existing storage it writes, once."""
@@ -77,6 +78,23 @@ class Startup:
         if inputs <= self.constant:
             self.constant |= new
 
+    def wrote(self, func, args, kwargs) -> None:
+        """Eager code (not a warmup) wrote: those elements hold real data now, whatever the value."""
+        for t in written_tensors(func, args, kwargs):
+            kept = self.kept.get(key := storage_key(t))
+            if kept is not None:
+                with _disable_current_modes():
+                    flat = whole(kept.weak, kept.dtype)
+                    mask = region(t, flat) if flat is not None else None
+                if mask is not None:
+                    self.rewritten[key] = self.rewritten[key] | mask if key in self.rewritten else mask
+
+    def replayed(self, info) -> None:
+        """A replay wrote what its graph writes (all of it, as far as the doctor can tell)."""
+        for key in info.writes.keys() & self.kept.keys():
+            with _disable_current_modes():
+                self.rewritten[key] = torch.ones_like(self.kept[key].before, dtype=torch.bool)
+
     def warmup_end(self) -> None:
         with _disable_current_modes():
             for key, kept in list(self.kept.items()):
@@ -85,6 +103,7 @@ class Startup:
                     del self.kept[key]
                 else:
                     kept.after = now.clone()
+                    self.rewritten.pop(key, None)       # a warmup's own writes are dummy data again
 
     def dirty(self, keys, before_replay: dict) -> dict[int, tuple]:
         """For the storages among ``keys`` that warmups changed: ``key -> (whole storage, mask of
@@ -100,6 +119,8 @@ class Startup:
                     continue
                 was = before_replay[key].reshape(-1).view(torch.uint8).view(kept.dtype) if key in before_replay else now
                 mask = changed(kept.before, kept.after) & ~changed(was, kept.after)
+                if key in self.rewritten:
+                    mask &= ~self.rewritten[key]
                 if bool(mask.any()):
                     out[key] = (now, mask, kept.before, kept)
         return out
