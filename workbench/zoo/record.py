@@ -10,6 +10,7 @@ Run on a GPU machine from the repository root (writes ``results/gpu/zoo.json``):
 """
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import json
 import pathlib
@@ -46,29 +47,35 @@ def variant_of(name: str, variant: str, device: str) -> dict:
     return out
 
 
-def gpu_record(device: str = "cuda", programs: Sequence[str] | None = None) -> dict:
+def gpu_record(device: str = "cuda", programs: Sequence[str] | None = None, jobs: int = 8) -> dict:
     """``{"device", "torch", "date", "programs": {name: {"bug": {...}, "fix": {...}}}}`` for every
     program (or those named), each variant's verdict and what the doctor said of it; a child that
-    dies outright records its exit as the variant's error."""
-    out = {}
-    for name in (names() if programs is None else programs):
-        out[name] = {}
-        for variant in VARIANTS:
-            result = run_in_child(variant_of, name, variant, device, timeout=300)
-            if result.ok:
-                out[name][variant] = result.value
-            else:
-                error = [result.error_type or "ChildDied",
-                         (result.error or f"exit code {result.exitcode}").splitlines()[0]]
-                out[name][variant] = {"verdict": "misbehaves", "max_abs_error": None, "error": error, "doctor": None}
-            if out[name][variant]["doctor"] is None:
-                seen = run_in_child(doctor_of, name, variant, device, timeout=300)
-                out[name][variant]["doctor"] = seen.value if seen.ok else {
-                    "found": None, "kind": None, "site": None,
-                    "error": (seen.error or f"exit code {seen.exitcode}").splitlines()[0][:200]}
+    dies outright records its exit as the variant's error. ``jobs`` children run at a time (each
+    is a process of its own: one's crash cannot touch another)."""
+    todo = [(name, variant) for name in (names() if programs is None else programs) for variant in VARIANTS]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        done = list(pool.map(lambda job: _record(*job, device), todo))
+    out: dict[str, dict] = {}
+    for (name, variant), value in zip(todo, done):
+        out.setdefault(name, {})[variant] = value
     on_gpu = torch.device(device).type == "cuda" and torch.cuda.is_available()
     return {"device": torch.cuda.get_device_name() if on_gpu else device,
             "torch": torch.__version__, "date": datetime.date.today().isoformat(), "programs": out}
+
+
+def _record(name: str, variant: str, device: str) -> dict:
+    result = run_in_child(variant_of, name, variant, device, timeout=300)
+    if result.ok:
+        value = result.value
+    else:
+        error = [result.error_type or "ChildDied", (result.error or f"exit code {result.exitcode}").splitlines()[0]]
+        value = {"verdict": "misbehaves", "max_abs_error": None, "error": error, "doctor": None}
+    if value["doctor"] is None:
+        seen = run_in_child(doctor_of, name, variant, device, timeout=300)
+        value["doctor"] = seen.value if seen.ok else {
+            "found": None, "kind": None, "site": None,
+            "error": (seen.error or f"exit code {seen.exitcode}").splitlines()[0][:200]}
+    return value
 
 
 def load() -> dict | None:
