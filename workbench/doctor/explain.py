@@ -136,9 +136,10 @@ def pool_handed_on(tensor: str, producer: str, writer: str, handed_on: bool) -> 
 
 def padded_scatter(op: str, index: str, state: str) -> str:
     return (f"{op} runs over every row of the padded batch and writes {state} through the index in `{index}`. A "
-            "padded row's index names a slot that a real row of the same step names too, so that slot is "
-            "written twice -- with the real row's data and with the padded row's -- and the real request's state "
-            "gets an update it never asked for. Padded rows need slots of their own (one null slot they share).")
+            "padded row's index names a slot that holds a real request's state -- one of this step's real rows, or a "
+            "request parked for this step that wrote it earlier -- so that slot gets the padded row's update too, "
+            "an update its request never asked for. Padded rows need slots of their own (one null slot they "
+            "share).")
 
 
 def padded_shape_mismatch(graph: str, real: int, size: int) -> str:

@@ -86,3 +86,4 @@ class GraphInfo:
         self.own_blocks: set[tuple] = set()         # of those, blocks it allocated
         self.expects: dict[tuple, tuple] = {}       # blocks read from another capture -> that producer
         self.scatters: list = []                    # captured writes into state through an index (rules/padded_scatter.py)
+        self.live_slots: dict = {}                  # scatter -> slots real rows wrote

@@ -7,7 +7,8 @@ row's data and with the padded row's (TensorRT-LLM gave its padding dummy a real
 index, and that request's state got two updates per step). No fill of the padded rows shows this
 when the runner writes them itself, so it is a contract, checked before every padded replay on
 both backends from the capture's record and the index values: padded rows may share a null slot
-among themselves, never a slot a real row names. Only indices the graph reads from memory it does
+among themselves, never a slot a real row names -- in this step, or in an earlier one (the state of
+a request parked for this step, which the padded row would update behind its back). Only indices the graph reads from memory it does
 not own have values before the replay; an index computed inside the graph is not checked.
 """
 from __future__ import annotations
@@ -88,16 +89,17 @@ def captured(doctor, info, func, args, kwargs, source: str) -> None:
 
 
 def check(doctor, info) -> None:
-    """Before a padded replay (not in ``diagnose``'s padded-row runs, whose fills are the doctor's)."""
+    """Before every replay (not in ``diagnose``'s padded-row runs, whose fills are the doctor's):
+    note the slots real rows write; on a padded replay, check the padded rows' slots."""
     pending = info.pending
-    if not info.scatters or doctor.pattern is not None or pending is None or pending.real >= pending.size:
+    if not info.scatters or doctor.pattern is not None or pending is None:
         return
     with _disable_current_modes():
-        for scatter in info.scatters:
-            _check(doctor, info, scatter, pending.real, pending.size)
+        for n, scatter in enumerate(info.scatters):
+            _check(doctor, info, n, scatter, pending.real, pending.size)
 
 
-def _check(doctor, info, scatter: Scatter, real: int, size: int) -> None:
+def _check(doctor, info, n: int, scatter: Scatter, real: int, size: int) -> None:
     padded_by = next((buf for i in scatter.indices if (buf := doctor.buffer(i.key)) is not None
                       and buf.role not in ("state", "output")), None)
     values = [i.read() for i in scatter.indices]
@@ -108,21 +110,29 @@ def _check(doctor, info, scatter: Scatter, real: int, size: int) -> None:
         return
     slots = slots.reshape(size, -1)
     real_slots = slots[:real].reshape(-1)
-    shared = torch.isin(slots[real:], real_slots)
+    earlier = info.live_slots.get(n, real_slots[:0])
+    info.live_slots[n] = torch.unique(torch.cat([earlier, real_slots]))
+    if real >= size:
+        return
+    now, before = torch.isin(slots[real:], real_slots), torch.isin(slots[real:], earlier)
+    shared = now | before
     if not shared.any():
         return
     row = real + int(shared.any(1).nonzero()[0])
     slot = int(slots[row][shared[row - real]][0])
-    real_row = int((slots[:real] == slot).any(1).nonzero()[0])
     coords = tuple(int(c) for c in torch.unravel_index(torch.tensor(slot), scatter.dims))
     where = coords[0] if len(coords) == 1 else coords
-    numbers = {"replay": info.replays + 1, "real": real, "size": size, "padded_row": row, "real_row": real_row,
-               "slot": where}
+    numbers = {"replay": info.replays + 1, "real": real, "size": size, "padded_row": row, "slot": where}
+    if bool((slots[:real] == slot).any()):
+        numbers["real_row"] = int((slots[:real] == slot).any(1).nonzero()[0])
+        whose = f"as real row {numbers['real_row']} does"
+    else:
+        whose = "which real rows of an earlier replay wrote (a request not in this batch holds it)"
     doctor.add(Finding(
         "stale-padding", info.name, scatter.op, f"{padded_by.name}: {describe(padded_by.ref())}", scatter.source,
         f"before replay {numbers['replay']} of {info.name} ({real} real rows of {size}): padded row {row} of the "
-        f"index names slot {where} of {scatter.state}, as real row {real_row} does, so {scatter.op} writes that "
-        "slot for both", explain.padded_scatter(scatter.op, padded_by.name, scatter.state), numbers),
+        f"index names slot {where} of {scatter.state}, {whose}, so {scatter.op} writes that slot for a padded row",
+        explain.padded_scatter(scatter.op, padded_by.name, scatter.state), numbers),
         ("stale-padding", scatter.op, scatter.source, padded_by.name))
 
 
