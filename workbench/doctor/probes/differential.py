@@ -66,8 +66,12 @@ def begin(doctor, info) -> None:
 
 
 def on_op(doctor, func, args, kwargs, run):
-    """An op of the eager step: keep what it is about to overwrite, record it in the trace."""
+    """An op of the eager step: keep what it is about to overwrite, record it in the trace. (A
+    view makes no storage and is not part of a launch trace: it only runs.)"""
     d = doctor.diff
+    lifted = func.overloadpacket in _LIFTS
+    if func.is_view and not lifted:
+        return run()
     if func._schema.is_mutable:
         for t in written_tensors(func, args, kwargs):
             key = storage_key(t)
@@ -75,27 +79,47 @@ def on_op(doctor, func, args, kwargs, run):
                 with _disable_current_modes():
                     w = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
                     d.extra[key] = (w, w.clone())
-    inputs = list(tensors((args, kwargs)))
+    inputs = _flat(args, kwargs)
     keys = {storage_key(t) for t in inputs}
-    lifted = func.overloadpacket in (aten.lift_fresh, aten.lift_fresh_copy)
     if lifted:                                   # a constant made from Python data in this run
         d.new.update(keys)
     out = run()
-    if not func.is_view or lifted:
-        for t in inputs:
-            if storage_key(t) not in d.new:      # pre-existing, so alive anyway: described if reported
-                d.described.setdefault(storage_key(t), t)
-        name, sig, i = str(func), signature(func, args, kwargs), len(d.ops)
-        same = i < len(d.graph_ops) and d.graph_ops[i].name == name and d.graph_ops[i].sig == sig
-        # The source line costs a walk up the stack: where the op matches the capture's op at the
-        # same position, it is taken to be the same line (a divergence is looked up in full).
-        d.ops.append(Op(name, d.graph_ops[i].source if same else user_frame(), frozenset(keys), frozenset(),
-                        frozenset(keys - d.new), sig))
-    for o in tensors(out):
-        if storage_key(o) not in keys:
-            d.new.add(storage_key(o))
-            if d.ops and not func.is_view:
-                d.created_by.setdefault(storage_key(o), d.ops[-1])
+    for t in inputs:
+        if (key := storage_key(t)) not in d.new:     # pre-existing, so alive anyway: described if reported
+            d.described.setdefault(key, t)
+    name, sig, i = _name(func), signature(func, args, kwargs), len(d.ops)
+    same = i < len(d.graph_ops) and d.graph_ops[i].name == name and d.graph_ops[i].sig == sig
+    # The source line costs a walk up the stack: where the op matches the capture's op at the
+    # same position, it is taken to be the same line (a divergence is looked up in full).
+    op = Op(name, d.graph_ops[i].source if same else user_frame(), frozenset(keys), frozenset(),
+            frozenset(keys - d.new), sig)
+    d.ops.append(op)
+    for o in (out,) if isinstance(out, torch.Tensor) else tensors(out):
+        if (key := storage_key(o)) not in keys:
+            d.new.add(key)
+            d.created_by.setdefault(key, op)
+    return out
+
+
+_LIFTS = (aten.lift_fresh, aten.lift_fresh_copy)
+_NAMES: dict = {}
+
+
+def _name(func) -> str:
+    name = _NAMES.get(func)
+    if name is None:
+        name = _NAMES[func] = str(func)
+    return name
+
+
+def _flat(args, kwargs) -> list:
+    """The tensors among an op's arguments (one level of lists, as aten's signatures have)."""
+    out = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out += [t for t in a if isinstance(t, torch.Tensor)]
     return out
 
 
@@ -106,7 +130,7 @@ def finish(doctor, info, pending) -> None:
         graph_out = _rows(pending.outputs, pending.real)
         rng_after = rng_state(info.cuda)
     if info.python is None:
-        info.python = pystate.watched(pending.eager)
+        info.python = pystate.bindings(pystate.watched(pending.eager))
     bindings = pystate.snapshot(info.python)
     run, got, error = _eager(doctor, info, pending, replayed, rng_after)
     changed = pystate.changes(bindings, run.new)
@@ -117,7 +141,8 @@ def finish(doctor, info, pending) -> None:
                                    f"{type(error).__name__}: {first_line(error)}")
         return
     eager_out, eager_state, extra = got
-    what = _compare(graph_out, eager_out, replayed, eager_state, extra, pre)
+    with _disable_current_modes():          # the doctor's own arithmetic: not ops of the watched code
+        what = _compare(graph_out, eager_out, replayed, eager_state, extra, pre)
     divergence = launch.compare(info.ops, run.ops)
     if what is not None:
         rootcause.classify(doctor, info, pending, what, divergence, run)

@@ -64,13 +64,19 @@ def _filled(cell) -> bool:
     return True
 
 
-def snapshot(objects: list) -> list:
-    """``(container, key, tensor)`` for every binding of a tensor in the watched objects and dicts."""
+def bindings(objects: list) -> list:
+    """``(container, key)`` of every binding of a tensor in the watched objects and dicts (found
+    once per graph, with the containers)."""
     out = []
     for o in objects:
         items = (o if isinstance(o, dict) else o.__dict__).items()
-        out += [(o, k, v) for k, v in items if isinstance(v, torch.Tensor)]
+        out += [(o, k) for k, v in items if isinstance(v, torch.Tensor)]
     return out
+
+
+def snapshot(bound: list) -> list:
+    """``(container, key, tensor bound now)`` for each of ``bindings``."""
+    return [(o, k, (o if isinstance(o, dict) else o.__dict__).get(k)) for o, k in bound]
 
 
 def changes(before: list, made: set) -> list[tuple]:
