@@ -22,13 +22,18 @@ class DanglingReferenceError(GraphError):
 def check(doctor, info, *, before_replay: bool) -> None:
     # This runs before every replay and a graph may reference every weight of a model: the
     # storages are looked at only once one has gone (``records.Liveness``), and the findings are
-    # built only then. Under guard, a raise leaves the flag set: the next replay looks again.
+    # built only then. The flag is cleared before the look, so a storage released meanwhile sets
+    # it again; under guard a raise sets it too: other storages may have gone with the first.
     live = info.liveness
     if len(live.cdatas) != len(info.externals):
         live.watch(info.externals)
     if live.any_released():
-        _released(doctor, info, before_replay)
         live.released = False
+        try:
+            _released(doctor, info, before_replay)
+        except DanglingReferenceError:
+            live.released = True
+            raise
     if info.foreign and not _owners_captured(info):
         _other_graph(doctor, info, before_replay)
 
