@@ -8,6 +8,11 @@ padded to 4, plain and watched runs taking turns; writes ``benchmarks/results_do
 * differential replay **on** (every step sampled, the worst case): a graph manager that announces
   its eager step (``serve(..., eager=...)``), the target being no more than 2.5x per sampled step.
 
+and where the watched step's added host time goes (``breakdown``): the doctor's own Python per served
+step, piece by piece (each op the dispatch mode hands it, each event), with the dispatch mode's own
+cost beside it (what any pass-through ``TorchDispatchMode`` costs on the same ops). That measure is
+a minimum over many short repeats, so it holds on a loaded machine where the step medians do not.
+
 GPU: ``workbench.cases.graph_doctor.cost_record`` (run by ``scripts/gpu_session.py``) measures the
 first on CUDA into ``results/gpu/graph_doctor_cost*.json``; their tables are copied in here.
 ``--gpu-only`` copies in the GPU tables again and keeps the CPU tables as measured.
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import pathlib
 import platform
 import sys
@@ -24,9 +30,13 @@ import time
 import numpy as np
 import torch
 
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
 from workbench import doctor
 from workbench.cases.graph_doctor import COST_MODELS, cost_table, gpu_costs, overhead
-from workbench.engine import events, graph, graph_pool_handle, new_graph
+from workbench.doctor.intake import Doctor
+from workbench.doctor.session import _Call, watching
+from workbench.engine import GraphRunner, events, graph, graph_pool_handle, new_graph
 from workbench.models.hf import tiny_model
 
 RESULTS = pathlib.Path(__file__).parent / "results_doctor.md"
@@ -97,17 +107,103 @@ def differential_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _best(fn, calls: int = 50, repeats: int = 400) -> float:
+    """µs per call of ``fn``: the fastest of ``repeats`` runs of ``calls`` calls (what the code
+    costs when nothing else takes the core)."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter_ns()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter_ns() - start) / calls)
+    return best / 1e3
+
+
+class _PassThrough(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+PIECES = ("slice of the input buffer", "copy_ into it", "serve", "replay_begin", "replay_end",
+          "slice of the output", "handed_out")
+
+
+def breakdown(name: str = "gpt2") -> dict:
+    """Where a served ``GraphRunner`` step's added host time goes. A step is 3 eager ops (the
+    runner's copy-in ``buffer[:n, :w].copy_(batch)``: a slice and a copy; the manager's ``out[:n]``)
+    and 4 events around the replay. The doctor's own Python is timed with the ops handed to it
+    directly (modes off): the whole step minus the same ops run plainly, and each piece as the
+    whole step minus that piece done plainly. ``mode_us`` is what entering any pass-through
+    dispatch mode costs those 3 ops, on top."""
+    aten = torch.ops.aten
+    slice_, copy_ = aten.slice.Tensor, aten.copy_.default
+    model = tiny_model(name, seed=0).eval()
+    ids = torch.randint(3, 100, (3, 8), generator=torch.Generator().manual_seed(0))
+    with watching(Doctor()) as d, torch.no_grad():
+        runner = GraphRunner(lambda input_ids: model(input_ids=input_ids).last_hidden_state,
+                             {"input_ids": ((8,), torch.int64)}, [1, 2, 4, 8])
+        runner.capture()
+        kept = [runner(input_ids=ids)]
+        buf, g, out = runner.buffers["input_ids"], runner.graphs[4], runner.outputs[4]
+        with _disable_current_modes():
+            def watched(func, args):
+                return d.on_op(func, args, {}, _Call(func, args, {}))
+
+            def plain(func, args):
+                return func(*args)
+
+            def step(skip=frozenset(PIECES)):
+                view = (plain if PIECES[0] in skip else watched)(slice_, (buf, 0, 0, 3))
+                (plain if PIECES[1] in skip else watched)(copy_, (view, ids))
+                if PIECES[2] not in skip:
+                    events.serve(g, 3, 4, padded=runner.buffers, outputs=out, eager=None)
+                if PIECES[3] not in skip:
+                    events.replay_begin(g)
+                if PIECES[4] not in skip:
+                    events.replay_end(g)
+                kept[0] = (plain if PIECES[5] in skip else watched)(slice_, (out, 0, 0, 3))
+                if PIECES[6] not in skip:
+                    events.handed_out(g, kept[0])
+
+            variants = {"plain": step, "full": functools.partial(step, frozenset()),
+                        **{p: functools.partial(step, frozenset({p})) for p in PIECES}}
+            best = dict.fromkeys([*variants, "mode"], float("inf"))
+            for _ in range(10):                  # variants take turns, so that their minima compare
+                for key, fn in variants.items():
+                    best[key] = min(best[key], _best(fn, repeats=40))
+                with _PassThrough():             # alone on the mode stack
+                    best["mode"] = min(best["mode"], _best(step, repeats=40))
+        assert not d.report.findings, d.report
+    return {"model": name, "doctor_us": best["full"] - best["plain"], "mode_us": best["mode"] - best["plain"],
+            "pieces": {p: best["full"] - best[p] for p in PIECES}}
+
+
+def breakdown_table(results: list[dict]) -> str:
+    lines = ["| model | doctor's Python per step | " + " | ".join(PIECES) + " | pass-through dispatch mode on the 3 ops |",
+             "|---|" + "---:|" * (len(PIECES) + 2)]
+    lines += [f"| {r['model']} | {r['doctor_us']:.1f} | " + " | ".join(f"{r['pieces'][p]:.1f}" for p in PIECES)
+              + f" | {r['mode_us']:.1f} |" for r in results]
+    return "\n".join(lines)
+
+
 def cpu_tables(steps: int = 300, repeats: int = 7) -> str:
     torch.manual_seed(0)
+    load = os.getloadavg()[0]
     off = [overhead("cpu", name, steps=steps, repeats=repeats) for name in COST_MODELS]
     on = [differential_cost(name, steps=steps // 3, repeats=repeats) for name in COST_MODELS]
-    machine = f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads"
+    parts = [breakdown(name) for name in COST_MODELS]
+    machine = (f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads, {os.cpu_count()} "
+               f"cores, load average {load:.1f} at the start and {os.getloadavg()[0]:.1f} at the end")
     return (f"Graph doctor overhead (`python benchmarks/bench_doctor.py`), {machine}; tiny models, sizes 1, 2, 4, "
             f"8, 3 real rows padded to 4, plain and watched runs taking turns, medians over {repeats} runs.\n\n"
             f"Differential replay off (`GraphRunner`, {steps} steps a run). *wall*: steps back to back; *host*: "
             f"each step timed alone until it returns (on the CPU backend the two coincide).\n\n{cost_table(off)}\n\n"
             f"Differential replay on, every step sampled (a graph manager announcing its eager step, {steps // 3} "
-            f"steps a run): the cost of one sampled step.\n\n{differential_table(on)}\n")
+            f"steps a run): the cost of one sampled step.\n\n{differential_table(on)}\n\n"
+            f"Where the added host time of a served step goes, differential replay off (µs, fastest of 400 x 50 "
+            f"steps, the variants taking turns; each piece is the whole step minus that piece, so pieces need not "
+            f"add up to the total).\n\n"
+            f"{breakdown_table(parts)}\n")
 
 
 def main(gpu_only: bool = False) -> None:

@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode, 
 
 from ..engine import memory
 from ..engine.errors import CaptureError
-from ..engine.opinfo import describe, storage_key, tensors, written_tensors
+from ..engine.opinfo import describe, overwrites, storage_key, tensors, written_tensors
 from ..engine.source import user_frame
 from .probes import differential, mutation as mutation_probe, padding as padding_probe
 from .probes.startup import Startup
@@ -38,6 +38,7 @@ from .rules.pool import PoolReads
 from .tensors import first_line, signature
 
 aten = torch.ops.aten
+_SLICE, _COPY = aten.slice.Tensor, aten.copy_.default    # looked up once: ``aten.x.y`` costs ~0.4 µs
 _ASIDE = ("replay", "probe")          # phases in which the dispatch mode is off the hot path
 _QUIET = ("probe", "differential")    # phases whose events are the doctor's own doing
 
@@ -217,7 +218,8 @@ class Doctor:
             if info.pending is not None and info.pending.differential:
                 differential.begin(self, info)
         self.phase = "replay"
-        if _get_current_dispatch_mode() is self.mode:    # step aside: a CPU replay runs many ops
+        # Step aside: a CPU replay runs many ops (a CUDA graph's replay dispatches none).
+        if (info is None or not info.cuda) and _get_current_dispatch_mode() is self.mode:
             _pop_mode()
             self.stepped_aside = True
 
@@ -289,10 +291,11 @@ class Doctor:
         info = self.info(graph)
         columns = padded_columns or {}
         undersized.serve_contract(self, info.name if info else "a graph", real, size, padded, columns)
-        for name, t in (*padded.items(), *((n, c[0]) for n, c in columns.items())):
-            if isinstance(t, torch.Tensor) and storage_key(t) not in self.buffers:
-                self.buffers[storage_key(t)] = Buffer(name, "serve", weakref.ref(t), "padded")
-        if (padded and real < size) or any(w < c.shape[1] for c, w in columns.values()):
+        for name, t in padded.items():
+            self._padded(name, t)
+        for name, (t, _) in columns.items():
+            self._padded(name, t)
+        if (padded and real < size) or (columns and any(w < c.shape[1] for c, w in columns.values())):
             self.padded_steps += 1
             if self.pattern is not None and real <= size:
                 padding_probe.fill(self, padded, columns, real, size)
@@ -302,6 +305,10 @@ class Doctor:
         sampled = eager is not None and self.every > 0 and (self.served - 1) % self.every == 0
         if info is not None:
             info.pending = Pending(real, size, outputs, padded, eager, columns, sampled)
+
+    def _padded(self, name: str, t) -> None:
+        if isinstance(t, torch.Tensor) and (key := storage_key(t)) not in self.buffers:
+            self.buffers[key] = Buffer(name, "serve", weakref.ref(t), "padded")
 
     @contained
     def handed_out(self, graph, tensors_out) -> None:
@@ -318,19 +325,20 @@ class Doctor:
         """The announced buffers an op writes: ``[(key, written view, Buffer)]``."""
         if not self.buffers or not func._schema.is_mutable:
             return []
+        buffers = self.buffers
         return [(key, t, buf) for t in written_tensors(func, args, kwargs)
-                if (buf := self.buffer(key := storage_key(t))) is not None]
+                if (buf := buffers.get(key := storage_key(t))) is not None and buf.ref() is not None]
 
     def on_op(self, func, args, kwargs, run):
         phase = self.phase
         if phase == "differential":
             return differential.on_op(self, func, args, kwargs, run)
-        if func is aten.slice.Tensor and self.buffers:
+        if func is _SLICE and self.buffers:
             undersized.check_slice(self, args)
         if phase == "capture":
             return self._captured(func, args, kwargs, run)
         targets = self.targets(func, args, kwargs)
-        if targets and func is aten.copy_.default:
+        if targets and func is _COPY:
             undersized.check_fit(self, args[0], args[1])
             padding_probe.copied(self, args[0], args[1])
         if phase == "warmup":
@@ -343,21 +351,29 @@ class Doctor:
                 self.startup.created_by(args, kwargs, out)
             memory.record_new_storages(func, args, kwargs, out)
             return out
-        if self.handed and not func.is_view:
+        view = func.is_view
+        if self.handed and not view:
             overwritten.check_read(self, func, args, kwargs)
-        if self.warmup_runs and not func.is_view:     # between a warmup and its capture
+        if self.warmup_runs and not view:             # between a warmup and its capture
             self.eager_lines.add(user_frame())
         if func._schema.is_mutable and (self.graph_writes or self.startup.kept):
             self.startup.wrote(func, args, kwargs)
             for t in written_tensors(func, args, kwargs):
                 if (key := storage_key(t)) in self.graph_writes:
                     self.touched[key] = user_frame()
-        out = mutation.eager_write(self, func, args, kwargs, run, targets) if targets else run()
-        if self.padded_step is not None and not func.is_view:
+        if not targets:
+            out = run()
+        elif self.tracking_fresh or self.updates or not overwrites(func):
+            out = mutation.eager_write(self, func, args, kwargs, run, targets)
+        else:       # a refresh (copy, fill) that no fresh-element tracking or in-place update follows
+            out = undersized.write(self, func, targets, run)
+        if self.padded_step is not None and not view:
             shapes.derived(self, func, args, kwargs, out)
-        if self.handed and func.is_view and isinstance(out, torch.Tensor):
-            overwritten.tag_view(self, args[0], out)
-        memory.record_new_storages(func, args, kwargs, out)
+        if view:
+            if self.handed and isinstance(out, torch.Tensor):
+                overwritten.tag_view(self, args[0], out)
+        else:                                       # a view creates no storage
+            memory.record_new_storages(func, args, kwargs, out)
         return out
 
     def _captured(self, func, args, kwargs, run):
@@ -367,7 +383,7 @@ class Doctor:
         inputs = list(tensors((args, kwargs)))
         in_keys = {storage_key(t) for t in inputs}
         targets = self.targets(func, args, kwargs)
-        if targets and func is aten.copy_.default:
+        if targets and func is _COPY:
             undersized.check_fit(self, args[0], args[1])
         written = frozenset(storage_key(t) for t in written_tensors(func, args, kwargs))
         sig = signature(func, args, kwargs)

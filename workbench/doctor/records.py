@@ -47,7 +47,7 @@ class Buffer:
     role: str
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Pending:
     """What ``serve`` announced for the next replay."""
 
@@ -62,6 +62,55 @@ class Pending:
     rng: tuple = ()
 
 
+def _objects_live_with_storages() -> bool:
+    """Whether torch keeps a storage's Python object for as long as the storage lives and frees it
+    with the storage (PyObject preservation): then a weak reference's callback says when it goes."""
+    fired: list = []
+    t = torch.empty(1)
+    ref = weakref.ref(torch.UntypedStorage._new_with_weak_ptr(StorageWeakRef(t.untyped_storage()).cdata),
+                      fired.append)
+    kept = not fired
+    del t
+    return kept and bool(fired) and ref() is None
+
+
+_PRESERVED = _objects_live_with_storages()
+
+
+class Liveness:
+    """Whether any storage a graph references has been released since the last look.
+
+    Checked before every replay, and a graph may reference every weight of a model: a callback on
+    each storage's Python object (which torch frees with the storage) makes the check O(1); only
+    where torch does not keep those objects is each storage asked (one C call each)."""
+
+    __slots__ = ("refs", "cdatas", "released", "__weakref__")
+
+    def __init__(self) -> None:
+        self.refs: list[weakref.ref] = []
+        self.cdatas: tuple[int, ...] = ()
+        self.released = False
+
+    def watch(self, externals: dict) -> None:
+        """Follow the externals added since the last call (a graph's externals are only ever added)."""
+        new = list(externals.values())[len(self.cdatas):]
+        self.cdatas += tuple(ext.weak.cdata for ext in new)
+        if not _PRESERVED:
+            return
+        for ext in new:
+            storage = torch.UntypedStorage._new_with_weak_ptr(ext.weak.cdata)
+            if storage is None:
+                self.released = True
+            else:
+                self.refs.append(weakref.ref(storage, self._gone))
+
+    def _gone(self, _ref) -> None:
+        self.released = True
+
+    def any_released(self) -> bool:
+        return self.released if _PRESERVED else any(map(torch.UntypedStorage._expired, self.cdatas))
+
+
 class GraphInfo:
     def __init__(self, graph, name: str) -> None:
         self.ref = weakref.ref(graph)
@@ -69,10 +118,11 @@ class GraphInfo:
         self.cuda = not hasattr(graph, "ops")       # a torch.cuda.CUDAGraph exposes no op list
         self.ops: list[Op] = []                     # the capture's launch trace
         self.externals: dict[int, External] = {}
-        self.cdatas: tuple[int, ...] = ()           # the externals' weak references, for a fast check
+        self.liveness = Liveness()                  # of the externals, for the check before each replay
         self.writes: dict[int, Op] = {}             # external storage -> first op writing it
         self.created: set[int] = set()              # storages this capture created
         self.foreign: dict[int, tuple] = {}         # storage of another graph's pool -> (graph, op, source, tensor)
+        self.owners: tuple[int, tuple] = (0, ())    # rules.dangling's cache: (len(foreign), their graphs)
         self.out_keys: frozenset = frozenset()      # every storage a replay writes
         self.warmup: list[Op] | None = None         # the first warmup run before this capture
         self.eager_lines: set[str] = set()          # lines run eagerly after that warmup, outside the capture

@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..engine import events
-from .intake import DELIBERATE, Doctor
+from .intake import _ASIDE, DELIBERATE, Doctor
 from .report import Report
 from .rules import undersized
 
@@ -21,7 +21,7 @@ class _Watch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         doctor, kwargs = self.doctor, kwargs or {}
-        if doctor.phase in ("replay", "probe") or doctor.failure is not None:
+        if doctor.phase in _ASIDE or doctor.failure is not None:
             return func(*args, **kwargs)
         run = _Call(func, args, kwargs)
         try:

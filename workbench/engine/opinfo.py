@@ -10,6 +10,7 @@ destination; ``copy_`` and ``fill_`` do not need to, see ``overwrites``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -44,13 +45,19 @@ def tensors(obj) -> Iterator[torch.Tensor]:
             yield from tensors(x)
 
 
+@functools.cache
+def _written_arguments(func) -> tuple[tuple[int, str, bool], ...]:
+    """``(position, name, keyword-only)`` of the arguments ``func``'s schema marks as written. Read
+    once per op: walking a schema costs microseconds, and observers ask on every op they see."""
+    return tuple((i, arg.name, arg.kwarg_only) for i, arg in enumerate(func._schema.arguments)
+                 if arg.alias_info is not None and arg.alias_info.is_write)
+
+
 def written_tensors(func, args, kwargs) -> list[torch.Tensor]:
     """Tensors the op's schema marks as written (``Tensor(a!)``): in-place self, ``out=`` args."""
     written = []
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+    for i, name, kwarg_only in _written_arguments(func):
+        value = args[i] if i < len(args) and not kwarg_only else kwargs.get(name)
         if isinstance(value, torch.Tensor):
             written.append(value)
         elif isinstance(value, (list, tuple)):

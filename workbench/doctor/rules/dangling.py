@@ -5,13 +5,9 @@ graph of the same pool (a graph reads an output of another graph, which was then
 its memory went back to the pool, to be handed to whatever is allocated next)."""
 from __future__ import annotations
 
-import torch
-
 from .. import explain
 from ...engine.errors import GraphError
 from ..report import Finding
-
-_expired = torch.UntypedStorage._expired    # what StorageWeakRef.expired() calls, minus a Python frame
 
 
 class DanglingReferenceError(GraphError):
@@ -24,13 +20,21 @@ class DanglingReferenceError(GraphError):
 
 
 def check(doctor, info, *, before_replay: bool) -> None:
-    # This runs before every replay and a graph may reference every weight of a model: one C
-    # call per storage, and the findings are built only when something has gone.
-    if len(info.cdatas) != len(info.externals):      # externals are only ever added
-        info.cdatas = tuple(ext.weak.cdata for ext in info.externals.values())
-    if any(map(_expired, info.cdatas)):
-        _released(doctor, info, before_replay)
-    if info.foreign:
+    # This runs before every replay and a graph may reference every weight of a model: the
+    # storages are looked at only once one has gone (``records.Liveness``), and the findings are
+    # built only then. The flag is cleared before the look, so a storage released meanwhile sets
+    # it again; under guard a raise sets it too: other storages may have gone with the first.
+    live = info.liveness
+    if len(live.cdatas) != len(info.externals):
+        live.watch(info.externals)
+    if live.any_released():
+        live.released = False
+        try:
+            _released(doctor, info, before_replay)
+        except DanglingReferenceError:
+            live.released = True
+            raise
+    if info.foreign and not _owners_captured(info):
         _other_graph(doctor, info, before_replay)
 
 
@@ -51,6 +55,20 @@ def _released(doctor, info, before_replay: bool) -> None:
             f"created {origin}", explain.dangling(ext.tensor, ext.op, origin), {"replays_before": info.replays}),
             ("dangling-reference", ext.op, ext.source))
         _stop(doctor, finding, before_replay)
+
+
+def _owners_captured(info) -> bool:
+    """Whether every graph whose pool output this graph reads is still captured: asked once per
+    owner, not per storage read (the owners are cached while the set of storages stays put)."""
+    count, owners = info.owners
+    if count != len(info.foreign):                 # filled at capture, emptied as owners go
+        owners = tuple({id(entry[0]): entry[0] for entry in info.foreign.values()}.values())
+        info.owners = (len(info.foreign), owners)
+    for owner in owners:
+        graph = owner.ref()
+        if graph is None or not getattr(graph, "captured", True):
+            return False
+    return True
 
 
 def _other_graph(doctor, info, before_replay: bool) -> None:

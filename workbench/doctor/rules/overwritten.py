@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import weakref
 
+import torch
+
 from ...engine.opinfo import describe, storage_key, tensors
 from ...engine.source import user_frame
 from .. import explain
@@ -26,40 +28,58 @@ def tag_view(doctor, base, view) -> None:
 
 
 def _remember(doctor, t, key: int, generation: int, info, replays: int) -> None:
-    ident = id(t)
-
-    def forget(ref, ident=ident):
-        if doctor.handed.get(ident, (None,))[0] is ref:
-            del doctor.handed[ident]
-    doctor.handed[ident] = (weakref.ref(t, forget), key, generation, info, replays)
+    """Keyed by the view's ``id`` with a weak reference to it (a lookup checks that the view is the
+    same object). Entries of released views are swept every 64 additions, not by callbacks: a
+    runner hands out a view per step, and a callback per view costs host time on every step."""
+    handed = doctor.handed
+    if len(handed) & 63 == 63:
+        for ident in [i for i, entry in handed.items() if entry[0]() is None]:
+            del handed[ident]
+    handed[id(t)] = (weakref.ref(t), key, generation, info, replays)
 
 
 def replayed(doctor, info) -> None:
     """Every handed-out storage this replay wrote moves to a new generation."""
     if not doctor.generation:
         return
-    for key in info.out_keys & doctor.generation.keys():
+    for key in info.out_keys.intersection(doctor.generation):     # walks the few handed-out storages
         doctor.generation[key] += 1
         doctor.writers[key] = (info, info.replays)
 
 
 def check_read(doctor, func, args, kwargs) -> None:
-    for t in tensors((args, kwargs)):
-        entry = doctor.handed.get(id(t))
-        if entry is None or entry[0]() is not t or doctor.generation.get(entry[1], 0) <= entry[2]:
-            continue
-        _, key, _, info, handed_after = entry
-        writer, writer_replay = doctor.writers[key]
-        source = user_frame()
-        if writer is info:
-            evidence = (f"an output handed out after replay {handed_after} of {info.name} is read after replay "
-                        f"{writer_replay}")
-            numbers = {"handed_out_after": handed_after, "read_after": writer_replay}
-        else:
-            evidence = (f"an output handed out after replay {handed_after} of {info.name} is read after replay "
-                        f"{writer_replay} of {writer.name}, which writes the same memory")
-            numbers = {"handed_out_after": handed_after, "read_after": writer_replay, "overwritten_by": writer.name}
-        doctor.add(Finding(
-            "overwritten-output", info.name, str(func), describe(t), source, evidence,
-            explain.overwritten(str(func), info.name, handed_after, writer_replay, writer.name), numbers),
-            ("overwritten-output", str(func), source))
+    """An eager op's tensor arguments, looked up among the handed-out views. It runs on every eager
+    op while outputs are handed out, so plain tensor arguments are looked up directly and only
+    containers (``cat``'s list) are walked."""
+    handed = doctor.handed
+    for x in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(x, torch.Tensor):
+            if id(x) in handed:
+                _read(doctor, func, x)
+        elif isinstance(x, (list, tuple)):
+            for t in tensors(x):
+                if id(t) in handed:
+                    _read(doctor, func, t)
+
+
+def _read(doctor, func, t) -> None:
+    entry = doctor.handed[id(t)]
+    if entry[0]() is t and doctor.generation.get(entry[1], 0) > entry[2]:
+        _stale(doctor, func, t, *entry[1:])
+
+
+def _stale(doctor, func, t, key: int, generation: int, info, handed_after: int) -> None:
+    writer, writer_replay = doctor.writers[key]
+    source = user_frame()
+    if writer is info:
+        evidence = (f"an output handed out after replay {handed_after} of {info.name} is read after replay "
+                    f"{writer_replay}")
+        numbers = {"handed_out_after": handed_after, "read_after": writer_replay}
+    else:
+        evidence = (f"an output handed out after replay {handed_after} of {info.name} is read after replay "
+                    f"{writer_replay} of {writer.name}, which writes the same memory")
+        numbers = {"handed_out_after": handed_after, "read_after": writer_replay, "overwritten_by": writer.name}
+    doctor.add(Finding(
+        "overwritten-output", info.name, str(func), describe(t), source, evidence,
+        explain.overwritten(str(func), info.name, handed_after, writer_replay, writer.name), numbers),
+        ("overwritten-output", str(func), source))

@@ -46,8 +46,10 @@ def _where(doctor) -> str:
 
 def check_fit(doctor, dst: torch.Tensor, src) -> None:
     """``copy_`` of data that does not broadcast to its destination in an announced buffer."""
+    if not isinstance(src, torch.Tensor) or src.shape == dst.shape:     # the common case, decided first
+        return
     buf = doctor.buffer(storage_key(dst))
-    if buf is None or not isinstance(src, torch.Tensor) or src.shape == dst.shape:
+    if buf is None:
         return
     try:
         fits = torch.broadcast_shapes(src.shape, dst.shape) == dst.shape

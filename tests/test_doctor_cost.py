@@ -1,0 +1,139 @@
+"""What keeps ``watch()`` cheap per served step, and that the shortcuts lose no detection.
+
+The timing itself is ``benchmarks/bench_doctor.py``'s (it depends on the machine); here are the
+mechanisms it relies on: no clone and no mode switch on a step whose rules need none, a liveness
+check that is told when a storage goes instead of asking every storage before every replay, and
+handed-out views tracked without a callback per view.
+"""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.utils._python_dispatch as python_dispatch
+
+from workbench import doctor
+from workbench.doctor import records
+from workbench.doctor.intake import Doctor
+from workbench.doctor.session import watching
+from workbench.engine import GraphRunner, events, graph, new_graph
+from workbench.engine.errors import IllegalMemoryAccess
+
+
+def runner() -> GraphRunner:
+    r = GraphRunner(lambda x: x * 2 + 1, {"x": ((4,), torch.float32)}, [2, 4])
+    r.capture()
+    return r
+
+
+def test_a_served_step_clones_nothing_and_switches_no_modes(monkeypatch):
+    """After the first replay (the mutation probe's), a step of a runner whose graphs write no
+    input needs no evidence kept: no clone, no ``_disable_current_modes``."""
+    clones, switches = [], []
+    clone, disable = torch.Tensor.clone, python_dispatch._disable_current_modes
+    with doctor.watch() as report:
+        r = runner()
+        r(x=torch.ones(3, 4))
+        monkeypatch.setattr(torch.Tensor, "clone", lambda t, *a, **k: clones.append(1) or clone(t, *a, **k))
+        monkeypatch.setattr(python_dispatch, "_disable_current_modes", lambda: switches.append(1) or disable())
+        for i in range(20):
+            out = r(x=torch.full((3, 4), float(i)))
+        monkeypatch.undo()
+    assert torch.equal(out, torch.full((3, 4), 39.0))
+    assert (clones, switches) == ([], [])
+    assert report.findings == [] and report.replays == 21
+
+
+def test_storage_objects_live_as_long_as_their_storages():
+    """The liveness check relies on it (else it falls back to asking each storage)."""
+    assert records._PRESERVED
+
+
+@pytest.mark.parametrize("guard", [False, True])
+def test_every_released_storage_is_found_once_even_when_several_go_together(guard):
+    x = torch.ones(2, 3)
+    with doctor.watch(guard=guard) as report:
+        a, b = torch.randn(3, 3), torch.randn(3, 3)
+        g = new_graph("cpu")
+        with graph(g, name="two weights"):
+            y = x @ a
+            out = y + x @ b
+        g.replay()
+        g.replay()                                 # nothing released: no finding
+        assert report.findings == []
+        del a, b
+        gc.collect()
+        for _ in range(2):                         # guard stops each replay, one released storage at a time
+            with pytest.raises(doctor.DanglingReferenceError if guard else IllegalMemoryAccess):
+                g.replay()
+    assert [f.kind for f in report.findings] == ["dangling-reference"] * 2
+    assert len({f.location for f in report.findings}) == 2
+    assert out.shape == (2, 3)
+
+
+def test_a_storage_released_after_many_replays_is_found_at_the_next_one():
+    x = torch.ones(2, 3)
+    with doctor.watch(guard=True) as report:
+        w = torch.randn(3, 3)
+        g = new_graph("cpu")
+        with graph(g, name="matmul"):
+            x @ w
+        for _ in range(30):
+            g.replay()
+        del w
+        gc.collect()
+        with pytest.raises(doctor.DanglingReferenceError):
+            g.replay()
+    (finding,) = report.findings
+    assert finding.numbers == {"replays_before": 30}
+
+
+def test_handed_out_views_are_swept_and_a_stale_read_is_still_found():
+    with doctor.watch() as report:
+        r = runner()
+        kept = r(x=torch.zeros(3, 4))
+        for i in range(200):                       # each step hands out a view that is dropped at once
+            r(x=torch.full((3, 4), float(i)))
+        stale = kept + 0
+    assert torch.equal(stale, torch.full((3, 4), 399.0))
+    (finding,) = report.findings
+    assert finding.kind == "overwritten-output"
+    assert finding.numbers == {"handed_out_after": 1, "read_after": 201}
+
+
+def test_handed_out_entries_stay_bounded():
+    with watching(Doctor()) as d:
+        r = runner()
+        for i in range(500):
+            r(x=torch.full((3, 4), float(i)))
+        assert len(d.handed) < 64 + 2
+    assert d.report.findings == []
+
+
+def test_event_handlers_follow_subscriptions_in_order():
+    seen = []
+
+    class First:
+        def replay_begin(self, graph):
+            seen.append(("first", graph))
+
+    class Second:
+        def replay_begin(self, graph):
+            seen.append(("second", graph))
+
+        def handed_out(self, graph, tensors):
+            seen.append(("second handed", graph))
+
+    first, second = First(), Second()
+    events.subscribe(first)
+    events.subscribe(second)
+    try:
+        events.replay_begin("g")
+        events.handed_out("g", None)
+        events.unsubscribe(first)
+        events.replay_begin("h")
+    finally:
+        events.unsubscribe(second)
+    events.replay_begin("unseen")
+    assert seen == [("first", "g"), ("second", "g"), ("second handed", "g"), ("second", "h")]
