@@ -31,7 +31,8 @@ from ..engine.source import user_frame
 from .probes import differential, mutation as mutation_probe, padding as padding_probe
 from .probes.startup import Startup
 from .records import Buffer, External, GraphInfo, Op, Pending
-from .report import KINDS, Finding, Report
+from . import summary
+from .report import Finding, Report
 from .rules.dangling import DanglingReferenceError
 from .rules import dangling, mutation, overwritten, padded_scatter, shapes, sync, undersized, warmup
 from .rules.pool import PoolReads
@@ -424,50 +425,7 @@ class Doctor:
 
     # ------------------------------------------------------------------ the end
     def finish(self) -> Report:
-        report = self.report
-        self._final_checks()
-        report.not_checked = self._not_checked()
-        if self.every and self.served and self.no_eager == self.served:
-            report.skipped["differential replay"] = "no eager step announced (serve(..., eager=...))"
-        elif not self.every and self.report.captures:
-            report.skipped["differential replay"] = "off (watch(differential=N) or diagnose() turns it on)"
-        if self.compared:
-            report.notes.append(f"differential replay: {self.compared} replay(s) compared with an eager run "
-                                "of the same step")
-        if self.unknown_replays:
-            report.notes.append(f"{self.unknown_replays} replays of graphs captured before watch() were not checked")
-        report.findings.sort(key=lambda f: KINDS.index(f.kind))
-        return report
-
-    @contained
-    def _final_checks(self) -> None:
-        """Liveness once more (memory released after the last replay), and graphs that write a
-        static buffer but were never replayed, so never probed."""
-        for info in list(self.graphs.values()):
-            if info.ref() is None:
-                continue
-            dangling.check(self, info, before_replay=False)
-            if not info.probed:
-                mutation.unprobed(self, info)
-
-    def _not_checked(self) -> dict[str, str]:
-        if self.failure is not None:
-            found = self.report.kinds
-            return {k: f"the doctor stopped early ({self.failure})" for k in KINDS if k not in found}
-        if self.report.captures == 0:
-            why = {k: "nothing was captured inside watch()" for k in KINDS}
-            if self.buffers:                        # announced capture inputs were still checked
-                del why["undersized-buffer"]
-            return why
-        why = {"stale-padding": "needs two runs with the padded rows filled differently: use diagnose()"}
-        if not self.buffers:
-            why["persistent-mutation"] = "no runner announced its static input buffers"
-            why["undersized-buffer"] = "no runner announced its static input buffers"
-        if not any(info.warmup is not None for info in self.graphs.values()) and not self.compared:
-            why["warmup-divergence"] = "no warmup run was announced before any capture"
-        if not self.handed_any:
-            why["overwritten-output"] = "no runner handed graph outputs out"
-        return why
+        return summary.finish(self)
 
 
 def _recorded_op(error: BaseException, graph: str) -> str:

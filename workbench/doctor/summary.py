@@ -1,0 +1,63 @@
+"""What a watch ends with: the last checks, what could not be checked and why, and notes.
+
+A report that lists no finding must say what it did not look at (a kind no runner gave evidence
+for, differential replay without an eager step, storages too large to keep), or an empty list
+would pass for a clean bill of health it did not earn."""
+from __future__ import annotations
+
+from .report import KINDS, Report
+from .rules import dangling, mutation
+
+
+def finish(doctor) -> Report:
+    report = doctor.report
+    if doctor.failure is None:
+        try:
+            _final_checks(doctor)
+        except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
+            doctor.fail(e, "_final_checks")
+    report.not_checked = {k: why for k, why in _not_checked(doctor).items() if k not in report.kinds}
+    if doctor.every and doctor.served and doctor.no_eager == doctor.served:
+        report.skipped["differential replay"] = "no eager step announced (serve(..., eager=...))"
+    elif not doctor.every and report.captures:
+        report.skipped["differential replay"] = "off (watch(differential=N) or diagnose() turns it on)"
+    if doctor.compared:
+        report.notes.append(f"differential replay: {doctor.compared} replay(s) compared with an eager run "
+                            "of the same step")
+    if doctor.startup.skipped:
+        report.notes.append(f"{doctor.startup.skipped} storage(s) the warmups wrote were too large to keep: what "
+                            "dummy batches left there was not checked")
+    if doctor.unknown_replays:
+        report.notes.append(f"{doctor.unknown_replays} replays of graphs captured before watch() were not checked")
+    report.findings.sort(key=lambda f: KINDS.index(f.kind))
+    return report
+
+
+def _final_checks(doctor) -> None:
+    """Liveness once more (memory released after the last replay), and graphs that write a
+    static buffer but were never replayed, so never probed."""
+    for info in list(doctor.graphs.values()):
+        if info.ref() is None:
+            continue
+        dangling.check(doctor, info, before_replay=False)
+        if not info.probed:
+            mutation.unprobed(doctor, info)
+
+
+def _not_checked(doctor) -> dict[str, str]:
+    if doctor.failure is not None:
+        return {k: f"the doctor stopped early ({doctor.failure})" for k in KINDS}
+    if doctor.report.captures == 0:
+        why = {k: "nothing was captured inside watch()" for k in KINDS}
+        if doctor.buffers:                          # announced capture inputs were still checked
+            del why["undersized-buffer"]
+        return why
+    why = {"stale-padding": "needs two runs with the padded rows filled differently: use diagnose()"}
+    if not doctor.buffers:
+        why["persistent-mutation"] = "no runner announced its static input buffers"
+        why["undersized-buffer"] = "no runner announced its static input buffers"
+    if not any(info.warmup is not None for info in doctor.graphs.values()) and not doctor.compared:
+        why["warmup-divergence"] = "no warmup run was announced before any capture"
+    if not doctor.handed_any:
+        why["overwritten-output"] = "no runner handed graph outputs out"
+    return why
