@@ -810,14 +810,27 @@ def test_compare_runs_different_graphs_lengths_or_errors():
 
 
 # ----------------------------------------------------------------------------------- evaluation
+# Notebook 06 makes these same calls on the CPU (evaluate, evaluate PIECEWISE, clean_models). When the
+# session runs that notebook anyway (`make test`), its results are used instead of a second run of
+# each (conftest's NOTEBOOK_KEEPS), and this module runs on the notebook's worker.
 @pytest.fixture(scope="module")
-def evaluation():
-    return graph_doctor.evaluate("cpu")
+def notebook06(notebook_keeps):
+    return notebook_keeps("06_graph_doctor")
 
 
 @pytest.fixture(scope="module")
-def clean():
-    return graph_doctor.clean_models("cpu")
+def evaluation(notebook06):
+    return notebook06["rows"] if notebook06 else graph_doctor.evaluate("cpu")
+
+
+@pytest.fixture(scope="module")
+def piecewise(notebook06):
+    return notebook06["piecewise"] if notebook06 else graph_doctor.evaluate("cpu", graph_doctor.PIECEWISE)
+
+
+@pytest.fixture(scope="module")
+def clean(notebook06):
+    return notebook06["clean"] if notebook06 else graph_doctor.clean_models("cpu")
 
 
 @pytest.mark.slow
@@ -923,8 +936,8 @@ def test_doctor_figures_ask_for_no_text_under_8_points(evaluation):
         plt.close(fig)
 
 
-def test_case01_under_piecewise_graphs_is_found_outside_the_graphs():
-    rows = graph_doctor.evaluate("cpu", graph_doctor.PIECEWISE)
+def test_case01_under_piecewise_graphs_is_found_outside_the_graphs(piecewise):
+    rows = piecewise
     assert all(r.correct for r in rows), "\n".join(r.summary() for r in rows)
     assert rows[0].hit.graph.startswith("outside the graphs")
 
@@ -974,9 +987,9 @@ def test_gpu_cost_records_hide_the_host_cost_behind_gpu_bound_steps():
         assert abs(r["overhead"]) < 0.05, r
 
 
-def test_gpu_piecewise_record_matches_the_cpu_evaluation():
+def test_gpu_piecewise_record_matches_the_cpu_evaluation(piecewise):
     record = json.loads((graph_doctor.RESULTS / "graph_doctor_piecewise.json").read_text())
     assert "error" not in record and record["device"].startswith("NVIDIA")
-    cpu = graph_doctor.record(graph_doctor.evaluate("cpu", graph_doctor.PIECEWISE))
+    cpu = graph_doctor.record(piecewise)
     strip = [{k: v for k, v in r.items() if k != "seconds"} for r in cpu]
     assert [{k: v for k, v in r.items() if k != "seconds"} for r in record["results"]["evaluation"]] == strip
