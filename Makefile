@@ -18,8 +18,11 @@ setup:
 run: setup
 	$(PY) scripts/run_notebooks.py $(ARGS)
 
+# Tests run side by side on up to 4 workers (pytest-xdist; one per core), each module and each
+# notebook whole on one worker (tests/conftest.py groups them, longest first). Serial: ARGS="-n 0".
+TEST_WORKERS := -n auto --maxprocesses=4 --dist loadscope --no-loadscope-reorder
 test: setup
-	WORKBENCH_FAST=1 WORKBENCH_HEADLESS=1 $(PY) -m pytest tests -p no:cacheprovider $(ARGS)
+	WORKBENCH_FAST=1 WORKBENCH_HEADLESS=1 $(PY) -m pytest tests -p no:cacheprovider $(TEST_WORKERS) $(ARGS)
 
 # The python3 kernelspec is written into .venv and preferred over a user-wide one of the same
 # name, so the notebooks (kernel "python3") always run on this environment.

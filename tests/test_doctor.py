@@ -14,11 +14,12 @@ import sys
 import textwrap
 
 import matplotlib.pyplot as plt
+import numpy as np
 import pytest
 import torch
 
 import workbench
-from workbench import doctor
+from workbench import doctor, plots
 from workbench import cases
 from workbench.cases import graph_doctor
 from workbench.engine import CaptureError, GraphRunner, IllegalMemoryAccess, events, graph, new_graph
@@ -810,14 +811,27 @@ def test_compare_runs_different_graphs_lengths_or_errors():
 
 
 # ----------------------------------------------------------------------------------- evaluation
+# Notebook 06 makes these same calls on the CPU (evaluate, evaluate PIECEWISE, clean_models). When the
+# session runs that notebook anyway (`make test`), its results are used instead of a second run of
+# each (conftest's NOTEBOOK_KEEPS), and this module runs on the notebook's worker.
 @pytest.fixture(scope="module")
-def evaluation():
-    return graph_doctor.evaluate("cpu")
+def notebook06(notebook_keeps):
+    return notebook_keeps("06_graph_doctor")
 
 
 @pytest.fixture(scope="module")
-def clean():
-    return graph_doctor.clean_models("cpu")
+def evaluation(notebook06):
+    return notebook06["rows"] if notebook06 else graph_doctor.evaluate("cpu")
+
+
+@pytest.fixture(scope="module")
+def piecewise(notebook06):
+    return notebook06["piecewise"] if notebook06 else graph_doctor.evaluate("cpu", graph_doctor.PIECEWISE)
+
+
+@pytest.fixture(scope="module")
+def clean(notebook06):
+    return notebook06["clean"] if notebook06 else graph_doctor.clean_models("cpu")
 
 
 @pytest.mark.slow
@@ -857,24 +871,74 @@ def test_matrix_marks_each_finding_and_each_expected_cell(evaluation):
 
 
 def test_overhead_measures_wall_and_host_time_and_plots_both():
-    cost = graph_doctor.overhead("cpu", steps=4, repeats=1)
+    cost = graph_doctor.overhead("cpu", steps=5, repeats=2, chunk=2)
     for key in ("plain_ms_per_step", "watched_ms_per_step", "plain_host_ms_per_step", "watched_host_ms_per_step"):
         assert 0 < cost[key] < 1e3, key
+        per_repeat = cost[key.replace("per_step", "per_repeat")]
+        assert len(per_repeat) == 2 and cost[key] == pytest.approx(float(np.median(per_repeat))), key
     assert cost["overhead"] == pytest.approx(cost["watched_ms_per_step"] / cost["plain_ms_per_step"] - 1)
     assert cost["host_added_us"] == pytest.approx(
         1e3 * (cost["watched_host_ms_per_step"] - cost["plain_host_ms_per_step"]))
+    # every repeat kept, its own ratio and difference, and their range as the spread
+    assert cost["overhead_per_repeat"] == pytest.approx(
+        [w / p - 1 for p, w in zip(cost["plain_ms_per_repeat"], cost["watched_ms_per_repeat"])])
+    assert cost["host_added_us_per_repeat"] == pytest.approx(
+        [1e3 * (w - p) for p, w in zip(cost["plain_host_ms_per_repeat"], cost["watched_host_ms_per_repeat"])])
+    assert cost["overhead_range"] == [min(cost["overhead_per_repeat"]), max(cost["overhead_per_repeat"])]
+    assert cost["host_added_us_range"] == [min(cost["host_added_us_per_repeat"]), max(cost["host_added_us_per_repeat"])]
+    # the watched turns ran inside the doctor: it saw each of their steps (and the first replay)
+    assert cost["watched_replays"] >= 2 * 2 * 5 + 1
+    json.dumps(cost)                                # what cost_record writes
     table = graph_doctor.cost_table([cost]).splitlines()
     assert len(table) == 3 and table[2].startswith("| gpt2 | cpu | ")
     assert f"{cost['host_added_us']:+.0f} |" in table[2]
+    assert f"| {graph_doctor.spread_text(cost, 'wall')} |" in table[2]
+    assert f"| {graph_doctor.spread_text(cost, 'host')} |" in table[2]
     fig = graph_doctor.plot_overhead(cost)
     heights = [[p.get_height() for p in ax.patches] for ax in fig.axes]
     assert heights == [[cost["plain_ms_per_step"], cost["watched_ms_per_step"]],
                        [cost["plain_host_ms_per_step"], cost["watched_host_ms_per_step"]]]
+    dots = [[list(c.get_offsets()[:, 1]) for c in ax.collections] for ax in fig.axes]
+    assert dots == [[cost["plain_ms_per_repeat"], cost["watched_ms_per_repeat"]],
+                    [cost["plain_host_ms_per_repeat"], cost["watched_host_ms_per_repeat"]]]
+    assert [graph_doctor.spread_text(cost, m) in ax.get_title() for ax, m in zip(fig.axes, ("wall", "host"))] == [True] * 2
     plt.close(fig)
 
 
-def test_case01_under_piecewise_graphs_is_found_outside_the_graphs():
-    rows = graph_doctor.evaluate("cpu", graph_doctor.PIECEWISE)
+def test_cost_spread_says_within_noise_exactly_when_the_repeats_straddle_zero():
+    base = {"model": "gpt2", "device": "cpu", "repeats": 5, "plain_ms_per_step": 1.0, "watched_ms_per_step": 1.05,
+            "plain_host_ms_per_step": 1.0, "watched_host_ms_per_step": 1.05, "overhead": 0.05, "host_added_us": 50.0}
+    straddles = {**base, "overhead_range": [-0.06, 0.12], "host_added_us_range": [-20.0, 90.0]}
+    above = {**base, "overhead_range": [0.02, 0.08], "host_added_us_range": [20.0, 90.0]}
+    below = {**base, "overhead_range": [-0.08, -0.02], "host_added_us_range": [-90.0, -20.0]}
+    assert graph_doctor.spread_text(straddles, "wall") == "-6.0% to +12.0%, within noise"
+    assert graph_doctor.spread_text(straddles, "host") == "-20 µs to +90 µs, within noise"
+    assert graph_doctor.spread_text(above, "wall") == "+2.0% to +8.0%"
+    assert "within noise" not in graph_doctor.spread_text(below, "host")
+    assert graph_doctor.spread_text({**above, "repeats": 1}) == "one repeat: no spread"
+    assert graph_doctor.spread_text(base) == "spread not recorded"        # a record made before the spread was kept
+    assert "| spread not recorded |" in graph_doctor.cost_table([base])
+    with pytest.raises(ValueError, match="measure must be one of"):
+        graph_doctor.spread_text(above, "gpu")
+    with pytest.raises(ValueError, match="chunk must be a whole number >= 1, got 0"):
+        graph_doctor.overhead("cpu", chunk=0)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_doctor_figures_ask_for_no_text_under_8_points(evaluation):
+    """As the figure functions ask for them, before the draw hook would raise anything smaller."""
+    cost = {"model": "gpt2", "device": "cpu", "repeats": 2, "plain_ms_per_step": 1.0, "watched_ms_per_step": 1.1,
+            "plain_host_ms_per_step": 1.0, "watched_host_ms_per_step": 1.1, "overhead": 0.1, "host_added_us": 100.0,
+            "plain_ms_per_repeat": [1.0, 1.0], "watched_ms_per_repeat": [1.1, 1.1], "plain_host_ms_per_repeat": [1.0, 1.0],
+            "watched_host_ms_per_repeat": [1.1, 1.1], "overhead_range": [0.1, 0.1], "host_added_us_range": [100.0, 100.0]}
+    for fig in (graph_doctor.plot_matrix(evaluation), graph_doctor.plot_overhead(cost)):
+        assert not plots.small_texts(fig), plots.small_texts(fig)[:4]
+        plt.close(fig)
+
+
+def test_case01_under_piecewise_graphs_is_found_outside_the_graphs(piecewise):
+    rows = piecewise
     assert all(r.correct for r in rows), "\n".join(r.summary() for r in rows)
     assert rows[0].hit.graph.startswith("outside the graphs")
 
@@ -924,9 +988,9 @@ def test_gpu_cost_records_hide_the_host_cost_behind_gpu_bound_steps():
         assert abs(r["overhead"]) < 0.05, r
 
 
-def test_gpu_piecewise_record_matches_the_cpu_evaluation():
+def test_gpu_piecewise_record_matches_the_cpu_evaluation(piecewise):
     record = json.loads((graph_doctor.RESULTS / "graph_doctor_piecewise.json").read_text())
     assert "error" not in record and record["device"].startswith("NVIDIA")
-    cpu = graph_doctor.record(graph_doctor.evaluate("cpu", graph_doctor.PIECEWISE))
+    cpu = graph_doctor.record(piecewise)
     strip = [{k: v for k, v in r.items() if k != "seconds"} for r in cpu]
     assert [{k: v for k, v in r.items() if k != "seconds"} for r in record["results"]["evaluation"]] == strip

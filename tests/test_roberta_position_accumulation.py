@@ -18,7 +18,6 @@ CASE = get("roberta_position_accumulation")
 QUICK = case.Settings(capture_sizes=(8, 16), max_num_reqs=16, num_warmups=100)
 
 
-pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 @pytest.fixture(scope="module")

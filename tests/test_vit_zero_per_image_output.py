@@ -6,11 +6,12 @@ import json
 import hypothesis
 import hypothesis.strategies as st
 import matplotlib
+import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 import torch
 
-from workbench import expect_failure
+from workbench import expect_failure, plots
 from workbench.cases import VARIANTS, get
 from workbench.cases import vit_zero_per_image_output as case
 from workbench.cases.vit_zero_per_image_output.model import _same_sequence_mask
@@ -20,7 +21,6 @@ matplotlib.use("Agg")
 CASE = get("vit_zero_per_image_output")
 
 
-pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 @pytest.fixture(scope="module")
@@ -313,6 +313,9 @@ def test_plots_return_figures(record):
             case.plot_latency(record["stream"], "cpu"), case.plot_pruning(record["pruning"]),
             case.plot_plan(64, 16384), case.plot_plan(64, 1024, max_items=128)]
     assert all(isinstance(f, matplotlib.figure.Figure) for f in figs)
+    for fig in figs:        # as asked for, before the draw hook would raise anything smaller
+        assert not plots.small_texts(fig), f"{fig.axes[0].get_title()!r}: {plots.small_texts(fig)[:4]}"
+        plt.close(fig)
     heat = case.per_item_heatmap(range(4))
     assert np.array(heat["bug"])[3, 0] == 0 and np.array(heat["fix"]).min() >= 1
 

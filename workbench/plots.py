@@ -89,6 +89,19 @@ def _minimum_font(fig: plt.Figure) -> None:
     fig.draw = draw_with_minimum_font
 
 
+def small_texts(fig: plt.Figure, min_pt: float = MIN_FONT_PT) -> list[tuple[str, float, float]]:
+    """The visible texts of ``fig`` smaller than ``min_pt`` points, as (text, points, pixels at
+    ``DPI``), sorted by size. Call it before the figure is drawn: it then reads the sizes the figure
+    function asked for, which ``_minimum_font`` would raise at draw time into a layout made for
+    smaller text (crowded cell labels, overlapping annotations); a figure function should ask for
+    readable sizes itself."""
+    if isinstance(min_pt, bool) or not isinstance(min_pt, (int, float)) or min_pt <= 0:
+        raise ValueError(f"small_texts: min_pt must be a positive number of points, got {min_pt!r}")
+    small = {(t.get_text(), t.get_fontsize()) for t in fig.findobj(matplotlib.text.Text)
+             if t.get_visible() and t.get_text().strip() and t.get_fontsize() < min_pt}
+    return sorted(((text, pt, pt * DPI / 72) for text, pt in small), key=lambda s: (s[1], s[0]))
+
+
 if f"{__name__}:_minimum_font" not in matplotlib.rcParams["figure.hooks"]:
     matplotlib.rcParams["figure.hooks"] = [*matplotlib.rcParams["figure.hooks"], f"{__name__}:_minimum_font"]
 

@@ -20,6 +20,8 @@ import torch
 
 from .. import cases, doctor, plots
 from ..dist import launch
+from ..doctor.intake import Doctor
+from ..doctor.session import watching
 from ..engine import GraphRunner, synchronize
 from ..models.hf import tiny_model
 
@@ -143,7 +145,7 @@ def clean_models(device: str = "cpu", names: tuple[str, ...] = ("roberta", "bert
 
 # ----------------------------------------------------------------------------- cost
 def overhead(device: str = "cpu", name: str = "gpt2", steps: int = 200, repeats: int = 5,
-             batch: int = 3) -> dict:
+             batch: int = 3, chunk: int = 25) -> dict:
     """What ``watch()`` adds to a replay-heavy run (``GraphRunner`` over a tiny ``transformers``
     model, ``batch`` real rows padded to 4), in two measures per served step:
 
@@ -152,46 +154,97 @@ def overhead(device: str = "cpu", name: str = "gpt2", steps: int = 200, repeats:
       and launch work, which is where the doctor's cost lands (its checks run on the host).
 
     On the CPU backend the two coincide. On a GPU the host cost shows in wall time only where the
-    step is host-bound; a step the GPU takes longer over hides it. Plain and watched runs
-    alternate; medians over ``repeats`` runs are compared.
+    step is host-bound; a step the GPU takes longer over hides it.
+
+    Plain and watched take turns every ``chunk`` steps (as the functions of
+    ``benchmarks/bench_replay.py`` do), so a change in the machine's load hits both alike instead of
+    whole runs: both runners are captured once, the watched one inside a doctor that is re-entered
+    for each of its turns (it knows the graphs from their capture, as one long ``watch()`` would).
+    A repeat is ``steps`` steps of each; every repeat is kept (``*_per_repeat``), medians over the
+    repeats give the headline numbers, and the range of the per-repeat differences is their spread:
+    when it covers 0 the difference is within noise (``spread_text``). ``watched_replays`` counts the
+    replays the doctor saw (every watched step, so none of its turns ran unwatched).
     """
+    for arg, value, least in (("steps", steps, 1), ("repeats", repeats, 1), ("batch", batch, 1), ("chunk", chunk, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"overhead: {arg} must be a whole number >= {least}, got {value!r}")
     model = tiny_model(name, seed=0).to(device).eval()
     ids = torch.randint(3, 100, (batch, 8), generator=torch.Generator().manual_seed(0)).to(device)
+    watcher = Doctor()
 
-    def serve(watched: bool) -> tuple[float, float]:
-        with doctor.watch() if watched else contextlib.nullcontext():
-            runner = GraphRunner(lambda input_ids: model(input_ids=input_ids).last_hidden_state,
-                                 {"input_ids": ((8,), torch.int64)}, [1, 2, 4, 8], device=device)
-            with torch.no_grad():
-                runner.capture()
-                runner(input_ids=ids)
-                synchronize(device)
-                start = time.perf_counter()
-                for _ in range(steps):
-                    runner(input_ids=ids)
-                synchronize(device)
-                wall = (time.perf_counter() - start) / steps
-                host = 0.0
-                for _ in range(steps):
-                    start = time.perf_counter()
-                    runner(input_ids=ids)
-                    host += time.perf_counter() - start
-                    synchronize(device)
-                return wall, host / steps
+    def watched(on: bool):
+        return watching(watcher) if on else contextlib.nullcontext()
 
-    times = {(k, m): [] for k in ("plain", "watched") for m in ("wall", "host")}
-    for _ in range(repeats):
-        for watched in (False, True):
-            k = "watched" if watched else "plain"
-            wall, host = serve(watched)
-            times[k, "wall"].append(wall)
-            times[k, "host"].append(host)
-    ms = {key: float(np.median(v)) * 1e3 for key, v in times.items()}
-    return {"device": str(device), "model": name, "steps": steps, "repeats": repeats,
-            "plain_ms_per_step": ms["plain", "wall"], "watched_ms_per_step": ms["watched", "wall"],
-            "plain_host_ms_per_step": ms["plain", "host"], "watched_host_ms_per_step": ms["watched", "host"],
-            "overhead": ms["watched", "wall"] / ms["plain", "wall"] - 1,
-            "host_added_us": 1e3 * (ms["watched", "host"] - ms["plain", "host"])}
+    def runner(on: bool) -> GraphRunner:
+        with watched(on):
+            r = GraphRunner(lambda input_ids: model(input_ids=input_ids).last_hidden_state,
+                            {"input_ids": ((8,), torch.int64)}, [1, 2, 4, 8], device=device)
+            r.capture()
+            r(input_ids=ids)            # the first replay (the doctor probes each graph once)
+        return r
+
+    def wall(r: GraphRunner, n: int) -> float:
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(n):
+            r(input_ids=ids)
+        synchronize(device)
+        return time.perf_counter() - start
+
+    def host(r: GraphRunner, n: int) -> float:
+        total = 0.0
+        for _ in range(n):
+            start = time.perf_counter()
+            r(input_ids=ids)
+            total += time.perf_counter() - start
+            synchronize(device)
+        return total
+
+    with torch.no_grad():
+        runners = {False: runner(False), True: runner(True)}
+        per = {(on, m): [] for on in (False, True) for m in ("wall", "host")}
+        for _ in range(repeats):
+            for measure, timed in (("wall", wall), ("host", host)):
+                seconds = {False: 0.0, True: 0.0}
+                for turn, start in enumerate(range(0, steps, chunk)):
+                    for on in (turn % 2 == 1, turn % 2 == 0):       # who goes first alternates too
+                        with watched(on):
+                            seconds[on] += timed(runners[on], min(chunk, steps - start))
+                for on in (False, True):
+                    per[on, measure].append(1e3 * seconds[on] / steps)
+    ms = {key: float(np.median(v)) for key, v in per.items()}
+    wall_ratio = [w / p - 1 for p, w in zip(per[False, "wall"], per[True, "wall"])]
+    host_added = [1e3 * (w - p) for p, w in zip(per[False, "host"], per[True, "host"])]
+    return {"device": str(device), "model": name, "steps": steps, "repeats": repeats, "chunk": chunk,
+            "plain_ms_per_step": ms[False, "wall"], "watched_ms_per_step": ms[True, "wall"],
+            "plain_host_ms_per_step": ms[False, "host"], "watched_host_ms_per_step": ms[True, "host"],
+            "overhead": ms[True, "wall"] / ms[False, "wall"] - 1,
+            "host_added_us": 1e3 * (ms[True, "host"] - ms[False, "host"]),
+            "plain_ms_per_repeat": per[False, "wall"], "watched_ms_per_repeat": per[True, "wall"],
+            "plain_host_ms_per_repeat": per[False, "host"], "watched_host_ms_per_repeat": per[True, "host"],
+            "overhead_per_repeat": wall_ratio, "host_added_us_per_repeat": host_added,
+            "overhead_range": [min(wall_ratio), max(wall_ratio)],
+            "host_added_us_range": [min(host_added), max(host_added)],
+            "watched_replays": watcher.report.replays}
+
+
+_SPREADS = {"wall": ("overhead", "{:+.1%}"), "host": ("host_added_us", "{:+.0f} µs")}
+
+
+def spread_text(result: dict, measure: str = "wall") -> str:
+    """The spread of an ``overhead()`` result's per-repeat difference (``measure``: wall, the
+    overhead ratio, or host, the µs added), in words: ``within noise`` when the range covers 0, so
+    that a loaded machine cannot turn a cost into a saving (or the reverse) without saying so."""
+    if measure not in _SPREADS:
+        raise ValueError(f"spread_text: measure must be one of {sorted(_SPREADS)}, got {measure!r}")
+    key, fmt = _SPREADS[measure]
+    if f"{key}_range" not in result:
+        return "spread not recorded"
+    if result["repeats"] < 2:
+        return "one repeat: no spread"
+    lo, hi = result[f"{key}_range"]
+    span = f"{fmt.format(lo)} to {fmt.format(hi)}"
+    return f"{span}, within noise" if lo <= 0 <= hi else span
 
 
 def other_kinds(device: str = "cpu") -> dict[str, list[str]]:
@@ -267,7 +320,7 @@ def plot_matrix(rows: list[Row]) -> plt.Figure:
         exp = r.expected
         for j, kind in enumerate(doctor.KINDS):
             text = "found" if grid[i, j] == 1 else ("not checked" if np.isnan(grid[i, j]) else "")
-            ax.text(j, i, text, ha="center", va="center", fontsize=7,
+            ax.text(j, i, text, ha="center", va="center", fontsize=8,
                     color="white" if grid[i, j] == 1 else "#555555")
             if exp is not None and kind == exp.kind:
                 ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, lw=2, ec=plots.COLORS["limit"],
@@ -302,12 +355,15 @@ def table(rows: list[Row]) -> str:
 
 
 def cost_table(results: list[dict]) -> str:
-    """``overhead()`` results as a Markdown table (the benchmark's and the notebook's)."""
-    lines = ["| model | device | plain ms/step | watched ms/step | wall overhead | plain host ms | watched host ms "
-             "| host µs added per step |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    """``overhead()`` results as a Markdown table (the benchmark's and the notebook's), medians over
+    the repeats with the range of the per-repeat differences (``spread_text``)."""
+    lines = ["| model | device | plain ms/step | watched ms/step | wall overhead | over repeats | plain host ms "
+             "| watched host ms | host µs added per step | over repeats |",
+             "|---|---|---:|---:|---:|---|---:|---:|---:|---|"]
     lines += [f"| {r['model']} | {r['device']} | {r['plain_ms_per_step']:.3f} | {r['watched_ms_per_step']:.3f} | "
-              f"{100 * r['overhead']:+.1f} % | {r['plain_host_ms_per_step']:.3f} | {r['watched_host_ms_per_step']:.3f} "
-              f"| {r['host_added_us']:+.0f} |" for r in results]
+              f"{100 * r['overhead']:+.1f} % | {spread_text(r, 'wall')} | {r['plain_host_ms_per_step']:.3f} | "
+              f"{r['watched_host_ms_per_step']:.3f} | {r['host_added_us']:+.0f} | {spread_text(r, 'host')} |"
+              for r in results]
     return "\n".join(lines)
 
 
@@ -319,16 +375,25 @@ def gpu_costs() -> list[dict]:
 
 def plot_overhead(result: dict) -> plt.Figure:
     """Wall and host milliseconds per served step, without and inside ``watch()`` (an
-    ``overhead()`` result)."""
-    fig, axes = plt.subplots(1, 2, figsize=(8.4, 3.4), sharey=True)
+    ``overhead()`` result): bars at the medians, one dot per repeat, and in each title the median
+    difference with its spread over the repeats (``within noise`` when it covers 0)."""
+    fig, axes = plt.subplots(1, 2, figsize=(8.4, 3.6), sharey=True)
     top = 0.0
     for ax, measure, key in ((axes[0], "wall", "ms_per_step"), (axes[1], "host", "host_ms_per_step")):
         values = {"plain": result[f"plain_{key}"], "inside watch()": result[f"watched_{key}"]}
         top = max(top, *values.values())
         plots.bars(ax, values, colors=dict.fromkeys(values, plots.COLORS["real"]), fmt="{:.3f} ms",
                    ylabel="ms per served step (median)" if measure == "wall" else "",
-                   title=f"{measure} time: {values['inside watch()'] / values['plain'] - 1:+.0%}")
+                   title=f"{measure} time: {values['inside watch()'] / values['plain'] - 1:+.0%}\n"
+                         f"per repeat {spread_text(result, measure)}")
         ax.patches[1].set_hatch("//")
+        for x, variant in enumerate(("plain", "watched")):
+            per = result.get(f"{variant}_{key.replace('_per_step', '_per_repeat')}", [])
+            top = max(top, *per, 0.0)
+            ax.scatter(np.full(len(per), x), per, s=14, color=plots.COLORS["limit"], zorder=3,
+                       label="one repeat" if x == 0 and per else None)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="lower right")
     axes[0].set_ylim(0, 1.2 * top)
     fig.suptitle(f"Cost of watching: {result['model']} on {result['device']}, "
                  f"{result['host_added_us']:+.0f} \u00b5s of host work per step")

@@ -59,7 +59,7 @@ def plot_per_item_heatmap(data: dict) -> plt.Figure:
         for r in range(n):
             for c in range(n):
                 if per[r, c] > 0:
-                    ax.text(c, r, str(int(per[r, c])), ha="center", va="center", fontsize=6,
+                    ax.text(c, r, str(int(per[r, c])), ha="center", va="center", fontsize=8,
                             color="white" if np.log2(per[r, c]) < vmax / 2 else "black")
         ticks = [str(s) for s in sizes]
         ax.set_xticks(range(n), ticks, rotation=45)
@@ -69,7 +69,7 @@ def plot_per_item_heatmap(data: dict) -> plt.Figure:
                 x, y = sizes.index(lo), sizes.index(batch)
                 ax.plot(x, y, marker="o", markersize=15, markerfacecolor="none",
                         markeredgecolor=plots.COLORS["limit"], markeredgewidth=2)
-                ax.annotate(label, (x, y), xytext=(12, -4), textcoords="offset points", fontsize=7.5,
+                ax.annotate(label, (x, y), xytext=(12, -4), textcoords="offset points", fontsize=8,
                             color=plots.COLORS["limit"], bbox={"facecolor": "white", "alpha": 0.85, "pad": 1,
                                                                "edgecolor": "none"})
     fig.suptitle("Tokens per synthetic capture item at the smallest budget, auto config (grey = 0)", fontsize=11)
@@ -87,7 +87,7 @@ def _allocation_bars(ax, budgets: list[int], batch: int, merge: int, title: str)
         rects = ax.bar(x + shift, 100 * alloc / need, 0.4, color=plots.COLORS[variant], label=label)
         for r, a, n in zip(rects, alloc, need):
             ax.annotate(f"{a}", (r.get_x() + r.get_width() / 2, r.get_height()), ha="center", va="bottom",
-                        fontsize=7, rotation=90, xytext=(0, 2), textcoords="offset points",
+                        fontsize=8, rotation=90, xytext=(0, 2), textcoords="offset points",
                         bbox={"facecolor": "white", "alpha": 0.8, "pad": 0.5, "edgecolor": "none"})
     ax.axhline(100, color=plots.COLORS["limit"], linestyle="--", linewidth=1.2,
                label="needed: a full batch (budget x merge^2 patches)")
@@ -207,7 +207,7 @@ def plot_plan(min_budget: int, max_budget: int, max_items: int = 0) -> plt.Figur
         for xi, r in zip(x, p["rows"]):
             zero = r["per_item_output"] == 0
             ax.annotate(f"{r['per_item_output']}/item", (xi, r["allocated_tokens"] or r["budget"]), ha="center",
-                        va="bottom", fontsize=7, color=plots.COLORS["bug"] if zero else "black",
+                        va="bottom", fontsize=8, color=plots.COLORS["bug"] if zero else "black",
                         fontweight="bold" if zero else "normal")
         ax.set_xticks(x, [str(b) for b in budgets], rotation=30)
         ax.set_yscale("log")
