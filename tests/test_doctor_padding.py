@@ -17,9 +17,6 @@ from workbench import doctor
 from workbench.doctor import padding_record
 from workbench.engine import events, graph, new_graph
 
-pytestmark = pytest.mark.usefixtures("one_cpu_thread")
-
-
 def captured(forward, static, *, name="size 4"):
     """A graph of ``forward`` (a warmup, then the capture) over announced static buffers."""
     events.static_buffers("Runner", static)
