@@ -308,7 +308,7 @@ def plot_matrix(rows: list[Row]) -> plt.Figure:
                 grid[i, j] = np.nan
             elif kind in r.report.kinds:
                 grid[i, j] = 1.0
-    fig, ax = plt.subplots(figsize=(9.5, 0.45 * len(rows) + 2.2))
+    fig, ax = plt.subplots(figsize=(1.1 * len(doctor.KINDS) + 3.5, 0.5 * len(rows) + 2.2))
     clean, unchecked = "#f4f4f4", "#d9d9d9"
     cmap = plt.matplotlib.colors.ListedColormap([clean, plots.COLORS["bug"]]).with_extremes(bad=unchecked)
     ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0, vmax=1, aspect="auto")
@@ -319,7 +319,7 @@ def plot_matrix(rows: list[Row]) -> plt.Figure:
     for i, r in enumerate(rows):
         exp = r.expected
         for j, kind in enumerate(doctor.KINDS):
-            text = "found" if grid[i, j] == 1 else ("not checked" if np.isnan(grid[i, j]) else "")
+            text = "found" if grid[i, j] == 1 else ("not\nchecked" if np.isnan(grid[i, j]) else "")
             ax.text(j, i, text, ha="center", va="center", fontsize=8,
                     color="white" if grid[i, j] == 1 else "#555555")
             if exp is not None and kind == exp.kind:
