@@ -129,8 +129,7 @@ class CPUGraph:
         self._host: set[int] = set()                    # host storages made inside the capture
         self._host_kept: list[torch.Tensor] = []        # ... which live as long as the graph
         self._held: list[torch.UntypedStorage] = []     # those the graph copies from, until capture end
-        self._lifted: set[int] = set()                  # constants made inside the capture
-        self._constants: list[torch.Tensor] = []        # ... held for the graph's life: never a free block
+        self._lifted, self._constants = set(), []       # constants made in the capture: keys; tensors it holds
         self._snapshots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._modes: tuple = ()
         self.replays = 0
@@ -281,15 +280,13 @@ class CPUGraph:
                          or any(o is not None and storage_key(o) != key for o in op.outputs)]
 
     def _place(self, t: torch.Tensor, busy: set) -> torch.Tensor:
-        """``t`` moved into a free block of the pool of its byte size, if there is one (the caching
-        allocator hands freed pool memory to the next allocation): ``t`` itself, its storage swapped."""
+        """``t``, moved in place into a free pool block of its size if there is one (as CUDA's allocator)."""
         block = self._pool._free_block(t.untyped_storage().nbytes(), busy, _alias_count)
-        if block is None:
-            return t
-        with _disable_current_modes():
-            placed = torch.empty(0, dtype=t.dtype).set_(block, t.storage_offset(), t.shape, t.stride())
-            placed.copy_(t)
-            t.set_(placed.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+        if block is not None:
+            with _disable_current_modes():
+                placed = torch.empty(0, dtype=t.dtype).set_(block, t.storage_offset(), t.shape, t.stride())
+                placed.copy_(t)
+                t.set_(placed.untyped_storage(), t.storage_offset(), t.shape, t.stride())
         return t                 # the same object: whoever saw it made (an observer below) sees it moved
 
     def _slot(self, t: torch.Tensor, func, source: str, reads: set):
