@@ -1,16 +1,16 @@
-"""Python state an eager step changes and a replay cannot: attribute and item bindings.
+"""Python state an eager step changes and a replay cannot: tensor bindings.
 
 A replay runs kernels only. Whatever the step's Python does besides launching them -- bind an
-attribute to this step's tensor (``self.x = h``) -- happened once, at capture, and never again. Differential replay makes that visible: the bindings reachable from the
-step's eager callable are noted before its eager run and compared after it; a binding the eager
-step changed is host work the graph does not repeat. The doctor then puts every binding back as
-the replay left it, so the watched program goes on as if only the replay had run.
+attribute to this step's tensor (``self.x = h``) -- happened once, at capture, and never again.
+Differential replay makes that visible: the tensor bindings reachable from the step's eager
+callable are noted before its eager run and compared after it; a binding the eager step moved to a
+tensor it made is host work the graph does not repeat. The doctor then puts every such binding back
+as the replay left it, so the watched program goes on as if only the replay had run.
 
 Reachable means through closures, bound methods, ``functools.partial``, object ``__dict__``
 entries, dicts, lists and tuples (an ``nn.Module``'s submodules and buffers included), up to
-``_MAX_OBJECTS`` objects. Only tensor bindings count: see ``changes``. The
-engine's own objects are walked through (a graph manager leads to the model) but not watched: their
-bookkeeping is not the step's.
+``_MAX_OBJECTS`` objects, found once per graph. The engine's own objects are walked through (a
+graph manager leads to the model) but not watched: their bookkeeping is not the step's.
 """
 from __future__ import annotations
 
