@@ -206,6 +206,8 @@ def test_benchmark_table_summary_and_figures(monkeypatch):
     assert summary["doctor"]["right_site"] == 2               # imp: decode; warp: solver_step (differential replay)
     assert summary["input_liveness"]["findings_on_fixes"] == 0
     assert "| doctor | 2 / 2 |" in bench.markdown(bench.summary(rows))
+    assert bench.misses(rows) == ["none: doctor gives every bug its expected kind and no fix a finding"]
+    assert bench.misses(rows, "eager_diff")[0].startswith("imp_1648_per_step_metadata_alloc")
     expected, given, grid = bench.confusion(rows)
     assert grid.sum() == 2 and grid[expected.index("host-work-frozen"), given.index("host-work-frozen")] == 1
     fig = bench.plot_confusion(rows)

@@ -110,6 +110,17 @@ def markdown(summary_rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def misses(rows: list[dict], detector: str = "doctor") -> list[str]:
+    """One line per bug (the CPU reproduces) not found with its expected kind, and per finding on a
+    fix; a single line saying so when there is none."""
+    lines = [f"{r['program']:<45} expected {r['expected_kind']:<22} got {r['kind'] or 'no finding'}"
+             for r in rows if r["detector"] == detector and r["variant"] == "bug" and not r["engine_gap"]
+             and not r["right_kind"]]
+    lines += [f"finding on a fix: {r['program']}: {r['detail']}"
+              for r in rows if r["detector"] == detector and r["variant"] == "fix" and r["found"]]
+    return lines or [f"none: {detector} gives every bug its expected kind and no fix a finding"]
+
+
 def confusion(rows: list[dict], detector: str = "doctor") -> tuple[list[str], list[str], np.ndarray]:
     """``(expected kinds, given kinds, counts)`` over the bug variants the CPU reproduces."""
     bugs = [r for r in rows if r["detector"] == detector and r["variant"] == "bug" and r["engine_gap"] is None]
