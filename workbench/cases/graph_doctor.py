@@ -30,6 +30,8 @@ CASES = tuple(case.id for case in cases.CASES)
 # between them (in CASES it is captured in FULL mode, inside the graph).
 PIECEWISE = (f"{cases.get(1).id} piecewise",)
 COST_MODELS = ("gpt2", "bert", "roberta")     # the tiny transformers models the cost is measured on
+# ``overhead(size=...)``: the tiny models, and the size of GPT-2 small / BERT base
+MODEL_SIZES = {"tiny": {}, "base": {"hidden": 768, "layers": 12, "heads": 12}}
 RESULTS = cases.ROOT / "results" / "gpu"
 
 
@@ -145,7 +147,7 @@ def clean_models(device: str = "cpu", names: tuple[str, ...] = ("roberta", "bert
 
 # ----------------------------------------------------------------------------- cost
 def overhead(device: str = "cpu", name: str = "gpt2", steps: int = 200, repeats: int = 5,
-             batch: int = 3, chunk: int = 25) -> dict:
+             batch: int = 3, chunk: int = 25, size: str = "tiny") -> dict:
     """What ``watch()`` adds to a replay-heavy run (``GraphRunner`` over a tiny ``transformers``
     model, ``batch`` real rows padded to 4), in two measures per served step:
 
@@ -155,6 +157,10 @@ def overhead(device: str = "cpu", name: str = "gpt2", steps: int = 200, repeats:
 
     On the CPU backend the two coincide. On a GPU the host cost shows in wall time only where the
     step is host-bound; a step the GPU takes longer over hides it.
+
+    ``size`` is ``"tiny"`` (hidden 32, 2 layers: a step so short that the GPU waits for the host,
+    the worst case for any host-side cost) or ``"base"`` (hidden 768, 12 layers, 12 heads: the size
+    of GPT-2 small and BERT base, whose step the GPU takes longer over).
 
     Plain and watched take turns every ``chunk`` steps (as the functions of
     ``benchmarks/bench_replay.py`` do), so a change in the machine's load hits both alike instead of
@@ -168,7 +174,9 @@ def overhead(device: str = "cpu", name: str = "gpt2", steps: int = 200, repeats:
     for arg, value, least in (("steps", steps, 1), ("repeats", repeats, 1), ("batch", batch, 1), ("chunk", chunk, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"overhead: {arg} must be a whole number >= {least}, got {value!r}")
-    model = tiny_model(name, seed=0).to(device).eval()
+    if size not in MODEL_SIZES:
+        raise ValueError(f"overhead: size must be one of {sorted(MODEL_SIZES)}, got {size!r}")
+    model = tiny_model(name, seed=0, **MODEL_SIZES[size]).to(device).eval()
     ids = torch.randint(3, 100, (batch, 8), generator=torch.Generator().manual_seed(0)).to(device)
     watcher = Doctor()
 
@@ -215,7 +223,8 @@ def overhead(device: str = "cpu", name: str = "gpt2", steps: int = 200, repeats:
     ms = {key: float(np.median(v)) for key, v in per.items()}
     wall_ratio = [w / p - 1 for p, w in zip(per[False, "wall"], per[True, "wall"])]
     host_added = [1e3 * (w - p) for p, w in zip(per[False, "host"], per[True, "host"])]
-    return {"device": str(device), "model": name, "steps": steps, "repeats": repeats, "chunk": chunk,
+    return {"device": str(device), "model": name if size == "tiny" else f"{name} ({size})", "size": size,
+            "steps": steps, "repeats": repeats, "chunk": chunk,
             "plain_ms_per_step": ms[False, "wall"], "watched_ms_per_step": ms[True, "wall"],
             "plain_host_ms_per_step": ms[False, "host"], "watched_host_ms_per_step": ms[True, "host"],
             "overhead": ms[True, "wall"] / ms[False, "wall"] - 1,
@@ -293,8 +302,10 @@ def piecewise_record(device: str = "cuda") -> dict:
 
 
 def cost_record(device: str = "cuda") -> dict:
-    """``overhead()`` on one GPU for the three models (``results/gpu/graph_doctor_cost.json``)."""
-    return {"overhead": [overhead(device, name, steps=300, repeats=9) for name in COST_MODELS]}
+    """``overhead()`` on one GPU for the three tiny models and GPT-2 at its base size
+    (``results/gpu/graph_doctor_cost.json``)."""
+    return {"overhead": [overhead(device, name, steps=300, repeats=9) for name in COST_MODELS]
+            + [overhead(device, "gpt2", steps=300, repeats=9, size="base")]}
 
 
 # ----------------------------------------------------------------------------- figures

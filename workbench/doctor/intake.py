@@ -22,11 +22,12 @@ import weakref
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode, _push_mode
+from torch._C import _pop_torch_dispatch_stack, _push_on_torch_dispatch_stack
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..engine import memory
 from ..engine.errors import CaptureError
-from ..engine.opinfo import describe, overwrites, storage_key, tensors, written_tensors
+from ..engine.opinfo import describe, op_tensors, overwrites, storage_key, tensors, written_tensors
 from ..engine.source import user_frame
 from .probes import differential, mutation as mutation_probe, padding as padding_probe
 from .probes.startup import Startup
@@ -42,6 +43,13 @@ aten = torch.ops.aten
 _SLICE, _COPY = aten.slice.Tensor, aten.copy_.default    # looked up once: ``aten.x.y`` costs ~0.4 µs
 _ASIDE = ("replay", "probe")          # phases in which the dispatch mode is off the hot path
 _QUIET = ("probe", "differential")    # phases whose events are the doctor's own doing
+
+
+@functools.cache
+def _pure_view(func) -> bool:
+    """A view that changes no tensor's metadata in place (``slice``, ``view``; not ``t_``), decided
+    once per op: such an op writes nothing, creates no storage and reads no data."""
+    return bool(func.is_view and not func._schema.is_mutable)
 
 
 # What the doctor raises on purpose, into the watched code: a guarded replay, a host sync refused
@@ -221,7 +229,7 @@ class Doctor:
         self.phase = "replay"
         # Step aside: a CPU replay runs many ops (a CUDA graph's replay dispatches none).
         if (info is None or not info.cuda) and _get_current_dispatch_mode() is self.mode:
-            _pop_mode()
+            _pop_torch_dispatch_stack(None)     # what ``_pop_mode`` does for a mode without a key
             self.stepped_aside = True
 
     @contained
@@ -229,7 +237,7 @@ class Doctor:
         if self.phase in _QUIET:
             return
         if self.stepped_aside:
-            _push_mode(self.mode)
+            _push_on_torch_dispatch_stack(self.mode)
             self.stepped_aside = False
         self.phase = "eager"
         self.report.replays += 1
@@ -336,6 +344,11 @@ class Doctor:
             return differential.on_op(self, func, args, kwargs, run)
         if func is _SLICE and self.buffers:
             undersized.check_slice(self, args)
+        if phase == "eager" and _pure_view(func):       # the hot path: eager code taking a view
+            out = run()
+            if self.handed and isinstance(out, torch.Tensor):
+                overwritten.tag_view(self, args[0], out)
+            return out
         if phase == "capture":
             return self._captured(func, args, kwargs, run)
         targets = self.targets(func, args, kwargs)
@@ -381,7 +394,7 @@ class Doctor:
         info = self.capturing
         source = user_frame()
         sync.check(self, info, func, args, kwargs, source)
-        inputs = list(tensors((args, kwargs)))
+        inputs = op_tensors(args, kwargs)
         in_keys = {storage_key(t) for t in inputs}
         targets = self.targets(func, args, kwargs)
         if targets and func is _COPY:

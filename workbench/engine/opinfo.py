@@ -45,6 +45,19 @@ def tensors(obj) -> Iterator[torch.Tensor]:
             yield from tensors(x)
 
 
+def op_tensors(args, kwargs) -> list[torch.Tensor]:
+    """The tensors among an op's arguments, as a list. Observers walk them on every op they see,
+    and an aten argument is a ``Tensor`` or a flat ``Tensor[]``, so the common case needs no
+    generator (``tensors`` walks whatever nests deeper)."""
+    found = []
+    for x in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+        elif isinstance(x, (list, tuple)):
+            found.extend(tensors(x))
+    return found
+
+
 @functools.cache
 def _written_arguments(func) -> tuple[tuple[int, str, bool], ...]:
     """``(position, name, keyword-only)`` of the arguments ``func``'s schema marks as written. Read
@@ -80,6 +93,6 @@ class Effects:
 
 def effects(func, args, kwargs) -> Effects:
     """The one answer to "what does this op read and write" (see the module docstring)."""
-    reads = frozenset(storage_key(t) for t in tensors((args, kwargs)))
+    reads = frozenset(storage_key(t) for t in op_tensors(args, kwargs))
     writes = frozenset(storage_key(t) for t in written_tensors(func, args, kwargs))
     return Effects(reads, writes)

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-_SKIP_DIRS = (
+SKIP_DIRS = (  # torch, the engine, the doctor: never the user's code
     os.path.dirname(torch.__file__),
     os.path.dirname(os.path.abspath(__file__)),
     os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "doctor"),
@@ -30,14 +30,14 @@ def user_frame() -> str:
         code = frame.f_code
         mine = _USER.get(code)
         if mine is None:
-            mine = _USER[code] = (not code.co_filename.startswith(_SKIP_DIRS)
+            mine = _USER[code] = (not code.co_filename.startswith(SKIP_DIRS)
                                   and not code.co_filename.startswith("<frozen") and code.co_name not in _HANDLERS)
         if mine:
             key = (code, frame.f_lineno)
             text = _LINES.get(key)
             if text is None:
                 line = linecache.getline(code.co_filename, frame.f_lineno).strip()
-                text = _LINES[key] = f"{_short(code.co_filename)}:{frame.f_lineno} in {code.co_name}: {line}"
+                text = _LINES[key] = f"{short_path(code.co_filename)}:{frame.f_lineno} in {code.co_name}: {line}"
             return text
         frame = frame.f_back
     return "<unknown>"
@@ -48,6 +48,6 @@ _LINES: dict = {}     # (code object, line) -> the formatted location
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _short(filename: str) -> str:
+def short_path(filename: str) -> str:
     """Path relative to the package root's parent when inside it, else as given."""
     return os.path.relpath(filename, _ROOT) if filename.startswith(_ROOT) else filename

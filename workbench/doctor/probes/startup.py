@@ -21,7 +21,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ...engine.opinfo import describe, storage_key, tensors, written_tensors
+from ...engine.opinfo import describe, op_tensors, storage_key, tensors, written_tensors
 from ...engine.source import user_frame
 from ..tensors import changed, region, whole
 
@@ -72,7 +72,7 @@ class Startup:
     def created_by(self, args, kwargs, out) -> None:
         """Outputs of a warmup op that are new storages (not views of its inputs); constants when
         every input is one (an allocation, ``torch.arange(3) * 2``)."""
-        inputs = {storage_key(t) for t in tensors((args, kwargs))}
+        inputs = {storage_key(t) for t in op_tensors(args, kwargs)}
         new = {k for o in tensors(out) if (k := storage_key(o)) not in inputs}
         self.created |= new
         if inputs <= self.constant:

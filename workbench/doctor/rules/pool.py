@@ -19,7 +19,7 @@ import weakref
 
 import torch
 
-from ...engine.opinfo import describe, overwrites, tensors, written_tensors
+from ...engine.opinfo import describe, overwrites, op_tensors, tensors, written_tensors
 from .. import explain
 from ..report import Finding
 
@@ -48,7 +48,7 @@ class PoolReads:
         written = written_tensors(func, args, kwargs)
         in_place = not overwrites(func) and func._schema.name.endswith("_")
         written_ids = {id(t) for t in written}
-        for t in tensors((args, kwargs)):
+        for t in op_tensors(args, kwargs):
             if id(t) in written_ids and not in_place:
                 continue                            # an ``out=`` or a copy destination: written, not read
             b = block(t)
@@ -58,7 +58,7 @@ class PoolReads:
             if producer is not None and producer[0] is not info:
                 info.expects.setdefault(b, producer)
                 self.expected.add(b)
-        inputs = {t.untyped_storage()._cdata for t in tensors((args, kwargs))}
+        inputs = {t.untyped_storage()._cdata for t in op_tensors(args, kwargs)}
         for t in written:
             self._wrote(info, t, op)
         self.pending = [(weakref.ref(t), op) for t in tensors(out) if t.untyped_storage()._cdata not in inputs]

@@ -22,8 +22,8 @@ import sys
 import torch
 
 from ...engine.errors import GraphError, IllegalMemoryAccess
-from ...engine.opinfo import describe, storage_key, tensors
-from ...engine.source import _SKIP_DIRS, _short, user_frame
+from ...engine.opinfo import describe, op_tensors, storage_key, tensors
+from ...engine.source import SKIP_DIRS, short_path, user_frame
 from .. import explain
 from ..report import Finding
 from ..tensors import first_line
@@ -63,7 +63,7 @@ def derived(doctor, func, args, kwargs, out) -> None:
     """An eager op after a padded replay: its results with ``size`` rows computed from the outputs
     carry the padded rows too; its combining them with ``real`` rows is noted."""
     step = doctor.padded_step
-    inputs = list(tensors((args, kwargs)))
+    inputs = op_tensors(args, kwargs)
     padded = [t for t in inputs if _rows(t) == step.size and storage_key(t) in step.keys]
     if not padded:
         return
@@ -108,7 +108,7 @@ def _in_frame(step: PaddedStep, frame, line: int) -> tuple[str, str] | None:
     """``(source line, the two tensors)`` when a user frame holds a tensor with the replay's padded
     rows and one with its real rows."""
     filename = frame.f_code.co_filename
-    if filename.startswith(_SKIP_DIRS) or filename.startswith("<"):
+    if filename.startswith(SKIP_DIRS) or filename.startswith("<"):
         return None
     named = [(n, t, _key(t)) for n, t in _named_tensors(frame.f_locals)]
     padded = next(((n, t) for n, t, k in named if _rows(t) == step.size and k in step.keys), None)
@@ -118,7 +118,7 @@ def _in_frame(step: PaddedStep, frame, line: int) -> tuple[str, str] | None:
     code = linecache.getline(filename, line).strip()
     what = (f"`{padded[0]}` {describe(padded[1])} (the graph's {step.size} rows) and `{real[0]}` "
             f"{describe(real[1])} ({step.real} real rows)")
-    return f"{_short(filename)}:{line} in {frame.f_code.co_name}: {code}", what
+    return f"{short_path(filename)}:{line} in {frame.f_code.co_name}: {code}", what
 
 
 class _Tracer:
@@ -138,7 +138,7 @@ class _Tracer:
         sys.settrace(self.call)
         frame = sys._getframe(1)
         while frame is not None:                     # frames already running (the caller of replay)
-            if not frame.f_code.co_filename.startswith(_SKIP_DIRS):
+            if not frame.f_code.co_filename.startswith(SKIP_DIRS):
                 frame.f_trace_lines, frame.f_trace = False, self.local
             frame = frame.f_back
 
@@ -149,7 +149,7 @@ class _Tracer:
             sys.settrace(None)
 
     def call(self, frame, event, arg):
-        if self.doctor is None or frame.f_code.co_filename.startswith(_SKIP_DIRS):
+        if self.doctor is None or frame.f_code.co_filename.startswith(SKIP_DIRS):
             return None
         frame.f_trace_lines = False
         return self.local

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 
 from ...engine.memory import HOST_TYPES
-from ...engine.opinfo import storage_key, tensors
+from ...engine.opinfo import op_tensors, storage_key
 from ...engine.source import user_frame
 from ..records import Op
 
@@ -18,7 +18,7 @@ from ..report import Finding
 def op(func, args, kwargs, constant: set) -> Op:
     """A warmup op as the rule needs it: the data it reads (not constants the warmups computed from
     no data) and where its tensors live."""
-    ts = list(tensors((args, kwargs)))
+    ts = op_tensors(args, kwargs)
     return Op(str(func), user_frame(), frozenset(k for t in ts if (k := storage_key(t)) not in constant),
               memory=frozenset("host" if type(t) in HOST_TYPES else t.device.type for t in ts))
 
