@@ -91,6 +91,8 @@ class Startup:
 
     def replayed(self, info) -> None:
         """A replay wrote what its graph writes (all of it, as far as the doctor can tell)."""
+        if not self.kept:               # the common case: no warmup wrote older memory
+            return
         for key in info.writes.keys() & self.kept.keys():
             with _disable_current_modes():
                 self.rewritten[key] = torch.ones_like(self.kept[key].before, dtype=torch.bool)
