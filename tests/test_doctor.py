@@ -888,6 +888,7 @@ def test_overhead_measures_wall_and_host_time_and_plots_both():
     assert cost["host_added_us_range"] == [min(cost["host_added_us_per_repeat"]), max(cost["host_added_us_per_repeat"])]
     # the watched turns ran inside the doctor: it saw each of their steps (and the first replay)
     assert cost["watched_replays"] >= 2 * 2 * 5 + 1
+    assert cost["size"] == "tiny" and cost["syncs_per_step"] == {"plain": None, "watched": None}   # CUDA only
     json.dumps(cost)                                # what cost_record writes
     table = graph_doctor.cost_table([cost]).splitlines()
     assert len(table) == 3 and table[2].startswith("| gpt2 | cpu | ")
@@ -969,23 +970,34 @@ def test_gpu_record_matches_the_cpu_evaluation(evaluation):
     assert record["results"]["other_kinds"] == graph_doctor.other_kinds("cpu")
 
 
-@pytest.mark.xfail(strict=True, reason="recorded on an H100 (2026-11-23): the doctor adds 86-117 us of host work per "
-                   "step (170-210 us before this round, 50-110 us before its general mechanisms), so gpt2's 0.12 ms "
-                   "step turns host-bound (+31 % wall); bert +1.4 %, roberta +2.9 %")
-def test_gpu_cost_records_hide_the_host_cost_behind_gpu_bound_steps():
-    """``results/gpu/graph_doctor_cost*.json`` (an H100 and an H200): the doctor's work is host
-    work; the tiny models' steps are GPU-bound, and wall time moves by under 5 % (what the README says)."""
-    records = graph_doctor.gpu_costs()
-    assert [r["device"].split()[1] for r in records] == ["H100", "H200"]
-    rows = []
-    for record in records:
-        assert "error" not in record
-        assert [r["model"] for r in record["results"]["overhead"]] == list(graph_doctor.COST_MODELS)
-        rows += record["results"]["overhead"]
+def _gpu_cost_rows(device: str) -> list[dict]:
+    record = next(r for r in graph_doctor.gpu_costs() if device in r["device"])
+    assert "error" not in record
+    return record["results"]["overhead"]
+
+
+def test_gpu_cost_record_at_base_size_stays_under_two_percent_and_never_syncs():
+    """``results/gpu/graph_doctor_cost.json`` (an H100): GPT-2 at its base size, whose GPU step
+    is longer than the host work, loses under 2 % of wall time; no watched step synchronises the
+    host with the GPU (CUDA's sync debug mode), on any model."""
+    rows = _gpu_cost_rows("H100")
+    assert [r["model"] for r in rows] == [*graph_doctor.COST_MODELS, "gpt2 (base)"]
+    base = rows[-1]
+    assert base["size"] == "base" and base["device"] == "cuda"
+    assert base["plain_host_ms_per_step"] + base["host_added_us"] / 1e3 < base["plain_ms_per_step"], base
+    assert 0 <= base["overhead"] < 0.02, base
     for r in rows:
+        assert r["syncs_per_step"] == {"plain": 0, "watched": 0}, r
+
+
+@pytest.mark.xfail(strict=True, reason="recorded on an H100 (2026-11-23): the doctor adds 73-112 us of host work per "
+                   "step on the tiny models; gpt2's 0.12 ms step turns host-bound in some repeats (median +2.4 % "
+                   "wall, range +1.8 % to +55 %); bert +1.3 %, roberta +1.5 %")
+def test_gpu_cost_records_hide_the_host_cost_behind_the_tiny_models_steps():
+    """The tiny models on the H100: wall time moves by under 2 % (the target; not met)."""
+    for r in _gpu_cost_rows("H100")[:len(graph_doctor.COST_MODELS)]:
         assert r["device"] == "cuda" and r["host_added_us"] > 0, r
-        assert r["plain_host_ms_per_step"] < r["plain_ms_per_step"], r        # the GPU, not the host, sets the pace
-        assert abs(r["overhead"]) < 0.05, r
+        assert abs(r["overhead"]) < 0.02, r
 
 
 def test_gpu_piecewise_record_matches_the_cpu_evaluation(piecewise):

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import pathlib
 import time
+import warnings
 from collections.abc import Callable
 
 import matplotlib.pyplot as plt
@@ -234,7 +235,27 @@ def overhead(device: str = "cpu", name: str = "gpt2", steps: int = 200, repeats:
             "overhead_per_repeat": wall_ratio, "host_added_us_per_repeat": host_added,
             "overhead_range": [min(wall_ratio), max(wall_ratio)],
             "host_added_us_range": [min(host_added), max(host_added)],
-            "watched_replays": watcher.report.replays}
+            "watched_replays": watcher.report.replays,
+            "syncs_per_step": {"plain": _syncs(runners[False], ids, None), "watched": _syncs(runners[True], ids, watcher)}}
+
+
+def _syncs(runner: GraphRunner, ids: torch.Tensor, watcher: Doctor | None, steps: int = 10) -> float | None:
+    """Host-device synchronisations per served step, as CUDA's sync debug mode counts them (None on
+    the CPU). A watcher that synchronised would cost every step the GPU's whole queue, whatever its
+    host time; this shows that it does not."""
+    if not torch.device(ids.device).type == "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            with watching(watcher) if watcher is not None else contextlib.nullcontext():
+                for _ in range(steps):
+                    runner(input_ids=ids)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message).lower() for w in caught) / steps
 
 
 _SPREADS = {"wall": ("overhead", "{:+.1%}"), "host": ("host_added_us", "{:+.0f} µs")}
@@ -379,8 +400,10 @@ def cost_table(results: list[dict]) -> str:
 
 
 def gpu_costs() -> list[dict]:
-    """The committed GPU cost records, one per GPU model (``results/gpu/graph_doctor_cost*.json``,
-    written by ``scripts/gpu_session.py OUT graph_doctor_cost``; H100 first), each with its ``file``."""
+    """The committed GPU cost records (``results/gpu/graph_doctor_cost*.json``, written by
+    ``scripts/gpu_session.py OUT graph_doctor_cost``), each with its ``file``: the current one first
+    (``graph_doctor_cost.json``), then the others kept for comparison (another H100 host, the H200
+    record of the doctor before its general mechanisms)."""
     return [{**json.loads(p.read_text()), "file": p.name} for p in sorted(RESULTS.glob("graph_doctor_cost*.json"))]
 
 
