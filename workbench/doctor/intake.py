@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..engine import memory
 from ..engine.errors import CaptureError
-from ..engine.opinfo import describe, op_tensors, overwrites, storage_key, tensors, written_tensors
+from ..engine.opinfo import describe, op_tensors, overwrites, pure_view, storage_key, tensors, written_tensors
 from ..engine.source import user_frame
 from .probes import differential, mutation as mutation_probe, padding as padding_probe
 from .probes.startup import Startup
@@ -43,13 +43,6 @@ aten = torch.ops.aten
 _SLICE, _COPY = aten.slice.Tensor, aten.copy_.default    # looked up once: ``aten.x.y`` costs ~0.4 µs
 _ASIDE = ("replay", "probe")          # phases in which the dispatch mode is off the hot path
 _QUIET = ("probe", "differential")    # phases whose events are the doctor's own doing
-
-
-@functools.cache
-def _pure_view(func) -> bool:
-    """A view that changes no tensor's metadata in place (``slice``, ``view``; not ``t_``), decided
-    once per op: such an op writes nothing, creates no storage and reads no data."""
-    return bool(func.is_view and not func._schema.is_mutable)
 
 
 # What the doctor raises on purpose, into the watched code: a guarded replay, a host sync refused
@@ -344,7 +337,7 @@ class Doctor:
             return differential.on_op(self, func, args, kwargs, run)
         if func is _SLICE and self.buffers:
             undersized.check_slice(self, args)
-        if phase == "eager" and _pure_view(func):       # the hot path: eager code taking a view
+        if phase == "eager" and pure_view(func):       # the hot path: eager code taking a view
             out = run()
             if self.handed and isinstance(out, torch.Tensor):
                 overwritten.tag_view(self, args[0], out)

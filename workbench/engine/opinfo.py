@@ -78,6 +78,13 @@ def written_tensors(func, args, kwargs) -> list[torch.Tensor]:
     return written
 
 
+@functools.cache
+def pure_view(func) -> bool:
+    """A view that changes no tensor's metadata in place (``slice``, ``view``; not ``t_``): it
+    writes nothing, creates no storage and reads no data. Decided once per op."""
+    return bool(func.is_view and not func._schema.is_mutable)
+
+
 def overwrites(func) -> bool:
     """Whether the op writes its destination without reading it (a copy or a fill, not ``+=``)."""
     return func.overloadpacket in _OVERWRITES
