@@ -236,14 +236,15 @@ def overhead(device: str = "cpu", name: str = "gpt2", steps: int = 200, repeats:
             "overhead_range": [min(wall_ratio), max(wall_ratio)],
             "host_added_us_range": [min(host_added), max(host_added)],
             "watched_replays": watcher.report.replays,
-            "syncs_per_step": {"plain": _syncs(runners[False], ids, None), "watched": _syncs(runners[True], ids, watcher)}}
+            "syncs_per_step": {"plain": _syncs(runners[False], ids, None),
+                               "watched": _syncs(runners[True], ids, watcher)}}
 
 
 def _syncs(runner: GraphRunner, ids: torch.Tensor, watcher: Doctor | None, steps: int = 10) -> float | None:
     """Host-device synchronisations per served step, as CUDA's sync debug mode counts them (None on
     the CPU). A watcher that synchronised would cost every step the GPU's whole queue, whatever its
     host time; this shows that it does not."""
-    if not torch.device(ids.device).type == "cuda":
+    if ids.device.type != "cuda":
         return None
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")

@@ -21,7 +21,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ...engine import memory
-from ...engine.opinfo import describe, storage_key, tensors, written_tensors
+from ...engine.opinfo import describe, op_tensors, storage_key, tensors, written_tensors
 from ...engine.source import user_frame
 from .. import explain
 from ..records import Op
@@ -79,7 +79,7 @@ def on_op(doctor, func, args, kwargs, run):
                 with _disable_current_modes():
                     w = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
                     d.extra[key] = (w, w.clone())
-    inputs = _flat(args, kwargs)
+    inputs = op_tensors(args, kwargs)
     keys = {storage_key(t) for t in inputs}
     if lifted:                                   # a constant made from Python data in this run
         d.new.update(keys)
@@ -110,17 +110,6 @@ def _name(func) -> str:
     if name is None:
         name = _NAMES[func] = str(func)
     return name
-
-
-def _flat(args, kwargs) -> list:
-    """The tensors among an op's arguments (one level of lists, as aten's signatures have)."""
-    out = []
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, torch.Tensor):
-            out.append(a)
-        elif isinstance(a, (list, tuple)):
-            out += [t for t in a if isinstance(t, torch.Tensor)]
-    return out
 
 
 def finish(doctor, info, pending) -> None:
