@@ -1,7 +1,7 @@
 """Root causes the doctor tells apart, each on a tiny bug workload and its fix (which must be clean):
 a Python binding frozen at capture, dummy-batch writes a real step reads, pool memory read across
-graphs after it was handed on, a reference handed to other code since capture, and warmup work
-that is only constants or host work (no finding)."""
+graphs after it was handed on, a reference handed to other code since capture, warmup work that is
+only constants or host work (no finding), and a runner rebinding its input instead of copying it."""
 from __future__ import annotations
 
 import torch
@@ -185,3 +185,58 @@ def test_warmup_work_on_constants_or_host_memory_is_no_finding():
         m.replay(2)
     report = doctor.diagnose(workload)
     assert report.findings == [], report
+
+
+# ------------------------------------------------------------------ a runner rebinding its input instead of copying
+class Rebinds:
+    """A runner whose ``prepare`` binds each step's input to ``self.x`` (the bug: the graph keeps
+    reading the tensor bound at capture) or copies it into the static buffer (the fix)."""
+
+    def __init__(self, copy: bool, keep_old: bool):
+        self.x, self.copy, self.old = torch.zeros(2, 4), copy, [] if keep_old else None
+        self.w = torch.linspace(-1, 1, 16).reshape(4, 4)
+
+    def prepare(self, x):
+        if self.copy:
+            self.x.copy_(x)
+            return
+        if self.old is not None:
+            self.old.append(self.x)
+        self.x = x.clone()
+
+    def forward(self, size):
+        return torch.tanh(self.x[:size] @ self.w)
+
+
+def test_an_input_rebound_instead_of_copied_is_found_whether_or_not_the_old_one_lives():
+    """Released (a runner that holds nothing else), the graph reads memory with no owner:
+    dangling-reference. Still alive (the graph manager keeps the announced buffer), the replay reads
+    the capture's tensor where the eager step reads the new one, a reference frozen at capture:
+    warmup-divergence. Both name the captured read; the copying runner is clean either way."""
+    from workbench.zoo import kit
+
+    def through_manager(model):
+        m = Manager(model.forward, [2], {"x": model.x})
+        m.capture()
+        return lambda: m.replay(2)
+
+    def bare(model):                    # warm up, capture, replay: nothing but the graph holds the buffer
+        g, out = kit.capture(lambda: model.forward(2), device="cpu", static={"x": model.x})
+        return lambda: kit.replay(g, out)
+
+    for serve, keep_old, kind in ((through_manager, False, "warmup-divergence"), (bare, False, "dangling-reference"),
+                                  (bare, True, "warmup-divergence")):
+        for copy in (False, True):
+            def workload():
+                model = Rebinds(copy, keep_old)
+                step = serve(model)
+                for n in range(3):
+                    model.prepare(rows(2) + n)
+                    step()
+            report = doctor.diagnose(workload)
+            if copy:
+                assert report.findings == [], report
+                continue
+            assert kind in report.kinds, (serve.__name__, keep_old, report)
+            finding = next(f for f in report.findings if f.kind == kind)
+            assert "self.x[:size] @ self.w" in finding.source, finding
