@@ -99,13 +99,15 @@ def graph(g, pool=None, *, name: str | None = None):
         # collection there can finalise a dropped runner's graphs or pool, and releasing CUDA
         # resources during a global-mode capture invalidates it ("operation not permitted when
         # stream is capturing", reported at whatever op comes next).
+        # capture_end is announced once the capture has closed: an observer's own tensor work there
+        # (a copy of what the graph read) must run now, not be recorded into the graph.
         collecting = gc.isenabled()
         try:
             with torch.cuda.graph(g, pool=pool):
                 gc.disable()
                 events.capture_begin(g, name)
                 yield g
-                events.capture_end(g)
+            events.capture_end(g)
         except BaseException as e:
             events.capture_abort(g, e)
             raise

@@ -257,10 +257,12 @@ class GraphManager:
             return None
         return next(s for s in self.capture_sizes if s >= n)
 
-    def replay(self, size: int, real: int, *, padded: Mapping[str, Any] | None = None) -> Outputs:
+    def replay(self, size: int, real: int, *, padded: Mapping[str, Any] | None = None,
+               padded_columns: Mapping[str, tuple[Any, int]] | None = None) -> Outputs:
         """Replay the graph(s) of ``size`` serving ``real`` rows (rows ``[real, size)`` of the
-        ``padded`` arrays are padded rows). Returns the static outputs sliced to ``[:real]``: views,
-        valid until the next replay of this size."""
+        ``padded`` arrays are padded rows; columns from ``width`` on of each ``(array, width)`` in
+        ``padded_columns`` are padded columns). Returns the static outputs sliced to ``[:real]``:
+        views, valid until the next replay of this size."""
         if size not in self.graphs:
             if not self.graphs:
                 raise GraphError("no graphs captured yet: call capture() before serving")
@@ -278,7 +280,8 @@ class GraphManager:
                 if isinstance(step, _EagerCall):
                     _run_call(step)
                     continue
-                events.serve(step, real, size, padded=padded, outputs=self.outputs[size], eager=eager)
+                events.serve(step, real, size, padded=padded, outputs=self.outputs[size], eager=eager,
+                             padded_columns=padded_columns)
                 step.replay()
         out = _slice(self.outputs[size], real)
         if pieces:

@@ -107,7 +107,9 @@ class GraphRunner:
         if self.poison_padding:
             for name, buf in self.buffers.items():
                 _poison_padding(buf, n, size, inputs[name].shape[1:])
-        return self.manager.replay(size, n, padded=self.buffers)
+        columns = {name: (buf, inputs[name].shape[1]) for name, buf in self.buffers.items()
+                   if buf.dim() > 1 and inputs[name].shape[1] < buf.shape[1]}
+        return self.manager.replay(size, n, padded=self.buffers, padded_columns=columns)
 
     def _views(self, size: int) -> dict[str, torch.Tensor]:
         return {name: buf[:size] for name, buf in self.buffers.items()}

@@ -113,16 +113,20 @@ def capture(fn: Callable[[], object], *, device: str, pool=None, warmups: int = 
 
 
 def replay(g, outputs, *, real: int | None = None, size: int | None = None,
-           padded: Mapping[str, torch.Tensor] | None = None):
+           padded: Mapping[str, torch.Tensor] | None = None,
+           padded_columns: Mapping[str, tuple[torch.Tensor, int]] | None = None):
     """Replay ``g`` and hand out views of its static ``outputs`` (valid until its next replay), as a
     graph manager does. Every replay is announced as a served step whose eager form is the captured
     callable (``real``/``size`` default to the outputs' rows: no padding). With ``real`` < ``size``,
     rows ``[real, size)`` of the buffers in ``padded`` are announced as this step's padded rows: name
-    there only the buffers whose padded rows the step left as they were (not those it neutralised)."""
+    there only the buffers whose padded rows the step left as they were (not those it neutralised).
+    ``padded_columns`` maps names to ``(buffer, real width)``: the columns past that width (padded
+    tokens of a ``[1, tokens]`` layout, blocks past the longest sequence) are padded too."""
     if size is None:
         first = outputs[0] if isinstance(outputs, (tuple, list)) else outputs
         size = first.shape[0] if first.dim() else 1
-    events.serve(g, size if real is None else real, size, padded=padded, outputs=outputs, eager=_captured.get(g))
+    events.serve(g, size if real is None else real, size, padded=padded, outputs=outputs, eager=_captured.get(g),
+                 padded_columns=padded_columns)
     for hook in hooks:
         hook.replaying(g)
     g.replay()
