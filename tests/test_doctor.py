@@ -699,7 +699,7 @@ def test_empty_watch_says_nothing_was_captured_and_checks_nothing():
         pass
     assert str(report).startswith("Graph doctor: nothing was captured inside watch()")
     assert "nothing was captured" in report._repr_html_()
-    assert set(report.not_checked) == set(doctor.KINDS) and len(doctor.KINDS) == 9
+    assert set(report.not_checked) == set(doctor.KINDS) and len(doctor.KINDS) == 10
     assert report.checked == [] and report.findings == []
 
 

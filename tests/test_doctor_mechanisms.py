@@ -312,6 +312,88 @@ def test_a_divergence_names_the_buffer_the_diverging_op_reads():
     assert finding.tensor == "x: float32[4, 4]"
 
 
+# ------------------------------------------------------------------------------ static inputs a step did not write
+class Offsets:
+    """Values plus a per-request offset read through a static slot index. A step without slots
+    means every row reads slot 0, whose offset is 0; the bug leaves the last step's slots."""
+
+    def __init__(self, variant):
+        self.variant = variant
+        self.offsets = torch.tensor([0.0, 5.0, -2.0, 9.0])
+        self.x = torch.zeros(4)
+        self.slots = torch.zeros(4, dtype=torch.int64)
+
+    def forward(self, size):
+        return self.x[:size] + self.offsets[self.slots[:size]]
+
+    def step(self, m, x, slots=None):
+        self.x[:len(x)] = x
+        if slots is not None:
+            self.slots[:len(slots)] = slots
+        elif self.variant == "fix":
+            self.slots.zero_()
+        return m.replay(len(x)).clone()
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_static_input_a_step_omits_keeps_the_last_steps_values(variant):
+    def workload():
+        model = Offsets(variant)
+        m = Manager(model.forward, [4], {"x": model.x, "slots": model.slots})
+        m.capture()
+        model.step(m, torch.ones(4), torch.tensor([1, 2, 3, 1]))
+        model.step(m, torch.ones(4))                    # no request has an offset
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "stale-input" and finding.tensor.startswith("slots")
+    assert finding.source.endswith("in forward: return self.x[:size] + self.offsets[self.slots[:size]]")
+    assert finding.numbers["elements_carried"] == 4 and finding.numbers["max_abs_diff"] == 9.0
+
+
+@pytest.mark.parametrize("announced", ["static input", "persistent state"])
+def test_a_table_updated_in_place_is_stale_input_unless_announced_as_state(announced):
+    """A block table the runner extends by one entry per step (the rest carried on purpose):
+    persistent state by contract, stale input when announced as a per-step input."""
+    def workload():
+        cache = torch.arange(8.0)
+        table = torch.zeros(2, 4, dtype=torch.int64)
+        lens = torch.ones(2, dtype=torch.int64)
+
+        def forward(size):
+            used = torch.arange(4)[None] < lens[:size, None]
+            return (cache[table[:size]] * used).sum(1)
+        static = {"lens": lens} if announced == "persistent state" else {"lens": lens, "table": table}
+        m = Manager(forward, [2], static, state={"table": table} if announced == "persistent state" else None)
+        m.capture()
+        for step in range(3):
+            table[:, step] = torch.tensor([2 * step + 1, 2 * step + 2])
+            lens.fill_(step + 1)
+            m.replay(2)
+    report = doctor.diagnose(workload)
+    if announced == "persistent state":
+        assert report.findings == [], report
+        return
+    assert [f.kind for f in report.findings] == ["stale-input"] and report.findings[0].tensor.startswith("table")
+
+
+def test_a_graph_runner_announces_padded_columns():
+    """A batch narrower than the block-table buffer leaves the columns past its width as an
+    earlier, wider batch wrote them; summing every column reads them."""
+    cache = torch.arange(8.0)
+
+    def make_runner():
+        return GraphRunner(lambda table: cache[table].sum(1), {"table": ((4,), torch.int64)}, [2])
+
+    def make_batch(n, step):
+        return {"table": torch.arange(1, 1 + n * (4 - 2 * (step % 2))).reshape(n, -1) % 8}
+    report = doctor.diagnose(make_runner, make_batch, rows=[2, 2])
+    assert [f.kind for f in report.findings] == ["stale-padding"], report
+    assert report.findings[0].tensor.startswith("table")
+
+
 # ------------------------------------------------------------------------------ shape contracts
 @pytest.mark.parametrize("phase", ["warmup", "capture", "eager"])
 def test_a_write_past_the_end_of_a_static_buffer_in_any_phase(phase):

@@ -68,10 +68,20 @@ def diagnose(target: Callable[[], Any], make_batch: Callable[[int, int], Mapping
             finding = crashed_only_as_left(report.errors[0], runs[0][1].trace[-1] if runs[0][1].trace else None, 2)
         if finding is not None:
             report.findings.append(finding)
+            _explained_by_padding(report, finding)
         report.not_checked.pop("stale-padding", None)
         report.notes.append(f"stale-padding: {doctor.padded_steps} padded step(s); the workload was run twice "
                             "more with padded rows filled two ways")
     return report
+
+
+def _explained_by_padding(report: Report, padding) -> None:
+    """A real row's static input that a step left unwritten (``stale-input``) because padded rows
+    steered what the runner wrote (a metadata builder that skipped the refresh) is the padding's
+    consequence: the finding at the same read becomes a note of the padding finding."""
+    for f in [f for f in report.findings if f.kind == "stale-input" and f.source == padding.source]:
+        report.findings.remove(f)
+        report.notes.append(f"stale-input at {f.location} follows from the stale padded rows: {f.evidence}")
 
 
 def exercise(make_runner: Callable[[], GraphRunner], make_batch: Callable[[int, int], Mapping[str, torch.Tensor]],

@@ -31,6 +31,13 @@ def eager_update(op: str, name: str, owner: str) -> str:
             "result and the next step builds on it: the values drift with every step until they are out of range.")
 
 
+def warmup_update(op: str, name: str, owner: str) -> str:
+    return (f"{op} updates `{name}`, a static input buffer of {owner}, in place during the warmups, reading what "
+            "is there: each warmup starts from what the previous one left instead of the dummy batch as prepared, so "
+            "the inputs drift (lengths past what was allocated) and the later warmups and the capture run on data "
+            "nobody prepared. Put the prepared inputs back after every warmup and after the capture, or update a copy.")
+
+
 def eager_update_evidence(name: str, numbers: dict) -> str:
     return (f"accumulating: its call {numbers['call']} changed again {numbers['rows_changed']} of {numbers['rows']} "
             f"rows of {name} that its previous call had written and nothing outside the model has rewritten since "
@@ -114,6 +121,23 @@ def differential(graph: str, what: str, site: str) -> str:
     return (f"A replay of {graph} gave other results than an eager run of the same step on the same inputs and "
             f"state ({what}). The graph replays what Python decided at capture; the eager run decides again "
             f"now. {site}")
+
+
+def derived_before_capture(tensor: str, source: str) -> str:
+    return (f"{tensor} was computed from the static input {source} outside the capture (before the warmups, when "
+            "a metadata object was built), so the graph recorded only its read: every replay reads the value computed "
+            f"for the capture's dummy batch, while the runner refreshes {source} each step. Compute it inside the "
+            "captured region (build the object in the captured callable), or recompute it into the same memory "
+            "before every replay.")
+
+
+def carried_input(buffer: str, op: str) -> str:
+    return (f"The graph reads {buffer} ({op}) at every replay, and this step left some of its elements as an earlier "
+            "step wrote them: a replay reads whatever is there, while the step's own inputs would have said "
+            "otherwise (an input the step omitted, a refresh skipped because nothing seemed to change). Write every "
+            f"element of {buffer} the graph reads before each replay -- the neutral value the eager path assumes "
+            "when the step brings no such input -- or, if carrying it across steps is intended, announce it as "
+            "persistent state.")
 
 
 def startup_write(tensor: str, op: str) -> str:

@@ -30,12 +30,13 @@ from ..engine.errors import CaptureError
 from ..engine.opinfo import describe, op_tensors, overwrites, pure_view, storage_key, tensors, written_tensors
 from ..engine.source import user_frame
 from .probes import differential, mutation as mutation_probe, padding as padding_probe
+from .probes.carried import CarriedInputs
 from .probes.startup import Startup
 from .records import Buffer, External, GraphInfo, Op, Pending
-from . import summary
+from . import failures, summary
 from .report import Finding, Report
 from .rules.dangling import DanglingReferenceError
-from .rules import dangling, mutation, overwritten, padded_scatter, shapes, sync, undersized, warmup
+from .rules import dangling, derived, mutation, overwritten, padded_scatter, shapes, sync, undersized, warmup
 from .rules.pool import PoolReads
 from .tensors import first_line, signature
 
@@ -90,7 +91,10 @@ class Doctor:
         self.unprobed = 0                           # graphs writing a static input, not yet probed
         self.initial: dict[int, torch.Tensor] = {}  # persistent state as announced
         self.warm_saved: dict[int, tuple] = {}      # persistent state before the current warmup wrote it
+        self.warm_updates: dict[int, Finding] = {}  # static input -> a warmup building on an earlier one's update
+        self.computed_from: dict[int, tuple] = {}   # rules/derived.py: what set-up code computed each storage from
         self.startup = Startup()                    # what warmups wrote into memory older than them
+        self.carried = CarriedInputs()              # what steps wrote into static inputs (differential)
         self.pool = PoolReads()                     # pool memory read across graphs
         self.graph_writes: set[int] = set()         # external storages some graph writes
         self.touched: dict[int, str] = {}           # of those, written outside graphs since: -> source line
@@ -111,6 +115,7 @@ class Doctor:
         self.mode = None                            # set by watching()
         self.stepped_aside = False                  # our mode is off the stack for this replay
         self.failure: str | None = None             # the doctor's own error, once it has stopped
+        self.failed_ops: dict[int, str] = {}        # id(error) -> what an op of the watched code raised
         self._keys: dict[tuple, Finding] = {}
 
     # ------------------------------------------------------------------ shared lookups
@@ -139,7 +144,7 @@ class Doctor:
 
     @property
     def tracking_fresh(self) -> bool:
-        return self.unprobed > 0 or self.pattern is not None
+        return self.unprobed > 0 or self.pattern is not None or self.every > 0
 
     def fail(self, error: Exception, where: str) -> None:
         """The doctor's own code raised: stop watching, keep the findings made so far, and report
@@ -147,14 +152,6 @@ class Doctor:
         frame = traceback.extract_tb(error.__traceback__)[-1] if error.__traceback__ else None
         at = f" at {frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}" if frame else ""
         self.failure = self.report.failure = f"{type(error).__name__} in {where}{at}: {first_line(error)}"
-
-    def describe_error(self, error: BaseException) -> str:
-        """The watched code's error for the report, tied to the recorded op when a replay raised it."""
-        text = f"{type(error).__name__}: {first_line(error)}"
-        if self.replay_error is not None and self.replay_error[0] is error:
-            text += f" ({self.replay_error[1]})"
-        shapes.failed(self, error)
-        return text
 
     # ------------------------------------------------------------------ engine events
     @contained
@@ -189,6 +186,9 @@ class Doctor:
             self.unprobed += 1
         if info.warmup is not None:
             warmup.check(self, info)
+        if self.every:
+            self.carried.capture_end(self, info)
+        derived.captured(self, info)
 
     @contained
     def capture_abort(self, graph, error: BaseException) -> None:
@@ -217,6 +217,10 @@ class Doctor:
             if self.pattern is not None:
                 padding_probe.record_inputs(self, info)
             padded_scatter.check(self, info)
+            if info.derived:
+                derived.check(self, info)
+            if self.every:
+                self.carried.replay_begins(self, info)
             if info.pending is not None and info.pending.differential:
                 differential.begin(self, info)
         self.phase = "replay"
@@ -240,7 +244,7 @@ class Doctor:
         if info is None:
             return
         if error is not None:
-            self.replay_error = (error, _recorded_op(error, info.name))
+            self.replay_error = (error, failures.recorded_op(error, info.name))
         info.replays += 1
         overwritten.replayed(self, info)
         self.pool.replayed(info)
@@ -306,7 +310,7 @@ class Doctor:
         self.no_eager += eager is None
         sampled = eager is not None and self.every > 0 and (self.served - 1) % self.every == 0
         if info is not None:
-            info.pending = Pending(real, size, outputs, padded, eager, columns, sampled)
+            info.pending = Pending(real, size, outputs, padded, eager, columns, sampled, grad=torch.is_grad_enabled())
 
     def _padded(self, name: str, t) -> None:
         if isinstance(t, torch.Tensor) and (key := storage_key(t)) not in self.buffers:
@@ -352,7 +356,10 @@ class Doctor:
             mutation.before_warmup_write(self, targets, str(func))
             if func._schema.is_mutable:
                 self.startup.before_write(func, args, kwargs)
-            out = undersized.write(self, func, targets, run)
+            if targets and not overwrites(func):    # an in-place update: does the next warmup build on it?
+                out = mutation.eager_write(self, func, args, kwargs, run, targets)
+            else:
+                out = undersized.write(self, func, targets, run)
             if not func.is_view:
                 self.warmup_runs[-1].append(warmup.op(func, args, kwargs, self.startup.constant))
                 self.startup.created_by(args, kwargs, out)
@@ -381,6 +388,8 @@ class Doctor:
                 overwritten.tag_view(self, args[0], out)
         else:                                       # a view creates no storage
             memory.record_new_storages(func, args, kwargs, out)
+            if not self.report.replays:             # set-up: what is computed from what
+                derived.record(self, func, args, kwargs, out)
         return out
 
     def _captured(self, func, args, kwargs, run):
@@ -432,17 +441,3 @@ class Doctor:
     # ------------------------------------------------------------------ the end
     def finish(self) -> Report:
         return summary.finish(self)
-
-
-def _recorded_op(error: BaseException, graph: str) -> str:
-    """Where in the captured code an emulated replay failed: the recorded op the replay was
-    running (the CPU graph's replay loop holds it), else just the graph."""
-    tb, op = error.__traceback__, None
-    while tb is not None:
-        candidate = tb.tb_frame.f_locals.get("op")
-        if hasattr(candidate, "source") and hasattr(candidate, "func"):
-            op = candidate
-        tb = tb.tb_next
-    if op is None:
-        return f"raised by the replay of {graph}"
-    return f"raised by the replay of {graph} in {op.func}, recorded at {op.source}"

@@ -60,6 +60,8 @@ class Pending:
     differential: bool
     pre: dict = dataclasses.field(default_factory=dict)
     rng: tuple = ()
+    carried: dict = dataclasses.field(default_factory=dict)    # probes/carried.py
+    grad: bool = False                  # autograd on when the step was served: the eager step runs so too
 
 
 def _objects_live_with_storages() -> bool:
@@ -132,6 +134,9 @@ class GraphInfo:
         self.pending: Pending | None = None
         self.python: list | None = None            # Python containers its eager step reaches (probes/pystate.py)
         self.startup_checked = False                # compared once from the state before the warmups
+        self.derived: list = []                     # storages it reads that set-up code computed from a static input
+        self.window: dict | None = None             # static-input elements written since its last replay
+        self.step: dict | None = None               # ... as they were when its current replay began
         self.blocks: set[tuple] = set()             # memory blocks the capture wrote (rules/pool.py)
         self.own_blocks: set[tuple] = set()         # of those, blocks it allocated
         self.expects: dict[tuple, tuple] = {}       # blocks read from another capture -> that producer

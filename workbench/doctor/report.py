@@ -14,6 +14,8 @@ import re
 KINDS = (
     "persistent-mutation",   # the graph writes a static input buffer it does not own
     "stale-padding",         # real rows depend on what padded rows hold
+    "stale-input",           # real rows depend on elements of a static input the step did not write: what
+                             # an earlier step left there (an omitted input, a skipped refresh)
     "dangling-reference",    # the graph reads memory whose owner has released it
     "warmup-divergence",     # warmup or capture decided something (lazy init, a plan, a branch, a tensor
                              # reference) that replays reuse while an eager step now decides otherwise
@@ -35,6 +37,10 @@ FIX_PATTERNS = {
     "stale-padding": "Neutralise padded rows before anything reads them: give every per-row field of rows "
                      "[real, padded) -- metadata included -- a null value (zero, a null slot), and make code "
                      "that derives batch-level decisions ignore rows >= the real count.",
+    "stale-input": "Write every element of a static input the graph reads before each replay: when a step brings "
+                   "no such input, fill the buffer with the value the eager path assumes (a zero delta, a null "
+                   "slot) instead of leaving the last step's; announce memory carried across steps on purpose as "
+                   "persistent state.",
     "dangling-reference": "Keep a reference for as long as the graph lives (cache the tensor on its module and "
                           "re-capture when it is reloaded), or create it inside the capture so the graph's pool "
                           "owns it.",
@@ -105,6 +111,7 @@ class Report:
     not_checked: dict[str, str] = dataclasses.field(default_factory=dict)
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
     errors: list[str] = dataclasses.field(default_factory=list)
+    caught: list[str] = dataclasses.field(default_factory=list)    # op failures the watched code caught
     notes: list[str] = dataclasses.field(default_factory=list)
     failure: str | None = None
     seconds: float = 0.0
@@ -120,7 +127,8 @@ class Report:
     @property
     def clean(self) -> bool:
         """No finding, the workload ran to its end and the doctor watched all of it."""
-        return not self.findings and not self.errors and self.failure is None and self.captures > 0
+        return (not self.findings and not self.errors and not self.caught and self.failure is None
+                and self.captures > 0)
 
     def of(self, kind: str) -> list[Finding]:
         if kind not in KINDS:
@@ -137,6 +145,8 @@ class Report:
         else:
             line = (f"Graph doctor: {self.captures} capture(s), {self.warmups} warmup run(s), {self.replays} "
                     f"replay(s) watched: {n} finding{'s' if n != 1 else ''}.")
+        if self.caught and not self.errors:
+            line += f" An op failed inside the workload, which caught the error: {self.caught[0]}"
         if self.failure is not None:
             line += f" The doctor stopped early on an error of its own; what came after was not checked: {self.failure}"
         return line
@@ -151,6 +161,7 @@ class Report:
         lines += [f"not checked: {k} ({why})" for k, why in self.not_checked.items()]
         lines += [f"not checked: {k} ({why})" for k, why in self.skipped.items()]
         lines += [f"the watched code raised: {e}" for e in self.errors]
+        lines += [f"an op failed and the watched code caught it: {e}" for e in self.caught]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -170,6 +181,8 @@ class Report:
         extra = "".join(f"<li>not checked: <b>{_e(k)}</b> ({_code(w)})</li>"
                         for k, w in (*self.not_checked.items(), *self.skipped.items()))
         extra += "".join(f"<li>the watched code raised: <code>{_e(x)}</code></li>" for x in self.errors)
+        extra += "".join(f"<li>an op failed and the watched code caught it: <code>{_e(x)}</code></li>"
+                         for x in self.caught)
         extra += "".join(f"<li>{_code(n)}</li>" for n in self.notes)
         return (f"<div style='max-width:900px'><p><b>{_e(self.headline())}</b></p>{table}"
                 f"<ul style='font-size:12px'>{extra}</ul></div>")

@@ -9,6 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..engine import events
+from . import failures
 from .intake import _ASIDE, DELIBERATE, Doctor
 from .report import Report
 from .rules import undersized
@@ -30,6 +31,7 @@ class _Watch(TorchDispatchMode):
             raise
         except Exception as e:
             if e is run.error:                   # the op itself failed: the watched code's error
+                failures.op_failed(doctor, func, e)
                 raise
             doctor.fail(e, f"watching {func}")
             return run.result()
@@ -98,7 +100,7 @@ def watching(doctor: Doctor) -> Iterator[Doctor]:
     try:
         yield doctor
     except BaseException as e:
-        doctor.report.errors.append(doctor.describe_error(e))
+        doctor.report.errors.append(failures.describe(doctor, e))
         raise
     finally:
         mode.__exit__(None, None, None)

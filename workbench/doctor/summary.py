@@ -16,6 +16,7 @@ def finish(doctor) -> Report:
             _final_checks(doctor)
         except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
             doctor.fail(e, "_final_checks")
+    report.caught = [] if report.errors else list(doctor.failed_ops.values())
     report.not_checked = {k: why for k, why in _not_checked(doctor).items() if k not in report.kinds}
     if doctor.every and doctor.served and doctor.no_eager == doctor.served:
         report.skipped["differential replay"] = "no eager step announced (serve(..., eager=...))"
@@ -42,6 +43,7 @@ def _final_checks(doctor) -> None:
         dangling.check(doctor, info, before_replay=False)
         if not info.probed:
             mutation.unprobed(doctor, info)
+    mutation.warmup_updates(doctor)
 
 
 def _not_checked(doctor) -> dict[str, str]:
@@ -58,6 +60,10 @@ def _not_checked(doctor) -> dict[str, str]:
         why["undersized-buffer"] = "no runner announced its static input buffers"
     if not any(info.warmup is not None for info in doctor.graphs.values()) and not doctor.compared:
         why["warmup-divergence"] = "no warmup run was announced before any capture"
+    if not doctor.compared:
+        why["stale-input"] = "needs differential replay of served steps with an eager form (diagnose())"
+    elif not doctor.carried.captured:
+        why["stale-input"] = "no graph reads an announced static input buffer"
     if not doctor.handed_any:
         why["overwritten-output"] = "no runner handed graph outputs out"
     return why

@@ -26,7 +26,7 @@ from ...engine.source import user_frame
 from .. import explain
 from ..records import Op
 from ..report import Finding
-from ..tensors import differs, first_line, max_abs_diff, rng_state, set_rng_state, signature, whole
+from ..tensors import changed, differs, first_line, max_abs_diff, rng_state, set_rng_state, signature, whole
 from . import launch, pystate, rootcause
 
 aten = torch.ops.aten
@@ -63,6 +63,7 @@ def begin(doctor, info) -> None:
         pending = info.pending
         pending.pre = {key: (w, label, w.clone()) for key, (w, label) in _state(doctor, info).items()}
         pending.rng = rng_state(info.cuda)
+        pending.carried = doctor.carried.of_step(doctor, info, pending)
 
 
 def on_op(doctor, func, args, kwargs, run):
@@ -141,6 +142,9 @@ def finish(doctor, info, pending) -> None:
         if divergence is not None:
             doctor.report.notes.append(f"differential replay of {info.name}: launch traces differ ("
                                        f"{divergence.text()}) but outputs and state agree on the sampled steps")
+        for key, carried in pending.carried.items():
+            if _carried_over(doctor, info, pending, replayed, rng_after, graph_out, key, carried):
+                break
         if not info.startup_checked:
             info.startup_checked = True
             _from_before_warmups(doctor, info, pending, replayed, rng_after, graph_out)
@@ -159,7 +163,7 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
     doctor.diff, doctor.phase = EagerRun(set(pre), info.ops), "differential"
     got = error = None
     try:
-        with torch.no_grad():
+        with torch.set_grad_enabled(pending.grad):     # code may branch on it (is_grad_enabled())
             out = pending.eager()
         with _disable_current_modes():
             got = (_rows(out, pending.real), {key: w.clone() for key, (w, _, _) in pre.items()},
@@ -194,12 +198,57 @@ def _from_before_warmups(doctor, info, pending, replayed: dict, rng_after, graph
         if g.shape == e.shape and not bool(differs(g, e).any()):
             continue
         key, (_, mask, _, kept) = next(iter(reset.items()))
+        label = _announced(doctor, key, kept)
         text = (f"output {i} (real rows) differs by max |diff| = {max_abs_diff(g, e):.3g} between the replay and an "
                 f"eager run of the same step from the state before the warmups ({int(mask.sum())} element(s) of "
-                f"{kept.tensor} put back, first written by {kept.op} in a warmup)")
+                f"{label} put back, first written by {kept.op} in a warmup)")
         rootcause.startup(doctor, info, pending, text, {"output": i, "max_abs_diff": max_abs_diff(g, e),
-                                                        "elements_reset": int(mask.sum())}, kept)
+                                                        "elements_reset": int(mask.sum())}, kept, label)
         return
+    for key, (now, mask, before, kept) in reset.items():
+        if key not in pending.pre:
+            continue
+        with _disable_current_modes():
+            flat = lambda t: t.reshape(-1).view(torch.uint8).view(kept.dtype)  # noqa: E731
+            was, after, eager = flat(pending.pre[key][2]), flat(replayed[key]), flat(got[1][key])
+            start = was.clone()
+            start[mask] = before[mask]
+            # Elements this step writes (in either run) whose value depends on what the warmups left:
+            # a count, a running statistic built on the dummy batches' contribution.
+            built_on = (changed(was, after) | changed(start, eager)) & changed(after, eager)
+        if bool(built_on.any()):
+            label = _announced(doctor, key, kept)
+            text = (f"state {label}: {int(built_on.sum())} element(s) this step writes differ between the replay "
+                    f"and an eager run of the same step from the state before the warmups ({int(mask.sum())} "
+                    f"element(s) put back, first written by {kept.op} in a warmup): the step builds on what the "
+                    "dummy batches wrote")
+            rootcause.startup(doctor, info, pending, text, {"state": label, "elements": int(built_on.sum()),
+                                                            "elements_reset": int(mask.sum())}, kept, label)
+            return
+
+
+def _announced(doctor, key: int, kept) -> str:
+    """A storage's announced name (how other rules on that buffer key their findings), else its shape."""
+    buf = doctor.buffer(key)
+    return buf.name if buf is not None else kept.tensor
+
+
+def _carried_over(doctor, info, pending, replayed: dict, rng_after, graph_out, key: int, carried) -> bool:
+    """The same eager step with the elements of one static input that this step did not write put
+    back to their capture-time values (``probes/carried.py``): a different answer means the replay
+    reads what an earlier step left there. True when that is reported."""
+    _, got, error = _eager(doctor, info, pending, replayed, rng_after,
+                           {key: (carried.now, carried.mask, carried.before, carried)})
+    if error is not None or got is None:
+        return False
+    eager_out, eager_state, _ = got
+    with _disable_current_modes():
+        what = _compare(graph_out, eager_out, {k: v for k, v in replayed.items() if k != key}, eager_state, {},
+                        pending.pre)
+    if what is None:
+        return False
+    rootcause.carried(doctor, info, pending, what, info.externals[key], carried)
+    return True
 
 
 def _rows(out, real: int) -> list | None:

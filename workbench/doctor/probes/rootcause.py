@@ -92,13 +92,31 @@ def rebound(doctor, info, pending, changed: list, run) -> None:
          {"rebound": len(changed)})
 
 
-def startup(doctor, info, pending, text: str, numbers: dict, kept) -> None:
-    """A real step's answer depends on what the warmups (dummy batches) wrote into ``kept``."""
+def startup(doctor, info, pending, text: str, numbers: dict, kept, tensor: str | None = None) -> None:
+    """A real step's answer depends on what the warmups (dummy batches) wrote into ``kept``
+    (``tensor``: its announced name, which keys the finding as other rules on that buffer do)."""
+    tensor = tensor or kept.tensor
     doctor.add(Finding(
-        "persistent-mutation", info.name, kept.op, kept.tensor, kept.source,
+        "persistent-mutation", info.name, kept.op, tensor, kept.source,
         f"sampled replay {info.replays} of {info.name}: {text}",
-        explain.startup_write(kept.tensor, kept.op), {"replay": info.replays, **numbers}),
-        ("persistent-mutation", kept.op, kept.source, kept.tensor))
+        explain.startup_write(tensor, kept.op), {"replay": info.replays, **numbers}),
+        ("persistent-mutation", kept.op, kept.source, tensor))
+
+
+def carried(doctor, info, pending, what: tuple, ext, carried) -> None:
+    """A real step's answer depends on elements of a static input it did not write."""
+    text, numbers, _ = what
+    rows = carried.mask.reshape(carried.mask.shape[0], -1).any(1).nonzero().reshape(-1) if carried.mask.dim() else None
+    where = (f"row(s) {int(rows[0])}..{int(rows[-1])}" if rows is not None and len(rows)
+             else "the scalar")
+    numbers = {**numbers, "replay": info.replays, "elements_carried": int(carried.mask.sum()),
+               "real": pending.real, "size": pending.size}
+    evidence = (f"sampled replay {info.replays} of {info.name} ({pending.real} real rows of {pending.size}): {text} "
+                f"when the {int(carried.mask.sum())} element(s) of {carried.name} that this step did not write "
+                f"({where}, written by an earlier step) are put back to their values at capture")
+    doctor.add(Finding("stale-input", info.name, ext.op, f"{carried.name}: {carried.tensor}", ext.source, evidence,
+                       explain.carried_input(carried.name, ext.op), numbers),
+               ("stale-input", carried.name, ext.source))
 
 
 def _add(doctor, info, pending, kind, op, tensor, text, site, numbers) -> None:

@@ -4,6 +4,8 @@
   keeps changing it: ``probes/mutation.py``); a graph never replayed is reported unprobed.
 * Eager code around the graphs updates a static input in place, reading what is there (``+=``):
   harmless on rows the runner rewrites every step, drift on rows nobody rewrites (padded rows).
+  In warmups too: each warmup should run on the dummy batch as prepared, and one that builds on
+  what the previous warmup left drifts (lengths past what was allocated).
 * A warmup overwrites rows of persistent state (announced KV/SSM caches) that hold live data.
 
 Buffers announced as persistent state, shared outputs or metadata are written on purpose: only the
@@ -64,11 +66,23 @@ def _accumulated(doctor, func, key: int, buf, was: torch.Tensor, mask: torch.Ten
     numbers = {"pattern": "accumulating", "call": entry[1], "rows": rows, "rows_changed": int(again_rows.sum()),
                "first_row": int(again_rows.nonzero()[0]), "was": was.reshape(-1)[first].item(),
                "now": whole.reshape(-1)[first].item()}
-    doctor.add(Finding(
-        "persistent-mutation", f"outside the graphs (eager code of {buf.owner})", str(func),
-        f"{buf.name}: {describe(whole)}", source, explain.eager_update_evidence(buf.name, numbers),
-        explain.eager_update(str(func), buf.name, buf.owner), numbers),
-        ("persistent-mutation", str(func), source, buf.name))
+    warm = doctor.phase == "warmup"
+    where = f"warmups (dummy steps of {buf.owner})" if warm else f"outside the graphs (eager code of {buf.owner})"
+    finding = Finding("persistent-mutation", where, str(func), f"{buf.name}: {describe(whole)}", source,
+                      explain.eager_update_evidence(buf.name, numbers),
+                      (explain.warmup_update if warm else explain.eager_update)(str(func), buf.name, buf.owner), numbers)
+    if warm:        # decided at the end: a graph that writes the buffer is the mutation probe's to judge
+        doctor.warm_updates.setdefault(key, finding)
+    else:
+        doctor.add(finding, ("persistent-mutation", str(func), source, buf.name))
+
+
+def warmup_updates(doctor) -> None:
+    """At the end: warmups that built on what an earlier warmup left in a static input that no
+    captured graph writes (its update ran only in warmups, or the capture never happened)."""
+    for key, f in doctor.warm_updates.items():
+        if key not in doctor.graph_writes:
+            doctor.add(f, ("persistent-mutation", f.op, f.source, f.tensor.split(":")[0]))
 
 
 def _rewritten(doctor, key: int, mask: torch.Tensor, but: tuple | None = None) -> None:

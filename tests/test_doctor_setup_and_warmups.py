@@ -1,0 +1,201 @@
+"""The doctor on what happens before and around serving: values computed at set-up from a static
+input, warmups that build on each other or leave state behind, several graphs replayed per step,
+autograd mode, and op failures the workload swallows. Each workload is small and written here, on
+the engine's public API; each bug has a fix that must give no finding."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workbench import doctor
+from workbench.engine import events, graph, new_graph
+
+
+def captured(fn, *, static=None, state=None, warmups=1, name=None):
+    """Warm up ``fn``, then capture it; returns the graph and its outputs."""
+    if static:
+        events.static_buffers("runner", static)
+    if state:
+        events.persistent_state("runner", state)
+    for _ in range(warmups):
+        with events.warmup():
+            fn()
+    g = new_graph("cpu")
+    with graph(g, name=name):
+        out = fn()
+    return g, out
+
+
+def served(g, out, fn):
+    events.serve(g, out.shape[0], out.shape[0], outputs=out, eager=fn)
+    g.replay()
+    return out.clone()
+
+
+# ------------------------------------------------------------------------------ set-up
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_offsets_computed_from_a_static_input_before_the_capture(variant):
+    """Cumulative lengths built once from the lengths buffer, outside the capture (bug), or inside
+    the captured callable (fix)."""
+    def workload():
+        lengths = torch.full((3,), 4)
+        keys = torch.arange(12.0)
+
+        def offsets():
+            return torch.cumsum(lengths, 0) - lengths
+
+        frozen = offsets()
+
+        def step():
+            starts = frozen if variant == "bug" else offsets()
+            return keys[starts] * lengths
+        g, out = captured(step, static={"lengths": lengths})
+        for n in ([1, 2, 3], [3, 1, 2]):
+            lengths.copy_(torch.tensor(n))
+            served(g, out, step)
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "warmup-divergence" and finding.op == "aten.sub.Tensor"
+    assert finding.source.endswith("return torch.cumsum(lengths, 0) - lengths")
+    assert finding.numbers["source_elements_changed"] == 3
+
+
+def test_a_table_computed_from_shapes_only_is_no_derivation():
+    """``zeros_like`` of a static input reads its shape, not its values: no finding."""
+    def workload():
+        ids = torch.zeros(4, dtype=torch.int64)
+        scale = torch.ones_like(ids, dtype=torch.float32) * 2
+
+        def step():
+            return ids * scale
+        g, out = captured(step, static={"ids": ids})
+        for step_ids in ([1, 2, 3, 4], [5, 6, 7, 8]):
+            ids.copy_(torch.tensor(step_ids))
+            served(g, out, step)
+    assert doctor.diagnose(workload).findings == []
+
+
+# ------------------------------------------------------------------------------ warmups
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_warmups_that_build_on_each_others_in_place_update(variant):
+    """The forward advances the dummy batch's lengths in place; the second warmup then asks for
+    more than the dummy batch was given and fails. The fix puts the lengths back after each run."""
+    def workload():
+        lens = torch.ones(2, dtype=torch.int64)
+        table = torch.arange(6.0).reshape(2, 3)
+        prepared = lens.clone()
+
+        def forward():
+            lens.add_(1)
+            return table[torch.arange(2), lens]
+        events.static_buffers("runner", {"lens": lens})
+        for _ in range(2):
+            with events.warmup():
+                forward()
+            if variant == "fix":
+                lens.copy_(prepared)
+        g, out = captured(forward, warmups=0)
+        if variant == "fix":
+            lens.copy_(prepared)
+        served(g, out, forward)
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [] and report.errors == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "persistent-mutation" and finding.graph.startswith("warmups")
+    assert finding.source.endswith("lens.add_(1)")
+    assert report.errors and "IndexError" in report.errors[0]
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_step_that_builds_on_counts_the_warmups_left(variant):
+    """Usage counts the forward accumulates into persistent state: the warmups' dummy tokens are
+    counted too unless the runner saves and restores the state around them (fix)."""
+    def workload():
+        counts = torch.zeros(3)
+        x = torch.zeros(4, dtype=torch.int64)
+
+        def forward():
+            counts.add_(torch.bincount(x, minlength=3).float())
+            return x.float() * 1                      # the counts show only in the state
+        saved = counts.clone()
+        g, out = captured(forward, static={"x": x}, state={"counts": counts}, warmups=2)
+        if variant == "fix":
+            counts.copy_(saved)
+        for step_x in ([1, 2, 2, 0], [0, 0, 1, 1]):
+            x.copy_(torch.tensor(step_x))
+            served(g, out, forward)
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "persistent-mutation" and finding.tensor == "counts"
+    assert "builds on what the dummy batches wrote" in finding.evidence
+
+
+# ------------------------------------------------------------------------------ serving
+def test_two_graphs_replayed_in_one_step_on_inputs_written_once_give_no_finding():
+    """Metadata built once per step, then a target graph and a draft graph both read it (the
+    draft's own input written between them): the draft does not carry the metadata over."""
+    def workload():
+        lens = torch.zeros(4, dtype=torch.int64)
+        draft_ids = torch.zeros(4, dtype=torch.int64)
+        table = torch.arange(40.0).reshape(10, 4)
+
+        def target():
+            return table[lens] * 2
+
+        def draft():
+            return table[lens] + draft_ids
+        events.static_buffers("runner", {"lens": lens, "draft_ids": draft_ids})
+        gt, out_t = captured(target, name="target")
+        gd, out_d = captured(draft, name="draft")
+        for step in range(3):
+            lens.copy_(torch.arange(4) + step)
+            served(gt, out_t, target)
+            draft_ids.copy_(torch.arange(4) * step)
+            served(gd, out_d, draft)
+    assert doctor.diagnose(workload).findings == []
+
+
+def test_the_eager_step_runs_in_the_autograd_mode_of_the_served_step():
+    """Code that branches on ``torch.is_grad_enabled()`` takes the same branch in the eager step
+    as in the replay it is compared with."""
+    def workload():
+        x = torch.zeros(3)
+        seen = torch.zeros(3)
+
+        def forward():
+            if torch.is_grad_enabled():
+                seen.add_(x)
+            return x * 2
+        g, out = captured(forward, static={"x": x}, state={"seen": seen}, warmups=0)
+        seen.zero_()
+        for v in (1.0, 2.0):
+            x.fill_(v)
+            served(g, out, forward)
+    report = doctor.diagnose(workload)
+    assert report.findings == [], report
+    assert "differential replay: 2 replay(s) compared" in str(report)
+
+
+# ------------------------------------------------------------------------------ swallowed failures
+def test_an_op_failure_the_workload_catches_is_in_the_headline():
+    def workload():
+        x = torch.zeros(2)
+        g, out = captured(lambda: x + 1, static={"x": x})
+        served(g, out, lambda: x + 1)
+        try:
+            torch.arange(3)[torch.tensor([5])]
+        except IndexError:
+            pass                                        # a harness that logs and carries on
+    report = doctor.diagnose(workload)
+    assert report.errors == [] and not report.clean
+    assert len(report.caught) == 1 and report.caught[0].startswith("IndexError")
+    assert "during eager" in report.caught[0] and "torch.arange(3)[torch.tensor([5])]" in report.caught[0]
+    assert "which caught the error: IndexError" in report.headline()

@@ -1,0 +1,46 @@
+"""What the watched code raised: tied to the recorded op of a replay, or kept when it was caught.
+
+An error that leaves ``watch()`` is the workload's failure (the report's headline says so). An op
+that raised inside the workload, which then caught the error (a test harness, a serving loop that
+drops the batch), is kept too: a report must not read "0 findings" over an index out of range.
+"""
+from __future__ import annotations
+
+from ..engine.source import user_frame
+from .rules import shapes
+from .tensors import first_line
+
+_KEPT = 3          # caught op failures kept per watch
+
+
+def op_failed(doctor, func, error: BaseException) -> None:
+    """An op of the watched code raised (in eager code, a warmup or a capture); the doctor's own
+    runs (probes, differential replay) are not the workload's."""
+    if doctor.phase in ("eager", "warmup", "capture") and len(doctor.failed_ops) < _KEPT:
+        doctor.failed_ops.setdefault(id(error), f"{type(error).__name__}: {first_line(error)} (raised by {func} at "
+                                                f"{user_frame()}, during {doctor.phase})")
+
+
+def describe(doctor, error: BaseException) -> str:
+    """The workload's error for the report, tied to the recorded op when a replay raised it; no
+    longer a caught one."""
+    doctor.failed_ops.pop(id(error), None)
+    text = f"{type(error).__name__}: {first_line(error)}"
+    if doctor.replay_error is not None and doctor.replay_error[0] is error:
+        text += f" ({doctor.replay_error[1]})"
+    shapes.failed(doctor, error)
+    return text
+
+
+def recorded_op(error: BaseException, graph: str) -> str:
+    """Where in the captured code an emulated replay failed: the recorded op the replay was
+    running (the CPU graph's replay loop holds it), else just the graph."""
+    tb, op = error.__traceback__, None
+    while tb is not None:
+        candidate = tb.tb_frame.f_locals.get("op")
+        if hasattr(candidate, "source") and hasattr(candidate, "func"):
+            op = candidate
+        tb = tb.tb_next
+    if op is None:
+        return f"raised by the replay of {graph}"
+    return f"raised by the replay of {graph} in {op.func}, recorded at {op.source}"

@@ -1,0 +1,113 @@
+"""Static inputs a step did not write: does the replay depend on what an earlier step left there?
+
+A static input buffer is the graph's per-step input: the runner writes it before every replay,
+and a replay reads whatever is there. When a step omits an input (a text-only batch without its
+multimodal metadata, a refresh skipped because "nothing changed"), the graph reads the values an
+earlier step wrote, while an eager forward of that step would have computed without them
+(TensorRT-LLM #18207: mRoPE delta slots left from the previous batch). Differential replay cannot
+see it: the eager form of the step reads the same static buffers, so both agree on the stale
+values.
+
+The doctor therefore notes, with differential replay on, which elements of each static input the
+runner writes before each graph's replay since that graph's previous one (its step: a step may
+replay several graphs on inputs written once), and which it has written between some two replays
+so far (``ever``: per-step inputs, as opposed to a table written once). At a sampled
+replay of a step that brought inputs (a replay with no input written repeats the last step, as
+a benchmark loop does), the elements written in an earlier step but not in this one, outside its padded
+rows and columns (those are ``stale-padding``'s), and that differ from what they held when the
+first graph reading them was captured, are *carried over*. The step is run eagerly once more with
+those elements put back to their capture-time values (values the captured code ran on, so valid
+indices stay valid): real-row outputs or state that change depend on what an earlier step left.
+Memory the runner carries over on purpose (a block table updated in place) is persistent state:
+announce it with ``events.persistent_state`` and it is not a static input.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ...engine.opinfo import describe, storage_key
+from ..tensors import changed, region
+
+
+@dataclasses.dataclass
+class Carried:
+    """What a sampled step carries over in one static input (the ``reset`` record of
+    ``differential._eager``: the buffer, the elements, their capture-time values)."""
+
+    now: torch.Tensor
+    mask: torch.Tensor
+    before: torch.Tensor
+    name: str
+    tensor: str
+
+    @property
+    def after(self) -> torch.Tensor:          # the replay's state is put back from ``pre``
+        return self.now
+
+
+class CarriedInputs:
+    """The doctor's record of per-step writes into static inputs (``Doctor.carried``)."""
+
+    def __init__(self) -> None:
+        self.ever: dict[int, torch.Tensor] = {}        # static input -> elements some step wrote
+        self.captured: dict[int, torch.Tensor] = {}    # static input -> its values at the first capture reading it
+
+    def capture_end(self, doctor, info) -> None:
+        info.window = {}
+        with _disable_current_modes():
+            for key in info.externals.keys() - self.captured.keys():
+                if (buf := doctor.buffer(key)) is not None and buf.role == "input":
+                    self.captured[key] = buf.ref().detach().clone()
+
+    def replay_begins(self, doctor, info) -> None:
+        """The runner's writes since the last replay (of any graph) join every graph's window; the
+        window of the graph about to replay -- what was written since its own last replay, one
+        step's inputs even when a step replays several graphs -- is this step's (``info.step``)."""
+        with _disable_current_modes():
+            for key, mask in doctor.fresh.items():
+                if key not in self.captured or mask.shape != self.captured[key].shape:
+                    continue
+                self.ever[key] = self.ever[key] | mask if key in self.ever else mask.clone()
+                for other in doctor.graphs.values():
+                    if other.window is not None and other.ref() is not None:
+                        other.window[key] = other.window[key] | mask if key in other.window else mask
+        if info.window is not None:
+            info.step, info.window = info.window, {}
+
+    def of_step(self, doctor, info, pending) -> dict:
+        """``key -> Carried`` for the static inputs of ``info`` this step carries over (called
+        before the replay, after ``replay_begins``)."""
+        out = {}
+        written = info.step or {}
+        if not any(key in info.externals and bool(mask.any()) for key, mask in written.items()):
+            return out                    # a step that brings no input at all repeats the last one
+        with _disable_current_modes():
+            for key, ever in self.ever.items():
+                buf = doctor.buffer(key)
+                if buf is None or key not in info.externals or key in doctor.graph_writes:
+                    continue
+                now, was = buf.ref(), self.captured[key]
+                if now.shape != was.shape:
+                    continue
+                mask = ever & changed(now, was)
+                if key in written:
+                    mask &= ~written[key]
+                mask &= ~_padded(now, key, pending)
+                if bool(mask.any()):
+                    out[key] = Carried(now, mask, was, buf.name, describe(now))
+        return out
+
+
+def _padded(buf: torch.Tensor, key: int, pending) -> torch.Tensor:
+    """The elements of ``buf`` that are this step's padded rows or padded columns."""
+    mask = torch.zeros(buf.shape, dtype=torch.bool, device=buf.device)
+    for t in pending.padded.values():
+        if isinstance(t, torch.Tensor) and storage_key(t) == key and t.dim() and pending.real < t.shape[0]:
+            mask |= region(t[pending.real:pending.size], buf)
+    for t, width in pending.columns.values():
+        if isinstance(t, torch.Tensor) and storage_key(t) == key and t.dim() > 1 and width < t.shape[1]:
+            mask |= region(t[:pending.size, width:], buf)
+    return mask
