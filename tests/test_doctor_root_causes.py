@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from workbench import doctor
-from workbench.engine import events, graph, graph_pool_handle, host, new_graph
+from workbench.engine import graph, graph_pool_handle, host, new_graph
 
 from test_doctor_mechanisms import Manager, rows
 

@@ -199,3 +199,29 @@ def test_an_op_failure_the_workload_catches_is_in_the_headline():
     assert len(report.caught) == 1 and report.caught[0].startswith("IndexError")
     assert "during eager" in report.caught[0] and "torch.arange(3)[torch.tensor([5])]" in report.caught[0]
     assert "which caught the error: IndexError" in report.headline()
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_step_that_copies_more_than_its_graph_reads(variant):
+    """A bucket's graph captured on the first batch's width (bug) reads three of the four tokens a
+    later batch copies in; captured on the bucket's width (fix), it reads them all."""
+    def workload():
+        ids = torch.zeros(1, 4, dtype=torch.int64)
+        emb = torch.arange(10.0)
+        width = 3 if variant == "bug" else 4
+
+        def step():
+            return emb[ids[:, :width]].sum(-1)
+        g, out = captured(step, static={"ids": ids})
+        for tokens in ([1, 2, 3], [4, 5, 6, 7]):
+            ids[:, :len(tokens)] = torch.tensor([tokens])
+            ids[:, len(tokens):] = 0
+            served(g, out, step)
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "undersized-buffer" and finding.tensor.startswith("ids")
+    assert finding.source.endswith("ids[:, :len(tokens)] = torch.tensor([tokens])")
+    assert finding.numbers == {"elements_dropped": 1, "elements_read": 3}

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import pathlib
 import time
 import warnings
 from collections.abc import Callable

@@ -123,6 +123,13 @@ def differential(graph: str, what: str, site: str) -> str:
             f"now. {site}")
 
 
+def unread_copy(buffer: str, graph: str) -> str:
+    return (f"The step copied data into {buffer} where {graph} never reads: the graph reads the views of {buffer} "
+            "its capture read, sized for the batch it was captured on, so the rest of this step's data is dropped "
+            "without an error. Capture each size on views of its full size (dummy inputs of the bucket's size, not "
+            "the first real batch), and serve a batch only with a graph captured for at least its size.")
+
+
 def derived_before_capture(tensor: str, source: str) -> str:
     return (f"{tensor} was computed from the static input {source} outside the capture (before the warmups, when "
             "a metadata object was built), so the graph recorded only its read: every replay reads the value computed "

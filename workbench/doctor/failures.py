@@ -1,4 +1,5 @@
-"""What the watched code raised: tied to the recorded op of a replay, or kept when it was caught.
+"""Errors: what the watched code raised (tied to the recorded op of a replay, or kept when it was
+caught), and the doctor's own, which are contained.
 
 An error that leaves ``watch()`` is the workload's failure (the report's headline says so). An op
 that raised inside the workload, which then caught the error (a test harness, a serving loop that
@@ -6,11 +7,36 @@ drops the batch), is kept too: a report must not read "0 findings" over an index
 """
 from __future__ import annotations
 
+import functools
+
+from ..engine.errors import CaptureError
 from ..engine.source import user_frame
 from .rules import shapes
+from .rules.dangling import DanglingReferenceError
 from .tensors import first_line
 
 _KEPT = 3          # caught op failures kept per watch
+
+# What the doctor raises on purpose, into the watched code: a guarded replay, a host sync refused
+# during a CUDA capture (as the CPU engine refuses it). Anything else it raises is its own failure.
+DELIBERATE = (DanglingReferenceError, CaptureError)
+
+
+def contained(handler):
+    """An event handler whose own failure is reported, not raised into the watched code: a
+    diagnostic must never break what it diagnoses. After a failure the doctor stops watching."""
+    @functools.wraps(handler)
+    def run(self, *args, **kwargs):
+        if self.failure is not None or self.phase == "differential":
+            return None
+        try:
+            return handler(self, *args, **kwargs)
+        except DELIBERATE:
+            raise
+        except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
+            self.fail(e, handler.__name__)
+            return None
+    return run
 
 
 def op_failed(doctor, func, error: BaseException) -> None:

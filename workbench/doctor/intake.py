@@ -15,7 +15,6 @@ How the evidence is gathered (the same on both backends, so a report means the s
 """
 from __future__ import annotations
 
-import functools
 import sys
 import traceback
 import weakref
@@ -34,9 +33,9 @@ from .probes.carried import CarriedInputs
 from .probes.startup import Startup
 from .records import Buffer, External, GraphInfo, Op, Pending
 from . import failures, summary
+from .failures import contained
 from .report import Finding, Report
-from .rules.dangling import DanglingReferenceError
-from .rules import dangling, derived, mutation, overwritten, padded_scatter, shapes, sync, undersized, warmup
+from .rules import dangling, derived, mutation, overwritten, padded_scatter, shapes, sync, undersized, unread, warmup
 from .rules.pool import PoolReads
 from .tensors import first_line, signature
 
@@ -44,28 +43,6 @@ aten = torch.ops.aten
 _SLICE, _COPY = aten.slice.Tensor, aten.copy_.default    # looked up once: ``aten.x.y`` costs ~0.4 µs
 _ASIDE = ("replay", "probe")          # phases in which the dispatch mode is off the hot path
 _QUIET = ("probe", "differential")    # phases whose events are the doctor's own doing
-
-
-# What the doctor raises on purpose, into the watched code: a guarded replay, a host sync refused
-# during a CUDA capture (as the CPU engine refuses it). Anything else it raises is its own failure.
-DELIBERATE = (DanglingReferenceError, CaptureError)
-
-
-def contained(handler):
-    """An event handler whose own failure is reported, not raised into the watched code: a
-    diagnostic must never break what it diagnoses. After a failure the doctor stops watching."""
-    @functools.wraps(handler)
-    def run(self, *args, **kwargs):
-        if self.failure is not None or self.phase == "differential":
-            return None
-        try:
-            return handler(self, *args, **kwargs)
-        except DELIBERATE:
-            raise
-        except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
-            self.fail(e, handler.__name__)
-            return None
-    return run
 
 
 class Doctor:
@@ -93,6 +70,7 @@ class Doctor:
         self.warm_saved: dict[int, tuple] = {}      # persistent state before the current warmup wrote it
         self.warm_updates: dict[int, Finding] = {}  # static input -> a warmup building on an earlier one's update
         self.computed_from: dict[int, tuple] = {}   # rules/derived.py: what set-up code computed each storage from
+        self.copied: dict[int, tuple] = {}          # rules/unread.py: static-input elements copied since the last replay
         self.startup = Startup()                    # what warmups wrote into memory older than them
         self.carried = CarriedInputs()              # what steps wrote into static inputs (differential)
         self.pool = PoolReads()                     # pool memory read across graphs
@@ -189,6 +167,8 @@ class Doctor:
         if self.every:
             self.carried.capture_end(self, info)
         derived.captured(self, info)
+        unread.capture_end(self, info)
+        self.copied.clear()
 
     @contained
     def capture_abort(self, graph, error: BaseException) -> None:
@@ -219,6 +199,8 @@ class Doctor:
             padded_scatter.check(self, info)
             if info.derived:
                 derived.check(self, info)
+            if self.copied:
+                unread.check(self, info)
             if self.every:
                 self.carried.replay_begins(self, info)
             if info.pending is not None and info.pending.differential:
@@ -239,6 +221,7 @@ class Doctor:
         self.phase = "eager"
         self.report.replays += 1
         self.fresh.clear()
+        self.copied.clear()
         info = self.info(graph)
         error = sys.exc_info()[1]
         if info is None:
@@ -352,6 +335,8 @@ class Doctor:
         if targets and func is _COPY:
             undersized.check_fit(self, args[0], args[1])
             padding_probe.copied(self, args[0], args[1])
+            if self.every and phase == "eager":
+                unread.copied(self, targets)
         if phase == "warmup":
             mutation.before_warmup_write(self, targets, str(func))
             if func._schema.is_mutable:
@@ -413,6 +398,8 @@ class Doctor:
                 info.created.add(storage_key(t))
         for t in inputs:
             key = storage_key(t)
+            if self.every and not func.is_view:
+                unread.read_view(self, info, key, t)
             owner = self.owner_of(key)
             if owner is info:
                 continue

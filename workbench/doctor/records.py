@@ -134,6 +134,8 @@ class GraphInfo:
         self.pending: Pending | None = None
         self.python: list | None = None            # Python containers its eager step reaches (probes/pystate.py)
         self.startup_checked = False                # compared once from the state before the warmups
+        self.read_views: dict = {}                  # static input -> views of it the capture read (rules/unread.py)
+        self.reads: dict = {}                       # ... as masks of the elements the graph reads
         self.derived: list = []                     # storages it reads that set-up code computed from a static input
         self.window: dict | None = None             # static-input elements written since its last replay
         self.step: dict | None = None               # ... as they were when its current replay began

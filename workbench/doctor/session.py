@@ -10,7 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..engine import events
 from . import failures
-from .intake import _ASIDE, DELIBERATE, Doctor
+from .failures import DELIBERATE
+from .intake import _ASIDE, Doctor
 from .report import Report
 from .rules import undersized
 

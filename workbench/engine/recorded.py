@@ -8,8 +8,6 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .opinfo import describe, storage_key
-
 
 @dataclasses.dataclass(eq=False)
 class ExternalRef:

@@ -13,9 +13,11 @@ runner writes before each graph's replay since that graph's previous one (its st
 replay several graphs on inputs written once), and which it has written between some two replays
 so far (``ever``: per-step inputs, as opposed to a table written once). At a sampled
 replay of a step that brought inputs (a replay with no input written repeats the last step, as
-a benchmark loop does), the elements written in an earlier step but not in this one, outside its padded
-rows and columns (those are ``stale-padding``'s), and that differ from what they held when the
-first graph reading them was captured, are *carried over*. The step is run eagerly once more with
+a benchmark loop does), a static input the step did not write at all is an omitted input: its
+elements written in an earlier step, outside the padded rows and columns, that differ from what
+they held when the first graph reading them was captured, are *carried over*. (Of an input the
+step wrote in part, the rest is the step's padding -- tokens past its count, columns past its
+longest row -- which is ``stale-padding``'s to judge.) The step is run eagerly once more with
 those elements put back to their capture-time values (values the captured code ran on, so valid
 indices stay valid): real-row outputs or state that change depend on what an earlier step left.
 Memory the runner carries over on purpose (a block table updated in place) is persistent state:
@@ -92,10 +94,9 @@ class CarriedInputs:
                 now, was = buf.ref(), self.captured[key]
                 if now.shape != was.shape:
                     continue
-                mask = ever & changed(now, was)
-                if key in written:
-                    mask &= ~written[key]
-                mask &= ~_padded(now, key, pending)
+                if key in written and bool(written[key].any()):
+                    continue        # written in part: the rest is this step's padding, not an omitted input
+                mask = ever & changed(now, was) & ~_padded(now, key, pending)
                 if bool(mask.any()):
                     out[key] = Carried(now, mask, was, buf.name, describe(now))
         return out

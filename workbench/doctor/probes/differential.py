@@ -20,12 +20,9 @@ import dataclasses
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ...engine import memory
-from ...engine.opinfo import describe, op_tensors, storage_key, tensors, written_tensors
+from ...engine.opinfo import op_tensors, storage_key, tensors, written_tensors
 from ...engine.source import user_frame
-from .. import explain
 from ..records import Op
-from ..report import Finding
 from ..tensors import changed, differs, first_line, max_abs_diff, rng_state, set_rng_state, signature, whole
 from . import launch, pystate, rootcause
 

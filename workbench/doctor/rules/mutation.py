@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ...engine.opinfo import describe, overwrites, storage_key
+from ...engine.opinfo import describe, overwrites
 from ...engine.source import user_frame
 from .. import explain
 from ..report import Finding
