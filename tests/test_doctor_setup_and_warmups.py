@@ -225,3 +225,40 @@ def test_a_step_that_copies_more_than_its_graph_reads(variant):
     assert finding.kind == "undersized-buffer" and finding.tensor.startswith("ids")
     assert finding.source.endswith("ids[:, :len(tokens)] = torch.tensor([tokens])")
     assert finding.numbers == {"elements_dropped": 1, "elements_read": 3}
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_static_input_handed_on_as_another_graphs_input(variant):
+    """A reuse pool takes back the first graph's input buffer after its capture (bug) and hands it
+    to a second graph as its input, while the first graph still reads it; the fix keeps it."""
+    def workload():
+        free = []
+
+        def take():
+            return free.pop() if free else torch.zeros(3)
+        x = take()
+        w = torch.arange(3.0)
+
+        def first():
+            return x * w
+        g1, out1 = captured(first, static={"x": x}, name="first")
+        if variant == "bug":
+            free.append(x)
+        y = take()
+
+        def second():
+            return y + 1
+        g2, out2 = captured(second, static={"y": y}, name="second")
+        for step in range(2):
+            x.copy_(torch.full((3,), float(step)))
+            y.copy_(torch.full((3,), 10.0 + step))
+            served(g2, out2, second)
+            served(g1, out1, first)
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "dangling-reference" and finding.tensor.startswith("x") and finding.graph == "first"
+    assert finding.source.endswith('in captured: events.static_buffers("runner", static)')   # where x was announced
+    assert "announced again as y" in finding.evidence

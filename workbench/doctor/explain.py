@@ -123,6 +123,13 @@ def differential(graph: str, what: str, site: str) -> str:
             f"now. {site}")
 
 
+def handed_on_input(first: str, second: str, graph: str) -> str:
+    return (f"The buffer {graph} reads as its static input {first} was handed on as {second} while {graph} still "
+            f"reads it: every copy-in for {second} overwrites what {graph} reads, and its replays compute from "
+            "another tensor's data (a reuse pool taking back a graph input after the capture, as if nothing read it "
+            "later). Keep a graph's input buffers for as long as any graph that reads them lives.")
+
+
 def unread_copy(buffer: str, graph: str) -> str:
     return (f"The step copied data into {buffer} where {graph} never reads: the graph reads the views of {buffer} "
             "its capture read, sized for the batch it was captured on, so the rest of this step's data is dropped "

@@ -241,8 +241,12 @@ class Doctor:
 
     # ------------------------------------------------------------------ runner events
     def _announce(self, owner: str, buffers: dict, role: str) -> None:
+        source = user_frame()
         for name, t in buffers.items():
-            self.buffers[storage_key(t)] = Buffer(name, owner, weakref.ref(t), role)
+            key = storage_key(t)
+            if (old := self.buffer(key)) is not None and role == old.role == "input" and name != old.name:
+                dangling.handed_on(self, key, old, name, owner, source)
+            self.buffers[key] = Buffer(name, owner, weakref.ref(t), role, source)
         undersized.announced(self, owner, buffers)
 
     @contained

@@ -45,6 +45,7 @@ class Buffer:
     owner: str
     ref: weakref.ref
     role: str
+    source: str = ""        # where it was announced
 
 
 @dataclasses.dataclass(slots=True)

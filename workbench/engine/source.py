@@ -9,10 +9,11 @@ import sys
 
 import torch
 
-SKIP_DIRS = (  # torch, the engine, the doctor: never the user's code
+SKIP_DIRS = (  # torch, the engine, the doctor, the zoo's minimal runner: never the user's code
     os.path.dirname(torch.__file__),
     os.path.dirname(os.path.abspath(__file__)),
     os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "doctor"),
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "zoo", "kit.py"),
     os.path.dirname(contextlib.__file__) + os.sep + "contextlib",
 )
 

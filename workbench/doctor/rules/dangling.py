@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from .. import explain
 from ...engine.errors import GraphError
+from ...engine.opinfo import describe
 from ..report import Finding
 
 
@@ -17,6 +18,21 @@ class DanglingReferenceError(GraphError):
         super().__init__(f"replay stopped by the graph doctor: {finding.evidence}\n  read by {finding.op} at "
                          f"{finding.source}\n  {finding.cause}")
         self.finding = finding
+
+
+def handed_on(doctor, key: int, old, name: str, owner: str, source: str) -> None:
+    """A static input of live graphs announced again under another name: the runner has given the
+    buffer a second role (a reuse pool handed it back after its first graph's capture) while
+    graphs still read it in its first one. Each copy-in for the new role overwrites what they read."""
+    readers = [info.name for info in doctor.graphs.values() if info.ref() is not None and key in info.externals]
+    if not readers:
+        return
+    t = old.ref()
+    doctor.add(Finding(
+        "dangling-reference", ", ".join(readers), "static_buffers", f"{old.name}: {describe(t)}", old.source,
+        f"{old.name} (announced by {old.owner}, read by {', '.join(readers)}) is announced again as {name} by "
+        f"{owner} at {source}: one buffer, two static inputs", explain.handed_on_input(old.name, name, readers[0]),
+        {"readers": len(readers)}), ("dangling-reference", "static_buffers", old.name, name))
 
 
 def check(doctor, info, *, before_replay: bool) -> None:
