@@ -32,6 +32,16 @@ def served(g, out, fn):
     return out.clone()
 
 
+def only_finding(workload, variant):
+    """The one finding ``diagnose`` gives a ``bug`` workload; for a ``fix``, asserts there is none."""
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [], report
+        return None
+    (finding,) = report.findings
+    return finding
+
+
 # ------------------------------------------------------------------------------ set-up
 @pytest.mark.parametrize("variant", ["bug", "fix"])
 def test_offsets_computed_from_a_static_input_before_the_capture(variant):
@@ -53,11 +63,9 @@ def test_offsets_computed_from_a_static_input_before_the_capture(variant):
         for n in ([1, 2, 3], [3, 1, 2]):
             lengths.copy_(torch.tensor(n))
             served(g, out, step)
-    report = doctor.diagnose(workload)
-    if variant == "fix":
-        assert report.findings == [], report
+    finding = only_finding(workload, variant)
+    if finding is None:
         return
-    (finding,) = report.findings
     assert finding.kind == "warmup-divergence" and finding.op == "aten.sub.Tensor"
     assert finding.source.endswith("return torch.cumsum(lengths, 0) - lengths")
     assert finding.numbers["source_elements_changed"] == 3
@@ -129,11 +137,9 @@ def test_a_step_that_builds_on_counts_the_warmups_left(variant):
         for step_x in ([1, 2, 2, 0], [0, 0, 1, 1]):
             x.copy_(torch.tensor(step_x))
             served(g, out, forward)
-    report = doctor.diagnose(workload)
-    if variant == "fix":
-        assert report.findings == [], report
+    finding = only_finding(workload, variant)
+    if finding is None:
         return
-    (finding,) = report.findings
     assert finding.kind == "persistent-mutation" and finding.tensor == "counts"
     assert "builds on what the dummy batches wrote" in finding.evidence
 
@@ -217,11 +223,9 @@ def test_a_step_that_copies_more_than_its_graph_reads(variant):
             ids[:, :len(tokens)] = torch.tensor([tokens])
             ids[:, len(tokens):] = 0
             served(g, out, step)
-    report = doctor.diagnose(workload)
-    if variant == "fix":
-        assert report.findings == [], report
+    finding = only_finding(workload, variant)
+    if finding is None:
         return
-    (finding,) = report.findings
     assert finding.kind == "undersized-buffer" and finding.tensor.startswith("ids")
     assert finding.source.endswith("ids[:, :len(tokens)] = torch.tensor([tokens])")
     assert finding.numbers == {"elements_dropped": 1, "elements_read": 3}
@@ -254,11 +258,9 @@ def test_a_static_input_handed_on_as_another_graphs_input(variant):
             y.copy_(torch.full((3,), 10.0 + step))
             served(g2, out2, second)
             served(g1, out1, first)
-    report = doctor.diagnose(workload)
-    if variant == "fix":
-        assert report.findings == [], report
+    finding = only_finding(workload, variant)
+    if finding is None:
         return
-    (finding,) = report.findings
     assert finding.kind == "dangling-reference" and finding.tensor.startswith("x") and finding.graph == "first"
     assert finding.source.endswith('in captured: events.static_buffers("runner", static)')   # where x was announced
     assert "announced again as y" in finding.evidence

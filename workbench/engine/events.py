@@ -11,9 +11,12 @@ Who calls what, and when (a runner built on the graph manager gets all of this f
   ``replay_begin``/``replay_end`` (both graph classes).
 * a runner, **once, before its first warmup**, names what its tensors *mean*:
 
-  - ``static_buffers``: inputs it rewrites every step and the graphs read through views;
+  - ``static_buffers``: inputs it rewrites every step and the graphs read through views: a step
+    that writes some of them and leaves one unwritten has omitted an input (the graph reads an
+    earlier step's values); one buffer is one input of one role;
   - ``persistent_state``: state that lives across steps and that the graphs read *and* write on
-    purpose (KV caches, SSM states);
+    purpose (KV caches, SSM states), or that the runner carries from step to step on purpose (a
+    block table extended in place);
   - ``shared_outputs``: output buffers that several graphs write (one buffer, a view per size);
   - ``written_metadata``: buffers a graph writes on purpose as part of its job (metadata it
     computes from its inputs), which are not inputs mutated by mistake.
@@ -21,7 +24,8 @@ Who calls what, and when (a runner built on the graph manager gets all of this f
   Announcing again (after a re-capture or a resize) replaces the meaning of those tensors.
 * ``warmup()`` around each eager run made before a capture.
 * ``serve`` **after** the runner has written this step's inputs (and neutralised whatever padded
-  rows it neutralises), **immediately before** ``replay()``. The doctor fills only padded rows and
+  rows it neutralises), **immediately before** ``replay()``, with the padded rows (``padded``) and
+  the padded columns (``padded_columns``: a buffer and the width of the step's data in it). The doctor fills only padded rows and
   padded columns that nothing rewrote since the previous replay, so the order of the runner's own
   writes no longer changes the verdict; a ``serve`` announced after the replay describes nothing.
 * ``handed_out`` right after the replay, with the views of the outputs returned to the caller.
@@ -88,8 +92,9 @@ def replay_end(graph: Any) -> None:
 
 
 def static_buffers(owner: str, buffers: Mapping[str, Any]) -> None:
-    """Persistent input buffers that graphs read through views (names are for reports). A graph
-    writing one of them is a mutation of its input; writes into them must fit them."""
+    """Persistent input buffers that graphs read through views (names are for reports), written by
+    the runner before every replay. A graph writing one of them is a mutation of its input; writes
+    into them must fit them, and land where the graph reads."""
     if _observers:
         _emit("static_buffers", owner, dict(buffers))
 
