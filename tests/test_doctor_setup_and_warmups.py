@@ -264,3 +264,26 @@ def test_a_static_input_handed_on_as_another_graphs_input(variant):
     assert finding.kind == "dangling-reference" and finding.tensor.startswith("x") and finding.graph == "first"
     assert finding.source.endswith('in captured: events.static_buffers("runner", static)')   # where x was announced
     assert "announced again as y" in finding.evidence
+
+
+def test_work_a_library_skips_only_under_capture_is_a_note_when_every_replay_agrees():
+    """transformers checks ``padding_mask.all()`` (to drop an all-ones mask) only outside a capture:
+    the warmup runs that check, the capture does not, and differential replay shows every replay,
+    masked rows or not, equal to its eager step: a note, no finding."""
+    from workbench import hf_matrix
+    from workbench.engine import GraphRunner
+    entry = next(e for e in hf_matrix.ENTRIES if e.label == "bert")
+
+    def make_runner():
+        model = hf_matrix.build(entry.arch)
+        return GraphRunner(lambda **kw: hf_matrix.forward(model, entry, kw),
+                           {"input_ids": ((8,), torch.int64), "attention_mask": ((8,), torch.int64)}, [1, 2, 4])
+
+    def make_batch(n, step):
+        mask = torch.ones(n, 8, dtype=torch.int64)
+        mask[0, :step % 3] = 0                          # some steps pad their first row, some do not
+        return {"input_ids": torch.randint(3, 100, (n, 8), generator=torch.Generator().manual_seed(step)),
+                "attention_mask": mask}
+    report = doctor.diagnose(make_runner, make_batch)
+    assert report.findings == [] and report.not_checked == {}, report
+    assert any("the warmup ran work the capture skipped" in n and "changes no result" in n for n in report.notes)

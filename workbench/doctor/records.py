@@ -135,6 +135,9 @@ class GraphInfo:
         self.pending: Pending | None = None
         self.python: list | None = None            # Python containers its eager step reaches (probes/pystate.py)
         self.startup_checked = False                # compared once from the state before the warmups
+        self.skipped: tuple | None = None           # (finding, key) of work the capture skipped (rules/warmup.py)
+        self.compared = 0                           # replays compared with an eager step
+        self.disagreed = False                      # ... and one of them gave other results
         self.read_views: dict = {}                  # static input -> views of it the capture read (rules/unread.py)
         self.reads: dict = {}                       # ... as masks of the elements the graph reads
         self.derived: list = []                     # storages it reads that set-up code computed from a static input

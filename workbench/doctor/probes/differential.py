@@ -131,6 +131,8 @@ def finish(doctor, info, pending) -> None:
     with _disable_current_modes():          # the doctor's own arithmetic: not ops of the watched code
         what = _compare(graph_out, eager_out, replayed, eager_state, extra, pre)
     divergence = launch.compare(info.ops, run.ops)
+    info.compared += 1
+    info.disagreed |= what is not None or bool(changed)
     if what is not None:
         rootcause.classify(doctor, info, pending, what, divergence, run)
     elif changed:

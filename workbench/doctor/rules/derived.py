@@ -33,6 +33,7 @@ _SHAPE_ONLY = frozenset({aten.empty_like, aten.zeros_like, aten.ones_like, aten.
                          aten.randn_like, aten.randint_like, aten.new_empty, aten.new_zeros, aten.new_ones,
                          aten.new_full, aten.new_empty_strided})
 _DEPTH = 8                      # how far back a chain of eager ops is followed
+_KEPT = 50_000                  # storages noted at most (a watch that never replays notes no more)
 
 
 @dataclasses.dataclass
@@ -52,7 +53,7 @@ class Derived:
 
 def record(doctor, func, args, kwargs, out) -> None:
     """Set-up only: what an eager op computed (a new storage, or one it wrote) from which storages."""
-    if func.overloadpacket in _SHAPE_ONLY:
+    if func.overloadpacket in _SHAPE_ONLY or len(doctor.computed_from) >= _KEPT:
         return
     inputs = op_tensors(args, kwargs)
     if not inputs:

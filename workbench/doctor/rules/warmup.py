@@ -1,5 +1,8 @@
 """warmup-divergence from the warmup: source lines the warmup ran and the capture never executed.
 
+With differential replay on, this is decided at the end: skipped work that every compared replay
+shows to change nothing is a note, not a finding.
+
 (The other source of this kind, a replay that an eager run of the same step contradicts, is decided
 by differential replay: ``probes/differential.py``.)"""
 from __future__ import annotations
@@ -38,7 +41,7 @@ def check(doctor, info) -> None:
         return
     first = missing[0]
     lines = Counter(op.source.split(": ", 1)[0] for op in missing)
-    doctor.add(Finding(
+    info.skipped = (Finding(
         "warmup-divergence", info.name, first.name, "-", first.source,
         f"the warmup ran {len(info.warmup)} ops, the capture recorded {len(info.ops)}; {len(missing)} warmup ops "
         f"come from {len(lines)} source line(s) the capture never executed: "
@@ -47,6 +50,25 @@ def check(doctor, info) -> None:
         {"warmup_ops": len(info.warmup), "captured_ops": len(info.ops), "missing": len(missing),
          "lines": len(lines)}),
         ("warmup-divergence", first.name, first.source))
+    if not doctor.every:
+        decide(doctor, info)
+
+
+def decide(doctor, info) -> None:
+    """The skipped work is a finding, unless differential replay compared this graph's replays with
+    eager steps and every one agreed: then the capture skipped work that changes no result (a check
+    a library makes only outside a capture, say), and it is a note."""
+    if info.skipped is None:
+        return
+    finding, key = info.skipped
+    info.skipped = None
+    if info.compared and not info.disagreed:
+        doctor.report.notes.append(f"{info.name}: the warmup ran work the capture skipped ({finding.source}); "
+                                   f"{info.compared} replay(s) compared with eager steps agreed, so it changes no result")
+    else:       # the cause before what differential replay saw of it: first among its kind
+        fs = doctor.report.findings
+        if doctor.add(finding, key) is finding and fs[-1] is finding:
+            fs.insert(next(i for i, f in enumerate(fs) if f.kind == finding.kind), fs.pop())
 
 
 def _host(op: Op, cuda: bool) -> bool:
