@@ -146,23 +146,31 @@ def test_serve_announces_an_eager_step_equal_to_the_replay():
     assert torch.equal(kw["eager"]()[:3], out)
 
 
-def test_a_piecewise_step_announces_no_eager_step():
-    """Its eager regions change state between pieces: no single piece's replay can be re-run."""
+def test_a_piecewise_step_is_announced_whole_before_its_eager_regions_run():
+    """Its eager regions change state between pieces, so no single piece can be re-run: the step is
+    announced once, on its first graph, with all its pieces and its eager step, before any of it
+    runs; the other pieces are announced without one."""
     step, m = make("PIECEWISE")
     m.capture()
     seen = []
 
     class Listener:
-        def serve(self, *args, **kw):
-            seen.append(kw["eager"])
+        def serve(self, graph, *args, **kw):
+            seen.append((graph, kw["eager"], kw["pieces"]))
+
+        def replay_begin(self, graph):
+            seen.append(("replay", graph))
 
     listener = Listener()
     events.subscribe(listener)
     try:
-        m.replay(4, 4)
+        out = m.replay(4, 4).clone()
     finally:
         events.unsubscribe(listener)
-    assert seen == [None, None]
+    first, second = m.graphs[4]
+    assert [s[0] for s in seen] == [first, "replay", second, "replay"]
+    assert seen[0][2] == (first, second) and seen[2][1:] == (None, ())
+    assert torch.equal(seen[0][1](), out)
 
 
 def test_static_buffers_per_size_are_prepared_before_their_warmups():

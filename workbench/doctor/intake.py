@@ -87,6 +87,7 @@ class Doctor:
         self.compared = 0
         self.trace: list[dict] = []                 # per replay, under diagnose's padded-row probes
         self.diff = None                            # the eager run of a differential replay
+        self.spanning = None                        # (first piece, Pending) of a PIECEWISE step being compared
         self.replay_error: tuple | None = None      # (error, where) of a replay that raised
         self.plan = None                            # diagnose's record of the steps served (probes/padding.py)
         self.padded_step = None                     # the last padded replay, its outputs (rules/shapes.py)
@@ -203,7 +204,7 @@ class Doctor:
                 unread.check(self, info)
             if self.every:
                 self.carried.replay_begins(self, info)
-            if info.pending is not None and info.pending.differential:
+            if info.pending is not None and info.pending.differential and not info.pending.span:
                 differential.begin(self, info)
         self.phase = "replay"
         # Step aside: a CPU replay runs many ops (a CUDA graph's replay dispatches none).
@@ -236,7 +237,14 @@ class Doctor:
             padding_probe.record_outputs(self, info, pending)
         shapes.replayed(self, info, pending)
         if pending is not None and pending.differential and error is None:
-            differential.finish(self, info, pending)
+            if pending.span and pending.span[-1] is not info:
+                self.spanning = (info, pending)           # compared after the step's last piece
+            else:
+                differential.finish(self, info, pending)
+        elif self.spanning is not None and self.spanning[1].span[-1] is info:
+            first, self.spanning = self.spanning, None
+            if error is None:
+                differential.finish(self, *first)
         self.startup.replayed(info)
 
     # ------------------------------------------------------------------ runner events
@@ -280,7 +288,8 @@ class Doctor:
         self.startup.warmup_end()
 
     @contained
-    def serve(self, graph, real: int, size: int, padded: dict, outputs, eager=None, padded_columns=None) -> None:
+    def serve(self, graph, real: int, size: int, padded: dict, outputs, eager=None, padded_columns=None,
+              pieces=()) -> None:
         info = self.info(graph)
         columns = padded_columns or {}
         undersized.serve_contract(self, info.name if info else "a graph", real, size, padded, columns)
@@ -297,7 +306,11 @@ class Doctor:
         self.no_eager += eager is None
         sampled = eager is not None and self.every > 0 and (self.served - 1) % self.every == 0
         if info is not None:
-            info.pending = Pending(real, size, outputs, padded, eager, columns, sampled, grad=torch.is_grad_enabled())
+            span = tuple(i for g in pieces if (i := self.info(g)) is not None)
+            info.pending = Pending(real, size, outputs, padded, eager, columns, sampled, grad=torch.is_grad_enabled(),
+                                   span=span if len(span) == len(pieces) else ())
+            if sampled and info.pending.span:       # the state before the whole step, eager regions included
+                differential.begin(self, info)
 
     def _padded(self, name: str, t) -> None:
         if isinstance(t, torch.Tensor) and (key := storage_key(t)) not in self.buffers:

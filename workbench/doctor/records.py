@@ -62,6 +62,7 @@ class Pending:
     pre: dict = dataclasses.field(default_factory=dict)
     rng: tuple = ()
     carried: dict = dataclasses.field(default_factory=dict)    # probes/carried.py
+    span: tuple = ()                    # the step's graphs (GraphInfo), when it replays several (PIECEWISE)
     grad: bool = False                  # autograd on when the step was served: the eager step runs so too
 
 

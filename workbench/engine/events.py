@@ -135,7 +135,7 @@ def warmup() -> Iterator[None]:
 
 def serve(graph: Any, real: int, size: int, *, padded: Mapping[str, Any] | None = None,
           outputs: Any = None, eager: Callable[[], Any] | None = None,
-          padded_columns: Mapping[str, tuple[Any, int]] | None = None) -> None:
+          padded_columns: Mapping[str, tuple[Any, int]] | None = None, pieces: tuple = ()) -> None:
     """The next replay of ``graph`` serves ``real`` of its ``size`` rows (call it after writing the
     step's inputs, immediately before ``replay()``).
 
@@ -145,9 +145,12 @@ def serve(graph: Any, real: int, size: int, *, padded: Mapping[str, Any] | None 
     overwrite padded rows and columns (probes). ``outputs`` are the graph's static outputs (rows
     ``[0, real)`` are real). ``eager()``, when given, runs this step's forward eagerly on the same
     static buffers and returns its outputs: the doctor's differential replay compares it with the
-    replay (without it, differential replay reports "not checked")."""
+    replay (without it, differential replay reports "not checked"). A step that replays several
+    graphs with eager code between them (PIECEWISE) announces ``eager`` and ``pieces`` (its graphs,
+    in order) on its first graph: the whole step is compared after the last."""
     for handler in _handlers["serve"]:
-        handler(graph, real, size, dict(padded or {}), outputs, eager=eager, padded_columns=dict(padded_columns or {}))
+        handler(graph, real, size, dict(padded or {}), outputs, eager=eager, padded_columns=dict(padded_columns or {}),
+                pieces=tuple(pieces))
 
 
 def handed_out(graph: Any, tensors: Any) -> None:

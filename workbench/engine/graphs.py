@@ -271,17 +271,23 @@ class GraphManager:
         if not 1 <= real <= size:
             raise GraphError(f"a graph of size {size} serves 1..{size} real rows, got {real}")
         pieces = self.graphs[size]
-        # A FULL step can be re-run eagerly from the state before its one replay. A PIECEWISE step
-        # cannot be rewound from any one piece: its eager regions change state between pieces (and
-        # the first piece's outputs are not the step's), so no eager step is announced for it.
-        eager = self._eager_step(size) if self.mode is CUDAGraphMode.FULL else None
+        # The step's eager form is announced with its first graph. A PIECEWISE step (eager regions
+        # before and between its pieces) is announced whole before anything of it runs, and compared
+        # after its last piece.
+        eager = self._eager_step(size)
+        schedule = self._schedule.get(size, pieces)
+        split = bool(pieces) and len(schedule) > len(pieces)     # eager regions in the step
         with self._grad_mode():
-            for step in self._schedule.get(size, pieces):
+            if split:
+                events.serve(pieces[0], real, size, padded=padded, outputs=self.outputs[size], eager=eager,
+                             padded_columns=padded_columns, pieces=tuple(pieces))
+            for step in schedule:
                 if isinstance(step, _EagerCall):
                     _run_call(step)
                     continue
-                events.serve(step, real, size, padded=padded, outputs=self.outputs[size], eager=eager,
-                             padded_columns=padded_columns)
+                if not (split and step is pieces[0]):
+                    events.serve(step, real, size, padded=padded, outputs=self.outputs[size],
+                                 eager=None if split else eager, padded_columns=padded_columns)
                 step.replay()
         out = _slice(self.outputs[size], real)
         if pieces:

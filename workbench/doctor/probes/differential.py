@@ -43,11 +43,12 @@ class EagerRun:
 
 
 def _state(doctor, info) -> dict:
-    """key -> (typed whole storage, label) of everything the step may write."""
+    """key -> (typed whole storage, label) of everything the step may write (all its pieces')."""
     state = {}
-    for key, ext in info.externals.items():
-        if key in info.writes and (w := whole(ext.weak, ext.dtype)) is not None:
-            state[key] = (w, ext.tensor)
+    for piece in info.pending.span or (info,):
+        for key, ext in piece.externals.items():
+            if key in piece.writes and key not in state and (w := whole(ext.weak, ext.dtype)) is not None:
+                state[key] = (w, ext.tensor)
     for key, buf in doctor.buffers.items():
         t = buf.ref()
         if t is not None and key not in state and isinstance(t, torch.Tensor):
@@ -130,7 +131,8 @@ def finish(doctor, info, pending) -> None:
     eager_out, eager_state, extra = got
     with _disable_current_modes():          # the doctor's own arithmetic: not ops of the watched code
         what = _compare(graph_out, eager_out, replayed, eager_state, extra, pre)
-    divergence = launch.compare(info.ops, run.ops)
+    # A PIECEWISE step's eager regions are no graph's ops: its traces are not compared.
+    divergence = None if pending.span else launch.compare(info.ops, run.ops)
     info.compared += 1
     info.disagreed |= what is not None or bool(changed)
     if what is not None:
