@@ -287,3 +287,32 @@ def test_work_a_library_skips_only_under_capture_is_a_note_when_every_replay_agr
     report = doctor.diagnose(make_runner, make_batch)
     assert report.findings == [] and report.not_checked == {}, report
     assert any("the warmup ran work the capture skipped" in n and "changes no result" in n for n in report.notes)
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_piecewise_step_is_compared_whole(variant):
+    """PIECEWISE graphs around an eager attention region; a Python scalar changed after capture is
+    frozen in the second piece (bug) unless the graphs are captured again (fix)."""
+    from workbench.engine import GraphManager
+
+    def workload():
+        x = torch.zeros(4, 3)
+        scale = {"t": 1.0}
+        managers = []
+
+        def forward(size):
+            h = managers[0].eager(lambda v: torch.softmax(v, -1))(x[:size] * 2)
+            return h / scale["t"]
+        m = GraphManager(forward, [4], mode="PIECEWISE", static_buffers={"x": x})
+        managers.append(m)
+        m.capture()
+        for step, t in enumerate((1.0, 2.0)):
+            scale["t"] = t
+            if variant == "fix" and step:
+                m.recapture()
+            x.copy_(torch.randn(4, 3, generator=torch.Generator().manual_seed(step)))
+            m.replay(4, 4)
+    finding = only_finding(workload, variant)
+    if finding is None:
+        return
+    assert finding.kind == "host-work-frozen" and finding.source.endswith('return h / scale["t"]')

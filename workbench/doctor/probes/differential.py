@@ -131,10 +131,9 @@ def finish(doctor, info, pending) -> None:
     eager_out, eager_state, extra = got
     with _disable_current_modes():          # the doctor's own arithmetic: not ops of the watched code
         what = _compare(graph_out, eager_out, replayed, eager_state, extra, pre)
-    # A PIECEWISE step's eager regions are no graph's ops: its traces are not compared.
-    divergence = None if pending.span else launch.compare(info.ops, run.ops)
+    divergence = launch.compare(*_traces(info, pending, run))
     info.compared += 1
-    info.disagreed |= what is not None or bool(changed)
+    info.disagreed |= (what is not None or bool(changed)) and not pending.span
     if what is not None:
         rootcause.classify(doctor, info, pending, what, divergence, run)
     elif changed:
@@ -161,7 +160,7 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
         for now, mask, before, _ in (reset or {}).values():
             now[mask] = before[mask]
         set_rng_state(pending.rng)
-    doctor.diff, doctor.phase = EagerRun(set(pre), info.ops), "differential"
+    doctor.diff, doctor.phase = EagerRun(set(pre), _graph_ops(info, pending)), "differential"
     got = error = None
     try:
         with torch.set_grad_enabled(pending.grad):     # code may branch on it (is_grad_enabled())
@@ -226,6 +225,22 @@ def _from_before_warmups(doctor, info, pending, replayed: dict, rng_after, graph
             rootcause.startup(doctor, info, pending, text, {"state": label, "elements": int(built_on.sum()),
                                                             "elements_reset": int(mask.sum())}, kept, label)
             return
+
+
+def _graph_ops(info, pending) -> list:
+    """The step's launch trace as its graphs recorded it: all pieces of a PIECEWISE step, in order."""
+    return [op for piece in pending.span for op in piece.ops] if pending.span else info.ops
+
+
+def _traces(info, pending, run) -> tuple[list, list]:
+    """The graph's and the eager step's traces to compare. A PIECEWISE step's eager regions run in
+    both but are no graph's ops: the eager trace keeps the lines the graphs recorded, so that a
+    scalar or a tensor frozen in a piece still shows (work a piece skipped does not)."""
+    ops = _graph_ops(info, pending)
+    if not pending.span:
+        return ops, run.ops
+    lines = {op.source for op in ops}
+    return ops, [op for op in run.ops if op.source in lines]
 
 
 def _announced(doctor, key: int, kept) -> str:

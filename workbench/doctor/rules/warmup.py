@@ -57,7 +57,9 @@ def check(doctor, info) -> None:
 def decide(doctor, info) -> None:
     """The skipped work is a finding, unless differential replay compared this graph's replays with
     eager steps and every one agreed: then the capture skipped work that changes no result (a check
-    a library makes only outside a capture, say), and it is a note."""
+    a library makes only outside a capture, say), and it is a note. So it is for the first piece of
+    a PIECEWISE step compared whole: its warmup ran the whole step, eager regions and later pieces
+    included, and a disagreement of the step is differential replay's to explain."""
     if info.skipped is None:
         return
     finding, key = info.skipped
