@@ -71,6 +71,7 @@ class Doctor:
         self.warm_updates: dict[int, Finding] = {}  # static input -> a warmup building on an earlier one's update
         self.computed_from: dict[int, tuple] = {}   # rules/derived.py: what set-up code computed each storage from
         self.copied: dict[int, tuple] = {}          # rules/unread.py: static-input elements copied since the last replay
+        self.unread: dict[int, tuple] = {}          # ... copied, not read by the graph replayed since: held
         self.startup = Startup()                    # what warmups wrote into memory older than them
         self.carried = CarriedInputs()              # what steps wrote into static inputs (differential)
         self.pool = PoolReads()                     # pool memory read across graphs
@@ -200,7 +201,7 @@ class Doctor:
             padded_scatter.check(self, info)
             if info.derived:
                 derived.check(self, info)
-            if self.copied:
+            if self.copied or self.unread:
                 unread.check(self, info)
             if self.every:
                 self.carried.replay_begins(self, info)
@@ -310,6 +311,7 @@ class Doctor:
             info.pending = Pending(real, size, outputs, padded, eager, columns, sampled, grad=torch.is_grad_enabled(),
                                    span=span if len(span) == len(pieces) else ())
             if sampled and info.pending.span:       # the state before the whole step, eager regions included
+                self.carried.replay_begins(self, info)
                 differential.begin(self, info)
 
     def _padded(self, name: str, t) -> None:
@@ -385,6 +387,8 @@ class Doctor:
             out = undersized.write(self, func, targets, run)
         if self.padded_step is not None and not view:
             shapes.derived(self, func, args, kwargs, out)
+        if self.unread and not view:
+            unread.touched(self, func, args, kwargs)
         if view:
             if self.handed and isinstance(out, torch.Tensor):
                 overwritten.tag_view(self, args[0], out)

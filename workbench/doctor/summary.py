@@ -6,7 +6,7 @@ would pass for a clean bill of health it did not earn."""
 from __future__ import annotations
 
 from .report import KINDS, Report
-from .rules import dangling, mutation, warmup
+from .rules import dangling, mutation, unread, warmup
 
 
 def finish(doctor) -> Report:
@@ -44,6 +44,7 @@ def _final_checks(doctor) -> None:
         if not info.probed:
             mutation.unprobed(doctor, info)
     mutation.warmup_updates(doctor)
+    unread.finish(doctor)
     for info in doctor.graphs.values():
         warmup.decide(doctor, info)
 

@@ -13,11 +13,11 @@ runner writes before each graph's replay since that graph's previous one (its st
 replay several graphs on inputs written once), and which it has written between some two replays
 so far (``ever``: per-step inputs, as opposed to a table written once). At a sampled
 replay of a step that brought inputs (a replay with no input written repeats the last step, as
-a benchmark loop does), a static input the step did not write at all is an omitted input: its
+a benchmark loop does), the rows of a static input the step gave nothing are omitted input: their
 elements written in an earlier step, outside the padded rows and columns, that differ from what
-they held when the first graph reading them was captured, are *carried over*. (Of an input the
-step wrote in part, the rest is the step's padding -- tokens past its count, columns past its
-longest row -- which is ``stale-padding``'s to judge.) The step is run eagerly once more with
+they held when the first graph reading them was captured, are *carried over*. (Of a row the step
+wrote in part, the rest is its padding -- tokens past its count, blocks past its longest
+sequence -- which is ``stale-padding``'s to judge.) The step is run eagerly once more with
 those elements put back to their capture-time values (values the captured code ran on, so valid
 indices stay valid): real-row outputs or state that change depend on what an earlier step left.
 Memory the runner carries over on purpose (a block table updated in place) is persistent state:
@@ -94,9 +94,14 @@ class CarriedInputs:
                 now, was = buf.ref(), self.captured[key]
                 if now.shape != was.shape:
                     continue
-                if key in written and bool(written[key].any()):
-                    continue        # written in part: the rest is this step's padding, not an omitted input
                 mask = ever & changed(now, was) & ~_padded(now, key, pending)
+                if key in written and bool(written[key].any()):
+                    if now.dim() == 0:
+                        continue
+                    # Written in part: columns past what a row was given are its padding (tokens past
+                    # the count, blocks past the longest row); a row given nothing is carried over.
+                    rows = written[key].reshape(now.shape[0], -1).any(1)
+                    mask &= ~rows.reshape(-1, *([1] * (now.dim() - 1)))
                 if bool(mask.any()):
                     out[key] = Carried(now, mask, was, buf.name, describe(now))
         return out

@@ -2,13 +2,17 @@
 
 A graph reads the views of its static inputs that the capture read: ``input_ids[:, :3]`` if it
 was captured on a batch of three tokens, whatever the buffer's width. A later step that copies four
-tokens into the buffer is served by a graph that reads three of them: the fourth is dropped
-without an error (lmdeploy #4005: a bucket's graph captured on the first batch's token count).
+tokens into a row the graph reads is served by a graph that reads three of them: the fourth is
+dropped without an error (lmdeploy #4005: a bucket's graph captured on the first batch's token
+count). Only columns of rows the graph reads count: a runner may fill a whole buffer of which a
+graph reads a prefix of rows (an end offset, rows for a larger size).
 
 With differential replay on, the doctor notes the views each capture reads of each static input,
 and the elements eager code copies into static inputs (``copy_``, slice assignment) between two
-replays. Before a replay, elements copied since the previous replay that the graph does not read
-are data the step brought and the graph drops. Fills (``zero_``, ``fill_``: a runner neutralising
+replays. Before a replay, elements copied since the previous replay outside the one window of a
+buffer the graph reads are held: another graph's replay or eager code that reads them clears them
+(a runner keeps data there for its own use); overwritten, or still unread when the watch ends, they
+were data the step brought and nobody used. Fills (``zero_``, ``fill_``: a runner neutralising
 a whole buffer) bring no data and are not counted.
 """
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ...engine.opinfo import describe
+from ...engine.opinfo import describe, op_tensors, overwrites, storage_key, written_tensors
 from ...engine.source import user_frame
 from .. import explain
 from ..report import Finding
@@ -32,10 +36,12 @@ def read_view(doctor, info, key: int, t: torch.Tensor) -> None:
 
 
 def capture_end(doctor, info) -> None:
+    """Masks of what the graph reads, for the static inputs it reads through one window (a graph
+    that picks several parts of a buffer -- a column per draft step -- leaves the rest by design)."""
     with _disable_current_modes():
         for key, views in info.read_views.items():
             buf = doctor.buffer(key)
-            if buf is None:
+            if buf is None or len(views) != 1:
                 continue
             whole = buf.ref()
             mask = torch.zeros(whole.shape, dtype=torch.bool, device=whole.device)
@@ -59,20 +65,63 @@ def copied(doctor, targets: list) -> None:
 
 
 def check(doctor, info) -> None:
-    """Before a replay: what this step copied into the graph's static inputs and the graph does not read."""
-    for key, (mask, source) in doctor.copied.items():
-        reads = info.reads.get(key)
-        if reads is None or reads.shape != mask.shape:
+    """Before a replay: elements copied since the previous replay that this graph does not read are
+    held until something reads them (another graph, eager code after the replay: a runner may keep
+    data there for its own use); overwritten or still unread at the end, they were dropped."""
+    with _disable_current_modes():
+        for key, entry in list(doctor.unread.items()):       # this replay reads what it reads
+            if key in info.externals:
+                _read(doctor, key, entry, info.reads.get(key))
+        for key, (mask, source) in doctor.copied.items():
+            reads = info.reads.get(key)
+            if reads is None or reads.shape != mask.shape:
+                continue
+            # Only in rows the graph reads: a row given more columns than the graph reads of it
+            # (rows past its window are the serve contract's: more real rows than captured).
+            rows = reads.reshape(reads.shape[0], -1).any(1).reshape(-1, *([1] * (reads.dim() - 1))) \
+                if reads.dim() > 1 else torch.zeros_like(reads)
+            lost = mask & ~reads & rows
+            if bool(lost.any()) and (buf := doctor.buffer(key)) is not None:
+                doctor.unread[key] = (lost, source, info.name, info.replays + 1, int(reads.sum()), buf.name,
+                                      describe(buf.ref()))
+
+
+def touched(doctor, func, args, kwargs) -> None:
+    """An eager op on a buffer holding unread data: reading clears it, overwriting drops it."""
+    written = {id(t) for t in written_tensors(func, args, kwargs)} if overwrites(func) else set()
+    for t in op_tensors(args, kwargs):
+        entry = doctor.unread.get(key := storage_key(t))
+        if entry is None or (buf := doctor.buffer(key)) is None:
             continue
         with _disable_current_modes():
-            lost = mask & ~reads
-            if not bool(lost.any()):
+            hit = region(t, buf.ref())
+            if not bool((entry[0] & hit).any()):
                 continue
-            n, read = int(lost.sum()), int(reads.sum())
-        buf = doctor.buffer(key)
-        doctor.add(Finding(
-            "undersized-buffer", info.name, "aten.copy_.default", f"{buf.name}: {describe(buf.ref())}", source,
-            f"before replay {info.replays + 1} of {info.name}, {n} element(s) were copied into {buf.name} where the "
-            f"graph never reads (it reads {read} element(s) of it, the views its capture read)",
-            explain.unread_copy(buf.name, info.name), {"elements_dropped": n, "elements_read": read}),
-            ("undersized-buffer", info.name, "copied, never read"))
+        if id(t) in written:
+            _dropped(doctor, key)
+        else:
+            _read(doctor, key, entry, hit)
+
+
+def finish(doctor) -> None:
+    for key in list(doctor.unread):
+        _dropped(doctor, key)
+
+
+def _read(doctor, key: int, entry: tuple, mask) -> None:
+    left = entry[0] & ~mask if mask is not None and mask.shape == entry[0].shape else entry[0] & False
+    if bool(left.any()):
+        doctor.unread[key] = (left, *entry[1:])
+    else:
+        del doctor.unread[key]
+
+
+def _dropped(doctor, key: int) -> None:
+    mask, source, graph, replay, read, name, shape = doctor.unread.pop(key)
+    n = int(mask.sum())
+    doctor.add(Finding(
+        "undersized-buffer", graph, "aten.copy_.default", f"{name}: {shape}", source,
+        f"before replay {replay} of {graph}, {n} element(s) were copied into {name} where the graph never reads "
+        f"(it reads {read} element(s) of it, the views its capture read), and nothing read them before they were "
+        "overwritten or the watch ended", explain.unread_copy(name, graph),
+        {"elements_dropped": n, "elements_read": read}), ("undersized-buffer", graph, "copied, never read"))
