@@ -311,7 +311,6 @@ class Doctor:
             info.pending = Pending(real, size, outputs, padded, eager, columns, sampled, grad=torch.is_grad_enabled(),
                                    span=span if len(span) == len(pieces) else ())
             if sampled and info.pending.span:       # the state before the whole step, eager regions included
-                self.carried.replay_begins(self, info)
                 differential.begin(self, info)
 
     def _padded(self, name: str, t) -> None:

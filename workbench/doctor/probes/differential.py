@@ -57,6 +57,10 @@ def _state(doctor, info) -> dict:
 
 
 def begin(doctor, info) -> None:
+    """Keep the state before the step: at its replay, or for a PIECEWISE step when it is announced
+    (before its eager regions), whose inputs written so far are then its window."""
+    if info.pending.span:
+        doctor.carried.replay_begins(doctor, info)
     with _disable_current_modes():
         pending = info.pending
         pending.pre = {key: (w, label, w.clone()) for key, (w, label) in _state(doctor, info).items()}
