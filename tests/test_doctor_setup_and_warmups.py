@@ -319,3 +319,28 @@ def test_a_piecewise_step_is_compared_whole(variant):
     if finding is None:
         return
     assert finding.kind == "host-work-frozen" and finding.source.endswith('return h / scale["t"]')
+
+
+def test_a_later_warmup_leaves_what_real_steps_wrote_in_between_alone():
+    """Graphs captured as they are needed, each after a warmup on a dummy batch that writes only a
+    scratch row: the cache rows real steps wrote between the first warmup and a later one are real
+    data, not the warmups' (the step never reads the scratch row)."""
+    def workload():
+        cache = torch.zeros(8)
+        pos = torch.zeros(1, dtype=torch.int64)
+        val = torch.zeros(1)
+
+        def forward():
+            cache.index_copy_(0, pos, val)
+            return cache[:7].sum().reshape(1)
+        events.persistent_state("backend", {"cache": cache})
+        graphs = []
+        for p in range(6):
+            if p in (0, 3):                                 # a new graph: dummy batch on scratch row 7
+                pos.fill_(7)
+                val.fill_(-100.0)
+                graphs.append(captured(forward, static={"pos": pos, "val": val}))
+            pos.fill_(p)
+            val.fill_(p + 1.0)
+            served(*graphs[-1], forward)
+    assert doctor.diagnose(workload).findings == []

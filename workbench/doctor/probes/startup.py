@@ -40,6 +40,7 @@ class Kept:
     op: str
     source: str
     tensor: str
+    start: torch.Tensor | None = None    # as the current warmup found it (kept by an earlier warmup)
 
 
 class Startup:
@@ -56,7 +57,13 @@ class Startup:
         """In a warmup, before a mutable op: keep each pre-existing storage it writes, once."""
         for t in written_tensors(func, args, kwargs):
             key = storage_key(t)
-            if key in self.kept or key in self.created:
+            if key in self.kept:
+                kept = self.kept[key]
+                if kept.start is None and (now := whole(kept.weak, kept.dtype)) is not None:
+                    with _disable_current_modes():
+                        kept.start = now.clone()
+                continue
+            if key in self.created:
                 continue
             storage = t.untyped_storage()
             if storage.nbytes() > _MAX_BYTES:
@@ -104,8 +111,13 @@ class Startup:
                 if now is None:
                     del self.kept[key]
                 else:
-                    kept.after = now.clone()
-                    self.rewritten.pop(key, None)       # a warmup's own writes are dummy data again
+                    # What this warmup wrote is dummy data again; what real steps wrote since the
+                    # earlier warmups and this one left alone is still theirs.
+                    if kept.start is not None and key in self.rewritten and now.shape == kept.start.shape:
+                        self.rewritten[key] &= ~changed(kept.start, now)
+                    else:
+                        self.rewritten.pop(key, None)
+                    kept.after, kept.start = now.clone(), None
 
     def dirty(self, keys, before_replay: dict) -> dict[int, tuple]:
         """For the storages among ``keys`` that warmups changed: ``key -> (whole storage, mask of
