@@ -90,15 +90,17 @@ def build(arch: str, device: str = "cpu") -> torch.nn.Module:
     return _BUILDERS[arch]().to(device).eval()
 
 
-def make_inputs(entry: Entry, seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
-    """Fresh inputs for ``entry`` from ``seed``; row 1 is left-padded by ``seed % 3 + 1`` tokens."""
+def make_inputs(entry: Entry, seed: int, device: str = "cpu", rows: int = BATCH,
+                pad: int | None = None) -> dict[str, torch.Tensor]:
+    """Fresh inputs of ``rows`` rows for ``entry`` from ``seed``; with a mask, row 1 (row 0 of a
+    single row) is left-padded by ``pad`` tokens, ``seed % 3 + 1`` unless given (0: no padding)."""
     gen = torch.Generator().manual_seed(seed)
     if entry.arch == "vit":
-        return {"pixel_values": torch.randn(BATCH, 3, 16, 16, generator=gen).to(device)}
-    inputs = {"input_ids": torch.randint(3, VOCAB, (BATCH, SEQ), generator=gen).to(device)}
+        return {"pixel_values": torch.randn(rows, 3, 16, 16, generator=gen).to(device)}
+    inputs = {"input_ids": torch.randint(3, VOCAB, (rows, SEQ), generator=gen).to(device)}
     if entry.mask:
-        mask = torch.ones(BATCH, SEQ, dtype=torch.long)
-        mask[1, :seed % 3 + 1] = 0
+        mask = torch.ones(rows, SEQ, dtype=torch.long)
+        mask[min(1, rows - 1), :seed % 3 + 1 if pad is None else pad] = 0
         inputs["attention_mask"] = mask.to(device)
     return inputs
 
@@ -173,29 +175,17 @@ def load_record() -> dict | None:
 
 def doctor_reports(device: str = "cpu", entries: tuple[Entry, ...] = ENTRIES) -> dict[str, doctor.Report]:
     """Every entry served through ``GraphRunner`` (sizes 1, 2, 4) under ``doctor.diagnose``, its
-    attention masks padding the first row on some steps and not on others: clean models, so any
-    finding is a false alarm."""
+    attention masks padding a row on some steps and not on others: clean models, so any finding is
+    a false alarm."""
     reports = {}
     for entry in entries:
-        def make_runner(entry=entry) -> GraphRunner:
+        shapes = {name: (tuple(t.shape[1:]), t.dtype) for name, t in make_inputs(entry, 0).items()}
+
+        def make_runner(entry=entry, shapes=shapes) -> GraphRunner:
             model = build(entry.arch, device)
-            if entry.arch == "vit":
-                return GraphRunner(lambda pixel_values: model(pixel_values=pixel_values).last_hidden_state,
-                                   {"pixel_values": ((3, 16, 16), torch.float32)}, [1, 2, 4], device=device)
-            inputs = {"input_ids": ((SEQ,), torch.int64)}
-            if entry.mask:
-                inputs["attention_mask"] = ((SEQ,), torch.int64)
-            return GraphRunner(lambda **kw: forward(model, entry, kw), inputs, [1, 2, 4], device=device)
+            return GraphRunner(lambda **kw: forward(model, entry, kw), shapes, [1, 2, 4], device=device)
 
         def make_batch(n: int, step: int, entry=entry) -> dict[str, torch.Tensor]:
-            gen = torch.Generator().manual_seed(step)
-            if entry.arch == "vit":
-                return {"pixel_values": torch.randn(n, 3, 16, 16, generator=gen).to(device)}
-            batch = {"input_ids": torch.randint(3, VOCAB, (n, SEQ), generator=gen).to(device)}
-            if entry.mask:
-                mask = torch.ones(n, SEQ, dtype=torch.long)
-                mask[0, :step % 3] = 0
-                batch["attention_mask"] = mask.to(device)
-            return batch
+            return make_inputs(entry, step, device, rows=n, pad=step % 3)
         reports[entry.label] = doctor.diagnose(make_runner, make_batch)
     return reports
