@@ -137,3 +137,66 @@ def test_event_handlers_follow_subscriptions_in_order():
         events.unsubscribe(second)
     events.replay_begin("unseen")
     assert seen == [("first", "g"), ("second", "g"), ("second handed", "g"), ("second", "h")]
+
+
+# ------------------------------------------------------------------ differential replay: traced on samples
+class Drifts:
+    """A step whose Python keeps a scale that changes after ``drift_at`` steps (frozen at capture in
+    the graph), and may count its eager calls after the capture in a tensor no graph writes."""
+
+    def __init__(self, drift_at: int, counts: bool = False):
+        self.x, self.scale, self.steps, self.drift_at = torch.zeros(4, 4), 2.0, 0, drift_at
+        self.counter, self.counts, self.calls = torch.zeros(1), counts, 0
+
+    def forward(self, size):
+        self.calls += 1
+        if self.counts and self.calls > 2:          # after the warmup and the capture
+            self.counter.add_(1)
+        return self.x[:size] * self.scale
+
+
+def _served(model: Drifts, steps: int) -> tuple[doctor.Report, list]:
+    from test_doctor_mechanisms import Manager, rows
+    seen = []
+    with doctor.watch(differential=1) as report:
+        m = Manager(model.forward, [4], {"x": model.x})
+        m.capture()
+        mode = python_dispatch._get_current_dispatch_mode()
+        eager = model.forward
+
+        def forward(size):                          # whether the doctor's mode sees this eager run
+            seen.append(python_dispatch._get_current_dispatch_mode() is mode)
+            return eager(size)
+        model.forward = forward
+        m.forward = forward
+        for step in range(steps):
+            model.x.copy_(rows(4, seed=step))
+            if step == model.drift_at:
+                model.scale = 3.0
+            m.replay(3)
+    return report, seen
+
+
+def test_eager_steps_are_watched_on_the_first_compared_replay_and_every_trace_every_th():
+    from workbench.doctor.probes.differential import TRACE_EVERY
+    report, seen = _served(Drifts(drift_at=10 ** 6), 2 * TRACE_EVERY + 1)
+    assert report.findings == [], report
+    assert [i for i, watched in enumerate(seen) if watched] == [0, TRACE_EVERY, 2 * TRACE_EVERY]
+
+
+def test_a_difference_on_an_unwatched_sample_is_run_again_watched_and_localised():
+    report, seen = _served(Drifts(drift_at=3), 5)
+    (finding,) = report.findings
+    assert finding.kind == "host-work-frozen", report
+    assert "self.x[:size] * self.scale" in finding.source
+    assert seen[:4] == [True, False, False, False]      # step 3's unwatched run differed ...
+    assert seen[4] is True                              # ... and was run again, watched
+
+
+def test_an_eager_step_writing_outside_the_kept_state_is_watched_every_time_and_put_back():
+    model = Drifts(drift_at=10 ** 6, counts=True)
+    report, seen = _served(model, 5)
+    assert seen == [True] * 5, seen
+    assert float(model.counter) == 0                       # no replay writes it; each eager run's add put back
+    (finding,) = report.findings
+    assert "writes memory the graph never writes" in finding.evidence, report

@@ -139,6 +139,7 @@ class GraphInfo:
         self.skipped: tuple | None = None           # (finding, key) of work the capture skipped (rules/warmup.py)
         self.compared = 0                           # replays compared with an eager step
         self.disagreed = False                      # ... and one of them gave other results
+        self.traced_always = False                  # its eager step wrote outside the kept state: trace each one
         self.read_views: dict = {}                  # static input -> views of it the capture read (rules/unread.py)
         self.reads: dict = {}                       # ... as masks of the elements the graph reads
         self.derived: list = []                     # storages it reads that set-up code computed from a static input

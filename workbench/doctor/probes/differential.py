@@ -12,13 +12,22 @@ records of the capture and of the eager run, so the same localisation holds (``r
 turns the parting into a kind). Python state the eager step rebinds is compared too, and put back
 (``pystate``). Once per graph, the step is also run from the state as it was before the warmups
 (``startup``): a real step must not depend on what dummy batches wrote.
+
+Watching the eager step's ops costs more than the step itself (a dispatch mode on every op, and a
+launch trace: each op's signature, tensors and line), so it is watched on a graph's first compared
+replay, on every ``TRACE_EVERY``-th after it, and whenever the comparison finds a difference (the
+step is then run again from the same state, watched, to localise it). The other eager runs take the
+doctor's dispatch mode off the stack. What an unwatched run cannot see is memory it writes outside
+the kept state; a graph whose watched eager step wrote any is watched on every compared replay from
+then on, so that such writes are reported and put back.
 """
 from __future__ import annotations
 
 import dataclasses
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
+from torch._C import _pop_torch_dispatch_stack, _push_on_torch_dispatch_stack
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
 from ...engine.opinfo import op_tensors, storage_key, tensors, written_tensors
 from ...engine.source import user_frame
@@ -27,6 +36,7 @@ from ..tensors import changed, differs, first_line, max_abs_diff, rng_state, set
 from . import launch, pystate, rootcause
 
 aten = torch.ops.aten
+TRACE_EVERY = 8         # a graph's compared replays between two whose launch traces are recorded
 
 
 @dataclasses.dataclass
@@ -35,6 +45,8 @@ class EagerRun:
 
     known: set                                   # storages kept before the replay
     graph_ops: list                              # the capture's trace, to align with as it runs
+    traced: bool = True                          # record the launch trace (else only new and extra storages)
+    seen: bool = True                            # its ops went through the doctor's mode
     ops: list = dataclasses.field(default_factory=list)
     new: set = dataclasses.field(default_factory=set)
     created_by: dict = dataclasses.field(default_factory=dict)   # storage it created -> the Op that did
@@ -82,6 +94,8 @@ def on_op(doctor, func, args, kwargs, run):
                 with _disable_current_modes():
                     w = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
                     d.extra[key] = (w, w.clone())
+    if not d.traced:
+        return _untraced(d, func, args, kwargs, run)
     inputs = op_tensors(args, kwargs)
     keys = {storage_key(t) for t in inputs}
     if lifted:                                   # a constant made from Python data in this run
@@ -101,6 +115,19 @@ def on_op(doctor, func, args, kwargs, run):
         if (key := storage_key(o)) not in keys:
             d.new.add(key)
             d.created_by.setdefault(key, op)
+    return out
+
+
+def _untraced(d: EagerRun, func, args, kwargs, run):
+    """An op of an eager run without a trace: only the storages it creates are noted (a functional
+    op's outputs are all new; an in-place op's output is its input)."""
+    out = run()
+    outs = (out,) if isinstance(out, torch.Tensor) else tensors(out)
+    if func._schema.is_mutable:
+        keys = {storage_key(t) for t in op_tensors(args, kwargs)}
+        d.new.update(k for o in outs if (k := storage_key(o)) not in keys)
+    else:
+        d.new.update(storage_key(o) for o in outs)
     return out
 
 
@@ -124,18 +151,26 @@ def finish(doctor, info, pending) -> None:
     if info.python is None:
         info.python = pystate.bindings(pystate.watched(pending.eager))
     bindings = pystate.snapshot(info.python)
-    run, got, error = _eager(doctor, info, pending, replayed, rng_after)
-    changed = pystate.changes(bindings, run.new)
-    pystate.restore(changed)
+    traced = info.traced_always or info.compared % TRACE_EVERY == 0
+    while True:
+        run, got, error = _eager(doctor, info, pending, replayed, rng_after, traced=traced)
+        changed = pystate.changes(bindings, run.new if run.seen else None)
+        pystate.restore(changed)
+        what = None
+        if error is None:
+            eager_out, eager_state, extra = got
+            with _disable_current_modes():          # the doctor's own arithmetic: not ops of the watched code
+                what = _compare(graph_out, eager_out, replayed, eager_state, extra, pre)
+        if traced or error is not None or (what is None and not changed):
+            break
+        traced = True                               # a difference: the same step again, traced, to localise it
+    info.traced_always |= bool(run.extra)
     doctor.compared += 1
     if error is not None:
         doctor.report.notes.append(f"differential replay of {info.name}: the eager step raised "
                                    f"{type(error).__name__}: {first_line(error)}")
         return
-    eager_out, eager_state, extra = got
-    with _disable_current_modes():          # the doctor's own arithmetic: not ops of the watched code
-        what = _compare(graph_out, eager_out, replayed, eager_state, extra, pre)
-    divergence = launch.compare(*_traces(info, pending, run))
+    divergence = launch.compare(*_traces(info, pending, run)) if traced else None
     info.compared += 1
     info.disagreed |= (what is not None or bool(changed)) and not pending.span
     if what is not None:
@@ -146,15 +181,20 @@ def finish(doctor, info, pending) -> None:
         if divergence is not None:
             doctor.report.notes.append(f"differential replay of {info.name}: launch traces differ ("
                                        f"{divergence.text()}) but outputs and state agree on the sampled steps")
-        for key, carried in pending.carried.items():
-            if _carried_over(doctor, info, pending, replayed, rng_after, graph_out, key, carried):
-                break
+        carried = pending.carried
+        # All inputs put back at once first: one eager run for the common case where none matters.
+        if len(carried) == 1 or (carried and _carried_over(doctor, info, pending, replayed, rng_after, graph_out,
+                                                          carried) is not None):
+            for key, one in carried.items():
+                if (what := _carried_over(doctor, info, pending, replayed, rng_after, graph_out, {key: one})):
+                    rootcause.carried(doctor, info, pending, what, info.externals[key], one)
+                    break
         if not info.startup_checked:
             info.startup_checked = True
             _from_before_warmups(doctor, info, pending, replayed, rng_after, graph_out)
 
 
-def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None = None):
+def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None = None, traced: bool = False):
     """Run the eager step from the state before the replay (with ``reset``'s bytes put back as they
     were before the warmups), keep what it gives, and put the replay's state back."""
     pre = pending.pre
@@ -164,11 +204,18 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
         for now, mask, before, _ in (reset or {}).values():
             now[mask] = before[mask]
         set_rng_state(pending.rng)
-    doctor.diff, doctor.phase = EagerRun(set(pre), _graph_ops(info, pending)), "differential"
+    aside = not traced and _get_current_dispatch_mode() is doctor.mode
+    doctor.diff, doctor.phase = EagerRun(set(pre), _graph_ops(info, pending), traced, not aside), "differential"
     got = error = None
     try:
         with torch.set_grad_enabled(pending.grad):     # code may branch on it (is_grad_enabled())
-            out = pending.eager()
+            if aside:
+                _pop_torch_dispatch_stack(None)
+            try:
+                out = pending.eager()
+            finally:
+                if aside:
+                    _push_on_torch_dispatch_stack(doctor.mode)
         with _disable_current_modes():
             got = (_rows(out, pending.real), {key: w.clone() for key, (w, _, _) in pre.items()},
                    {key: (before, w.clone()) for key, (w, before) in doctor.diff.extra.items()})
@@ -253,22 +300,18 @@ def _announced(doctor, key: int, kept) -> str:
     return buf.name if buf is not None else kept.tensor
 
 
-def _carried_over(doctor, info, pending, replayed: dict, rng_after, graph_out, key: int, carried) -> bool:
-    """The same eager step with the elements of one static input that this step did not write put
-    back to their capture-time values (``probes/carried.py``): a different answer means the replay
-    reads what an earlier step left there. True when that is reported."""
+def _carried_over(doctor, info, pending, replayed: dict, rng_after, graph_out, carried: dict) -> tuple | None:
+    """The same eager step with the elements of static inputs that this step did not write put back
+    to their capture-time values (``probes/carried.py``): what differs from the replay, if anything,
+    means the replay reads what an earlier step left there."""
     _, got, error = _eager(doctor, info, pending, replayed, rng_after,
-                           {key: (carried.now, carried.mask, carried.before, carried)})
+                           {key: (c.now, c.mask, c.before, c) for key, c in carried.items()})
     if error is not None or got is None:
-        return False
+        return None
     eager_out, eager_state, _ = got
     with _disable_current_modes():
-        what = _compare(graph_out, eager_out, {k: v for k, v in replayed.items() if k != key}, eager_state, {},
-                        pending.pre)
-    if what is None:
-        return False
-    rootcause.carried(doctor, info, pending, what, info.externals[key], carried)
-    return True
+        return _compare(graph_out, eager_out, {k: v for k, v in replayed.items() if k not in carried}, eager_state,
+                        {}, pending.pre)
 
 
 def _rows(out, real: int) -> list | None:

@@ -79,14 +79,15 @@ def snapshot(bound: list) -> list:
     return [(o, k, (o if isinstance(o, dict) else o.__dict__).get(k)) for o, k in bound]
 
 
-def changes(before: list, made: set) -> list[tuple]:
+def changes(before: list, made: set | None) -> list[tuple]:
     """``(container, key, old, new)`` for every binding of a tensor that now holds another tensor,
-    one the eager step made (``made``: its new storages). Keys added or removed (a cache filled)
-    and plain values are bookkeeping the step's kernels do not read."""
+    one the eager step made (``made``: its new storages; None when they are not known, and then any
+    other tensor). Keys added or removed (a cache filled) and plain values are bookkeeping the
+    step's kernels do not read."""
     out = []
     for obj, key, old in before:
         new = (obj if isinstance(obj, dict) else obj.__dict__).get(key, old)
-        if new is not old and isinstance(new, torch.Tensor) and storage_key(new) in made:
+        if new is not old and isinstance(new, torch.Tensor) and (made is None or storage_key(new) in made):
             out.append((obj, key, old, new))
     return out
 
