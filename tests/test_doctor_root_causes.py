@@ -240,3 +240,48 @@ def test_an_input_rebound_instead_of_copied_is_found_whether_or_not_the_old_one_
             assert kind in report.kinds, (serve.__name__, keep_old, report)
             finding = next(f for f in report.findings if f.kind == kind)
             assert "self.x[:size] @ self.w" in finding.source, finding
+
+
+# ------------------------------------------------------------------ a view's offset frozen at capture
+class Rotary:
+    """Reads a row of a table at a host position (``narrow``, a view: it launches nothing, its
+    offset is the kernel's pointer) or, fixed, through an index in a static buffer."""
+
+    def __init__(self, by_index: bool):
+        self.x, self.table, self.by_index = torch.zeros(2, 4), torch.arange(32.0).reshape(8, 4), by_index
+        self.pos, self.slot = 0, torch.zeros(1, dtype=torch.int64)
+
+    def forward(self, size):
+        row = self.table.index_select(0, self.slot) if self.by_index else self.table.narrow(0, self.pos, 1)
+        return self.x[:size] * row
+
+
+def test_a_view_whose_offset_python_took_at_capture_is_host_work_frozen():
+    for by_index in (False, True):
+        def workload():
+            model = Rotary(by_index)
+            m = Manager(model.forward, [2], {"x": model.x, "slot": model.slot})
+            m.capture()
+            for step in range(1, 4):
+                model.pos = step
+                model.slot.fill_(step)
+                model.x.copy_(rows(2, seed=step))
+                m.replay(2)
+        report = doctor.diagnose(workload)
+        if by_index:
+            assert report.findings == [], report
+            continue
+        (finding,) = report.findings
+        assert finding.kind == "host-work-frozen", report
+        assert "return self.x[:size] * row" in finding.source
+        assert "at element 4 in the eager step" in finding.cause and "A view Python took at capture" in finding.cause
+
+
+def test_without_differential_replay_host_work_frozen_is_listed_as_not_checked():
+    def workload():
+        model = Rotary(False)
+        m = Manager(model.forward, [2], {"x": model.x})
+        m.capture()
+        m.replay(2, eager=False)
+    report = doctor.diagnose(workload)
+    assert "host-work-frozen" in report.not_checked, report

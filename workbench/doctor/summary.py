@@ -65,6 +65,8 @@ def _not_checked(doctor) -> dict[str, str]:
         why["warmup-divergence"] = "no warmup run was announced before any capture"
     if not doctor.compared:
         why["stale-input"] = "needs differential replay of served steps with an eager form (diagnose())"
+        why["host-work-frozen"] = ("values Python decides per step are compared only by differential replay of "
+                                   "served steps with an eager form (diagnose(), serve(..., eager=...))")
     elif not doctor.carried.captured:
         why["stale-input"] = "no graph reads an announced static input buffer"
     if not doctor.handed_any:

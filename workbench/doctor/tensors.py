@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 
+from typing import NamedTuple
+
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -70,9 +72,24 @@ def set_rng_state(state: tuple) -> None:
         torch.cuda.set_rng_state(state[1])
 
 
+class TensorArg(NamedTuple):
+    """A tensor argument as a launch sees it: its shape and where in its storage it starts. Both are
+    Python's decisions (``x[:n]``, ``cache.narrow(0, pos, len)``) that a kernel's pointer and sizes
+    keep at capture, though the view that made them launches nothing."""
+
+    shape: tuple
+    offset: int
+
+    def __str__(self) -> str:
+        return f"tensor{list(self.shape)}" + (f" at element {self.offset}" if self.offset else "")
+
+    __repr__ = __str__                      # inside a list argument too
+
+
 def signature(func, args, kwargs) -> tuple:
-    """The arguments of an op that Python decided and a replay keeps: scalars, shapes, dtypes,
-    and the values of constants made from Python data (``torch.tensor([...])``)."""
+    """The arguments of an op that Python decided and a replay keeps: scalars, shapes, dtypes, the
+    geometry of tensor arguments, and the values of constants made from Python data
+    (``torch.tensor([...])``)."""
     if func.overloadpacket in (aten.lift_fresh, aten.lift_fresh_copy):
         with _disable_current_modes():
             return tuple(digest(t) for t in tensors(args))
@@ -81,7 +98,10 @@ def signature(func, args, kwargs) -> tuple:
 
 def _plain(value):
     if isinstance(value, torch.Tensor):
-        return "T"
+        try:
+            return TensorArg(tuple(value.shape), value.storage_offset())
+        except (RuntimeError, NotImplementedError):     # a tensor without strided storage
+            return TensorArg((), 0)
     if isinstance(value, (tuple, list)):
         return tuple(_plain(v) for v in value)
     if isinstance(value, float):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..tensors import TensorArg
+
 
 @dataclasses.dataclass
 class Divergence:
@@ -24,6 +26,10 @@ class Divergence:
     eager_keys: frozenset = frozenset()
     after: object = None
 
+    def tensor_argument(self) -> bool:
+        """An ``arguments`` divergence in the geometry of a tensor argument (a view's offset or shape)."""
+        return any(isinstance(g, TensorArg) and g != e for g, e in zip(self.graph_op.sig, self.eager_op.sig))
+
     def text(self) -> str:
         g, e = self.graph_op, self.eager_op
         at = f"launch {self.index + 1}"
@@ -41,8 +47,7 @@ class Divergence:
             return (f"{at}: the graph replays {g.name} at {g.source} where the eager step launches {e.name} at "
                     f"{e.source}")
         if self.how == "arguments":
-            return (f"{at}: {g.name} at {g.source} runs with arguments {_short(g.sig)} in the graph and "
-                    f"{_short(e.sig)} in the eager step")
+            return f"{at}: {g.name} at {g.source} runs with {_argument_difference(g.sig, e.sig)}"
         return f"{at}: {g.name} at {g.source} reads another tensor in the graph than in the eager step"
 
 
@@ -85,6 +90,15 @@ def _ahead(ops: list, i: int, key: tuple) -> int | None:
     return None
 
 
-def _short(sig: tuple) -> str:
-    text = ", ".join(str(a) for a in sig if a != "T")
-    return f"({text[:80]}{'...' if len(text) > 80 else ''})"
+def _argument_difference(graph_sig: tuple, eager_sig: tuple) -> str:
+    """The arguments that differ, each as the graph keeps it and as the eager step passes it now."""
+    if len(graph_sig) != len(eager_sig):
+        return f"{len(graph_sig)} arguments in the graph and {len(eager_sig)} in the eager step"
+    parts = [f"argument {i + 1} {_short(g)} in the graph and {_short(e)} in the eager step"
+             for i, (g, e) in enumerate(zip(graph_sig, eager_sig)) if g != e]
+    return "; ".join(parts[:3]) + ("; ..." if len(parts) > 3 else "")
+
+
+def _short(value) -> str:
+    text = str(value)
+    return text if len(text) <= 60 else text[:60] + "..."

@@ -42,9 +42,11 @@ def classify(doctor, info, pending, what: tuple, divergence, run) -> None:
 def _parted(doctor, info, d, run) -> tuple:
     site = f"First divergence in the launch traces: {d.text()}."
     if d.how == "arguments":
+        what = ("A view Python took at capture (where it starts in its storage, its shape) is baked into the "
+                "graph" if d.tensor_argument() else "A value Python computed on the host at capture is baked into "
+                "the graph")
         return ("host-work-frozen", d.graph_op, _read_by(doctor, info, d.graph_op),
-                site + " A value Python computed on the host at capture is baked into the graph; the eager step "
-                       "computes it again now.")
+                f"{site} {what}; the eager step computes it again now.")
     if d.how == "reference":
         return _frozen_reference(doctor, info, d.graph_op, next(iter(d.graph_keys)), next(iter(d.eager_keys)), run,
                                  site)
