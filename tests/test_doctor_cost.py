@@ -45,6 +45,29 @@ def test_a_served_step_clones_nothing_and_switches_no_modes(monkeypatch):
     assert report.findings == [] and report.replays == 21
 
 
+def test_the_engine_hands_its_own_ops_to_the_doctor_without_the_dispatch_mode(monkeypatch):
+    """A served step's copy into the static buffer and slice of the output go to the rules
+    directly (``events.engine_op``), with the mode off the stack: no op of the step passes through
+    the mode, and the rules still see them (the copy's shape contract, the handed-out view)."""
+    from workbench.doctor import session
+    through_mode, direct = [], []
+    dispatch, watched = session._Watch.__torch_dispatch__, session._watched
+    monkeypatch.setattr(session._Watch, "__torch_dispatch__",
+                        lambda self, func, *a, **k: through_mode.append(func) or dispatch(self, func, *a, **k))
+    monkeypatch.setattr(session, "_watched", lambda doctor, func, *a: direct.append(func) or watched(doctor, func, *a))
+    with doctor.watch() as report:
+        r, x = runner(), torch.ones(3, 4)
+        r(x=x)
+        through_mode.clear(), direct.clear()
+        for _ in range(5):
+            out = r(x=x)
+        late = r(x=x)
+        out.sum()                                   # a view handed out two steps ago, read now
+    assert [str(f) for f in through_mode] == ["aten.sum.default"], through_mode
+    assert [str(f) for f in direct[:3]] == ["aten.slice.Tensor", "aten.copy_.default", "aten.slice.Tensor"]
+    assert late is not None and report.of("overwritten-output"), report
+
+
 def test_storage_objects_live_as_long_as_their_storages():
     """The liveness check relies on it (else it falls back to asking each storage)."""
     assert records._PRESERVED

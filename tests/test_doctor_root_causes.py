@@ -285,3 +285,30 @@ def test_without_differential_replay_host_work_frozen_is_listed_as_not_checked()
         m.replay(2, eager=False)
     report = doctor.diagnose(workload)
     assert "host-work-frozen" in report.not_checked, report
+
+
+def test_a_graph_left_in_a_reference_cycle_is_nobody_s_at_the_end_of_watch():
+    """A runner in a reference cycle (runner -> manager -> forward -> runner) whose input went with
+    the rest of it: the end-of-watch liveness check must not take the uncollected graph for a live
+    one. The same graph kept reachable is a finding."""
+    import gc
+
+    class Holder:
+        pass
+
+    for keep in (False, True):
+        gc.disable()                      # the cycle outlives the block unless the doctor collects it
+        try:
+            with doctor.watch() as report:
+                h = Holder()
+                h.x = torch.ones(2, 4)
+                h.m = Manager(lambda size, h=h: h.x[:size] * 2, [2], {})
+                h.m.capture()
+                h.m.replay(2, eager=False)
+                h.x = None
+                kept = h if keep else None
+                del h
+        finally:
+            gc.enable()
+        assert [f.kind for f in report.findings] == (["dangling-reference"] if keep else []), report
+        del kept

@@ -129,6 +129,9 @@ def test_serve_announces_an_eager_step_equal_to_the_replay():
     seen = []
 
     class Listener:
+        def engine_op(self, func, args):                # runs the engine's own ops
+            return func(*args)
+
         def __getattr__(self, name):
             return lambda *a, **k: seen.append((name, a, k))
 

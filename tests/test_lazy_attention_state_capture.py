@@ -222,6 +222,9 @@ class _ServeLog:
     def serve(self, graph, real, size, padded, outputs, **announced):
         self.served.append((graph, real, size, sorted(padded), announced.get("eager")))
 
+    def engine_op(self, func, args):                    # runs the engine's own ops
+        return func(*args)
+
     def __getattr__(self, name):
         return lambda *args, **kwargs: None
 

@@ -6,7 +6,8 @@ import time
 from collections.abc import Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch._C import _pop_torch_dispatch_stack, _push_on_torch_dispatch_stack
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from ..engine import events
 from . import failures
@@ -22,20 +23,39 @@ class _Watch(TorchDispatchMode):
         self.doctor = doctor
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        doctor, kwargs = self.doctor, kwargs or {}
-        if doctor.phase in _ASIDE or doctor.failure is not None:
-            return func(*args, **kwargs)
-        run = _Call(func, args, kwargs)
-        try:
-            return doctor.on_op(func, args, kwargs, run)
-        except DELIBERATE:
+        return _watched(self.doctor, func, args, kwargs or {})
+
+
+def _watched(doctor: Doctor, func, args, kwargs):
+    """One op, run by the doctor's rules (or past them, in the phases they leave alone)."""
+    if doctor.phase in _ASIDE or doctor.failure is not None:
+        return func(*args, **kwargs)
+    run = _Call(func, args, kwargs)
+    try:
+        return doctor.on_op(func, args, kwargs, run)
+    except DELIBERATE:
+        raise
+    except Exception as e:
+        if e is run.error:                   # the op itself failed: the watched code's error
+            failures.op_failed(doctor, func, e)
             raise
-        except Exception as e:
-            if e is run.error:                   # the op itself failed: the watched code's error
-                failures.op_failed(doctor, func, e)
-                raise
-            doctor.fail(e, f"watching {func}")
-            return run.result()
+        doctor.fail(e, f"watching {func}")
+        return run.result()
+
+
+def _engine_op(doctor: Doctor):
+    """The handler of ``events.engine_op``: the engine's own op goes to the rules directly, with
+    the mode off the stack while it runs (a dispatch mode costs more than the rules on these ops)."""
+    def engine_op(func, args):
+        mode = doctor.mode
+        if _get_current_dispatch_mode() is not mode:     # a mode above ours: through the stack as usual
+            return func(*args)
+        _pop_torch_dispatch_stack(None)
+        try:
+            return _watched(doctor, func, args, {})
+        finally:
+            _push_on_torch_dispatch_stack(mode)
+    return engine_op
 
 
 def _item_assignment(doctor: Doctor):
@@ -94,6 +114,7 @@ def watching(doctor: Doctor) -> Iterator[Doctor]:
     """``watch()`` with a given observer (``diagnose`` keeps its probe records)."""
     mode = doctor.mode = _Watch(doctor)
     original, checked = _item_assignment(doctor)
+    doctor.engine_op = _engine_op(doctor)
     events.subscribe(doctor)
     torch.Tensor.__setitem__ = checked
     mode.__enter__()

@@ -29,6 +29,10 @@ Who calls what, and when (a runner built on the graph manager gets all of this f
   padded columns that nothing rewrote since the previous replay, so the order of the runner's own
   writes no longer changes the verdict; a ``serve`` announced after the replay describes nothing.
 * ``handed_out`` right after the replay, with the views of the outputs returned to the caller.
+
+The engine's own tensor ops on a served step (the copy of a batch into a static buffer, the slice
+of an output) go through ``engine_op``: an observer that watches ops checks them there as it would
+through a dispatch mode, without the mode's cost on every step.
 """
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ from typing import Any
 _observers: list[Any] = []
 _EVENTS = ("capture_begin", "capture_end", "capture_abort", "replay_begin", "replay_end", "static_buffers",
            "persistent_state", "shared_outputs", "written_metadata", "warmup_begin", "warmup_end", "serve",
-           "handed_out")
+           "handed_out", "engine_op")
 # event -> the observers' handlers, in subscription order: looked up once per subscription, not
 # per event (a served step emits four events, and an observer's cost is host time per step).
 _handlers: dict[str, tuple] = {event: () for event in _EVENTS}
@@ -151,6 +155,14 @@ def serve(graph: Any, real: int, size: int, *, padded: Mapping[str, Any] | None 
     for handler in _handlers["serve"]:
         handler(graph, real, size, dict(padded or {}), outputs, eager=eager, padded_columns=dict(padded_columns or {}),
                 pieces=tuple(pieces))
+
+
+def engine_op(func: Any, *args: Any) -> Any:
+    """Run one aten op of the engine's serving path (``func(*args)``). The last observer with an
+    ``engine_op(func, args)`` handler runs it and returns its result (observers subscribed before
+    it see the op through their dispatch modes as usual); with none it runs here."""
+    handlers = _handlers["engine_op"]
+    return handlers[-1](func, args) if handlers else func(*args)
 
 
 def handed_out(graph: Any, tensors: Any) -> None:

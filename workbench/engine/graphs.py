@@ -331,7 +331,13 @@ def _flat(out: Any) -> list[torch.Tensor]:
 
 
 def _slice(out: Outputs, n: int) -> Outputs:
-    return tuple(o[:n] for o in out) if isinstance(out, tuple) else out[:n]
+    """``out[:n]`` of each output, as ops the engine hands to its observers."""
+    if isinstance(out, tuple):
+        return tuple(_slice(o, n) for o in out)
+    return events.engine_op(_SLICE, out, 0, 0, n) if out.dim() else out[:n]
+
+
+_SLICE = torch.ops.aten.slice.Tensor
 
 
 def _empty(g, caught: list) -> bool:

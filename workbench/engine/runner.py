@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from . import events
 from .errors import GraphError
 from .graphs import CUDAGraphMode, GraphManager, Outputs
 
@@ -99,7 +100,7 @@ class GraphRunner:
         if size is None and n > self.max_size:
             return self.model(**inputs)                       # eager fallback: too large to pad
         for name, x in inputs.items():
-            self.buffers[name][(slice(0, n), *map(slice, x.shape[1:]))].copy_(x)
+            _copy_in(self.buffers[name], x)
         if size is None:
             return self.model(**self._views(n))                 # enforce_eager: real rows only
         if not self.manager.graphs:
@@ -135,6 +136,18 @@ class GraphRunner:
             if x.device != buf.device:
                 raise GraphError(f"input {name!r} is on {x.device}, the runner on {buf.device}")
         return n
+
+
+def _copy_in(buffer: torch.Tensor, x: torch.Tensor) -> None:
+    """``buffer[:n, :w, ...].copy_(x)``, as ops the engine hands to its observers."""
+    view = buffer
+    for dim, width in enumerate(x.shape):
+        if width < view.shape[dim]:
+            view = events.engine_op(_SLICE, view, dim, 0, width)
+    events.engine_op(_COPY, view, x)
+
+
+_SLICE, _COPY = torch.ops.aten.slice.Tensor, torch.ops.aten.copy_.default
 
 
 def _poison_padding(buf: torch.Tensor, real: int, size: int, row_shape: Sequence[int]) -> None:
