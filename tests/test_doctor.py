@@ -341,9 +341,21 @@ def test_no_padded_rows_leaves_stale_padding_not_checked():
 
 
 def test_padding_probe_off_leaves_stale_padding_not_checked():
-    report = doctor.diagnose(lambda: make_runner(row_mixing), make_batch, padding_probe=False)
+    report = doctor.diagnose(lambda: make_runner(row_wise), make_batch, padding_probe=False)
     assert report.findings == []
     assert report.not_checked["stale-padding"] == "diagnose(padding_probe=False)"
+
+
+def test_without_the_padding_probe_the_unpadded_step_still_finds_rows_mixed_with_padding():
+    """``GraphRunner`` steps announce their form on the real rows alone: a model that mixes rows
+    gives the real rows other results when padded (``probes/unpadded.py``), probes or not."""
+    report = doctor.diagnose(lambda: make_runner(row_mixing), make_batch, padding_probe=False)
+    (finding,) = report.findings
+    assert finding.kind == "stale-padding" and finding.numbers["unpadded"], report
+    assert "from an eager run of the step on its 3 real rows alone" in finding.evidence
+    assert "stale-padding" not in report.not_checked
+    with_probe = doctor.diagnose(lambda: make_runner(row_mixing), make_batch)
+    assert [f.op for f in with_probe.findings] == ["aten.mean.dim"]     # the probe's finding localises better
 
 
 # -------------------------------------------------------------------------- dangling-reference
@@ -647,7 +659,7 @@ def test_an_op_that_fails_by_itself_is_the_watched_code_error_not_the_doctors():
 
 def test_diagnose_leaves_stale_padding_unchecked_when_a_padded_row_run_fails(monkeypatch):
     monkeypatch.setattr(PADDING_PROBE, "record_inputs", broken)    # only the padded-row runs record
-    report = doctor.diagnose(lambda: make_runner(row_mixing), make_batch)
+    report = doctor.diagnose(lambda: make_runner(row_wise), make_batch)
     assert report.of("stale-padding") == []
     assert report.not_checked["stale-padding"].startswith("the doctor stopped early in a padded-row run (KeyError")
     assert report.failure.startswith("KeyError in replay_begin")

@@ -361,3 +361,46 @@ def test_gpu_record_on_cuda():
     record = padding_record.gpu_record("cuda", only=["trtllm_9873_repeated_padding_state_index"])
     found = record["programs"]["trtllm_9873_repeated_padding_state_index"]
     assert found["bug"]["kinds"] == ["stale-padding"] and found["fix"]["kinds"] == []
+
+
+# ------------------------------------------------------------------ padded rows writing state real rows own
+class Recurrent:
+    """A recurrent state per slot, updated in place through the rows' slot indices. The runner
+    writes -1 into padded rows; the captured kernel clamps -1 to slot 0 (the bug: a live slot) or
+    sends it to a reserved null slot (the fix)."""
+
+    def __init__(self, null_slot: bool):
+        self.state, self.null_slot = torch.zeros(5, 4), null_slot     # slot 4: reserved, no request's
+        self.slots, self.x = torch.full((4,), -1, dtype=torch.int64), torch.zeros(4, 4)
+
+    def forward(self, size):
+        idx = self.slots[:size]
+        slot = torch.where(idx < 0, 4, idx) if self.null_slot else idx.clamp(min=0)
+        new = self.state.index_select(0, slot) * 0.8 + self.x[:size]
+        self.state.index_copy_(0, slot, new)
+        return new
+
+
+def test_padded_rows_that_update_a_live_slot_are_stale_padding_and_a_null_slot_is_not():
+    from workbench.engine import GraphManager
+    for null_slot in (False, True):
+        def workload():
+            model = Recurrent(null_slot)
+            m = GraphManager(model.forward, [4], static_buffers={"slots": model.slots, "x": model.x})
+            events.persistent_state("Recurrent", {"state": model.state})
+            m.capture()
+            for slots in ([0, 1, 2, 3], [1, 2]):              # request 0 is parked in the second step
+                n = len(slots)
+                model.slots.fill_(-1)
+                model.slots[:n] = torch.tensor(slots)
+                model.x.zero_()
+                model.x[:n] = torch.arange(1.0, n + 1)[:, None]
+                m.replay(4, n, padded={})                   # padded rows neutralised by the runner
+        report = doctor.diagnose(workload)
+        if null_slot:
+            assert report.findings == [], report
+            continue
+        (finding,) = report.findings
+        assert finding.kind == "stale-padding" and finding.numbers["unpadded"], report
+        assert "self.state.index_copy_(0, slot, new)" in finding.source
+        assert "that real rows of an earlier step wrote" in finding.evidence

@@ -344,3 +344,37 @@ def test_a_later_warmup_leaves_what_real_steps_wrote_in_between_alone():
             val.fill_(p + 1.0)
             served(*graphs[-1], forward)
     assert doctor.diagnose(workload).findings == []
+
+
+# ------------------------------------------------------------------ a lazy capture whose warmup is a real step
+def lazy_capture(real: bool):
+    """The first batch of a shape is run eagerly (its results handed out), then captured; later
+    steps replay. That first run writes the real tokens' keys into the cache, which later steps
+    read: announced as a warmup on dummy data, the doctor must take those writes for dummy ones."""
+    def workload():
+        cache, ids, pos = torch.zeros(8, 2), torch.zeros(2, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+        table = torch.arange(20.0).reshape(10, 2)
+
+        def step():
+            cache.index_copy_(0, pos + torch.arange(2), table[ids])
+            return cache.sum(0, keepdim=True).expand(2, 2) * 1.0
+
+        events.static_buffers("runner", {"ids": ids, "pos": pos})
+        events.persistent_state("runner", {"cache": cache})
+        ids.copy_(torch.tensor([3, 4]))
+        with events.warmup(real=real):
+            step()                                  # the first batch, served by its warmup
+        g = new_graph("cpu")
+        with graph(g):
+            out = step()
+        for k, tokens in enumerate(([5, 6], [7, 8])):
+            ids.copy_(torch.tensor(tokens))
+            pos.fill_(2 * (k + 1))
+            served(g, out, step)
+    return workload
+
+
+def test_a_warmup_announced_as_a_real_step_keeps_its_writes_as_real_data():
+    bug = doctor.diagnose(lazy_capture(real=False))
+    assert [f.kind for f in bug.findings] == ["persistent-mutation"], bug    # taken for a dummy batch's writes
+    assert doctor.diagnose(lazy_capture(real=True)).findings == []

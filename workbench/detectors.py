@@ -58,7 +58,7 @@ class _Observer:
     def replay_begin(self, graph): pass
     def replay_end(self, graph): pass
     def static_buffers(self, owner, buffers): pass
-    def warmup_begin(self): pass
+    def warmup_begin(self, real=False): pass
     def warmup_end(self): pass
     def serve(self, graph, real, size, padded, outputs, **announced): pass
     def handed_out(self, graph, tensors): pass

@@ -48,7 +48,8 @@ def diagnose(target: Callable[[], Any], make_batch: Callable[[int, int], Mapping
     workload = target if make_batch is None else exercise(target, make_batch, rows)
     report, doctor = _run(workload, _planned(Doctor(guard=guard, differential=differential), None))
     if not padding_probe:
-        report.not_checked["stale-padding"] = "diagnose(padding_probe=False)"
+        if not report.of("stale-padding"):
+            report.not_checked["stale-padding"] = "diagnose(padding_probe=False)"
     elif report.captures == 0 or report.failure is not None:
         pass
     elif doctor.padded_steps == 0 and report.of("stale-padding"):
@@ -78,10 +79,13 @@ def diagnose(target: Callable[[], Any], make_batch: Callable[[int, int], Mapping
 def _explained_by_padding(report: Report, padding) -> None:
     """A real row's static input that a step left unwritten (``stale-input``) because padded rows
     steered what the runner wrote (a metadata builder that skipped the refresh) is the padding's
-    consequence: the finding at the same read becomes a note of the padding finding."""
-    for f in [f for f in report.findings if f.kind == "stale-input" and f.source == padding.source]:
+    consequence: the finding at the same read becomes a note of the padding finding. So is the
+    unpadded step's view of the same padded rows (``probes/unpadded.py``), which localises less."""
+    for f in [f for f in report.findings if f is not padding and (
+            (f.kind == "stale-input" and f.source == padding.source) or
+            (f.kind == "stale-padding" and "output" in f.numbers and "unpadded" in f.numbers))]:
         report.findings.remove(f)
-        report.notes.append(f"stale-input at {f.location} follows from the stale padded rows: {f.evidence}")
+        report.notes.append(f"{f.kind} at {f.location} follows from the stale padded rows: {f.evidence}")
 
 
 def exercise(make_runner: Callable[[], GraphRunner], make_batch: Callable[[int, int], Mapping[str, torch.Tensor]],

@@ -154,6 +154,21 @@ def carried_input(buffer: str, op: str) -> str:
             "persistent state.")
 
 
+def padding_reaches(graph: str, padded: str) -> str:
+    return (f"A replay of {graph} gives its real rows other results than the same step run on the real rows alone: "
+            f"what the padded rows hold ({padded}) reaches the real rows -- through a reduction over rows, a "
+            "lookup a padded row's index steers, metadata a padded row overwrites. Padded rows must change nothing a "
+            "real row gets: neutralise them before the replay (the values the kernel skips), or mask them inside the "
+            "captured code.")
+
+
+def padding_writes_owned(state: str, op: str) -> str:
+    return (f"The padded rows of this replay write {state} ({op}) where real rows keep their data: an index that a "
+            "padded row holds, or that the captured code derives from it (a clamp of -1 to 0, a modulo), names a "
+            "live slot, and the padded row's update lands there. Give padded rows a slot no request owns (a "
+            "reserved null slot), or make the kernel skip them (-1 checked before any clamp).")
+
+
 def startup_write(tensor: str, op: str) -> str:
     return (f"The runs made before capture (warmups on dummy inputs) wrote {tensor} with {op}, and a real step "
             "reads what they left there: its answer depends on the dummy batches. Memory that outlives the warmups "

@@ -61,6 +61,7 @@ class Doctor:
         self.owned: dict[int, tuple[StorageWeakRef, GraphInfo]] = {}
         self.capturing: GraphInfo | None = None
         self.phase = "eager"                        # eager | warmup | capture | replay | probe | differential
+        self.real_warmup = False                    # the current warmup is a real step (events.warmup(real=True))
         self.warmup_runs: list[list[Op]] = []
         self.eager_lines: set[str] = set()          # source lines run eagerly between a warmup and its capture
         self.updates: dict[int, dict[tuple, list]] = {}    # rules.mutation: eager in-place updates
@@ -80,12 +81,9 @@ class Doctor:
         self.handed: dict[int, tuple] = {}          # rules.overwritten
         self.generation: dict[int, int] = {}        # storage -> replays that wrote it (handed-out ones)
         self.writers: dict[int, tuple] = {}         # storage -> (graph, its replay) that wrote it last
-        self.handed_any = False
-        self.padded_steps = 0
-        self.unknown_replays = 0
-        self.served = 0
-        self.no_eager = 0
-        self.compared = 0
+        self.handed_any, self.padded_steps, self.unknown_replays = False, 0, 0
+        self.served = self.no_eager = self.compared = 0     # steps served, of them without an eager form, compared
+        self.real_writes: dict[int, torch.Tensor] = {}      # probes/unpadded.py: state elements real rows wrote
         self.trace: list[dict] = []                 # per replay, under diagnose's padded-row probes
         self.diff = None                            # the eager run of a differential replay
         self.spanning = None                        # (first piece, Pending) of a PIECEWISE step being compared
@@ -277,20 +275,21 @@ class Doctor:
         self._announce(owner, buffers, "metadata")
 
     @contained
-    def warmup_begin(self) -> None:
-        self.phase = "warmup"
+    def warmup_begin(self, real: bool = False) -> None:
+        self.phase, self.real_warmup = "warmup", real
         self.warmup_runs.append([])
         self.report.warmups += 1
 
     @contained
     def warmup_end(self) -> None:
         self.phase = "eager"
-        mutation.warmup_wrote_state(self)
+        if not self.real_warmup:
+            mutation.warmup_wrote_state(self)
         self.startup.warmup_end()
 
     @contained
     def serve(self, graph, real: int, size: int, padded: dict, outputs, eager=None, padded_columns=None,
-              pieces=()) -> None:
+              pieces=(), unpadded=None) -> None:
         info = self.info(graph)
         columns = padded_columns or {}
         undersized.serve_contract(self, info.name if info else "a graph", real, size, padded, columns)
@@ -309,7 +308,7 @@ class Doctor:
         if info is not None:
             span = tuple(i for g in pieces if (i := self.info(g)) is not None)
             info.pending = Pending(real, size, outputs, padded, eager, columns, sampled, grad=torch.is_grad_enabled(),
-                                   span=span if len(span) == len(pieces) else ())
+                                   span=span if len(span) == len(pieces) else (), unpadded=unpadded)
             if sampled and info.pending.span:       # the state before the whole step, eager regions included
                 differential.begin(self, info)
 
@@ -356,9 +355,10 @@ class Doctor:
             if self.every and phase == "eager":
                 unread.copied(self, targets)
         if phase == "warmup":
-            mutation.before_warmup_write(self, targets, str(func))
-            if func._schema.is_mutable:
-                self.startup.before_write(func, args, kwargs)
+            if not self.real_warmup:                   # a dummy batch's writes into live memory are suspect
+                mutation.before_warmup_write(self, targets, str(func))
+                if func._schema.is_mutable:
+                    self.startup.before_write(func, args, kwargs)
             if targets and not overwrites(func):    # an in-place update: does the next warmup build on it?
                 out = mutation.eager_write(self, func, args, kwargs, run, targets)
             else:

@@ -22,7 +22,8 @@ Who calls what, and when (a runner built on the graph manager gets all of this f
     computes from its inputs), which are not inputs mutated by mistake.
 
   Announcing again (after a re-capture or a resize) replaces the meaning of those tensors.
-* ``warmup()`` around each eager run made before a capture.
+* ``warmup()`` around each eager run made before a capture (``warmup(real=True)`` when that run is
+  a real step whose results the runner hands out: lazy capture on a shape's first batch).
 * ``serve`` **after** the runner has written this step's inputs (and neutralised whatever padded
   rows it neutralises), **immediately before** ``replay()``, with the padded rows (``padded``) and
   the padded columns (``padded_columns``: a buffer and the width of the step's data in it). The doctor fills only padded rows and
@@ -125,12 +126,15 @@ def written_metadata(owner: str, buffers: Mapping[str, Any]) -> None:
 
 
 @contextlib.contextmanager
-def warmup() -> Iterator[None]:
-    """The eager run(s) a runner makes before capturing the next graph."""
+def warmup(real: bool = False) -> Iterator[None]:
+    """The eager run(s) a runner makes before capturing the next graph. ``real=True``: the run is a
+    real step, not a dummy batch (a runner that captures lazily on the first batch of a shape and
+    hands that run's results to the caller), so what it writes into state is real data that later
+    steps may read."""
     if not _observers:
         yield
         return
-    _emit("warmup_begin")
+    _emit("warmup_begin", **({"real": True} if real else {}))     # observers written before the flag
     try:
         yield
     finally:
@@ -139,7 +143,8 @@ def warmup() -> Iterator[None]:
 
 def serve(graph: Any, real: int, size: int, *, padded: Mapping[str, Any] | None = None,
           outputs: Any = None, eager: Callable[[], Any] | None = None,
-          padded_columns: Mapping[str, tuple[Any, int]] | None = None, pieces: tuple = ()) -> None:
+          padded_columns: Mapping[str, tuple[Any, int]] | None = None, pieces: tuple = (),
+          unpadded: Callable[[], Any] | None = None) -> None:
     """The next replay of ``graph`` serves ``real`` of its ``size`` rows (call it after writing the
     step's inputs, immediately before ``replay()``).
 
@@ -151,10 +156,13 @@ def serve(graph: Any, real: int, size: int, *, padded: Mapping[str, Any] | None 
     static buffers and returns its outputs: the doctor's differential replay compares it with the
     replay (without it, differential replay reports "not checked"). A step that replays several
     graphs with eager code between them (PIECEWISE) announces ``eager`` and ``pieces`` (its graphs,
-    in order) on its first graph: the whole step is compared after the last."""
+    in order) on its first graph: the whole step is compared after the last. ``unpadded()``, when
+    given with ``real < size``, runs the same step eagerly on the real rows alone (rows ``[0, real)``
+    of the same buffers, no padded rows): padding must change nothing the real rows get, nor state
+    they own (the doctor compares the two on sampled padded steps)."""
     for handler in _handlers["serve"]:
         handler(graph, real, size, dict(padded or {}), outputs, eager=eager, padded_columns=dict(padded_columns or {}),
-                pieces=tuple(pieces))
+                pieces=tuple(pieces), unpadded=unpadded)
 
 
 def engine_op(func: Any, *args: Any) -> Any:

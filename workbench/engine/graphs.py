@@ -275,19 +275,21 @@ class GraphManager:
         # before and between its pieces) is announced whole before anything of it runs, and compared
         # after its last piece.
         eager = self._eager_step(size)
+        unpadded = self._eager_step(real) if real < size else None
         schedule = self._schedule.get(size, pieces)
         split = bool(pieces) and len(schedule) > len(pieces)     # eager regions in the step
         with self._grad_mode():
             if split:
                 events.serve(pieces[0], real, size, padded=padded, outputs=self.outputs[size], eager=eager,
-                             padded_columns=padded_columns, pieces=tuple(pieces))
+                             padded_columns=padded_columns, pieces=tuple(pieces), unpadded=unpadded)
             for step in schedule:
                 if isinstance(step, _EagerCall):
                     _run_call(step)
                     continue
                 if not (split and step is pieces[0]):
                     events.serve(step, real, size, padded=padded, outputs=self.outputs[size],
-                                 eager=None if split else eager, padded_columns=padded_columns)
+                                 eager=None if split else eager, padded_columns=padded_columns,
+                                 unpadded=None if split else unpadded)
                 step.replay()
         out = _slice(self.outputs[size], real)
         if pieces:

@@ -33,7 +33,7 @@ from ...engine.opinfo import op_tensors, storage_key, tensors, written_tensors
 from ...engine.source import user_frame
 from ..records import Op
 from ..tensors import changed, differs, first_line, max_abs_diff, rng_state, set_rng_state, signature, whole
-from . import launch, pystate, rootcause
+from . import launch, pystate, rootcause, unpadded
 
 aten = torch.ops.aten
 TRACE_EVERY = 8         # a graph's compared replays between two whose launch traces are recorded
@@ -192,9 +192,15 @@ def finish(doctor, info, pending) -> None:
         if not info.startup_checked:
             info.startup_checked = True
             _from_before_warmups(doctor, info, pending, replayed, rng_after, graph_out)
+        if pending.real == pending.size:
+            unpadded.owned_by_full_step(doctor, pending, replayed)
+        elif pending.unpadded is not None:
+            unpadded.check(doctor, info, pending, replayed, graph_out,
+                           lambda step: _eager(doctor, info, pending, replayed, rng_after, step=step))
 
 
-def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None = None, traced: bool = False):
+def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None = None, traced: bool = False,
+           step=None):
     """Run the eager step from the state before the replay (with ``reset``'s bytes put back as they
     were before the warmups), keep what it gives, and put the replay's state back."""
     pre = pending.pre
@@ -212,7 +218,7 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
             if aside:
                 _pop_torch_dispatch_stack(None)
             try:
-                out = pending.eager()
+                out = (step or pending.eager)()
             finally:
                 if aside:
                     _push_on_torch_dispatch_stack(doctor.mode)
