@@ -402,8 +402,8 @@ def cost_table(results: list[dict]) -> str:
 def gpu_costs() -> list[dict]:
     """The committed GPU cost records (``results/gpu/graph_doctor_cost*.json``, written by
     ``scripts/gpu_session.py OUT graph_doctor_cost``), each with its ``file``: the current one first
-    (``graph_doctor_cost.json``), then the others kept for comparison (two H100 hosts a day earlier,
-    the H200 record of the doctor before its general mechanisms)."""
+    (``graph_doctor_cost.json``), then the others kept for comparison (H100 hosts of the two days
+    before, the H200 record of the doctor before its general mechanisms)."""
     return [{**json.loads(p.read_text()), "file": p.name} for p in sorted(RESULTS.glob("graph_doctor_cost*.json"))]
 
 
