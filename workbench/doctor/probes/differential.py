@@ -196,7 +196,7 @@ def finish(doctor, info, pending) -> None:
             unpadded.owned_by_full_step(doctor, pending, replayed)
         elif pending.unpadded is not None:
             unpadded.check(doctor, info, pending, replayed, graph_out,
-                           lambda step: _eager(doctor, info, pending, replayed, rng_after, step=step))
+                           lambda step: _eager(doctor, info, pending, replayed, rng_after, step=step), TRACE_EVERY)
 
 
 def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None = None, traced: bool = False,

@@ -5,8 +5,8 @@ the real rows of the outputs must be what the same step gives on the real rows a
 the padded rows change must be no one's (a null slot), never state that real rows own. Differential
 replay cannot see this: its eager step runs at the padded size and reads the same padded rows. A
 runner whose step can run at any size announces its unpadded form (``serve(..., unpadded=...)``;
-the graph manager does); on a graph's first padded sampled replay and every ``TRACE_EVERY``-th
-after it, that form is run from the state before the replay and compared:
+the graph manager does); on a graph's first padded sampled replay and every 8th after it
+(``differential.TRACE_EVERY``), that form is run from the state before the replay and compared:
 
 * the real rows of each output (outputs whose first dimension is the rows: a ``[1, tokens]``
   layout is left alone);
@@ -33,10 +33,10 @@ def owned_by_full_step(doctor, pending, replayed: dict) -> None:
             _own(doctor, key, changed(before, replayed[key]))
 
 
-def check(doctor, info, pending, replayed: dict, graph_out, run_eager) -> None:
+def check(doctor, info, pending, replayed: dict, graph_out, run_eager, every: int) -> None:
     """``run_eager(step)`` runs ``step`` from the state before the replay and puts the replay's back
-    (``differential._eager``); what it returns is ``(run, (outputs, state, extra), error)``."""
-    every = _every()
+    (``differential._eager``); what it returns is ``(run, (outputs, state, extra), error)``. One
+    padded sampled replay in ``every`` is compared."""
     info.padded_compared += 1
     if (info.padded_compared - 1) % every:
         return
@@ -60,11 +60,6 @@ def check(doctor, info, pending, replayed: dict, graph_out, run_eager) -> None:
                 _state(doctor, info, pending, key, label, int(hit.sum()))
                 return
             _own(doctor, key, mine)
-
-
-def _every() -> int:
-    from .differential import TRACE_EVERY
-    return TRACE_EVERY
 
 
 def _own(doctor, key: int, mask: torch.Tensor) -> None:
