@@ -41,9 +41,7 @@ def check(doctor, info, *, before_replay: bool) -> None:
     # built only then. The flag is cleared before the look, so a storage released meanwhile sets
     # it again; under guard a raise sets it too: other storages may have gone with the first.
     live = info.liveness
-    if len(live.cdatas) != len(info.externals):
-        live.watch(info.externals)
-    if live.any_released():
+    if released_since_watched(info):
         live.released = False
         try:
             _released(doctor, info, before_replay)
@@ -52,6 +50,14 @@ def check(doctor, info, *, before_replay: bool) -> None:
             raise
     if info.foreign and not _owners_captured(info):
         _other_graph(doctor, info, before_replay)
+
+
+def released_since_watched(info) -> bool:
+    """Whether a storage the graph references has gone (the flag is left as it is for ``check``)."""
+    live = info.liveness
+    if len(live.cdatas) != len(info.externals):
+        live.watch(info.externals)
+    return live.any_released()
 
 
 def _when(info, before_replay: bool) -> str:
