@@ -55,8 +55,11 @@ def diagnose(target: Callable[[], Any], make_batch: Callable[[int, int], Mapping
     elif doctor.padded_steps == 0 and report.of("stale-padding"):
         pass                                            # found by the index contract: summary left it checked
     elif doctor.padded_steps == 0:
-        report.not_checked["stale-padding"] = ("no padded rows were served: every batch filled its graph, "
-                                               "or the runner announced none")
+        short = sum(real < size for real, size, *_ in doctor.plan.steps)
+        report.not_checked["stale-padding"] = (
+            f"{short} step(s) served fewer real rows than their graph's size, but the runner announced none of "
+            "their padded rows as left as they were (serve(..., padded=...)): the two-way fill had nothing to fill"
+            if short else "no padded rows were served: every batch filled its graph")
     else:
         runs = [_run(workload, _planned(Doctor(guard=guard, pattern=p), doctor.plan.steps)) for p in (0, 1)]
         failed = next((r[0].failure for r in runs if r[0].failure is not None), None)
