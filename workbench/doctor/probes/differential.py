@@ -201,8 +201,10 @@ def finish(doctor, info, pending) -> None:
 
 def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None = None, traced: bool = False,
            step=None):
-    """Run the eager step from the state before the replay (with ``reset``'s bytes put back as they
-    were before the warmups), keep what it gives, and put the replay's state back."""
+    """Run the eager step (or ``step``, another eager form: the unpadded one) from the state before the
+    replay (with ``reset``'s bytes put back as they were before the warmups), keep what it gives, and
+    put the replay's state back. ``traced`` records its launch trace; otherwise the doctor's mode is
+    taken off the stack while it runs, where it is on top."""
     pre = pending.pre
     with _disable_current_modes():
         for w, _, before in pre.values():
