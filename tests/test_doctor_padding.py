@@ -367,41 +367,103 @@ def test_gpu_record_on_cuda():
 class Recurrent:
     """A recurrent state per slot, updated in place through the rows' slot indices. The runner
     writes -1 into padded rows; the captured kernel clamps -1 to slot 0 (the bug: a live slot) or
-    sends it to a reserved null slot (the fix)."""
+    sends it to a reserved null slot (the fix). ``one_hot``: the update is a one-hot product added to
+    the whole state rather than an indexed write."""
 
-    def __init__(self, null_slot: bool):
-        self.state, self.null_slot = torch.zeros(5, 4), null_slot     # slot 4: reserved, no request's
+    def __init__(self, null_slot: bool, one_hot: bool):
+        self.state, self.null_slot, self.one_hot = torch.zeros(5, 4), null_slot, one_hot   # slot 4: reserved
         self.slots, self.x = torch.full((4,), -1, dtype=torch.int64), torch.zeros(4, 4)
 
     def forward(self, size):
         idx = self.slots[:size]
         slot = torch.where(idx < 0, 4, idx) if self.null_slot else idx.clamp(min=0)
         new = self.state.index_select(0, slot) * 0.8 + self.x[:size]
-        self.state.index_copy_(0, slot, new)
+        if self.one_hot:                                  # rows of distinct slots: state[slot] = new
+            hot = (slot[:, None] == torch.arange(5)).to(new.dtype)
+            self.state.mul_(1 - hot.sum(0)[:, None]).add_(hot.T @ new)
+        else:
+            self.state.index_copy_(0, slot, new)
         return new
 
 
-def test_padded_rows_that_update_a_live_slot_are_stale_padding_and_a_null_slot_is_not():
+def _parked_request_workload(null_slot: bool, one_hot: bool):
     from workbench.engine import GraphManager
+
+    def workload():
+        model = Recurrent(null_slot, one_hot)
+        m = GraphManager(model.forward, [4], static_buffers={"slots": model.slots, "x": model.x})
+        events.persistent_state("Recurrent", {"state": model.state})
+        m.capture()
+        for slots in ([0, 1, 2, 3], [1, 2]):              # request 0 is parked in the second step
+            n = len(slots)
+            model.slots.fill_(-1)
+            model.slots[:n] = torch.tensor(slots)
+            model.x.zero_()
+            model.x[:n] = torch.arange(1.0, n + 1)[:, None]
+            m.replay(4, n, padded={})                   # padded rows neutralised by the runner
+    return workload
+
+
+@pytest.mark.parametrize("one_hot", [False, True], ids=["indexed-write", "one-hot-update"])
+def test_padded_rows_that_update_a_live_slot_are_stale_padding_and_a_null_slot_is_not(one_hot):
+    """An indexed write is attributed to its rows in the watched eager step (``probes/row_writes``);
+    an update that is not an indexed write is seen only against the unpadded step (``probes/unpadded``)."""
     for null_slot in (False, True):
-        def workload():
-            model = Recurrent(null_slot)
-            m = GraphManager(model.forward, [4], static_buffers={"slots": model.slots, "x": model.x})
-            events.persistent_state("Recurrent", {"state": model.state})
-            m.capture()
-            for slots in ([0, 1, 2, 3], [1, 2]):              # request 0 is parked in the second step
-                n = len(slots)
-                model.slots.fill_(-1)
-                model.slots[:n] = torch.tensor(slots)
-                model.x.zero_()
-                model.x[:n] = torch.arange(1.0, n + 1)[:, None]
-                m.replay(4, n, padded={})                   # padded rows neutralised by the runner
-        report = doctor.diagnose(workload)
+        report = doctor.diagnose(_parked_request_workload(null_slot, one_hot))
         if null_slot:
             assert report.findings == [], report
             assert report.not_checked["stale-padding"].startswith("1 step(s) served fewer real rows"), report
             continue
         (finding,) = report.findings
-        assert finding.kind == "stale-padding" and finding.numbers["unpadded"], report
-        assert "self.state.index_copy_(0, slot, new)" in finding.source
-        assert "that real rows of an earlier step wrote" in finding.evidence
+        assert finding.kind == "stale-padding", report
+        if one_hot:
+            assert finding.numbers["unpadded"] and "that real rows of an earlier step wrote" in finding.evidence
+            assert "add_(hot.T @ new)" in finding.source
+        else:
+            assert finding.op == "aten.index_copy_.default" and "unpadded" not in finding.numbers
+            assert "self.state.index_copy_(0, slot, new)" in finding.source
+            assert "for its padded rows alone" in finding.evidence and "(2 real rows of 4)" in finding.evidence
+
+
+def _kit_decode(kernel: str):
+    """A zoo-kit runner (its eager form has no size, so no unpadded step is announced) whose padded
+    rows hold slot -1. ``clamp``: the kernel clamps -1 to slot 0, a live request's; ``null``: it sends
+    -1 to a reserved slot; ``guarded``: it clamps, but a padded row adds nothing to the slot."""
+    from workbench.zoo.kit import capture, replay
+
+    def decode(state, slots, x):
+        valid = slots >= 0
+        idx = torch.where(valid, slots, 4) if kernel == "null" else slots.clamp(min=0)
+        old = state.index_select(0, idx)
+        new = old * 0.5 + x
+        if kernel == "guarded":
+            state.index_add_(0, idx, (new - old) * valid[:, None])
+        else:
+            state.index_copy_(0, idx, new)
+        return new
+
+    def workload():
+        state = torch.zeros(5, 3)
+        bufs = {"slots": torch.full((4,), -1), "x": torch.zeros(4, 3)}
+        g, out = capture(lambda: decode(state, bufs["slots"], bufs["x"]), device="cpu", static=bufs,
+                         state={"ssm_state": state})
+        for slots in ([0, 1, 2], [1, 2], [0, 1, 2]):     # request 0 is parked in the second step
+            n = len(slots)
+            bufs["slots"].fill_(-1)
+            bufs["slots"][:n] = torch.tensor(slots)
+            bufs["x"].zero_()
+            bufs["x"][:n] = torch.arange(1.0, n + 1)[:, None]
+            replay(g, out, real=n, size=4, padded={})
+    return workload
+
+
+@pytest.mark.parametrize("kernel", ["clamp", "null", "guarded"])
+def test_padded_rows_writing_a_live_slot_are_found_without_an_unpadded_step(kernel):
+    report = doctor.diagnose(_kit_decode(kernel))
+    if kernel != "clamp":
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "stale-padding" and finding.op == "aten.index_copy_.default", report
+    assert "state.index_copy_(0, idx, new)" in finding.source and "`ssm_state`" in finding.tensor
+    assert finding.numbers["real"] == 3 and finding.numbers["size"] == 4

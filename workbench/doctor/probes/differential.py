@@ -33,7 +33,7 @@ from ...engine.opinfo import op_tensors, storage_key, tensors, written_tensors
 from ...engine.source import user_frame
 from ..records import Op
 from ..tensors import changed, differs, first_line, max_abs_diff, rng_state, set_rng_state, signature, whole
-from . import launch, pystate, rootcause, unpadded
+from . import launch, pystate, rootcause, row_writes, unpadded
 
 aten = torch.ops.aten
 TRACE_EVERY = 8         # a graph's compared replays between two whose launch traces are recorded
@@ -47,11 +47,13 @@ class EagerRun:
     graph_ops: list                              # the capture's trace, to align with as it runs
     traced: bool = True                          # record the launch trace (else only new and extra storages)
     seen: bool = True                            # its ops went through the doctor's mode
+    rows: tuple | None = None                    # (real, size) of a padded step whose writes are attributed
     ops: list = dataclasses.field(default_factory=list)
     new: set = dataclasses.field(default_factory=set)
     created_by: dict = dataclasses.field(default_factory=dict)   # storage it created -> the Op that did
     extra: dict = dataclasses.field(default_factory=dict)    # other storages it wrote: key -> (whole, before)
     described: dict = dataclasses.field(default_factory=dict)
+    row_writes: list = dataclasses.field(default_factory=list)   # padded rows' writes of owned state (row_writes)
 
 
 def _state(doctor, info) -> dict:
@@ -100,7 +102,7 @@ def on_op(doctor, func, args, kwargs, run):
     keys = {storage_key(t) for t in inputs}
     if lifted:                                   # a constant made from Python data in this run
         d.new.update(keys)
-    out = run()
+    out = row_writes.indexed_write(doctor, func, args, kwargs, run, d.rows) if d.rows else run()
     for t in inputs:
         if (key := storage_key(t)) not in d.new:     # pre-existing, so alive anyway: described if reported
             d.described.setdefault(key, t)
@@ -151,9 +153,13 @@ def finish(doctor, info, pending) -> None:
     if info.python is None:
         info.python = pystate.bindings(pystate.watched(pending.eager))
     bindings = pystate.snapshot(info.python)
-    traced = info.traced_always or info.compared % TRACE_EVERY == 0
+    padded = pending.real < pending.size
+    info.padded_compared += padded
+    sampled = padded and (info.padded_compared - 1) % TRACE_EVERY == 0    # a padded step's rows are looked at
+    traced = info.traced_always or info.compared % TRACE_EVERY == 0 or sampled
     while True:
-        run, got, error = _eager(doctor, info, pending, replayed, rng_after, traced=traced)
+        run, got, error = _eager(doctor, info, pending, replayed, rng_after, traced=traced,
+                                 rows=(pending.real, pending.size) if sampled and traced else None)
         changed = pystate.changes(bindings, run.new if run.seen else None)
         pystate.restore(changed)
         what = None
@@ -171,6 +177,7 @@ def finish(doctor, info, pending) -> None:
                                    f"{type(error).__name__}: {first_line(error)}")
         return
     divergence = launch.compare(*_traces(info, pending, run)) if traced else None
+    row_writes.report(doctor, info, pending, run)
     info.compared += 1
     info.disagreed |= (what is not None or bool(changed)) and not pending.span
     if what is not None:
@@ -192,19 +199,20 @@ def finish(doctor, info, pending) -> None:
         if not info.startup_checked:
             info.startup_checked = True
             _from_before_warmups(doctor, info, pending, replayed, rng_after, graph_out)
-        if pending.real == pending.size:
+        if not padded:
             unpadded.owned_by_full_step(doctor, pending, replayed)
-        elif pending.unpadded is not None:
+        elif sampled and pending.unpadded is not None:
             unpadded.check(doctor, info, pending, replayed, graph_out,
-                           lambda step: _eager(doctor, info, pending, replayed, rng_after, step=step), TRACE_EVERY)
+                           lambda step: _eager(doctor, info, pending, replayed, rng_after, step=step))
 
 
 def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None = None, traced: bool = False,
-           step=None):
+           step=None, rows: tuple | None = None):
     """Run the eager step (or ``step``, another eager form: the unpadded one) from the state before the
     replay (with ``reset``'s bytes put back as they were before the warmups), keep what it gives, and
     put the replay's state back. ``traced`` records its launch trace; otherwise the doctor's mode is
-    taken off the stack while it runs, where it is on top."""
+    taken off the stack while it runs, where it is on top. ``rows`` (real, size): the padded step's
+    indexed writes are attributed to its rows (``row_writes``)."""
     pre = pending.pre
     with _disable_current_modes():
         for w, _, before in pre.values():
@@ -213,7 +221,7 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
             now[mask] = before[mask]
         set_rng_state(pending.rng)
     aside = not traced and _get_current_dispatch_mode() is doctor.mode
-    doctor.diff, doctor.phase = EagerRun(set(pre), _graph_ops(info, pending), traced, not aside), "differential"
+    doctor.diff, doctor.phase = EagerRun(set(pre), _graph_ops(info, pending), traced, not aside, rows), "differential"
     got = error = None
     try:
         with torch.set_grad_enabled(pending.grad):     # code may branch on it (is_grad_enabled())

@@ -30,16 +30,12 @@ def owned_by_full_step(doctor, pending, replayed: dict) -> None:
     """A step with no padded rows: every state element its replay changed is a real row's."""
     with _disable_current_modes():
         for key, (_, _, before) in pending.pre.items():
-            _own(doctor, key, changed(before, replayed[key]))
+            own(doctor, key, before.dtype, changed(before, replayed[key]))
 
 
-def check(doctor, info, pending, replayed: dict, graph_out, run_eager, every: int) -> None:
+def check(doctor, info, pending, replayed: dict, graph_out, run_eager) -> None:
     """``run_eager(step)`` runs ``step`` from the state before the replay and puts the replay's back
-    (``differential._eager``); what it returns is ``(run, (outputs, state, extra), error)``. One
-    padded sampled replay in ``every`` is compared."""
-    info.padded_compared += 1
-    if (info.padded_compared - 1) % every:
-        return
+    (``differential._eager``); what it returns is ``(run, (outputs, state, extra), error)``."""
     _, got, error = run_eager(pending.unpadded)
     if error is not None or got is None:
         note = f"the unpadded step of {info.name} raised {type(error).__name__}: padded replays not compared with it"
@@ -57,16 +53,18 @@ def check(doctor, info, pending, replayed: dict, graph_out, run_eager, every: in
                 continue                    # a static input the graph writes is persistent-mutation's
             mine = changed(before, state[key])
             padded_only = changed(before, replayed[key]) & ~mine
-            owned = doctor.real_writes.get(key)
-            if owned is not None and bool((hit := padded_only & owned).any()):
+            dtype, owned = doctor.real_writes.get(key, (None, None))
+            if dtype == before.dtype and bool((hit := padded_only & owned).any()):
                 _state(doctor, info, pending, key, label, int(hit.sum()))
                 return
-            _own(doctor, key, mine)
+            own(doctor, key, before.dtype, mine)
 
 
-def _own(doctor, key: int, mask: torch.Tensor) -> None:
-    if bool(mask.any()):
-        doctor.real_writes[key] = mask if key not in doctor.real_writes else doctor.real_writes[key] | mask
+def own(doctor, key: int, dtype: torch.dtype, mask: torch.Tensor) -> None:
+    """Add ``mask`` (over the whole storage, as ``dtype`` elements) to ``Doctor.real_writes``."""
+    was, owned = doctor.real_writes.get(key, (dtype, None))
+    if bool(mask.any()) and was == dtype:
+        doctor.real_writes[key] = (dtype, mask if owned is None else owned | mask)
 
 
 def _output(doctor, info, pending, i: int, diff: float) -> None:

@@ -1,0 +1,125 @@
+"""Which rows wrote what: a padded row's indexed write into state that real rows own.
+
+A step padded from ``real`` to ``size`` rows runs its padded rows through every op, indexed writes
+into state included (``index_copy_``, ``index_put_``, ``scatter_`` ... along the batch rows). A runner
+gives padded rows an index that touches nothing (-1, a null slot), but code inside the step may turn
+it into a live one: a clamp of -1 to 0, a modulo, a default row (a decode kernel's fast path that
+sends -1 to row 0, a live request's recurrent state). Neither differential replay (its eager step is
+padded too) nor a fill of the padded rows (the runner wrote them itself) sees that, and a runner
+whose step has no size-parametric form cannot announce an unpadded one (``probes/unpadded``).
+
+The write itself can: in a watched eager step of a padded sampled replay (``differential``), an
+indexed write whose index and source have the step's ``size`` leading rows is run once more on a copy
+of its state with only the first ``real`` rows. Elements where the two results differ are what the
+padded rows did; where such an element is one that real rows write in this op, or wrote on an
+earlier compared step (``Doctor.real_writes``), the padded rows changed a real request's state. A
+padded row that writes a null slot, or writes back what is there (a guarded kernel), changes nothing
+real rows own and gives no finding. Static inputs are not state: their writes are
+``persistent-mutation``'s.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ...engine.opinfo import describe, storage_key
+from ...engine.source import user_frame
+from .. import explain
+from ..report import Finding
+from ..rules.padded_scatter import SCATTERS
+from ..tensors import changed
+from . import unpadded
+
+
+def indexed_write(doctor, func, args, kwargs, run, rows: tuple[int, int]):
+    """Run an op of a padded eager step; where it is an indexed write of the batch rows into kept
+    state, note the elements only its padded rows changed that real rows own."""
+    form = SCATTERS.get(func.overloadpacket)
+    state = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    key = storage_key(state) if state is not None else None
+    if form is None or key not in doctor.diff.known or not _is_state(doctor, key):
+        return run()
+    real, size = rows
+    with _disable_current_modes():
+        sliced = _real_rows(form, args, real, size)
+        before = state.clone() if sliced is not None else None
+    out = run()
+    if before is None:
+        return out
+    with _disable_current_modes():
+        try:
+            alone = before.clone()
+            func(alone, *sliced, **kwargs)
+        except (RuntimeError, IndexError):
+            return out
+        by_padded = changed(alone, state)
+        by_real = changed(before, alone)
+        owned = by_real | _owned(doctor, key, state)
+        _own(doctor, key, state, by_real)
+        hit = by_padded & owned
+        if bool(hit.any()):
+            doctor.diff.row_writes.append((str(func), user_frame(), key, state, int(hit.sum()), real, size))
+    return out
+
+
+def report(doctor, info, pending, run) -> None:
+    """The padded-row writes a watched eager step noted (``indexed_write``), as findings."""
+    for op, source, key, state, elements, real, size in run.row_writes[:1]:
+        buf = doctor.buffer(key)
+        label = f"`{buf.name}`" if buf is not None else f"the state {describe(state)}"
+        evidence = (f"sampled replay {info.replays} of {info.name} ({real} real rows of {size}): in an eager run of "
+                    f"the step, {op} changed {elements} element(s) of {label} for its padded rows alone, element(s) "
+                    "that real rows write in this step or wrote in an earlier one")
+        doctor.add(Finding("stale-padding", info.name, op, label, source, evidence,
+                           explain.padding_writes_owned(label, op),
+                           {"replay": info.replays, "elements": elements, "real": real, "size": size}),
+                   ("stale-padding", op, source))
+
+
+def _is_state(doctor, key: int) -> bool:
+    buf = doctor.buffer(key)
+    return buf is None or buf.role == "state"
+
+
+def _real_rows(form: str, args, real: int, size: int) -> tuple | None:
+    """The op's arguments after the state, keeping only the first ``real`` batch rows of its index
+    and source; None where the index does not run over the step's ``size`` rows."""
+    rest = list(args[1:])
+    if form == "dim":                               # (dim, index, source | value, ...)
+        if len(rest) < 2 or rest[0] % max(args[0].dim(), 1) != 0 or rest[1].dim() != 1 or rest[1].shape[0] != size:
+            return None
+        rest[1] = rest[1][:real]
+        if len(rest) > 2 and isinstance(rest[2], torch.Tensor) and rest[2].dim() and rest[2].shape[0] == size:
+            rest[2] = rest[2][:real]
+        return tuple(rest)
+    if form == "put":                               # (indices, values, accumulate)
+        indices = rest[0]
+        if not indices or indices[0] is None or indices[0].dim() == 0 or indices[0].shape[0] != size:
+            return None
+        rest[0] = [i[:real] if i is not None and i.dim() and i.shape[0] == size else i for i in indices]
+        if len(rest) > 1 and isinstance(rest[1], torch.Tensor) and rest[1].dim() and rest[1].shape[0] == size:
+            rest[1] = rest[1][:real]
+        return tuple(rest)
+    if len(rest) < 2 or not isinstance(rest[1], torch.Tensor) or rest[1].dim() == 0 or rest[1].shape[0] != size:
+        return None                                 # scatter: (dim, index, src | value, ...)
+    rest[1] = rest[1][:real]
+    if len(rest) > 2 and isinstance(rest[2], torch.Tensor) and rest[2].dim() and rest[2].shape[0] >= real:
+        rest[2] = rest[2][:real]
+    return tuple(rest)
+
+
+def _owned(doctor, key: int, state: torch.Tensor) -> torch.Tensor:
+    """The elements of ``state`` (a view) that real rows wrote on earlier compared steps."""
+    dtype, mask = doctor.real_writes.get(key, (None, None))
+    if dtype != state.dtype:
+        return torch.zeros(state.shape, dtype=torch.bool, device=state.device)
+    return mask.as_strided(state.shape, state.stride(), state.storage_offset())
+
+
+def _own(doctor, key: int, state: torch.Tensor, mine: torch.Tensor) -> None:
+    """Add the elements of ``state`` (a view) that real rows wrote to ``Doctor.real_writes``."""
+    if bool(mine.any()):
+        flat = torch.zeros(state.untyped_storage().nbytes() // state.element_size(), dtype=torch.bool,
+                           device=state.device)
+        flat.as_strided(state.shape, state.stride(), state.storage_offset()).copy_(mine)
+        unpadded.own(doctor, key, state.dtype, flat)
