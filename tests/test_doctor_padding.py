@@ -467,3 +467,37 @@ def test_padded_rows_writing_a_live_slot_are_found_without_an_unpadded_step(kern
     assert finding.kind == "stale-padding" and finding.op == "aten.index_copy_.default", report
     assert "state.index_copy_(0, idx, new)" in finding.source and "`ssm_state`" in finding.tensor
     assert finding.numbers["real"] == 3 and finding.numbers["size"] == 4
+
+
+def _gather_after_eager_step(pad: bool):
+    """A batch too large for the graph runs eagerly and leaves its last row's index in the static
+    buffer; the next, padded replay gathers through that stale index (out of range at the graph's
+    size). The workload catches the error, as a serving loop that drops the batch does."""
+    from workbench.zoo.kit import capture, replay
+
+    def step(idx, hidden, n, tokens):
+        return hidden[:tokens][idx[:n]] * 2.0
+
+    def workload():
+        idx, hidden = torch.zeros(6, dtype=torch.int64), torch.randn(12, 3, generator=torch.Generator().manual_seed(0))
+        g, out = capture(lambda: step(idx, hidden, 4, 8), device="cpu", static={"idx": idx})
+        idx[:6] = torch.tensor([0, 2, 4, 9, 10, 11])
+        step(idx, hidden, 6, 12)                              # eager: no graph for 6 rows
+        idx[:3] = torch.tensor([1, 2, 3])
+        if pad:
+            idx[3:] = 0
+        try:
+            replay(g, out, real=3, size=4, padded={} if pad else {"idx": idx})
+        except IndexError:
+            pass
+    return workload
+
+
+def test_a_caught_replay_error_is_named_and_padded_rows_an_eager_step_left_are_stale_padding():
+    report = doctor.diagnose(_gather_after_eager_step(pad=False))
+    assert "IndexError" in report.headline() and "raised by the replay of" in report.caught[0], report
+    (finding,) = report.findings
+    assert finding.kind == "stale-padding" and "hidden[:tokens][idx[:n]]" in finding.source, report
+    assert "padded rows as the runner left them failed (IndexError" in finding.evidence
+    fixed = doctor.diagnose(_gather_after_eager_step(pad=True))
+    assert fixed.findings == [] and fixed.caught == [], fixed

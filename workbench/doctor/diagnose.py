@@ -67,9 +67,9 @@ def diagnose(target: Callable[[], Any], make_batch: Callable[[int, int], Mapping
             report.failure = failed
             report.not_checked["stale-padding"] = f"the doctor stopped early in a padded-row run ({failed})"
             return report
-        finding = compare_runs(*(r[1].trace for r in runs), *(r[0].errors for r in runs))
-        if finding is None and report.errors and not any(r[0].errors for r in runs):
-            finding = crashed_only_as_left(report.errors[0], runs[0][1].trace[-1] if runs[0][1].trace else None, 2)
+        finding = compare_runs(*(r[1].trace for r in runs), *(_failed(r[0]) for r in runs))
+        if finding is None and _failed(report) and not any(_failed(r[0]) for r in runs):
+            finding = crashed_only_as_left(_failed(report)[0], runs[0][1].trace[-1] if runs[0][1].trace else None, 2)
         if finding is not None:
             report.findings.append(finding)
             _explained_by_padding(report, finding)
@@ -77,6 +77,12 @@ def diagnose(target: Callable[[], Any], make_batch: Callable[[int, int], Mapping
         report.notes.append(f"stale-padding: {doctor.padded_steps} padded step(s); the workload was run twice "
                             "more with padded rows filled two ways")
     return report
+
+
+def _failed(report: Report) -> list[str]:
+    """What a run raised: the workload's error, else op failures it caught (a serving loop that drops
+    the batch, a harness that compares outcomes)."""
+    return report.errors or report.caught
 
 
 def _explained_by_padding(report: Report, padding) -> None:

@@ -47,6 +47,13 @@ def op_failed(doctor, func, error: BaseException) -> None:
                                                 f"{user_frame()}, during {doctor.phase})")
 
 
+def replay_failed(doctor, error: BaseException, where: str) -> None:
+    """A replay of the watched code raised (``where``: the recorded op, ``recorded_op``); kept like
+    an op failure, so that a workload that catches it is not reported as clean."""
+    if len(doctor.failed_ops) < _KEPT:
+        doctor.failed_ops.setdefault(id(error), f"{type(error).__name__}: {first_line(error)} ({where})")
+
+
 def describe(doctor, error: BaseException) -> str:
     """The workload's error for the report, tied to the recorded op when a replay raised it; no
     longer a caught one."""

@@ -228,6 +228,7 @@ class Doctor:
             return
         if error is not None:
             self.replay_error = (error, failures.recorded_op(error, info.name))
+            failures.replay_failed(self, error, self.replay_error[1])
         info.replays += 1
         overwritten.replayed(self, info)
         self.pool.replayed(info)
@@ -371,6 +372,8 @@ class Doctor:
         view = func.is_view
         if self.handed and not view:
             overwritten.check_read(self, func, args, kwargs)
+        if self.pattern is not None and self.fresh and not view:
+            padding_probe.consumed(self, func, args, kwargs)
         if self.warmup_runs and not view:             # between a warmup and its capture
             self.eager_lines.add(user_frame())
         if func._schema.is_mutable and (self.graph_writes or self.startup.kept):

@@ -5,7 +5,10 @@ ways. Two fills, so that whatever a runner does not derive from the step's real 
 
 * **at serve**, elements nothing rewrote since the previous replay (``Doctor.fresh``): what the
   runner neutralises before a replay is its fix, and the fill must not undo it, wherever the
-  runner calls ``serve``. NumPy arrays (host metadata) cannot be watched for writes and are filled;
+  runner calls ``serve``. A write that eager code has read since (``consumed``: an eager step
+  between two replays ran on it, a batch too large for any graph, say) was an earlier step's data,
+  not this step's neutralisation, and is filled. NumPy arrays (host metadata) cannot be watched for
+  writes and are filled;
 * **after each step** (``handed_out``), the rows and columns the *next* step will serve as padded,
   in the tensors the graphs read: the first run's record of its steps (``Plan``) says which. A
   runner that rewrites padded rows with what they held before -- a round trip through a host
@@ -30,9 +33,9 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ...engine.opinfo import storage_key
+from ...engine.opinfo import op_tensors, storage_key, written_tensors
 from ..rules.padded_scatter import Index
-from ..tensors import digest, whole
+from ..tensors import digest, region, whole
 
 
 class Plan:
@@ -106,6 +109,19 @@ def copied(doctor, dst: torch.Tensor, src) -> None:
         return
     plan.mirrors[storage_key(dst)] = Index(storage_key(src), StorageWeakRef(src.untyped_storage()), src.dtype,
                                            tuple(src.shape), src.stride(), src.storage_offset())
+
+
+def consumed(doctor, func, args, kwargs) -> None:
+    """An eager op of a padded-row run reads announced buffers: the elements it reads, written since
+    the previous replay, were that eager step's input, so they are no longer fresh."""
+    written = {id(t) for t in written_tensors(func, args, kwargs)} if func._schema.is_mutable else ()
+    for t in op_tensors(args, kwargs):
+        key = storage_key(t)
+        if key in doctor.fresh and id(t) not in written and (buf := doctor.buffer(key)) is not None:
+            with _disable_current_modes():
+                mask = doctor.fresh[key]
+                if mask.shape == buf.ref().shape:
+                    doctor.fresh[key] = mask & ~region(t, buf.ref())
 
 
 def _value(i: int, pattern: int, boolean: bool):
