@@ -719,3 +719,87 @@ def test_a_workload_that_raises_is_never_a_clean_report():
     report = doctor.diagnose(workload)
     assert report.headline() == ("Graph doctor: the workload failed: ValueError: broken workload -- 0 findings in "
                                  "what ran before (0 capture(s), 0 replay(s)).")
+
+
+# ------------------------------------------------------------------ a step's inputs, across graphs
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_smaller_graph_reading_rows_a_larger_batch_wrote_is_stale_input(variant):
+    """Two graphs read one destination buffer: the bug's graphs read its tail (``dest[-size:]``),
+    which for the smaller graph holds what the larger batch wrote for the other graph's replay."""
+    def workload():
+        state, dest, x = torch.zeros(9, 2), torch.zeros(4, dtype=torch.int64), torch.zeros(4, 2)
+
+        def forward(size):
+            d = dest[-size:] if variant == "bug" else dest[:size]
+            state.index_copy_(0, d, x[:size] * 2)
+            return state.index_select(0, d) + 1
+
+        m = Manager(forward, [2, 4], {"x": x, "dest": dest})
+        events.persistent_state("cache", {"state": state})
+        m.capture()
+        for rows in ([1, 2, 3, 4], [5, 6]):
+            n = len(rows)
+            dest[:n] = torch.tensor(rows)
+            x[:n] = torch.arange(1.0, n + 1)[:, None]
+            m.replay(n)
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "stale-input" and finding.tensor.startswith("dest"), report
+    assert "state.index_copy_(0, d, x[:size] * 2)" in finding.source or "index_select(0, d)" in finding.source
+
+
+# ------------------------------------------------------------------ PIECEWISE steps
+class Paged2:
+    """A PIECEWISE step with an eager attention-like region between two pieces that writes a
+    cache through a per-token slot mapping of the real tokens (a global, as a forward context)."""
+
+    slots = None
+
+    def __init__(self, fixed: bool):
+        from workbench.engine import GraphManager
+        self.fixed, self.cache, self.x = fixed, torch.zeros(8, 2), torch.zeros(4, 2)
+        self.m = GraphManager(self.forward, [4], mode="PIECEWISE", static_buffers={"x": self.x})
+        self.write = self.m.eager(self.write_cache)
+
+    def write_cache(self, key):
+        out, slots = torch.zeros_like(key), Paged2.slots
+        if slots is None:                             # a capture's dummy run: no metadata
+            return out
+        n = slots.shape[0] if self.fixed else key.shape[0]
+        idx = slots[torch.arange(n)]
+        self.cache[idx] = key[:n]
+        return out + 1
+
+    def forward(self, size):
+        key = self.x[:size] * 3
+        return self.write(key) + key
+
+
+@pytest.mark.parametrize("fixed", [False, True], ids=["bug", "fix"])
+def test_a_piecewise_eager_region_that_mixes_padded_and_real_rows(fixed):
+    """The eager region between two pieces meets the first piece's padded tensor and a real-row
+    slot mapping: padded-shape-mismatch at that line. Its warmup ran the whole step, eager region and
+    second piece included, which is no work the capture skipped."""
+    def workload():
+        model = Paged2(fixed)
+        events.persistent_state("cache", {"cache": model.cache})
+        model.m.capture()
+        model.x[:3] = torch.ones(3, 2)
+        Paged2.slots = torch.tensor([1, 2, 3])
+        try:
+            model.m.replay(4, 3, padded={"x": model.x})
+        except IndexError:
+            pass
+        finally:
+            Paged2.slots = None
+    report = doctor.diagnose(workload)
+    assert not report.of("warmup-divergence"), report
+    if fixed:
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "padded-shape-mismatch" and "idx = slots[torch.arange(n)]" in finding.source
+    assert "`key` float32[4, 2]" in finding.tensor and "int64[3] (3 real rows)" in finding.tensor

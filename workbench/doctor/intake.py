@@ -64,6 +64,7 @@ class Doctor:
         self.real_warmup = False                    # the current warmup is a real step (events.warmup(real=True))
         self.warmup_runs: list[list[Op]] = []
         self.eager_lines: set[str] = set()          # source lines run eagerly between a warmup and its capture
+        self.step_head: GraphInfo | None = None     # the graph just captured after warmups, until a warmup or replay
         self.updates: dict[int, dict[tuple, list]] = {}    # rules.mutation: eager in-place updates
         self.fresh: dict[int, torch.Tensor] = {}    # elements rewritten outside graphs since the last replay
         self.unprobed = 0                           # graphs writing a static input, not yet probed
@@ -137,6 +138,8 @@ class Doctor:
         info = GraphInfo(graph, name or f"graph #{len(self.graphs) + 1}")
         info.warmup = self.warmup_runs[0] if self.warmup_runs else None
         info.eager_lines, self.eager_lines = self.eager_lines, set()
+        if info.warmup is None and self.step_head is not None:     # the next piece of a step being captured
+            self.step_head.pieces.append(info)
         self.warmup_runs = []
         self.graphs[id(graph)] = info
         self.capturing = info
@@ -154,6 +157,7 @@ class Doctor:
             # Nothing captured: a PIECEWISE piece closed before its first op (the step begins with
             # eager code). The warmup, and what runs eagerly next, belong to the step's next piece.
             self.warmup_runs, self.eager_lines = [info.warmup], info.eager_lines
+            info.warmup = None
             return
         self.pool.settle(info)
         info.out_keys = frozenset(info.writes) | frozenset(info.created)
@@ -163,7 +167,7 @@ class Doctor:
         if any(self.buffer(k) is not None and self.buffer(k).role == "input" for k in info.writes):
             self.unprobed += 1
         if info.warmup is not None:
-            warmup.check(self, info)
+            self.step_head = info
         if self.every:
             self.carried.capture_end(self, info)
         derived.captured(self, info)
@@ -174,6 +178,8 @@ class Doctor:
     def capture_abort(self, graph, error: BaseException) -> None:
         info = self.capturing
         self.capturing, self.phase = None, "eager"
+        if info is not None:
+            info.warmup = None                      # nothing was captured to compare its warmup with
         name = info.name if info is not None else "a graph"
         self.report.notes.append(f"capture of {name} failed: {type(error).__name__}: {first_line(error)}")
         if isinstance(error, CaptureError) and error.op is not None:
@@ -183,6 +189,8 @@ class Doctor:
     def replay_begin(self, graph) -> None:
         if self.phase in _QUIET:
             return
+        if self.step_head is not None:              # captures are over, for now
+            self.step_head, self.eager_lines = None, set()
         info = self.info(graph)
         if info is None:
             self.unknown_replays += 1
@@ -277,6 +285,8 @@ class Doctor:
 
     @contained
     def warmup_begin(self, real: bool = False) -> None:
+        if self.step_head is not None:              # a new step's warmups: eager code since the last capture is not its
+            self.step_head, self.eager_lines = None, set()
         self.phase, self.real_warmup = "warmup", real
         self.warmup_runs.append([])
         self.report.warmups += 1
@@ -374,7 +384,7 @@ class Doctor:
             overwritten.check_read(self, func, args, kwargs)
         if self.pattern is not None and self.fresh and not view:
             padding_probe.consumed(self, func, args, kwargs)
-        if self.warmup_runs and not view:             # between a warmup and its capture
+        if (self.warmup_runs or self.step_head is not None) and not view:   # between a warmup and a capture
             self.eager_lines.add(user_frame())
         if func._schema.is_mutable and (self.graph_writes or self.startup.kept):
             self.startup.wrote(func, args, kwargs)

@@ -131,13 +131,13 @@ class GraphInfo:
         self.out_keys: frozenset = frozenset()      # every storage a replay writes
         self.warmup: list[Op] | None = None         # the first warmup run before this capture
         self.eager_lines: set[str] = set()          # lines run eagerly after that warmup, outside the capture
+        self.pieces: list = []                      # later pieces of its step (PIECEWISE), captured after it
         self.replays = 0
         self.probed = False
         self.attempts = 0                           # mutation probes run (see probes/mutation.py)
         self.pending: Pending | None = None
         self.python: list | None = None            # Python containers its eager step reaches (probes/pystate.py)
         self.startup_checked = False                # compared once from the state before the warmups
-        self.skipped: tuple | None = None           # (finding, key) of work the capture skipped (rules/warmup.py)
         self.compared = 0                           # replays compared with an eager step
         self.disagreed = False                      # ... and one of them gave other results
         self.traced_always = False                  # its eager step wrote outside the kept state: trace each one
@@ -147,6 +147,7 @@ class GraphInfo:
         self.derived: list = []                     # storages it reads that set-up code computed from a static input
         self.window: dict | None = None             # static-input elements written since its last replay
         self.step: dict | None = None               # ... as they were when its current replay began
+        self.consumed: set[int] = set()             # ... of those, inputs another graph's replay read since
         self.blocks: set[tuple] = set()             # memory blocks the capture wrote (rules/pool.py)
         self.own_blocks: set[tuple] = set()         # of those, blocks it allocated
         self.expects: dict[tuple, tuple] = {}       # blocks read from another capture -> that producer

@@ -52,7 +52,7 @@ def _final_checks(doctor) -> None:
     mutation.warmup_updates(doctor)
     unread.finish(doctor)
     for info in doctor.graphs.values():
-        warmup.decide(doctor, info)
+        warmup.check(doctor, info)
 
 
 def _not_checked(doctor) -> dict[str, str]:

@@ -58,7 +58,7 @@ class CarriedInputs:
         self.captured: dict[int, torch.Tensor] = {}    # static input -> its values at the first capture reading it
 
     def capture_end(self, doctor, info) -> None:
-        info.window = {}
+        info.window, info.consumed = {}, set()
         with _disable_current_modes():
             for key in info.externals.keys() - self.captured.keys():
                 if (buf := doctor.buffer(key)) is not None and buf.role == "input":
@@ -67,17 +67,28 @@ class CarriedInputs:
     def replay_begins(self, doctor, info) -> None:
         """The runner's writes since the last replay (of any graph) join every graph's window; the
         window of the graph about to replay -- what was written since its own last replay, one
-        step's inputs even when a step replays several graphs -- is this step's (``info.step``)."""
+        step's inputs even when a step replays several graphs -- is this step's (``info.step``).
+        A buffer that another graph's replay read since has served a step: the next writes into it
+        start a new one, so the window restarts there (a larger batch's rows, written for another
+        graph, are not this step's)."""
+        live = [g for g in doctor.graphs.values() if g.window is not None and g.ref() is not None]
         with _disable_current_modes():
             for key, mask in doctor.fresh.items():
                 if key not in self.captured or mask.shape != self.captured[key].shape:
                     continue
                 self.ever[key] = self.ever[key] | mask if key in self.ever else mask.clone()
-                for other in doctor.graphs.values():
-                    if other.window is not None and other.ref() is not None:
-                        other.window[key] = other.window[key] | mask if key in other.window else mask
+                for other in live:
+                    if key in other.window and key not in other.consumed:
+                        other.window[key] = other.window[key] | mask
+                    else:
+                        other.window[key] = mask
+                        other.consumed.discard(key)
+        for other in live:
+            if other is not info:
+                other.consumed.update(key for key in info.externals if key in other.window)
         if info.window is not None:
             info.step, info.window = info.window, {}
+            info.consumed = set()
 
     def of_step(self, doctor, info, pending) -> dict:
         """``key -> Carried`` for the static inputs of ``info`` this step carries over (called

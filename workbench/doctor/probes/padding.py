@@ -162,7 +162,7 @@ def record_inputs(doctor, info) -> None:
             buf = doctor.buffer(key)
             if buf is not None:
                 label, t = buf.name, buf.ref()
-                t = t if real is None else t[:real]
+                t = t if real is None or t is None or t.dim() == 0 else t[:real]
             elif key in info.writes:
                 label, t = f"{info.externals[key].tensor} (state)", whole(info.externals[key].weak)
             else:
@@ -195,7 +195,7 @@ def record_outputs(doctor, info, pending) -> None:
     with _disable_current_modes():
         if outputs is not None:
             parts = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
-            record["outputs"] = torch.cat([p[:real].detach().double().reshape(-1).cpu() for p in parts])
+            record["outputs"] = torch.cat([(p[:real] if p.dim() else p).detach().double().reshape(-1).cpu() for p in parts])
         for key in info.writes:
             if doctor.buffer(key) is None and (w := whole(info.externals[key].weak)) is not None:
                 record["state"][info.externals[key].tensor] = digest(w)

@@ -53,7 +53,9 @@ def replayed(doctor, info, pending) -> None:
         doctor.padded_step = None
         _tracer.stop()
         return
-    keys = {storage_key(t) for t in tensors(pending.outputs)}
+    # Its outputs, and all memory it owns: a PIECEWISE piece hands its own tensors (not the step's
+    # outputs) to the eager code that runs before the next piece.
+    keys = {storage_key(t) for t in tensors(pending.outputs)} | info.created
     doctor.padded_step = PaddedStep(info.name, info.replays, pending.real, pending.size, keys)
     if doctor.plan is not None and doctor.pattern is None:
         _tracer.start(doctor)

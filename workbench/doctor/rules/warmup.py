@@ -1,7 +1,8 @@
 """warmup-divergence from the warmup: source lines the warmup ran and the capture never executed.
 
-With differential replay on, this is decided at the end: skipped work that every compared replay
-shows to change nothing is a note, not a finding.
+Decided at the end of the watch, when every piece of a PIECEWISE step has been captured and
+differential replay has compared what it could: skipped work that every compared replay shows to
+change nothing is a note, not a finding.
 
 (The other source of this kind, a replay that an eager run of the same step contradicts, is decided
 by differential replay: ``probes/differential.py``.)"""
@@ -27,50 +28,43 @@ def op(func, args, kwargs, constant: set) -> Op:
 
 
 def check(doctor, info) -> None:
-    """Ops of source lines the fresh warmup ran and the capture never executed: Python skipped
-    them at capture (lazy work already done). A line that ran in both but dispatched other
-    kernels (a backend choosing another algorithm under capture) is not a skipped step, nor is
-    one the runner ran eagerly before the capture (code it keeps outside the graph, as
-    PIECEWISE graphs do: whether that code is safe is the mutation rule's question). Not counted
-    either: host work (a capture never records it, so it cannot have skipped it) and work that
-    reads no data, only constants (a buffer or a table made once, outside the graph's pool, is the
-    same for every step: replays that reuse it are right)."""
-    ran_since = {op.source for op in info.ops} | info.eager_lines
+    """At the end of the watch: ops of source lines the fresh warmup ran and the capture never
+    executed: Python skipped them at capture (lazy work already done). The capture of a step split
+    into pieces (PIECEWISE) is all its pieces and the eager code run between them: the warmup ran
+    the whole step. A line that ran in both but dispatched other kernels (a backend choosing another
+    algorithm under capture) is not a skipped step, nor is one the runner ran eagerly before the
+    capture (code it keeps outside the graph, as PIECEWISE graphs do: whether that code is safe is
+    the mutation rule's question). Not counted either: host work (a capture never records it, so it
+    cannot have skipped it) and work that reads no data, only constants (a buffer or a table made
+    once, outside the graph's pool, is the same for every step: replays that reuse it are right).
+
+    The skipped work is a finding, unless differential replay compared this graph's replays with
+    eager steps and every one agreed: then the capture skipped work that changes no result (a check
+    a library makes only outside a capture, say), and it is a note."""
+    if info.warmup is None:
+        return
+    step = (info, *info.pieces)
+    ran_since = {op.source for piece in step for op in piece.ops} | set().union(*(p.eager_lines for p in step))
     missing = [op for op in info.warmup if op.source not in ran_since and op.reads and not _host(op, info.cuda)]
     if not missing:
         return
     first = missing[0]
     lines = Counter(op.source.split(": ", 1)[0] for op in missing)
-    info.skipped = (Finding(
+    captured = sum(len(piece.ops) for piece in step)
+    finding = Finding(
         "warmup-divergence", info.name, first.name, "-", first.source,
-        f"the warmup ran {len(info.warmup)} ops, the capture recorded {len(info.ops)}; {len(missing)} warmup ops "
+        f"the warmup ran {len(info.warmup)} ops, the capture recorded {captured}; {len(missing)} warmup ops "
         f"come from {len(lines)} source line(s) the capture never executed: "
         + ", ".join(f"{k} (x{v})" for k, v in lines.items()),
         explain.warmup(len(missing), first.name),
-        {"warmup_ops": len(info.warmup), "captured_ops": len(info.ops), "missing": len(missing),
-         "lines": len(lines)}),
-        ("warmup-divergence", first.name, first.source))
-    if not doctor.every:
-        decide(doctor, info)
-
-
-def decide(doctor, info) -> None:
-    """The skipped work is a finding, unless differential replay compared this graph's replays with
-    eager steps and every one agreed: then the capture skipped work that changes no result (a check
-    a library makes only outside a capture, say), and it is a note. So it is for the first piece of
-    a PIECEWISE step compared whole: its warmup ran the whole step, eager regions and later pieces
-    included, and a disagreement of the step is differential replay's to explain."""
-    if info.skipped is None:
-        return
-    finding, key = info.skipped
-    info.skipped = None
+        {"warmup_ops": len(info.warmup), "captured_ops": captured, "missing": len(missing), "lines": len(lines)})
     if info.compared and not info.disagreed:
         doctor.report.notes.append(f"{info.name}: the warmup ran work the capture skipped ({finding.source}); "
                                    f"{info.compared} replay(s) compared with eager steps agreed, so it changes no result")
-    else:       # the cause before what differential replay saw of it: first among its kind
-        fs = doctor.report.findings
-        if doctor.add(finding, key) is finding and fs[-1] is finding:
-            fs.insert(next(i for i, f in enumerate(fs) if f.kind == finding.kind), fs.pop())
+        return
+    fs = doctor.report.findings                 # the cause before what differential replay saw of it
+    if doctor.add(finding, ("warmup-divergence", first.name, first.source)) is finding and fs[-1] is finding:
+        fs.insert(next(i for i, f in enumerate(fs) if f.kind == finding.kind), fs.pop())
 
 
 def _host(op: Op, cuda: bool) -> bool:
