@@ -803,3 +803,30 @@ def test_a_piecewise_eager_region_that_mixes_padded_and_real_rows(fixed):
     (finding,) = report.findings
     assert finding.kind == "padded-shape-mismatch" and "idx = slots[torch.arange(n)]" in finding.source
     assert "`key` float32[4, 2]" in finding.tensor and "int64[3] (3 real rows)" in finding.tensor
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_static_input_no_graph_reads_is_a_capture_that_took_another_path(variant):
+    """The runner fills ``embeds`` every step, but the bug's capture calls the model without it:
+    the graph embeds ``ids`` instead, and every replay ignores the runner's ``embeds``."""
+    table = torch.randn(6, 3, generator=torch.Generator().manual_seed(0))
+
+    def model(ids, embeds=None):
+        return (table[ids] if embeds is None else embeds) * 2
+
+    def workload():
+        ids, embeds = torch.zeros(4, dtype=torch.int64), torch.zeros(4, 3)
+        m = Manager(lambda size: model(ids[:size], None if variant == "bug" else embeds[:size]), [4],
+                    {"ids": ids, "embeds": embeds})
+        m.capture()
+        for step in range(2):
+            ids[:] = torch.arange(4) + step
+            embeds[:] = table[ids] + 1.0                  # image features merged into the embeddings
+            m.replay(4)
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "warmup-divergence" and finding.op == "capture" and finding.tensor.startswith("embeds")
+    assert "no graph reads embeds at all" in finding.evidence and "with graph(g, pool=self.pool" in finding.source

@@ -399,7 +399,7 @@ class Doctor:
             out = undersized.write(self, func, targets, run)
         if self.padded_step is not None and not view:
             shapes.derived(self, func, args, kwargs, out)
-        if self.unread and not view:
+        if (self.unread or self.copied) and not view:
             unread.touched(self, func, args, kwargs)
         if view:
             if self.handed and isinstance(out, torch.Tensor):

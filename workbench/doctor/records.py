@@ -8,6 +8,8 @@ import weakref
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..engine.source import user_frame
+
 
 @dataclasses.dataclass(frozen=True)
 class Op:
@@ -120,6 +122,7 @@ class GraphInfo:
     def __init__(self, graph, name: str) -> None:
         self.ref = weakref.ref(graph)
         self.name = name
+        self.site = user_frame()                    # the user's line that captured it
         self.cuda = not hasattr(graph, "ops")       # a torch.cuda.CUDAGraph exposes no op list
         self.ops: list[Op] = []                     # the capture's launch trace
         self.externals: dict[int, External] = {}

@@ -48,12 +48,14 @@ class EagerRun:
     traced: bool = True                          # record the launch trace (else only new and extra storages)
     seen: bool = True                            # its ops went through the doctor's mode
     rows: tuple | None = None                    # (real, size) of a padded step whose writes are attributed
+    outputs: frozenset = frozenset()             # memory the graph owns and never reads: its previous outputs
     ops: list = dataclasses.field(default_factory=list)
     new: set = dataclasses.field(default_factory=set)
     created_by: dict = dataclasses.field(default_factory=dict)   # storage it created -> the Op that did
     extra: dict = dataclasses.field(default_factory=dict)    # other storages it wrote: key -> (whole, before)
     described: dict = dataclasses.field(default_factory=dict)
     row_writes: list = dataclasses.field(default_factory=list)   # padded rows' writes of owned state (row_writes)
+    read_outputs: list = dataclasses.field(default_factory=list)  # ops that read ``outputs`` before writing them
 
 
 def _state(doctor, info) -> dict:
@@ -89,6 +91,9 @@ def on_op(doctor, func, args, kwargs, run):
     lifted = func.overloadpacket in _LIFTS
     if func.is_view and not lifted:
         return run()
+    if d.outputs and not d.read_outputs:        # before its own writes make them this run's
+        if any((key := storage_key(t)) in d.outputs and key not in d.extra for t in op_tensors(args, kwargs)):
+            d.read_outputs.append(f"{func} at {user_frame()}")
     if func._schema.is_mutable:
         for t in written_tensors(func, args, kwargs):
             key = storage_key(t)
@@ -180,7 +185,14 @@ def finish(doctor, info, pending) -> None:
     row_writes.report(doctor, info, pending, run)
     info.compared += 1
     info.disagreed |= (what is not None or bool(changed)) and not pending.span
-    if what is not None:
+    if what is not None and run.read_outputs:
+        note = (f"differential replay of {info.name}: the eager step reads what the previous replay left in memory "
+                f"the graph owns and never reads ({run.read_outputs[0]}: a binding such as a parameter's .grad, which "
+                "capture found empty), so it does not start from the replay's state; its difference "
+                f"({what[0]}) is not evidence")
+        if note not in doctor.report.notes:
+            doctor.report.notes.append(note)
+    elif what is not None:
         rootcause.classify(doctor, info, pending, what, divergence, run)
     elif changed:
         rootcause.rebound(doctor, info, pending, changed, run)
@@ -221,7 +233,8 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
             now[mask] = before[mask]
         set_rng_state(pending.rng)
     aside = not traced and _get_current_dispatch_mode() is doctor.mode
-    doctor.diff, doctor.phase = EagerRun(set(pre), _graph_ops(info, pending), traced, not aside, rows), "differential"
+    doctor.diff, doctor.phase = (EagerRun(set(pre), _graph_ops(info, pending), traced, not aside, rows,
+                                          _unread_outputs(info, pending)), "differential")
     got = error = None
     try:
         with torch.set_grad_enabled(pending.grad):     # code may branch on it (is_grad_enabled())
@@ -292,6 +305,14 @@ def _from_before_warmups(doctor, info, pending, replayed: dict, rng_after, graph
             rootcause.startup(doctor, info, pending, text, {"state": label, "elements": int(built_on.sum()),
                                                             "elements_reset": int(mask.sum())}, kept, label)
             return
+
+
+def _unread_outputs(info, pending) -> frozenset:
+    """Storages the step's graphs created and never read: what a replay leaves there is an output
+    for the caller, which no replay reads back (a ``.grad`` that backward allocated in the graph)."""
+    pieces = pending.span or (info,)
+    created = frozenset().union(*(p.created for p in pieces))
+    return created - frozenset().union(*(op.reads for p in pieces for op in p.ops))
 
 
 def _graph_ops(info, pending) -> list:

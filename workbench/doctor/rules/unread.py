@@ -1,5 +1,9 @@
 """undersized-buffer: a step copies data into a static input where its graph never reads.
 
+A static input that no graph reads at all, while the runner brings it data for the steps they
+serve, was left out of what the capture ran (a branch taken on an argument the capture was not
+given: ``inputs_embeds=None``): that is ``warmup-divergence``, at the capture.
+
 A graph reads the views of its static inputs that the capture read: ``input_ids[:, :3]`` if it
 was captured on a batch of three tokens, whatever the buffer's width. A later step that copies four
 tokens into a row the graph reads is served by a graph that reads three of them: the fourth is
@@ -26,6 +30,7 @@ from .. import explain
 from ..report import Finding
 from ..tensors import region
 
+_COPY = torch.ops.aten.copy_.default
 
 def read_view(doctor, info, key: int, t: torch.Tensor) -> None:
     """During a capture: a tensor a captured op reads; a view of a static input is kept as its
@@ -74,6 +79,13 @@ def check(doctor, info) -> None:
                 _read(doctor, key, entry, info.reads.get(key))
         for key, (mask, source) in doctor.copied.items():
             reads = info.reads.get(key)
+            if not bool(mask.any()):
+                continue
+            if reads is None and key not in info.externals and not _read_by_any(doctor, key):
+                if (buf := doctor.buffer(key)) is not None:     # data for an input no graph reads at all
+                    doctor.unread[key] = (mask, source, info.name, info.replays + 1, 0, buf.name, describe(buf.ref()),
+                                          info.site)
+                continue
             if reads is None or reads.shape != mask.shape:
                 continue
             # Only in rows the graph reads: a row given more columns than the graph reads of it
@@ -83,14 +95,19 @@ def check(doctor, info) -> None:
             lost = mask & ~reads & rows
             if bool(lost.any()) and (buf := doctor.buffer(key)) is not None:
                 doctor.unread[key] = (lost, source, info.name, info.replays + 1, int(reads.sum()), buf.name,
-                                      describe(buf.ref()))
+                                      describe(buf.ref()), None)
 
 
 def touched(doctor, func, args, kwargs) -> None:
-    """An eager op on a buffer holding unread data: reading clears it, overwriting drops it."""
+    """An eager op on a buffer holding unread data: reading clears it, overwriting drops it. Data
+    copied since the last replay that eager code reads before the replay was used there."""
     written = {id(t) for t in written_tensors(func, args, kwargs)} if overwrites(func) else set()
     for t in op_tensors(args, kwargs):
-        entry = doctor.unread.get(key := storage_key(t))
+        if (copy := doctor.copied.get(key := storage_key(t))) is not None and id(t) not in written \
+                and func is not _COPY and (buf := doctor.buffer(key)) is not None:
+            with _disable_current_modes():
+                doctor.copied[key] = (copy[0] & ~region(t, buf.ref()), copy[1])
+        entry = doctor.unread.get(key)
         if entry is None or (buf := doctor.buffer(key)) is None:
             continue
         with _disable_current_modes():
@@ -116,9 +133,21 @@ def _read(doctor, key: int, entry: tuple, mask) -> None:
         del doctor.unread[key]
 
 
+def _read_by_any(doctor, key: int) -> bool:
+    return any(key in g.externals for g in doctor.graphs.values() if g.ref() is not None)
+
+
 def _dropped(doctor, key: int) -> None:
-    mask, source, graph, replay, read, name, shape = doctor.unread.pop(key)
+    mask, source, graph, replay, read, name, shape, captured_at = doctor.unread.pop(key)
     n = int(mask.sum())
+    if captured_at is not None:
+        doctor.add(Finding(
+            "warmup-divergence", graph, "capture", f"{name}: {shape}", captured_at,
+            f"before replay {replay} of {graph}, the runner copied {n} element(s) of data into the static input {name} "
+            f"(at {source}), but no graph reads {name} at all, and nothing read them before they were overwritten "
+            "or the watch ended", explain.input_never_captured(name, graph),
+            {"elements_dropped": n}), ("warmup-divergence", "capture", name))
+        return
     doctor.add(Finding(
         "undersized-buffer", graph, "aten.copy_.default", f"{name}: {shape}", source,
         f"before replay {replay} of {graph}, {n} element(s) were copied into {name} where the graph never reads "
