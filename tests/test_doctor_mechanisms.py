@@ -830,3 +830,19 @@ def test_a_static_input_no_graph_reads_is_a_capture_that_took_another_path(varia
     (finding,) = report.findings
     assert finding.kind == "warmup-divergence" and finding.op == "capture" and finding.tensor.startswith("embeds")
     assert "no graph reads embeds at all" in finding.evidence and "with graph(g, pool=self.pool" in finding.source
+
+
+def test_a_static_input_only_the_host_reads_is_no_finding():
+    """``lens`` is a static input the runner fills and reads on the host (``tolist``, which on the
+    CPU dispatches no op) to plan the step; no graph reads it, and nothing is lost."""
+    def workload():
+        x, lens, mask = torch.zeros(4, 3), torch.zeros(4, dtype=torch.int64), torch.zeros(4, 3)
+        m = Manager(lambda size: (x[:size] * mask[:size]).sum(1), [4], {"x": x, "lens": lens})
+        m.capture()
+        for step in range(3):
+            lens[:] = torch.tensor([1, 2, 3, 2]) + step % 2
+            mask.copy_((torch.arange(3)[None] < torch.tensor(lens.tolist())[:, None]).float())
+            x[:] = step + 1.0
+            m.replay(4)
+    report = doctor.diagnose(workload)
+    assert report.findings == [], report

@@ -14,7 +14,7 @@ from . import failures
 from .failures import DELIBERATE
 from .intake import _ASIDE, Doctor
 from .report import Report
-from .rules import undersized
+from .rules import undersized, unread
 
 
 class _Watch(TorchDispatchMode):
@@ -74,6 +74,24 @@ def _item_assignment(doctor: Doctor):
     return original, __setitem__
 
 
+def _host_reads(doctor: Doctor) -> dict:
+    """``Tensor.tolist`` and ``Tensor.numpy`` that first tell the doctor's rules a host read the
+    tensor: on the CPU neither dispatches an op (on CUDA, ``tolist`` copies to the host through one),
+    so a runner's host read of a static buffer would otherwise go unseen."""
+    originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
+
+    def wrap(name, original):
+        def read(self, *args, **kwargs):
+            if (doctor.copied or doctor.unread) and doctor.failure is None and doctor.phase == "eager":
+                try:
+                    unread.host_read(doctor, self)
+                except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
+                    doctor.fail(e, f"watching Tensor.{name}")
+            return original(self, *args, **kwargs)
+        return read
+    return {name: (original, wrap(name, original)) for name, original in originals.items()}
+
+
 class _Call:
     """The watched op, run at most once whatever the doctor does around it (an in-place op run
     twice after a failure of the doctor would corrupt the user's data)."""
@@ -114,9 +132,12 @@ def watching(doctor: Doctor) -> Iterator[Doctor]:
     """``watch()`` with a given observer (``diagnose`` keeps its probe records)."""
     mode = doctor.mode = _Watch(doctor)
     original, checked = _item_assignment(doctor)
+    reads = _host_reads(doctor)
     doctor.engine_op = _engine_op(doctor)
     events.subscribe(doctor)
     torch.Tensor.__setitem__ = checked
+    for name, (_, watched) in reads.items():
+        setattr(torch.Tensor, name, watched)
     mode.__enter__()
     start = time.perf_counter()
     try:
@@ -127,6 +148,8 @@ def watching(doctor: Doctor) -> Iterator[Doctor]:
     finally:
         mode.__exit__(None, None, None)
         torch.Tensor.__setitem__ = original
+        for name, (kept, _) in reads.items():
+            setattr(torch.Tensor, name, kept)
         events.unsubscribe(doctor)
         doctor.finish()
         doctor.report.seconds = time.perf_counter() - start

@@ -30,8 +30,7 @@ from .. import explain
 from ..report import Finding
 from ..tensors import region
 
-_COPY = torch.ops.aten.copy_.default
-
+_HOST_READ = torch.ops.aten.alias.default      # a read-only op standing for a host read in ``touched``
 def read_view(doctor, info, key: int, t: torch.Tensor) -> None:
     """During a capture: a tensor a captured op reads; a view of a static input is kept as its
     geometry (masks are made after the capture, whose stream must record none of the doctor's work)."""
@@ -104,7 +103,7 @@ def touched(doctor, func, args, kwargs) -> None:
     written = {id(t) for t in written_tensors(func, args, kwargs)} if overwrites(func) else set()
     for t in op_tensors(args, kwargs):
         if (copy := doctor.copied.get(key := storage_key(t))) is not None and id(t) not in written \
-                and func is not _COPY and (buf := doctor.buffer(key)) is not None:
+                and (buf := doctor.buffer(key)) is not None:
             with _disable_current_modes():
                 doctor.copied[key] = (copy[0] & ~region(t, buf.ref()), copy[1])
         entry = doctor.unread.get(key)
@@ -118,6 +117,11 @@ def touched(doctor, func, args, kwargs) -> None:
             _dropped(doctor, key)
         else:
             _read(doctor, key, entry, hit)
+
+
+def host_read(doctor, t: torch.Tensor) -> None:
+    """A host read of a tensor (``tolist``, ``numpy``): an eager read like any other."""
+    touched(doctor, _HOST_READ, (t,), {})
 
 
 def finish(doctor) -> None:
