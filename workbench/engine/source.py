@@ -28,20 +28,39 @@ def user_frame() -> str:
     objects are the user's, and each line's text, are looked up once.)"""
     frame = sys._getframe(1)
     while frame is not None:
-        code = frame.f_code
-        mine = _USER.get(code)
-        if mine is None:
-            mine = _USER[code] = (not code.co_filename.startswith(SKIP_DIRS)
-                                  and not code.co_filename.startswith("<frozen") and code.co_name not in _HANDLERS)
-        if mine:
-            key = (code, frame.f_lineno)
-            text = _LINES.get(key)
-            if text is None:
-                line = linecache.getline(code.co_filename, frame.f_lineno).strip()
-                text = _LINES[key] = f"{short_path(code.co_filename)}:{frame.f_lineno} in {code.co_name}: {line}"
-            return text
+        if _mine(frame.f_code):
+            return location(frame)
         frame = frame.f_back
     return "<unknown>"
+
+
+def user_frames() -> list:
+    """The user's frames on the stack, innermost first (frame objects: hold them only briefly)."""
+    frames, frame = [], sys._getframe(1)
+    while frame is not None:
+        if _mine(frame.f_code):
+            frames.append(frame)
+        frame = frame.f_back
+    return frames
+
+
+def location(frame) -> str:
+    """``file:line in function: code`` of a frame, at the line it is running."""
+    code = frame.f_code
+    key = (code, frame.f_lineno)
+    text = _LINES.get(key)
+    if text is None:
+        line = linecache.getline(code.co_filename, frame.f_lineno).strip()
+        text = _LINES[key] = f"{short_path(code.co_filename)}:{frame.f_lineno} in {code.co_name}: {line}"
+    return text
+
+
+def _mine(code) -> bool:
+    mine = _USER.get(code)
+    if mine is None:
+        mine = _USER[code] = (not code.co_filename.startswith(SKIP_DIRS)
+                              and not code.co_filename.startswith("<frozen") and code.co_name not in _HANDLERS)
+    return mine
 
 
 _USER: dict = {}      # code object -> whether it is the user's

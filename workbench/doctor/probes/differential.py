@@ -30,7 +30,7 @@ from torch._C import _pop_torch_dispatch_stack, _push_on_torch_dispatch_stack
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
 from ...engine.opinfo import op_tensors, storage_key, tensors, written_tensors
-from ...engine.source import user_frame
+from ...engine.source import location, user_frame, user_frames
 from ..records import Op
 from ..tensors import changed, differs, first_line, max_abs_diff, rng_state, set_rng_state, signature, whole
 from . import launch, pystate, rootcause, row_writes, unpadded
@@ -56,6 +56,9 @@ class EagerRun:
     described: dict = dataclasses.field(default_factory=dict)
     row_writes: list = dataclasses.field(default_factory=list)   # padded rows' writes of owned state (row_writes)
     read_outputs: list = dataclasses.field(default_factory=list)  # ops that read ``outputs`` before writing them
+    stacks_at: tuple = ()                        # two positions in the trace whose user frames are compared
+    held: list | None = None                     # ... the frames at the first, until the second
+    loop: str | None = None                      # the deepest frame both share: the one that looped
 
 
 def _state(doctor, info) -> dict:
@@ -112,6 +115,8 @@ def on_op(doctor, func, args, kwargs, run):
         if (key := storage_key(t)) not in d.new:     # pre-existing, so alive anyway: described if reported
             d.described.setdefault(key, t)
     name, sig, i = _name(func), signature(func, args, kwargs), len(d.ops)
+    if i in d.stacks_at:
+        _stack(d, i)
     same = i < len(d.graph_ops) and d.graph_ops[i].name == name and d.graph_ops[i].sig == sig
     # The source line costs a walk up the stack: where the op matches the capture's op at the
     # same position, it is taken to be the same line (a divergence is looked up in full).
@@ -123,6 +128,21 @@ def on_op(doctor, func, args, kwargs, run):
             d.new.add(key)
             d.created_by.setdefault(key, op)
     return out
+
+
+def _stack(d: EagerRun, i: int) -> None:
+    """At the first of ``stacks_at``, hold the user's frames; at the second, keep the line of the
+    deepest frame both share (the same call, not only the same function) and let the frames go."""
+    frames = user_frames()[::-1]                 # outermost first
+    if i == d.stacks_at[0]:
+        d.held = frames
+        return
+    shared = None
+    for a, b in zip(d.held or (), frames):
+        if a is not b:
+            break
+        shared = b
+    d.held, d.loop = None, location(shared) if shared is not None else None
 
 
 def _untraced(d: EagerRun, func, args, kwargs, run):
@@ -182,6 +202,12 @@ def finish(doctor, info, pending) -> None:
                                    f"{type(error).__name__}: {first_line(error)}")
         return
     divergence = launch.compare(*_traces(info, pending, run)) if traced else None
+    if what is not None and (at := launch.repeats(divergence, *_traces(info, pending, run))) is not None:
+        first = run.ops[divergence.index] if divergence.how == "skipped" else divergence.graph_op
+        divergence.loop = first.source
+        if at:                                   # once more, to see which frame runs the loop
+            again, _, _ = _eager(doctor, info, pending, replayed, rng_after, traced=True, stacks=at)
+            divergence.loop = again.loop or divergence.loop
     row_writes.report(doctor, info, pending, run)
     info.compared += 1
     info.disagreed |= (what is not None or bool(changed)) and not pending.span
@@ -219,7 +245,7 @@ def finish(doctor, info, pending) -> None:
 
 
 def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None = None, traced: bool = False,
-           step=None, rows: tuple | None = None):
+           step=None, rows: tuple | None = None, stacks: tuple = ()):
     """Run the eager step (or ``step``, another eager form: the unpadded one) from the state before the
     replay (with ``reset``'s bytes put back as they were before the warmups), keep what it gives, and
     put the replay's state back. ``traced`` records its launch trace; otherwise the doctor's mode is
@@ -234,7 +260,7 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
         set_rng_state(pending.rng)
     aside = not traced and _get_current_dispatch_mode() is doctor.mode
     doctor.diff, doctor.phase = (EagerRun(set(pre), _graph_ops(info, pending), traced, not aside, rows,
-                                          _unread_outputs(info, pending)), "differential")
+                                          _unread_outputs(info, pending), stacks_at=stacks), "differential")
     got = error = None
     try:
         with torch.set_grad_enabled(pending.grad):     # code may branch on it (is_grad_enabled())

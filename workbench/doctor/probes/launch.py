@@ -25,6 +25,8 @@ class Divergence:
     graph_keys: frozenset = frozenset()
     eager_keys: frozenset = frozenset()
     after: object = None
+    inserted: int = 0           # ``skipped``/``extra``: how many ops one trace has that the other has not
+    loop: str | None = None     # the line of the frame whose loop ran another number of times (``repeats``)
 
     def tensor_argument(self) -> bool:
         """An ``arguments`` divergence in the geometry of a tensor argument (a view's offset or shape)."""
@@ -77,10 +79,27 @@ def _parted(graph_ops: list, eager_ops: list, i: int) -> Divergence:
     skip = _ahead(eager_ops, i, (g.name, g.source))
     extra = _ahead(graph_ops, i, (e.name, e.source))
     if skip is not None and (extra is None or skip <= extra):
-        return Divergence("skipped", i, g, e, after=eager_ops[i + skip])
+        return Divergence("skipped", i, g, e, after=eager_ops[i + skip], inserted=skip)
     if extra is not None:
-        return Divergence("extra", i, g, e)
+        return Divergence("extra", i, g, e, inserted=extra)
     return Divergence("ops", i, g, e)
+
+
+def repeats(d: Divergence | None, graph_ops: list, eager_ops: list) -> tuple | None:
+    """Where the ops one trace has beyond the other all come from lines the other ran too -- the
+    same code run another number of times (a loop whose count Python decided at capture) -- the
+    positions in the eager trace of the last two runs of the first such op, whose stacks tell which
+    frame loops; ``()`` when the eager step ran it once. ``None``: not a repeat."""
+    if d is None or d.how not in ("skipped", "extra"):
+        return None
+    inserted, other = ((eager_ops, graph_ops) if d.how == "skipped" else (graph_ops, eager_ops))
+    ran = {(op.name, op.source) for op in other}
+    if not all((op.name, op.source) in ran for op in inserted[d.index:d.index + d.inserted]):
+        return None
+    first = inserted[d.index]
+    seen = [k for k, op in enumerate(eager_ops[:d.index + 1] if d.how == "skipped" else eager_ops)
+            if (op.name, op.source) == (first.name, first.source)]
+    return tuple(seen[-2:]) if len(seen) >= 2 else ()
 
 
 def _ahead(ops: list, i: int, key: tuple) -> int | None:

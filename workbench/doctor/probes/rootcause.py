@@ -17,6 +17,8 @@ kind of parting it is decides the kind:
 """
 from __future__ import annotations
 
+import dataclasses
+
 from ...engine import memory
 from ...engine.opinfo import describe, storage_key
 from .. import explain
@@ -41,6 +43,13 @@ def classify(doctor, info, pending, what: tuple, divergence, run) -> None:
 
 def _parted(doctor, info, d, run) -> tuple:
     site = f"First divergence in the launch traces: {d.text()}."
+    if d.loop is not None:                        # the same code, run another number of times
+        op = d.eager_op if d.how == "skipped" else d.graph_op
+        more = "more" if d.how == "skipped" else "fewer"
+        return ("host-work-frozen", dataclasses.replace(op, source=d.loop), _read_by(doctor, info, op),
+                f"{site} The eager step runs the same code {more} times than the graph recorded ({d.inserted} op(s), "
+                f"all of lines both ran): a count Python decided at capture (a loop over a Python number, a length "
+                f"read on the host) is baked into the graph; {d.loop} runs it another number of times.")
     if d.how == "arguments":
         what = ("A view Python took at capture (where it starts in its storage, its shape) is baked into the "
                 "graph" if d.tensor_argument() else "A value Python computed on the host at capture is baked into "
