@@ -381,6 +381,37 @@ def test_dangling_reference_is_recorded_and_the_engine_then_raises():
     assert finding.numbers == {"replays_before": 1}
 
 
+class Residual:
+    """A zero residual grown lazily outside capture: the view the capture takes of it is where the
+    graph keeps its address (as the engine's faulting replay names it), not the op reading the view."""
+
+    def __init__(self):
+        self.buf = None
+
+    def zero_residual(self, x):
+        if self.buf is None or self.buf.numel() < x.numel():
+            self.buf = torch.zeros(x.numel())               # the last one is released here
+        return self.buf[:x.numel()].view_as(x)
+
+    def forward(self, x):
+        return torch.relu(x + self.zero_residual(x))
+
+
+def test_a_dangling_reference_is_named_where_the_capture_took_its_address():
+    x, model = torch.ones(2, 3), Residual()
+    with doctor.watch() as report:
+        model.forward(torch.ones(2, 3))
+        g = new_graph("cpu")
+        with graph(g):
+            model.forward(x)
+        model.forward(torch.ones(4, 3))                     # an eager batch grows the residual
+        with pytest.raises(IllegalMemoryAccess, match="in zero_residual"):
+            g.replay()
+    (finding,) = report.findings
+    assert finding.kind == "dangling-reference" and finding.op == "aten.slice.Tensor"
+    assert finding.location == where(Residual.zero_residual, "return self.buf[:x.numel()].view_as(x)")
+
+
 def test_guard_stops_the_replay_before_it_reads_released_memory():
     x = torch.ones(2, 3)
     with doctor.watch(guard=True) as report:

@@ -442,7 +442,8 @@ class Doctor:
             ext = info.externals.get(key)
             if ext is None:
                 info.externals[key] = External(StorageWeakRef(t.untyped_storage()), describe(t), t.dtype,
-                                               str(func), source, memory.origin_of(t), func.is_view)
+                                               str(func), source, memory.origin_of(t), func.is_view,
+                                               (str(func), source))
             elif ext.view_only and not func.is_view:      # name the first op that really reads it
                 ext.op, ext.source, ext.tensor, ext.view_only = str(func), source, describe(t), False
         for key in written:

@@ -35,7 +35,8 @@ class External:
     op: str
     source: str
     origin: str | None
-    view_only: bool
+    view_only: bool                     # ``op``/``source`` are a view's: the first op that reads it replaces them
+    touched_at: tuple = ()              # (op, source) of the capture's first op on it, a view too: it holds the address
     reported: bool = False
 
 

@@ -71,11 +71,12 @@ def _released(doctor, info, before_replay: bool) -> None:
             continue
         ext.reported = True
         origin = ext.origin or "before watch() (its creation was not seen)"
+        op, source = ext.touched_at       # where the capture took its address, as a faulting replay names it
         finding = doctor.add(Finding(
-            "dangling-reference", info.name, ext.op, ext.tensor, ext.source,
+            "dangling-reference", info.name, op, ext.tensor, source,
             f"{_when(info, before_replay)}: the {ext.tensor} storage the graph reads has no owner left; it was "
-            f"created {origin}", explain.dangling(ext.tensor, ext.op, origin), {"replays_before": info.replays}),
-            ("dangling-reference", ext.op, ext.source))
+            f"created {origin}", explain.dangling(ext.tensor, op, origin), {"replays_before": info.replays}),
+            ("dangling-reference", op, source))
         _stop(doctor, finding, before_replay)
 
 
