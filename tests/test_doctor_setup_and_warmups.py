@@ -378,3 +378,36 @@ def test_a_warmup_announced_as_a_real_step_keeps_its_writes_as_real_data():
     bug = doctor.diagnose(lazy_capture(real=False))
     assert [f.kind for f in bug.findings] == ["persistent-mutation"], bug    # taken for a dummy batch's writes
     assert doctor.diagnose(lazy_capture(real=True)).findings == []
+
+
+def test_a_warmup_blocks_own_set_up_is_not_work_the_capture_skipped():
+    """Megatron's layer runner warms up on zero clones of its inputs (made by helpers inside the
+    warmup block) with forward and backward, then captures the forward and the backward as two
+    graphs: the clones and the backward launched from the runner are its own work, not the step's."""
+    from workbench.engine import events, graph, graph_pool_handle, new_graph
+
+    def zero_clone(t):
+        return torch.zeros_like(t).requires_grad_(t.requires_grad)
+
+    def workload():
+        layer = torch.nn.Linear(3, 3)
+        x = torch.randn(2, 3, requires_grad=True)
+        events.static_buffers("layer runner", {"x": x})
+        with events.warmup():
+            w = zero_clone(x)
+            out = layer(w)
+            torch.autograd.grad(out, (w, *layer.parameters()), torch.ones_like(out))
+        pool = graph_pool_handle("cpu")
+        fwd, bwd = new_graph("cpu"), new_graph("cpu")
+        with graph(fwd, pool=pool, name="fwd"):
+            y = layer(x)
+        grad_out = torch.ones_like(y)
+        with graph(bwd, pool=pool, name="bwd"):
+            torch.autograd.grad(y, (x, *layer.parameters()), grad_out)
+        for _ in range(2):
+            with torch.no_grad():
+                x.copy_(torch.randn(2, 3))
+            fwd.replay()
+            bwd.replay()
+    report = doctor.diagnose(workload)
+    assert not report.of("warmup-divergence"), report

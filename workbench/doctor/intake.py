@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from ..engine import memory
 from ..engine.errors import CaptureError
 from ..engine.opinfo import describe, op_tensors, overwrites, pure_view, storage_key, tensors, written_tensors
-from ..engine.source import user_frame
+from ..engine.source import codes_within, user_frame, user_frames
 from .probes import differential, mutation as mutation_probe, padding as padding_probe
 from .probes.carried import CarriedInputs
 from .probes.startup import Startup
@@ -65,6 +65,7 @@ class Doctor:
         self.warmup_runs: list[list[Op]] = []
         self.eager_lines: set[str] = set()          # source lines run eagerly between a warmup and its capture
         self.step_head: GraphInfo | None = None     # the graph just captured after warmups, until a warmup or replay
+        self.opened = None                          # the user's frame that entered the capture or warmup running
         self.updates: dict[int, dict[tuple, list]] = {}    # rules.mutation: eager in-place updates
         self.fresh: dict[int, torch.Tensor] = {}    # elements rewritten outside graphs since the last replay
         self.unprobed = 0                           # graphs writing a static input, not yet probed
@@ -143,13 +144,16 @@ class Doctor:
         self.warmup_runs = []
         self.graphs[id(graph)] = info
         self.capturing = info
+        self.opened = next(iter(user_frames()), None)
+        if self.opened is not None:                 # a piece opened inside the step's own code (PIECEWISE)
+            info.called.add(self.opened.f_code)
         self.phase = "capture"
         self.report.captures += 1
 
     @contained
     def capture_end(self, graph) -> None:
         info = self.capturing
-        self.capturing, self.phase = None, "eager"
+        self.capturing, self.phase, self.opened = None, "eager", None
         self.fresh.clear()
         if info is None:
             return
@@ -177,7 +181,7 @@ class Doctor:
     @contained
     def capture_abort(self, graph, error: BaseException) -> None:
         info = self.capturing
-        self.capturing, self.phase = None, "eager"
+        self.capturing, self.phase, self.opened = None, "eager", None
         if info is not None:
             info.warmup = None                      # nothing was captured to compare its warmup with
         name = info.name if info is not None else "a graph"
@@ -288,12 +292,13 @@ class Doctor:
         if self.step_head is not None:              # a new step's warmups: eager code since the last capture is not its
             self.step_head, self.eager_lines = None, set()
         self.phase, self.real_warmup = "warmup", real
+        self.opened = next(iter(user_frames()), None)
         self.warmup_runs.append([])
         self.report.warmups += 1
 
     @contained
     def warmup_end(self) -> None:
-        self.phase = "eager"
+        self.phase, self.opened = "eager", None
         if not self.real_warmup:
             mutation.warmup_wrote_state(self)
         self.startup.warmup_end()
@@ -375,7 +380,7 @@ class Doctor:
             else:
                 out = undersized.write(self, func, targets, run)
             if not func.is_view:
-                self.warmup_runs[-1].append(warmup.op(func, args, kwargs, self.startup.constant))
+                self.warmup_runs[-1].append(warmup.op(func, args, kwargs, self.startup.constant, self.opened))
                 self.startup.created_by(args, kwargs, out)
             memory.record_new_storages(func, args, kwargs, out)
             return out
@@ -454,6 +459,8 @@ class Doctor:
             if key not in in_keys and self.owner_of(key) is None:
                 self.owned[key] = (StorageWeakRef(o.untyped_storage()), info)
                 info.created.add(key)
+        if info.warmup is not None and not func.is_view:      # what the capture called, for rules/warmup.py
+            info.called |= codes_within(self.opened)
         if not func.is_view or lifted:              # a constant's value is part of the trace
             info.ops.append(Op(str(func), source, frozenset(in_keys), written,
                                frozenset(in_keys - info.created), sig))

@@ -23,6 +23,7 @@ class Op:
     ext: frozenset = frozenset()
     sig: tuple = ()
     memory: frozenset = frozenset()     # warmup ops: where its tensors live ("host", "cpu", "cuda")
+    codes: frozenset = frozenset()      # warmup ops: the functions it ran in, inside the warmup block
 
 
 @dataclasses.dataclass
@@ -136,6 +137,7 @@ class GraphInfo:
         self.warmup: list[Op] | None = None         # the first warmup run before this capture
         self.eager_lines: set[str] = set()          # lines run eagerly after that warmup, outside the capture
         self.pieces: list = []                      # later pieces of its step (PIECEWISE), captured after it
+        self.called: set = set()                    # functions its captured ops ran in, inside the capture block
         self.replays = 0
         self.probed = False
         self.attempts = 0                           # mutation probes run (see probes/mutation.py)

@@ -44,6 +44,17 @@ def user_frames() -> list:
     return frames
 
 
+def codes_within(opened) -> frozenset:
+    """The code objects of the user's frames running inside the frame ``opened`` (the user's frame
+    that entered a capture or a warmup): what that block called, not the runner around it."""
+    codes, frame = set(), sys._getframe(1)
+    while frame is not None and frame is not opened:
+        if _mine(frame.f_code):
+            codes.add(frame.f_code)
+        frame = frame.f_back
+    return frozenset(codes) if frame is opened else frozenset()
+
+
 def location(frame) -> str:
     """``file:line in function: code`` of a frame, at the line it is running."""
     code = frame.f_code

@@ -112,6 +112,27 @@ def check(doctor, info) -> None:
             ("warmup-divergence", d.op, d.line))
 
 
+def feeds_a_graph(doctor, source: int) -> bool:
+    """Whether a live graph reads a storage that set-up code computed from ``source`` (through up to
+    ``_DEPTH`` eager ops): a static input a graph uses through what was derived from it."""
+    for info in doctor.graphs.values():
+        if info.ref() is None:
+            continue
+        for key in info.externals:
+            seen, frontier = {key}, [key]
+            for _ in range(_DEPTH):
+                nxt = []
+                for k in frontier:
+                    entry = doctor.computed_from.get(k)
+                    for src in (entry[1].keys() - seen if entry is not None else ()):
+                        if src == source:
+                            return True
+                        seen.add(src)
+                        nxt.append(src)
+                frontier = nxt
+    return False
+
+
 def _static_source(doctor, key: int) -> int | None:
     """The announced static input ``key`` was computed from (through up to ``_DEPTH`` eager ops)."""
     seen, frontier = {key}, [key]

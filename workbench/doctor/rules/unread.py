@@ -28,6 +28,7 @@ from ...engine.opinfo import describe, op_tensors, overwrites, storage_key, writ
 from ...engine.source import user_frame
 from .. import explain
 from ..report import Finding
+from . import derived
 from ..tensors import region
 
 _HOST_READ = torch.ops.aten.alias.default      # a read-only op standing for a host read in ``touched``
@@ -80,7 +81,8 @@ def check(doctor, info) -> None:
             reads = info.reads.get(key)
             if not bool(mask.any()):
                 continue
-            if reads is None and key not in info.externals and not _read_by_any(doctor, key):
+            if reads is None and key not in info.externals and not _read_by_any(doctor, key) \
+                    and not derived.feeds_a_graph(doctor, key):
                 if (buf := doctor.buffer(key)) is not None:     # data for an input no graph reads at all
                     doctor.unread[key] = (mask, source, info.name, info.replays + 1, 0, buf.name, describe(buf.ref()),
                                           info.site)

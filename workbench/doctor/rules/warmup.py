@@ -12,19 +12,20 @@ from collections import Counter
 
 from ...engine.memory import HOST_TYPES
 from ...engine.opinfo import op_tensors, storage_key
-from ...engine.source import user_frame
+from ...engine.source import codes_within, user_frame
 from ..records import Op
 
 from .. import explain
 from ..report import Finding
 
 
-def op(func, args, kwargs, constant: set) -> Op:
+def op(func, args, kwargs, constant: set, opened) -> Op:
     """A warmup op as the rule needs it: the data it reads (not constants the warmups computed from
-    no data) and where its tensors live."""
+    no data), where its tensors live, and the functions it ran in inside the warmup block."""
     ts = op_tensors(args, kwargs)
     return Op(str(func), user_frame(), frozenset(k for t in ts if (k := storage_key(t)) not in constant),
-              memory=frozenset("host" if type(t) in HOST_TYPES else t.device.type for t in ts))
+              memory=frozenset("host" if type(t) in HOST_TYPES else t.device.type for t in ts),
+              codes=codes_within(opened))
 
 
 def check(doctor, info) -> None:
@@ -37,6 +38,8 @@ def check(doctor, info) -> None:
     the mutation rule's question). Not counted either: host work (a capture never records it, so it
     cannot have skipped it) and work that reads no data, only constants (a buffer or a table made
     once, outside the graph's pool, is the same for every step: replays that reuse it are right).
+    Only work inside what the capture called counts: a warmup block's own set-up (inputs made for
+    the dummy batch, a backward captured as another graph) is the runner's, not the step's.
 
     The skipped work is a finding, unless differential replay compared this graph's replays with
     eager steps and every one agreed: then the capture skipped work that changes no result (a check
@@ -45,7 +48,9 @@ def check(doctor, info) -> None:
         return
     step = (info, *info.pieces)
     ran_since = {op.source for piece in step for op in piece.ops} | set().union(*(p.eager_lines for p in step))
-    missing = [op for op in info.warmup if op.source not in ran_since and op.reads and not _host(op, info.cuda)]
+    called = set().union(*(p.called for p in step))
+    missing = [op for op in info.warmup if op.source not in ran_since and op.reads and not _host(op, info.cuda)
+               and op.codes & called]
     if not missing:
         return
     first = missing[0]
