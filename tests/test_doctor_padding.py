@@ -501,3 +501,28 @@ def test_a_caught_replay_error_is_named_and_padded_rows_an_eager_step_left_are_s
     assert "padded rows as the runner left them failed (IndexError" in finding.evidence
     fixed = doctor.diagnose(_gather_after_eager_step(pad=True))
     assert fixed.findings == [] and fixed.caught == [], fixed
+
+
+@pytest.mark.parametrize("sentinel", [-1, 0], ids=["bug", "fix"])
+def test_a_padded_replay_that_fails_where_its_real_rows_alone_do_not_is_stale_padding(sentinel):
+    """The runner writes a sentinel into the padded rows' block table that the kernel does not
+    honour (-1: out of range); the manager's step on the real rows alone completes."""
+    from workbench.engine import GraphManager
+
+    def workload():
+        pages, table = torch.randn(4, 3), torch.zeros(4, dtype=torch.int64)
+        m = GraphManager(lambda size: pages.index_select(0, table[:size]) * 2, [4], static_buffers={"table": table})
+        m.capture()
+        table[:3] = torch.tensor([1, 2, 3])
+        table[3:] = sentinel                              # every padded row written
+        try:
+            m.replay(4, 3, padded={})
+        except IndexError:
+            pass
+    report = doctor.diagnose(workload)
+    if sentinel == 0:
+        assert report.findings == [] and report.caught == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "stale-padding" and finding.op == "aten.index_select.default", report
+    assert "completes" in finding.evidence and finding.numbers["crashed"] == "IndexError"

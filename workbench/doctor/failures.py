@@ -68,12 +68,19 @@ def describe(doctor, error: BaseException) -> str:
 def recorded_op(error: BaseException, graph: str) -> str:
     """Where in the captured code an emulated replay failed: the recorded op the replay was
     running (the CPU graph's replay loop holds it), else just the graph."""
+    op = failed_op(error)
+    if op is None:
+        return f"raised by the replay of {graph}"
+    return f"raised by the replay of {graph} in {op.func}, recorded at {op.source}"
+
+
+def failed_op(error: BaseException):
+    """The recorded op an emulated replay was running when it raised (``func``, ``source``), or None
+    (a CUDA replay, whose failure a kernel reports later, has none)."""
     tb, op = error.__traceback__, None
     while tb is not None:
         candidate = tb.tb_frame.f_locals.get("op")
         if hasattr(candidate, "source") and hasattr(candidate, "func"):
             op = candidate
         tb = tb.tb_next
-    if op is None:
-        return f"raised by the replay of {graph}"
-    return f"raised by the replay of {graph} in {op.func}, recorded at {op.source}"
+    return op

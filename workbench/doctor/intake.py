@@ -248,6 +248,8 @@ class Doctor:
         if self.pattern is not None:
             padding_probe.record_outputs(self, info, pending)
         shapes.replayed(self, info, pending)
+        if pending is not None and pending.differential and error is not None and not pending.span:
+            differential.failed(self, info, pending, error)
         if pending is not None and pending.differential and error is None:
             if pending.span and pending.span[-1] is not info:
                 self.spanning = (info, pending)           # compared after the step's last piece

@@ -244,6 +244,18 @@ def finish(doctor, info, pending) -> None:
                            lambda step: _eager(doctor, info, pending, replayed, rng_after, step=step))
 
 
+def failed(doctor, info, pending, error: BaseException) -> None:
+    """A sampled padded replay raised: is it the padded rows? (``unpadded.crashed``; the state the
+    failed replay left is put back after.)"""
+    if pending.real >= pending.size or pending.unpadded is None or not pending.pre:
+        return
+    with _disable_current_modes():
+        left = {key: w.clone() for key, (w, _, _) in pending.pre.items()}
+        rng_after = rng_state(info.cuda)
+    unpadded.crashed(doctor, info, pending, error,
+                     lambda step: _eager(doctor, info, pending, left, rng_after, step=step))
+
+
 def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None = None, traced: bool = False,
            step=None, rows: tuple | None = None, stacks: tuple = ()):
     """Run the eager step (or ``step``, another eager form: the unpadded one) from the state before the

@@ -21,9 +21,9 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ...engine.opinfo import storage_key
-from .. import explain
+from .. import explain, failures
 from ..report import Finding
-from ..tensors import changed, differs, max_abs_diff
+from ..tensors import changed, differs, first_line, max_abs_diff
 
 
 def owned_by_full_step(doctor, pending, replayed: dict) -> None:
@@ -65,6 +65,25 @@ def own(doctor, key: int, dtype: torch.dtype, mask: torch.Tensor) -> None:
     was, owned = doctor.real_writes.get(key, (dtype, None))
     if bool(mask.any()) and was == dtype:
         doctor.real_writes[key] = (dtype, mask if owned is None else owned | mask)
+
+
+def crashed(doctor, info, pending, error: BaseException, run_eager) -> None:
+    """A padded replay raised: when the same step on its real rows alone completes, from the state
+    before the replay, what the padded rows hold made it fail (a sentinel index the kernel does not
+    honour, a stale row's offset): ``stale-padding`` at the op the replay failed in."""
+    _, got, unpadded_error = run_eager(pending.unpadded)
+    if unpadded_error is not None or got is None:
+        return
+    op = failures.failed_op(error)
+    name, source = (str(op.func), op.source) if op is not None else ("-", "-")
+    padded = ", ".join(pending.padded) or "the padded rows"
+    evidence = (f"replay {info.replays} of {info.name} ({pending.real} real rows of {pending.size}) raised "
+                f"{type(error).__name__}: {first_line(error)}; the same step on its {pending.real} real rows alone, "
+                "from the state before the replay, completes")
+    doctor.add(Finding("stale-padding", info.name, name, padded, source, evidence,
+                       explain.padding_reaches(info.name, padded),
+                       {"replay": info.replays, "crashed": type(error).__name__, "real": pending.real,
+                        "size": pending.size, "unpadded": True}), ("stale-padding", name, source))
 
 
 def _output(doctor, info, pending, i: int, diff: float) -> None:
