@@ -846,3 +846,38 @@ def test_a_static_input_only_the_host_reads_is_no_finding():
             m.replay(4)
     report = doctor.diagnose(workload)
     assert report.findings == [], report
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix", "refreshed"])
+def test_a_graph_that_updates_a_copy_of_the_callers_state(variant):
+    """A graph wrapper copies every input it does not own before each replay. ``bug``: the caller's
+    cache is such an input, so the graph's in-place update lands in the copy and the next copy
+    discards it; ``fix``: the cache is the graph's own input; ``refreshed``: the caller writes the
+    source anew each step (a counter the graph bumps in its copy is the reset idiom)."""
+    def workload():
+        cache, x = torch.zeros(4, 2), torch.zeros(1, 2)
+        static_cache = cache if variant == "fix" else torch.zeros(4, 2)
+        pos = torch.zeros(1, dtype=torch.int64)
+
+        def step():
+            static_cache.index_copy_(0, pos, x * 2)
+            return static_cache.sum(0, keepdim=True)
+
+        static = {"x": x, "pos": pos} if variant == "fix" else {"x": x, "pos": pos, "cache": static_cache}
+        m = Manager(lambda size: step(), [1], static, state={"cache": cache} if variant == "fix" else None)
+        m.capture()
+        for p in range(3):
+            if variant == "refreshed":
+                cache.copy_(torch.randn(4, 2, generator=torch.Generator().manual_seed(p)))
+            if variant != "fix":
+                static_cache.copy_(cache)                  # the wrapper's copy-in
+            pos.fill_(p)
+            x.fill_(p + 1.0)
+            m.replay(1)
+    report = doctor.diagnose(workload)
+    if variant != "bug":
+        assert not report.of("persistent-mutation"), report
+        return
+    finding = report.of("persistent-mutation")[0]
+    assert finding.tensor.startswith("cache") and "static_cache.index_copy_(0, pos, x * 2)" in finding.source
+    assert "refilled cache from the same" in finding.evidence

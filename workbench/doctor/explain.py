@@ -137,6 +137,14 @@ def unread_copy(buffer: str, graph: str) -> str:
             "the first real batch), and serve a batch only with a graph captured for at least its size.")
 
 
+def update_in_a_copy(op: str, buffer: str) -> str:
+    return (f"The captured {op} updates {buffer} in place, but {buffer} is a copy: the runner fills it from the "
+            "tensor that holds the state before every replay and never copies the update back, so the next "
+            "copy overwrites it (eager code, working on that tensor itself, keeps it). Hand the graph the state "
+            "tensor itself as a static input (mark it static, do not copy it), or copy the updated elements back "
+            "after each replay.")
+
+
 def input_never_captured(buffer: str, graph: str) -> str:
     return (f"The runner fills {buffer} for every step, but the capture of {graph} never read it: the captured code "
             f"took a path without it (an argument the capture was not given, a branch on whether it is None), and "

@@ -74,6 +74,9 @@ class Doctor:
         self.warm_updates: dict[int, Finding] = {}  # static input -> a warmup building on an earlier one's update
         self.computed_from: dict[int, tuple] = {}   # rules/derived.py: what set-up code computed each storage from
         self.copied: dict[int, tuple] = {}          # rules/unread.py: static-input elements copied since the last replay
+        self.before_replay: dict[int, torch.Tensor] = {}    # rules/mutation.py: static inputs a graph writes, before it
+        self.replay_wrote: dict[int, tuple] = {}    # ... -> (graph, elements its last replay changed)
+        self.copy_sources: dict[int, tuple] = {}    # ... -> the tensor the last copy into it took, as it was
         self.unread: dict[int, tuple] = {}          # ... copied, not read by the graph replayed since: held
         self.startup = Startup()                    # what warmups wrote into memory older than them
         self.carried = CarriedInputs()              # what steps wrote into static inputs (differential)
@@ -170,6 +173,7 @@ class Doctor:
             self.touched.pop(key, None)
         if any(self.buffer(k) is not None and self.buffer(k).role == "input" for k in info.writes):
             self.unprobed += 1
+            info.writes_inputs = True
         if info.warmup is not None:
             self.step_head = info
         if self.every:
@@ -217,6 +221,8 @@ class Doctor:
                 self.carried.replay_begins(self, info)
             if info.pending is not None and info.pending.differential and not info.pending.span:
                 differential.begin(self, info)
+            if info.writes_inputs:
+                mutation.inputs_before(self, info)
         self.phase = "replay"
         # Step aside: a CPU replay runs many ops (a CUDA graph's replay dispatches none).
         if (info is None or not info.cuda) and _get_current_dispatch_mode() is self.mode:
@@ -242,6 +248,8 @@ class Doctor:
             self.replay_error = (error, failures.recorded_op(error, info.name))
             failures.replay_failed(self, error, self.replay_error[1])
         info.replays += 1
+        if self.before_replay:
+            mutation.inputs_after(self, info)
         overwritten.replayed(self, info)
         self.pool.replayed(info)
         pending, info.pending = info.pending, None
@@ -370,6 +378,8 @@ class Doctor:
         if targets and func is _COPY:
             undersized.check_fit(self, args[0], args[1])
             padding_probe.copied(self, args[0], args[1])
+            if storage_key(args[0]) in self.graph_writes and phase == "eager":
+                mutation.copied_over(self, args[0], args[1])
             if self.every and phase == "eager":
                 unread.copied(self, targets)
         if phase == "warmup":

@@ -7,6 +7,9 @@
   In warmups too: each warmup should run on the dummy batch as prepared, and one that builds on
   what the previous warmup left drifts (lengths past what was allocated).
 * A warmup overwrites rows of persistent state (announced KV/SSM caches) that hold live data.
+* A graph updates a static input in place that the runner refills, before every replay, from the
+  same tensor, which never receives the update: the state lives in that tensor, and the graph
+  updates a copy (a cache handed to a graph wrapper that copies every input it does not own).
 
 Buffers announced as persistent state, shared outputs or metadata are written on purpose: only the
 last rule concerns them.
@@ -16,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ...engine.opinfo import describe, overwrites
+from ...engine.opinfo import describe, overwrites, storage_key
 from ...engine.source import user_frame
 from .. import explain
 from ..report import Finding
@@ -91,6 +94,57 @@ def _rewritten(doctor, key: int, mask: torch.Tensor, but: tuple | None = None) -
     for slot, entry in doctor.updates.get(key, {}).items():
         if slot != but and entry[0] is not None:
             entry[0] &= ~mask
+
+
+def inputs_before(doctor, info) -> None:
+    """Before a replay: the static inputs the graph writes, as they are (``copied_over``)."""
+    with _disable_current_modes():
+        doctor.before_replay = {key: buf.ref().clone() for key in info.writes
+                                if (buf := doctor.buffer(key)) is not None and buf.role == "input"}
+
+
+def inputs_after(doctor, info) -> None:
+    """After a replay: the elements of its static inputs it changed."""
+    with _disable_current_modes():
+        for key, before in doctor.before_replay.items():
+            if (buf := doctor.buffer(key)) is not None and buf.ref().shape == before.shape:
+                doctor.replay_wrote[key] = (info, changed(before, buf.ref()))
+    doctor.before_replay = {}
+
+
+def copied_over(doctor, dst: torch.Tensor, src) -> None:
+    """A copy into a static input: when it takes the same tensor, unchanged, as the copy before it,
+    the elements the last replay changed there and the copy overwrites were an update that never
+    reached that tensor."""
+    if not isinstance(src, torch.Tensor):
+        return
+    key = storage_key(dst)
+    with _disable_current_modes():
+        taken = (storage_key(src), _geometry(src), _geometry(dst), src.detach().clone())
+        previous, doctor.copy_sources[key] = doctor.copy_sources.get(key), taken
+        entry = doctor.replay_wrote.pop(key, None)
+        if entry is None or previous is None or previous[:3] != taken[:3] or not torch.equal(previous[3], taken[3]):
+            return
+        info, wrote = entry
+        buf = doctor.buffer(key).ref()
+        lost = wrote & region(dst, buf)
+        flat = torch.zeros(buf.untyped_storage().nbytes() // buf.element_size(), dtype=torch.bool, device=buf.device)
+        flat.as_strided(dst.shape, dst.stride(), dst.storage_offset()).copy_(dst != src.expand_as(dst))
+        lost &= flat.as_strided(buf.shape, buf.stride(), buf.storage_offset())
+        n = int(lost.sum())
+    if not n:
+        return
+    name, op = doctor.buffer(key).name, info.writes[key]
+    doctor.add(Finding(
+        "persistent-mutation", info.name, op.name, f"{name}: {describe(buf)}", op.source,
+        f"replay {info.replays} of {info.name} changed {n} element(s) of {name} in place; the runner then refilled "
+        f"{name} from the same {describe(src)} as before that replay, unchanged since: the update never reached it "
+        "and is discarded", explain.update_in_a_copy(op.name, name), {"elements_discarded": n}),
+        ("persistent-mutation", op.name, op.source, name))
+
+
+def _geometry(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.stride(), t.storage_offset(), t.dtype
 
 
 def replayed(doctor, info) -> None:
