@@ -375,6 +375,8 @@ class Doctor:
         if phase == "capture":
             return self._captured(func, args, kwargs, run)
         targets = self.targets(func, args, kwargs)
+        if targets and self.every and phase == "eager":
+            self.carried.wrote(self, func, args, targets)
         if targets and func is _COPY:
             undersized.check_fit(self, args[0], args[1])
             padding_probe.copied(self, args[0], args[1])

@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ...engine.opinfo import describe, storage_key
 from ..tensors import changed, region
 
+_COPY = torch.ops.aten.copy_.default
 
 @dataclasses.dataclass
 class Carried:
@@ -56,6 +57,7 @@ class CarriedInputs:
     def __init__(self) -> None:
         self.ever: dict[int, torch.Tensor] = {}        # static input -> elements some step wrote
         self.captured: dict[int, torch.Tensor] = {}    # static input -> its values at the first capture reading it
+        self.relayed: dict[int, torch.Tensor] = {}     # static input -> elements copied from an earlier step's
 
     def capture_end(self, doctor, info) -> None:
         info.window, info.consumed = {}, set()
@@ -63,6 +65,31 @@ class CarriedInputs:
             for key in info.externals.keys() - self.captured.keys():
                 if (buf := doctor.buffer(key)) is not None and buf.role == "input":
                     self.captured[key] = buf.ref().detach().clone()
+
+    def wrote(self, doctor, func, args, targets: list) -> None:
+        """An eager write into static inputs (before it runs). A copy from another static input that
+        this step wrote in part relays that input's other elements, an earlier step's values: the
+        elements it fills with them are not this step's input. (A copy from an input this step did
+        not write at all repeats the last step's inputs for another graph of the same step, as is.)"""
+        with _disable_current_modes():
+            for key, dst, buf in targets:
+                whole = buf.ref()
+                mask = self.relayed.get(key)
+                if mask is not None:
+                    mask &= ~region(dst, whole)
+                src = args[1] if func is _COPY and len(args) > 1 else None
+                source = doctor.buffer(storage_key(src)) if isinstance(src, torch.Tensor) else None
+                fresh = doctor.fresh.get(storage_key(src)) if source is not None else None
+                if fresh is None or fresh.shape != source.ref().shape or source.role != "input":
+                    continue
+                given = _view_of(fresh, source.ref(), src)       # which of the copied elements this step wrote
+                if bool(given.all()) or not bool(given.any()):
+                    continue
+                stale = torch.zeros(whole.untyped_storage().nbytes() // whole.element_size(), dtype=torch.bool,
+                                    device=whole.device)
+                stale.as_strided(dst.shape, dst.stride(), dst.storage_offset()).copy_(~given.expand_as(dst))
+                stale = stale.as_strided(whole.shape, whole.stride(), whole.storage_offset())
+                self.relayed[key] = stale if mask is None else mask | stale
 
     def replay_begins(self, doctor, info) -> None:
         """The runner's writes since the last replay (of any graph) join every graph's window; the
@@ -76,6 +103,8 @@ class CarriedInputs:
             for key, mask in doctor.fresh.items():
                 if key not in self.captured or mask.shape != self.captured[key].shape:
                     continue
+                if (relayed := self.relayed.get(key)) is not None and relayed.shape == mask.shape:
+                    mask = mask & ~relayed
                 self.ever[key] = self.ever[key] | mask if key in self.ever else mask.clone()
                 for other in live:
                     if key in other.window and key not in other.consumed:
@@ -89,6 +118,7 @@ class CarriedInputs:
         if info.window is not None:
             info.step, info.window = info.window, {}
             info.consumed = set()
+        self.relayed = {}
 
     def of_step(self, doctor, info, pending) -> dict:
         """``key -> Carried`` for the static inputs of ``info`` this step carries over (called
@@ -116,6 +146,13 @@ class CarriedInputs:
                 if bool(mask.any()):
                     out[key] = Carried(now, mask, was, buf.name, describe(now))
         return out
+
+
+def _view_of(mask: torch.Tensor, buf: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+    """``mask`` (shaped like ``buf``) at the elements of ``view``, a view of ``buf``'s storage."""
+    flat = torch.zeros(buf.untyped_storage().nbytes() // buf.element_size(), dtype=torch.bool, device=buf.device)
+    flat.as_strided(buf.shape, buf.stride(), buf.storage_offset()).copy_(mask)
+    return flat.as_strided(view.shape, view.stride(), view.storage_offset()).clone()
 
 
 def _padded(buf: torch.Tensor, key: int, pending) -> torch.Tensor:
