@@ -139,6 +139,7 @@ class GraphInfo:
         self.pieces: list = []                      # later pieces of its step (PIECEWISE), captured after it
         self.called: set = set()                    # functions its captured ops ran in, inside the capture block
         self.writes_inputs = False                  # it writes a static input (rules/mutation.py)
+        self.unread_outputs: frozenset | None = None    # storages it created and never reads (differential)
         self.replays = 0
         self.probed = False
         self.attempts = 0                           # mutation probes run (see probes/mutation.py)

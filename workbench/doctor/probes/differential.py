@@ -349,8 +349,13 @@ def _unread_outputs(info, pending) -> frozenset:
     """Storages the step's graphs created and never read: what a replay leaves there is an output
     for the caller, which no replay reads back (a ``.grad`` that backward allocated in the graph)."""
     pieces = pending.span or (info,)
-    created = frozenset().union(*(p.created for p in pieces))
-    return created - frozenset().union(*(op.reads for p in pieces for op in p.ops))
+    for p in pieces:
+        if p.unread_outputs is None:         # a capture's trace does not change: worked out once
+            p.unread_outputs = frozenset(p.created) - frozenset().union(*(op.reads for op in p.ops))
+    if len(pieces) == 1:
+        return pieces[0].unread_outputs
+    reads = frozenset().union(*(op.reads for p in pieces for op in p.ops))
+    return frozenset().union(*(p.unread_outputs for p in pieces)) - reads
 
 
 def _graph_ops(info, pending) -> list:
