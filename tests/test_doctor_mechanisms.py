@@ -912,3 +912,29 @@ def test_stale_rows_relayed_by_a_copy_between_static_inputs_are_stale_input(vari
         return
     (finding,) = report.findings
     assert finding.kind == "stale-input" and finding.tensor.startswith("backend"), report
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_lookup_past_a_static_buffer_during_a_warmup_is_an_undersized_buffer(variant):
+    """The capture of 8 tokens runs a dummy request of 8 tokens, whose page-table row holds 6
+    entries (the context length): its attention looks the table up past its end."""
+    def workload():
+        width = 6 if variant == "bug" else 8
+        table, lens = torch.arange(width).reshape(1, width), torch.zeros(1, dtype=torch.int64)
+
+        def forward(size):
+            idx = torch.arange(size) + lens * 0           # the dummy request's positions, read through the table
+            return table.reshape(-1)[idx].float().sum()[None]
+
+        m = Manager(forward, [4, 8], {"table": table, "lens": lens})
+        try:
+            m.capture()
+        except IndexError:
+            pass
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "undersized-buffer" and finding.tensor.startswith("table"), report
+    assert "table.reshape(-1)[idx]" in finding.source and "during warmup" in finding.evidence

@@ -137,6 +137,13 @@ def unread_copy(buffer: str, graph: str) -> str:
             "the first real batch), and serve a batch only with a graph captured for at least its size.")
 
 
+def lookup_past_end(buffer: str) -> str:
+    return (f"A warmup or capture runs the runner's own dummy batch of the capture size, and it needs more of "
+            f"{buffer} than the buffer holds: a kernel indexes past its end (on a GPU an illegal memory access, or "
+            f"silently another buffer's memory). Size {buffer} for the largest batch each capture size can carry, "
+            "or cap the capture sizes at what the buffers hold.")
+
+
 def update_in_a_copy(op: str, buffer: str) -> str:
     return (f"The captured {op} updates {buffer} in place, but {buffer} is a copy: the runner fills it from the "
             "tensor that holds the state before every replay and never copies the update back, so the next "

@@ -11,7 +11,7 @@ import functools
 
 from ..engine.errors import CaptureError
 from ..engine.source import user_frame
-from .rules import shapes
+from .rules import shapes, undersized
 from .rules.dangling import DanglingReferenceError
 from .tensors import first_line
 
@@ -39,12 +39,14 @@ def contained(handler):
     return run
 
 
-def op_failed(doctor, func, error: BaseException) -> None:
+def op_failed(doctor, func, args, error: BaseException) -> None:
     """An op of the watched code raised (in eager code, a warmup or a capture); the doctor's own
     runs (probes, differential replay) are not the workload's."""
     if doctor.phase in ("eager", "warmup", "capture") and len(doctor.failed_ops) < _KEPT:
         doctor.failed_ops.setdefault(id(error), f"{type(error).__name__}: {first_line(error)} (raised by {func} at "
                                                 f"{user_frame()}, during {doctor.phase})")
+    if doctor.phase in ("warmup", "capture"):
+        undersized.failed_lookup(doctor, func, args, error)
 
 
 def replay_failed(doctor, error: BaseException, where: str) -> None:

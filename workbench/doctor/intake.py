@@ -383,7 +383,7 @@ class Doctor:
             if storage_key(args[0]) in self.graph_writes and phase == "eager":
                 mutation.copied_over(self, args[0], args[1])
             if self.every and phase == "eager":
-                unread.copied(self, targets)
+                unread.copied(self, targets, args[1])
         if phase == "warmup":
             if not self.real_warmup:                   # a dummy batch's writes into live memory are suspect
                 mutation.before_warmup_write(self, targets, str(func))

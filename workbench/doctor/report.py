@@ -140,7 +140,7 @@ class Report:
         if self.errors:
             line = (f"Graph doctor: the workload failed: {self.errors[0]} -- {n} finding{'s' if n != 1 else ''} "
                     f"in what ran before ({self.captures} capture(s), {self.replays} replay(s)).")
-        elif self.captures == 0 and not self.findings and self.failure is None:
+        elif self.captures == 0 and not self.findings and self.failure is None and not self.caught:
             return "Graph doctor: nothing was captured inside watch(), so nothing could be checked."
         else:
             line = (f"Graph doctor: {self.captures} capture(s), {self.warmups} warmup run(s), {self.replays} "

@@ -6,7 +6,9 @@
   that fails on it, or a slice that asks for more rows or columns than the buffer has (Python
   clamps it silently, so data is dropped without an error);
 * a replay announced for more real rows than the graph's size, or more real columns than the
-  padded-columns buffer holds.
+  padded-columns buffer holds;
+* a lookup into a static buffer past its end during a warmup or a capture, which run the capture
+  size's own dummy batch: the buffer is smaller than a batch of that size needs.
 """
 from __future__ import annotations
 
@@ -123,6 +125,27 @@ def write(doctor, func, targets: list, run):
             explain.failed_write(buf.name, first_line(e)), {"view_shape": list(t.shape)}),
             ("undersized-buffer", buf.owner, buf.name, source))
         raise
+
+
+_LOOKUPS = frozenset({torch.ops.aten.index, torch.ops.aten.index_select, torch.ops.aten.gather,
+                      torch.ops.aten.embedding, torch.ops.aten.take})
+
+
+def failed_lookup(doctor, func, args, error: BaseException) -> None:
+    """A warmup or a capture runs the capture size's own dummy batch: a lookup into a static buffer
+    that runs past its end there means the buffer is smaller than what a batch of that size needs."""
+    if func.overloadpacket not in _LOOKUPS or not isinstance(error, IndexError) or not args:
+        return
+    t = args[0] if isinstance(args[0], torch.Tensor) else None
+    buf = doctor.buffer(storage_key(t)) if t is not None else None
+    if buf is None or buf.role != "input":
+        return
+    source = user_frame()
+    doctor.add(Finding(
+        "undersized-buffer", _where(doctor), str(func), f"{buf.name}: {describe(buf.ref())}", source,
+        f"during {_where(doctor)} (the capture size's dummy batch), {func} looked {buf.name} up out of its range: "
+        f"{first_line(error)}", explain.lookup_past_end(buf.name), {"buffer_shape": list(buf.ref().shape)}),
+        ("undersized-buffer", buf.owner, buf.name, source))
 
 
 def serve_contract(doctor, graph: str, real: int, size: int, padded: dict, columns: dict) -> None:

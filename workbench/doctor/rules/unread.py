@@ -58,13 +58,21 @@ def capture_end(doctor, info) -> None:
     info.read_views = {}
 
 
-def copied(doctor, targets: list) -> None:
-    """Eager code copied data into announced buffers (``[(key, written view, Buffer)]``)."""
+def copied(doctor, targets: list, src) -> None:
+    """Eager code is about to copy ``src`` into announced buffers (``[(key, written view, Buffer)]``):
+    the elements whose values it changes are data this step brings (rewriting what is there brings
+    none)."""
     for key, dst, buf in targets:
         if buf.role != "input":
             continue
         with _disable_current_modes():
-            mask = region(dst, buf.ref())
+            whole = buf.ref()
+            mask = region(dst, whole)
+            if isinstance(src, torch.Tensor) and src.dtype == dst.dtype:
+                same = torch.zeros(whole.untyped_storage().nbytes() // whole.element_size(), dtype=torch.bool,
+                                   device=whole.device)
+                same.as_strided(dst.shape, dst.stride(), dst.storage_offset()).copy_(dst == src.expand_as(dst))
+                mask &= ~same.as_strided(whole.shape, whole.stride(), whole.storage_offset())
         entry = doctor.copied.get(key)
         doctor.copied[key] = (entry[0] | mask, entry[1]) if entry is not None else (mask, user_frame())
 
