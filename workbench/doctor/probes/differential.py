@@ -29,7 +29,7 @@ import torch
 from torch._C import _pop_torch_dispatch_stack, _push_on_torch_dispatch_stack
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
-from ...engine.opinfo import op_tensors, storage_key, tensors, written_tensors
+from ...engine.opinfo import op_tensors, overwrites, storage_key, tensors, written_tensors
 from ...engine.source import location, user_frame, user_frames
 from ..records import Op
 from ..tensors import changed, differs, first_line, max_abs_diff, rng_state, set_rng_state, signature, whole
@@ -56,6 +56,8 @@ class EagerRun:
     described: dict = dataclasses.field(default_factory=dict)
     row_writes: list = dataclasses.field(default_factory=list)   # padded rows' writes of owned state (row_writes)
     read_outputs: list = dataclasses.field(default_factory=list)  # ops that read ``outputs`` before writing them
+    written: set = dataclasses.field(default_factory=set)      # storages it has written so far
+    read_first: set = dataclasses.field(default_factory=set)   # ... and those it read before writing them
     stacks_at: tuple = ()                        # two positions in the trace whose user frames are compared
     held: list | None = None                     # ... the frames at the first, until the second
     loop: str | None = None                      # the deepest frame both share: the one that looped
@@ -110,6 +112,7 @@ def on_op(doctor, func, args, kwargs, run):
     keys = {storage_key(t) for t in inputs}
     if lifted:                                   # a constant made from Python data in this run
         d.new.update(keys)
+    _accessed(d, func, args, kwargs, inputs)
     out = row_writes.indexed_write(doctor, func, args, kwargs, run, d.rows) if d.rows else run()
     for t in inputs:
         if (key := storage_key(t)) not in d.new:     # pre-existing, so alive anyway: described if reported
@@ -128,6 +131,18 @@ def on_op(doctor, func, args, kwargs, run):
             d.new.add(key)
             d.created_by.setdefault(key, op)
     return out
+
+
+def _accessed(d: EagerRun, func, args, kwargs, inputs) -> None:
+    """Which storages the run read before it wrote them (an op that overwrites its output does not
+    read it): memory it only writes before reading is its own scratch."""
+    written = {id(t): storage_key(t) for t in written_tensors(func, args, kwargs)} if func._schema.is_mutable else {}
+    for t in inputs:
+        if id(t) in written and overwrites(func):
+            continue
+        if (key := storage_key(t)) not in d.written and key not in d.new:
+            d.read_first.add(key)
+    d.written.update(written.values())
 
 
 def _stack(d: EagerRun, i: int) -> None:
@@ -191,7 +206,9 @@ def finish(doctor, info, pending) -> None:
         if error is None:
             eager_out, eager_state, extra = got
             with _disable_current_modes():          # the doctor's own arithmetic: not ops of the watched code
-                what = _compare(graph_out, eager_out, replayed, eager_state, extra, pre)
+                scratch = {k for k in extra if k not in run.read_first and k not in info.externals} if traced else ()
+                what = _compare(graph_out, eager_out, replayed, eager_state,
+                                {k: v for k, v in extra.items() if k not in scratch}, pre)
         if traced or error is not None or (what is None and not changed):
             break
         traced = True                               # a difference: the same step again, traced, to localise it
