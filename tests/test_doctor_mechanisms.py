@@ -938,3 +938,36 @@ def test_a_lookup_past_a_static_buffer_during_a_warmup_is_an_undersized_buffer(v
     (finding,) = report.findings
     assert finding.kind == "undersized-buffer" and finding.tensor.startswith("table"), report
     assert "table.reshape(-1)[idx]" in finding.source and "during warmup" in finding.evidence
+
+
+def test_a_workload_under_inference_mode_is_watched_to_its_end():
+    """State and scratch the eager step writes under ``torch.inference_mode()`` are inference
+    tensors: the doctor's own copies of them must still be writable when it puts them back."""
+    def workload():
+        with torch.inference_mode():
+            x, cache = torch.zeros(2, 3), torch.zeros(4, 3)
+        scratch = {}
+
+        def forward(size):
+            with torch.inference_mode():
+                scratch.setdefault("w", torch.zeros(2, 3)).copy_(x[:size] * 2)   # memory the graph never writes
+                cache[:size] += x[:size]
+                return cache[:size] * 1.0
+
+        m = Manager(forward, [2], {"x": x}, state={"cache": cache})
+        m.capture()
+        for step in range(3):
+            with torch.inference_mode():
+                x.fill_(step + 1.0)
+            m.replay(2)
+    report = doctor.diagnose(workload)
+    assert report.failure is None, report
+
+
+def test_the_doctors_aliases_made_under_inference_mode_are_writable_outside_it():
+    from workbench.doctor.tensors import alias
+    with torch.inference_mode():
+        t = torch.zeros(3)
+        a = alias(t.untyped_storage(), t.dtype)
+    a.copy_(torch.ones(3))
+    assert torch.equal(t, torch.ones(3))

@@ -155,7 +155,9 @@ class CPUGraph:
 
     def capture_end(self) -> None:
         self._close_capture()
-        with _disable_current_modes():     # the emulation's own work, not the user's ops
+        # The emulation's own work, not the user's ops; in inference mode, so that it can put back
+        # tensors made in inference mode (a CUDA capture writes nothing, so it has nothing to put back).
+        with _disable_current_modes(), torch.inference_mode():
             for view, saved in self._snapshots.values():
                 view.copy_(saved)
             for t in self._owned:

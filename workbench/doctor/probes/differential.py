@@ -32,7 +32,8 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 from ...engine.opinfo import op_tensors, overwrites, storage_key, tensors, written_tensors
 from ...engine.source import location, user_frame, user_frames
 from ..records import Op
-from ..tensors import changed, differs, first_line, max_abs_diff, rng_state, set_rng_state, signature, whole
+from ..tensors import (alias, changed, differs, first_line, max_abs_diff, rng_state, set_rng_state, signature,
+                       whole)
 from . import launch, pystate, rootcause, row_writes, unpadded
 
 aten = torch.ops.aten
@@ -73,7 +74,7 @@ def _state(doctor, info) -> dict:
     for key, buf in doctor.buffers.items():
         t = buf.ref()
         if t is not None and key not in state and isinstance(t, torch.Tensor):
-            state[key] = (torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage()), buf.name)
+            state[key] = (alias(t.untyped_storage(), t.dtype), buf.name)
     return state
 
 
@@ -104,8 +105,9 @@ def on_op(doctor, func, args, kwargs, run):
             key = storage_key(t)
             if key not in d.known and key not in d.new and key not in d.extra:
                 with _disable_current_modes():
-                    w = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
-                    d.extra[key] = (w, w.clone())
+                    w = alias(t.untyped_storage(), torch.uint8)
+                    with torch.inference_mode(False):
+                        d.extra[key] = (w, w.clone())
     if not d.traced:
         return _untraced(d, func, args, kwargs, run)
     inputs = op_tensors(args, kwargs)
