@@ -35,6 +35,7 @@ def records() -> dict[str, tuple[str, str, int]]:
         "graph_doctor_piecewise": ("workbench.cases.graph_doctor", "piecewise_record", 1),
         "zoo": ("workbench.zoo.record", "gpu_record", 1),
         "doctor_padding": ("workbench.doctor.padding_record", "gpu_record", 1),
+        "doctor_trials": ("workbench.zoo.trials", "gpu_record", 1),
     }
     for case in cases.CASES:
         found[case.id] = (f"{case.package}.scenario", "gpu_record", case.gpus)

@@ -116,7 +116,7 @@ def copied_over(doctor, dst: torch.Tensor, src) -> None:
     """A copy into a static input: when it takes the same tensor, unchanged, as the copy before it,
     the elements the last replay changed there and the copy overwrites were an update that never
     reached that tensor."""
-    if not isinstance(src, torch.Tensor):
+    if not isinstance(src, torch.Tensor) or src.shape != dst.shape:
         return
     key = storage_key(dst)
     with _disable_current_modes():
@@ -129,7 +129,7 @@ def copied_over(doctor, dst: torch.Tensor, src) -> None:
         buf = doctor.buffer(key).ref()
         lost = wrote & region(dst, buf)
         flat = torch.zeros(buf.untyped_storage().nbytes() // buf.element_size(), dtype=torch.bool, device=buf.device)
-        flat.as_strided(dst.shape, dst.stride(), dst.storage_offset()).copy_(dst != src.expand_as(dst))
+        flat.as_strided(dst.shape, dst.stride(), dst.storage_offset()).copy_(dst != src)
         lost &= flat.as_strided(buf.shape, buf.stride(), buf.storage_offset())
         n = int(lost.sum())
     if not n:

@@ -1,0 +1,59 @@
+"""The held-out trial programs: each bug misbehaves and each fix equals eager on the CPU emulation,
+the committed table is what the doctor says of them now, and the GPU record says the same."""
+import pytest
+
+from workbench import zoo
+from workbench.zoo import trials
+
+NAMES = trials.names()
+
+
+@pytest.fixture(scope="module")
+def answers():
+    return trials.answers()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bug_misbehaves_and_fix_equals_eager_on_cpu(name):
+    prog = trials.program(name)
+    assert prog.run("bug", "cpu").verdict == zoo.MISBEHAVES, name
+    fix = prog.run("fix", "cpu")
+    assert fix.verdict == zoo.EQUALS, fix.summary()
+
+
+def test_the_trials_span_rounds_and_families():
+    assert len(NAMES) >= 40 and {n.split("/")[0] for n in NAMES} == set(trials.ROUNDS)
+    assert {trials.program(n).FAMILY for n in NAMES} == set(zoo.FAMILIES)
+
+
+def test_the_committed_table_is_what_the_doctor_says_now(answers):
+    committed = trials.TABLE.read_text()
+    assert committed.split("\n\n", 1)[1] == trials.table(answers), "regenerate with: python -m workbench.zoo.trials"
+
+
+def test_no_trial_makes_the_doctor_fail(answers):
+    assert not [(n, v) for n, a in answers.items() for v, d in a.items() if d["failed"]]
+
+
+def test_verdicts_name_right_wrong_and_missed():
+    name = NAMES[0]
+    kind, site = trials.program(name).KIND, trials.program(name).SITE
+    clean = {"kind": None, "site": None, "kinds": [], "failed": False}
+    assert trials.verdict(name, {"bug": {**clean, "kind": kind, "site": site}, "fix": clean}) == "right"
+    assert trials.verdict(name, {"bug": {**clean, "kind": kind, "site": "elsewhere"}, "fix": clean}) == "wrong"
+    assert trials.verdict(name, {"bug": clean, "fix": {**clean, "kind": kind, "site": site}}) == \
+        "missed, finding on fix"
+    with pytest.raises(ValueError, match="unknown trial program"):
+        trials.program("round4/no_such_program")
+
+
+def test_the_gpu_record_says_what_the_cpu_says(answers):
+    rec = trials.load()
+    if rec is None:
+        pytest.skip("results/gpu/doctor_trials.json not recorded yet (scripts/gpu_session.py OUT doctor_trials)")
+    gpu = rec["programs"]
+    assert set(gpu) == set(NAMES), "record the trials again: the set of programs changed"
+    keys = ("kind", "site")
+    differ = {(n, v): (gpu[n][v], answers[n][v]) for n in NAMES for v in zoo.VARIANTS
+              if [gpu[n][v].get(k) for k in keys] != [answers[n][v][k] for k in keys]}
+    assert not differ, differ

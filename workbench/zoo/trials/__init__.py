@@ -1,0 +1,132 @@
+"""Held-out trials: real CUDA-graph bugs written without the doctor, to measure it on code it never saw.
+
+Each round's programs were written from upstream fix PRs by authors who did not read the doctor
+and did not run it: they chose the expected kind from the kinds' definitions and the site from the
+mechanism, and checked only that the bug misbehaves and the fix equals eager. The doctor was then
+run on them unchanged; what it found at that point is each round's blind result
+(``benchmarks/README.md``), and mechanisms built afterwards are general (none names a program).
+The programs share the zoo's format (``UPSTREAM``, ``FAMILY``, ``KIND``, ``SITE``, ``SYMPTOM``,
+``run(variant, device)``), but unlike the zoo the set is not curated: misses stay in it.
+
+    python -m workbench.zoo.trials          # the doctor on every trial program: writes the table
+
+Their table (``benchmarks/results_trials.md``) is generated from the doctor's answers, and a test
+checks it is current; ``gpu_record`` gives the same answers on real CUDA graphs
+(``results/gpu/doctor_trials.json``).
+"""
+from __future__ import annotations
+
+import datetime
+import functools
+import importlib
+import json
+import pathlib
+import pkgutil
+from collections.abc import Sequence
+from types import ModuleType
+
+import torch
+
+from ...childproc import run_in_child
+from .. import VARIANTS, _check
+
+ROUNDS = ("round4", "round5", "round6")
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+TABLE = ROOT / "benchmarks" / "results_trials.md"
+RESULT = ROOT / "results" / "gpu" / "doctor_trials.json"
+
+
+@functools.cache
+def names() -> tuple[str, ...]:
+    """``round/program`` for every trial program, by round then name."""
+    out = []
+    for r in ROUNDS:
+        package = importlib.import_module(f"{__name__}.{r}")
+        out += [f"{r}/{m.name}" for m in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name)]
+    return tuple(out)
+
+
+def program(name: str) -> ModuleType:
+    if name not in names():
+        raise ValueError(f"unknown trial program {name!r}; programs are: {', '.join(names())}")
+    module = importlib.import_module(f"{__name__}.{name.replace('/', '.')}")
+    _check(module)
+    return module
+
+
+def doctor_of(name: str, variant: str, device: str = "cpu") -> dict:
+    """What ``doctor.diagnose`` says of one variant: the finding of the expected kind if there is one
+    (else the first), its kind and function, every kind found, and whether the doctor failed."""
+    from ...doctor import diagnose
+    prog = program(name)
+    report = diagnose(lambda: prog.run(variant, device))
+    best = next((f for f in report.findings if f.kind == prog.KIND), report.findings[0] if report.findings else None)
+    return {"kind": best.kind if best else None, "site": best.location.rsplit(" in ", 1)[-1] if best else None,
+            "kinds": sorted(report.kinds), "failed": report.failure is not None}
+
+
+def verdict(name: str, answers: dict) -> str:
+    """``right`` (the expected kind at the expected function), ``wrong`` (another kind or site),
+    ``missed`` (no finding) for the bug; ``, finding on fix`` when the fix has one."""
+    prog, bug, fix = program(name), answers["bug"], answers["fix"]
+    if bug["kind"] is None:
+        out = "missed"
+    else:
+        out = "right" if (bug["kind"], bug["site"]) == (prog.KIND, prog.SITE) else "wrong"
+    return out + (", finding on fix" if fix["kind"] is not None else "")
+
+
+def answers(device: str = "cpu", programs: Sequence[str] | None = None) -> dict:
+    """``{name: {"bug": doctor_of(...), "fix": doctor_of(...)}}``, in this process."""
+    return {n: {v: doctor_of(n, v, device) for v in VARIANTS} for n in (programs or names())}
+
+
+def table(found: dict) -> str:
+    """The Markdown table of ``answers``: one row per program, then the count per round."""
+    rows = ["| round | program | expected | bug: kind @ function | fix | verdict |", "|---|---|---|---|---|---|"]
+    counts: dict[str, list] = {}
+    for name, a in found.items():
+        r, short = name.split("/")
+        prog, v = program(name), verdict(name, a)
+        bug = f"{a['bug']['kind']} @ `{a['bug']['site']}`" if a["bug"]["kind"] else "no finding"
+        fix = f"{a['fix']['kind']} @ `{a['fix']['site']}`" if a["fix"]["kind"] else "clean"
+        link = f"[{short}]({prog.UPSTREAM})"
+        rows.append(f"| {r} | {link} | {prog.KIND} @ `{prog.SITE}` | {bug} | {fix} | {v} |")
+        c = counts.setdefault(r, [0, 0, 0])
+        c[0] += v.startswith("right")
+        c[1] += 1
+        c[2] += v.endswith("finding on fix")
+    total = [sum(c[i] for c in counts.values()) for i in range(3)]
+    summary = "; ".join(f"{r}: {c[0]} of {c[1]} right, {c[2]} finding(s) on fixes" for r, c in counts.items())
+    return ("\n".join(rows) + f"\n\nRight kind at the right function: {total[0]} of {total[1]} ({summary}); "
+            f"findings on fixes: {total[2]}.\n")
+
+
+def write_table() -> str:
+    text = (f"The doctor on the held-out trial programs (`python -m workbench.zoo.trials`, CPU emulation, "
+            f"torch {torch.__version__}). Generated: do not edit by hand.\n\n{table(answers())}")
+    TABLE.write_text(text)
+    return text
+
+
+def gpu_record(device: str = "cuda", programs: Sequence[str] | None = None) -> dict:
+    """The doctor's answers on real CUDA graphs, each variant in a child process of its own (a bug
+    may end its CUDA context); a child that dies records the error instead."""
+    out: dict[str, dict] = {}
+    for name in programs or names():
+        for variant in VARIANTS:
+            result = run_in_child(doctor_of, name, variant, device, timeout=300)
+            out.setdefault(name, {})[variant] = result.value if result.ok else {
+                "kind": None, "site": None, "kinds": [], "failed": True,
+                "error": (result.error or f"exit code {result.exitcode}").splitlines()[0][:200]}
+    on_gpu = torch.device(device).type == "cuda" and torch.cuda.is_available()
+    return {"device": torch.cuda.get_device_name() if on_gpu else device, "torch": torch.__version__,
+            "date": datetime.date.today().isoformat(), "programs": out}
+
+
+def load() -> dict | None:
+    """The committed GPU record (bare, or wrapped by ``scripts/gpu_session.py``), or None."""
+    if not RESULT.exists():
+        return None
+    data = json.loads(RESULT.read_text())
+    return data.get("results", data)
