@@ -16,6 +16,7 @@ checks it is current; ``gpu_record`` gives the same answers on real CUDA graphs
 """
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import functools
 import importlib
@@ -109,16 +110,17 @@ def write_table() -> str:
     return text
 
 
-def gpu_record(device: str = "cuda", programs: Sequence[str] | None = None) -> dict:
+def gpu_record(device: str = "cuda", programs: Sequence[str] | None = None, jobs: int = 8) -> dict:
     """The doctor's answers on real CUDA graphs, each variant in a child process of its own (a bug
-    may end its CUDA context); a child that dies records the error instead."""
+    may end its CUDA context), ``jobs`` at a time; a child that dies records the error instead."""
+    todo = [(name, variant) for name in (programs or names()) for variant in VARIANTS]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        done = list(pool.map(lambda job: run_in_child(doctor_of, *job, device, timeout=300), todo))
     out: dict[str, dict] = {}
-    for name in programs or names():
-        for variant in VARIANTS:
-            result = run_in_child(doctor_of, name, variant, device, timeout=300)
-            out.setdefault(name, {})[variant] = result.value if result.ok else {
-                "kind": None, "site": None, "kinds": [], "failed": True,
-                "error": (result.error or f"exit code {result.exitcode}").splitlines()[0][:200]}
+    for (name, variant), result in zip(todo, done):
+        out.setdefault(name, {})[variant] = result.value if result.ok else {
+            "kind": None, "site": None, "kinds": [], "failed": True,
+            "error": (result.error or f"exit code {result.exitcode}").splitlines()[0][:200]}
     on_gpu = torch.device(device).type == "cuda" and torch.cuda.is_available()
     return {"device": torch.cuda.get_device_name() if on_gpu else device, "torch": torch.__version__,
             "date": datetime.date.today().isoformat(), "programs": out}
