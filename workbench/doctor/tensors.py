@@ -132,3 +132,11 @@ def device_to_host(func, args, kwargs) -> bool:
     if func is aten.copy_.default:
         return args[1].is_cuda and not args[0].is_cuda
     return False
+
+
+def broadcasts(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """Whether ``src`` broadcasts to ``dst``'s shape (a copy that does not fails by itself)."""
+    try:
+        return torch.broadcast_shapes(src.shape, dst.shape) == dst.shape
+    except RuntimeError:
+        return False

@@ -31,7 +31,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ...engine.opinfo import describe, storage_key
-from ..tensors import changed, region
+from ..tensors import broadcasts, changed, region
 
 _COPY = torch.ops.aten.copy_.default
 
@@ -83,7 +83,7 @@ class CarriedInputs:
                 if fresh is None or fresh.shape != source.ref().shape or source.role != "input":
                     continue
                 given = _view_of(fresh, source.ref(), src)       # which of the copied elements this step wrote
-                if bool(given.all()) or not bool(given.any()):
+                if not broadcasts(given, dst) or bool(given.all()) or not bool(given.any()):
                     continue
                 stale = torch.zeros(whole.untyped_storage().nbytes() // whole.element_size(), dtype=torch.bool,
                                     device=whole.device)

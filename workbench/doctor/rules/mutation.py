@@ -116,7 +116,7 @@ def copied_over(doctor, dst: torch.Tensor, src) -> None:
     """A copy into a static input: when it takes the same tensor, unchanged, as the copy before it,
     the elements the last replay changed there and the copy overwrites were an update that never
     reached that tensor."""
-    if not isinstance(src, torch.Tensor) or src.shape != dst.shape:
+    if not isinstance(src, torch.Tensor) or src.shape != dst.shape or src.device != dst.device:
         return
     key = storage_key(dst)
     with _disable_current_modes():

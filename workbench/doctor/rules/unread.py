@@ -29,7 +29,7 @@ from ...engine.source import user_frame
 from .. import explain
 from ..report import Finding
 from . import derived
-from ..tensors import region
+from ..tensors import broadcasts, region
 
 _HOST_READ = torch.ops.aten.alias.default      # a read-only op standing for a host read in ``touched``
 def read_view(doctor, info, key: int, t: torch.Tensor) -> None:
@@ -68,20 +68,14 @@ def copied(doctor, targets: list, src) -> None:
         with _disable_current_modes():
             whole = buf.ref()
             mask = region(dst, whole)
-            if isinstance(src, torch.Tensor) and src.dtype == dst.dtype and _broadcasts(src, dst):
+            if isinstance(src, torch.Tensor) and (src.dtype, src.device) == (dst.dtype, dst.device) \
+                    and broadcasts(src, dst):             # (a host-to-device copy brings data)
                 same = torch.zeros(whole.untyped_storage().nbytes() // whole.element_size(), dtype=torch.bool,
                                    device=whole.device)
                 same.as_strided(dst.shape, dst.stride(), dst.storage_offset()).copy_(dst == src.expand_as(dst))
                 mask &= ~same.as_strided(whole.shape, whole.stride(), whole.storage_offset())
         entry = doctor.copied.get(key)
         doctor.copied[key] = (entry[0] | mask, entry[1]) if entry is not None else (mask, user_frame())
-
-
-def _broadcasts(src: torch.Tensor, dst: torch.Tensor) -> bool:
-    try:
-        return torch.broadcast_shapes(src.shape, dst.shape) == dst.shape
-    except RuntimeError:
-        return False                 # the copy itself fails: the shape contract says so
 
 
 def check(doctor, info) -> None:

@@ -11,8 +11,11 @@ The programs share the zoo's format (``UPSTREAM``, ``FAMILY``, ``KIND``, ``SITE`
     python -m workbench.zoo.trials          # the doctor on every trial program: writes the table
 
 Their table (``benchmarks/results_trials.md``) is generated from the doctor's answers, and a test
-checks it is current; ``gpu_record`` gives the same answers on real CUDA graphs
-(``results/gpu/doctor_trials.json``).
+checks it is current. ``gpu_record`` runs each variant on real CUDA graphs
+(``results/gpu/doctor_trials.json``): where a program behaves there as on the emulation, the
+doctor must answer there as it does here. (Not everywhere: a program may model its GPU behaviour
+with a CPU stand-in, and an index out of range, an ``IndexError`` here, is a device-side assert
+there, which ends the CUDA context before the doctor can look.)
 """
 from __future__ import annotations
 
@@ -63,7 +66,7 @@ def doctor_of(name: str, variant: str, device: str = "cpu") -> dict:
     report = diagnose(lambda: prog.run(variant, device))
     best = next((f for f in report.findings if f.kind == prog.KIND), report.findings[0] if report.findings else None)
     return {"kind": best.kind if best else None, "site": best.location.rsplit(" in ", 1)[-1] if best else None,
-            "kinds": sorted(report.kinds), "failed": report.failure is not None}
+            "kinds": sorted(report.kinds), "failed": report.failure is not None, "failure": report.failure}
 
 
 def verdict(name: str, answers: dict) -> str:
@@ -110,17 +113,27 @@ def write_table() -> str:
     return text
 
 
+def recorded(name: str, variant: str, device: str) -> dict:
+    """One variant on ``device``: its verdict against eager (``run``), then what the doctor says of it
+    (run inside a child process of ``gpu_record``)."""
+    outcome = program(name).run(variant, device)
+    return {"verdict": outcome.verdict, "error": list(outcome.error) if outcome.error else None,
+            **doctor_of(name, variant, device)}
+
+
 def gpu_record(device: str = "cuda", programs: Sequence[str] | None = None, jobs: int = 8) -> dict:
-    """The doctor's answers on real CUDA graphs, each variant in a child process of its own (a bug
-    may end its CUDA context), ``jobs`` at a time; a child that dies records the error instead."""
+    """Each variant's verdict and the doctor's answer on real CUDA graphs, each variant in a child
+    process of its own (a bug may end its CUDA context), ``jobs`` at a time; a child that dies
+    records the error instead."""
     todo = [(name, variant) for name in (programs or names()) for variant in VARIANTS]
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        done = list(pool.map(lambda job: run_in_child(doctor_of, *job, device, timeout=300), todo))
+        done = list(pool.map(lambda job: run_in_child(recorded, *job, device, timeout=300), todo))
     out: dict[str, dict] = {}
     for (name, variant), result in zip(todo, done):
         out.setdefault(name, {})[variant] = result.value if result.ok else {
-            "kind": None, "site": None, "kinds": [], "failed": True,
-            "error": (result.error or f"exit code {result.exitcode}").splitlines()[0][:200]}
+            "verdict": None, "kind": None, "site": None, "kinds": [], "failed": True, "failure": None,
+            "error": [result.error_type or "ChildDied",
+                      (result.error or f"exit code {result.exitcode}").splitlines()[0][:200]]}
     on_gpu = torch.device(device).type == "cuda" and torch.cuda.is_available()
     return {"device": torch.cuda.get_device_name() if on_gpu else device, "torch": torch.__version__,
             "date": datetime.date.today().isoformat(), "programs": out}
