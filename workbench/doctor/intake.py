@@ -82,6 +82,7 @@ class Doctor:
         self.carried = CarriedInputs()              # what steps wrote into static inputs (differential)
         self.pool = PoolReads()                     # pool memory read across graphs
         self.graph_writes: set[int] = set()         # external storages some graph writes
+        self.graph_reads: set[int] = set()          # ... or reads (of graphs captured while watched)
         self.touched: dict[int, str] = {}           # of those, written outside graphs since: -> source line
         self.handed: dict[int, tuple] = {}          # rules.overwritten
         self.generation: dict[int, int] = {}        # storage -> replays that wrote it (handed-out ones)
@@ -169,6 +170,7 @@ class Doctor:
         self.pool.settle(info)
         info.out_keys = frozenset(info.writes) | frozenset(info.created)
         self.graph_writes.update(info.writes)
+        self.graph_reads.update(info.externals)
         for key in info.writes:
             self.touched.pop(key, None)
         if any(self.buffer(k) is not None and self.buffer(k).role == "input" for k in info.writes):
@@ -380,7 +382,7 @@ class Doctor:
         if targets and func is _COPY:
             undersized.check_fit(self, args[0], args[1])
             padding_probe.copied(self, args[0], args[1])
-            if storage_key(args[0]) in self.graph_writes and phase == "eager":
+            if self.graph_writes and phase == "eager" and storage_key(args[0]) in self.graph_writes:
                 mutation.copied_over(self, args[0], args[1])
             if self.every and phase == "eager":
                 unread.copied(self, targets, args[1])

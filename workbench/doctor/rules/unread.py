@@ -68,8 +68,10 @@ def copied(doctor, targets: list, src) -> None:
         with _disable_current_modes():
             whole = buf.ref()
             mask = region(dst, whole)
-            if isinstance(src, torch.Tensor) and (src.dtype, src.device) == (dst.dtype, dst.device) \
-                    and broadcasts(src, dst):             # (a host-to-device copy brings data)
+            # Only where no graph reads the buffer (the data would be lost whole): a host-to-device
+            # copy brings data, and so does one into memory graphs read (checked by their windows).
+            if key not in doctor.graph_reads and isinstance(src, torch.Tensor) \
+                    and (src.dtype, src.device) == (dst.dtype, dst.device) and broadcasts(src, dst):
                 same = torch.zeros(whole.untyped_storage().nbytes() // whole.element_size(), dtype=torch.bool,
                                    device=whole.device)
                 same.as_strided(dst.shape, dst.stride(), dst.storage_offset()).copy_(dst == src.expand_as(dst))
