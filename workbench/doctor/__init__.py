@@ -7,9 +7,10 @@ script or notebook without changing it: ``1`` prints the report to stderr at exi
 is a file to write it to; ``workbench.doctor.current()`` is the report so far. ``pytest
 --graph-doctor`` (``workbench.doctor.plugin``) fails each test whose graphs have a finding.
 
-Layout: ``intake`` (events and ops in), ``rules/`` (one module per kind), ``probes/`` (mutation,
-padding, differential replay, launch traces), ``report`` (findings and reports), ``session``
-(``watch``), ``diagnose``, ``plugin``.
+Layout: ``intake`` (events and ops in), ``capture`` (what a capture records), ``rules/`` (one
+module per kind), ``probes/`` (mutation, padding, differential replay, launch traces, padded rows'
+writes, the unpadded step), ``report`` (findings and reports), ``session`` (``watch``),
+``diagnose``, ``plugin``.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ How the evidence is gathered (the same on both backends, so a report means the s
 
 * **One dispatch mode for the whole block.** During a capture it records each op's reads, writes,
   source line and Python-decided arguments (the capture's launch trace), which storages the capture
-  created (its pool) and which it only references. During a warmup it records the ops run. Outside
+  created (its pool) and which it only references (``capture.py``). During a warmup it records the ops run. Outside
   both, it watches eager writes into announced buffers and reads of handed-out outputs. During a
   replay it steps aside, so replays cost almost nothing extra.
 * **Events** from the engine and the runners (``workbench.engine.events``) say what a tensor means
@@ -26,18 +26,18 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..engine import memory
 from ..engine.errors import CaptureError
-from ..engine.opinfo import describe, op_tensors, overwrites, pure_view, storage_key, tensors, written_tensors
-from ..engine.source import codes_within, user_frame, user_frames
+from ..engine.opinfo import overwrites, pure_view, storage_key, written_tensors
+from ..engine.source import user_frame
 from .probes import differential, mutation as mutation_probe, padding as padding_probe
 from .probes.carried import CarriedInputs
 from .probes.startup import Startup
-from .records import Buffer, External, GraphInfo, Op, Pending
-from . import failures, summary
+from .records import Buffer, GraphInfo, Pending
+from . import capture, failures, summary
 from .failures import contained
 from .report import Finding, Report
 from .rules import dangling, derived, mutation, overwritten, padded_scatter, shapes, sync, undersized, unread, warmup
 from .rules.pool import PoolReads
-from .tensors import first_line, signature
+from .tensors import first_line
 
 aten = torch.ops.aten
 _SLICE, _COPY = aten.slice.Tensor, aten.copy_.default    # looked up once: ``aten.x.y`` costs ~0.4 µs
@@ -62,10 +62,7 @@ class Doctor:
         self.capturing: GraphInfo | None = None
         self.phase = "eager"                        # eager | warmup | capture | replay | probe | differential
         self.real_warmup = False                    # the current warmup is a real step (events.warmup(real=True))
-        self.warmup_runs: list[list[Op]] = []
-        self.eager_lines: set[str] = set()          # source lines run eagerly between a warmup and its capture
-        self.step_head: GraphInfo | None = None     # the graph just captured after warmups, until a warmup or replay
-        self.opened = None                          # the user's frame that entered the capture or warmup running
+        self.warm = warmup.Warmups()                # warmups, and the captures they prepare
         self.updates: dict[int, dict[tuple, list]] = {}    # rules.mutation: eager in-place updates
         self.fresh: dict[int, torch.Tensor] = {}    # elements rewritten outside graphs since the last replay
         self.unprobed = 0                           # graphs writing a static input, not yet probed
@@ -141,31 +138,21 @@ class Doctor:
     @contained
     def capture_begin(self, graph, name: str | None) -> None:
         info = GraphInfo(graph, name or f"graph #{len(self.graphs) + 1}")
-        info.warmup = self.warmup_runs[0] if self.warmup_runs else None
-        info.eager_lines, self.eager_lines = self.eager_lines, set()
-        if info.warmup is None and self.step_head is not None:     # the next piece of a step being captured
-            self.step_head.pieces.append(info)
-        self.warmup_runs = []
+        self.warm.capture_begin(info)
         self.graphs[id(graph)] = info
         self.capturing = info
-        self.opened = next(iter(user_frames()), None)
-        if self.opened is not None:                 # a piece opened inside the step's own code (PIECEWISE)
-            info.called.add(self.opened.f_code)
         self.phase = "capture"
         self.report.captures += 1
 
     @contained
     def capture_end(self, graph) -> None:
         info = self.capturing
-        self.capturing, self.phase, self.opened = None, "eager", None
+        self.capturing, self.phase = None, "eager"
         self.fresh.clear()
         if info is None:
             return
         if info.warmup is not None and not info.ops:
-            # Nothing captured: a PIECEWISE piece closed before its first op (the step begins with
-            # eager code). The warmup, and what runs eagerly next, belong to the step's next piece.
-            self.warmup_runs, self.eager_lines = [info.warmup], info.eager_lines
-            info.warmup = None
+            self.warm.hand_on(info)
             return
         self.pool.settle(info)
         info.out_keys = frozenset(info.writes) | frozenset(info.created)
@@ -176,8 +163,7 @@ class Doctor:
         if any(self.buffer(k) is not None and self.buffer(k).role == "input" for k in info.writes):
             self.unprobed += 1
             info.writes_inputs = True
-        if info.warmup is not None:
-            self.step_head = info
+        self.warm.capture_end(info)
         if self.every:
             self.carried.capture_end(self, info)
         derived.captured(self, info)
@@ -187,9 +173,8 @@ class Doctor:
     @contained
     def capture_abort(self, graph, error: BaseException) -> None:
         info = self.capturing
-        self.capturing, self.phase, self.opened = None, "eager", None
-        if info is not None:
-            info.warmup = None                      # nothing was captured to compare its warmup with
+        self.capturing, self.phase = None, "eager"
+        self.warm.capture_abort(info)
         name = info.name if info is not None else "a graph"
         self.report.notes.append(f"capture of {name} failed: {type(error).__name__}: {first_line(error)}")
         if isinstance(error, CaptureError) and error.op is not None:
@@ -199,8 +184,7 @@ class Doctor:
     def replay_begin(self, graph) -> None:
         if self.phase in _QUIET:
             return
-        if self.step_head is not None:              # captures are over, for now
-            self.step_head, self.eager_lines = None, set()
+        self.warm.replay_begin()
         info = self.info(graph)
         if info is None:
             self.unknown_replays += 1
@@ -301,16 +285,14 @@ class Doctor:
 
     @contained
     def warmup_begin(self, real: bool = False) -> None:
-        if self.step_head is not None:              # a new step's warmups: eager code since the last capture is not its
-            self.step_head, self.eager_lines = None, set()
+        self.warm.warmup_begin()
         self.phase, self.real_warmup = "warmup", real
-        self.opened = next(iter(user_frames()), None)
-        self.warmup_runs.append([])
         self.report.warmups += 1
 
     @contained
     def warmup_end(self) -> None:
-        self.phase, self.opened = "eager", None
+        self.phase = "eager"
+        self.warm.warmup_end()
         if not self.real_warmup:
             mutation.warmup_wrote_state(self)
         self.startup.warmup_end()
@@ -375,7 +357,7 @@ class Doctor:
                 overwritten.tag_view(self, args[0], out)
             return out
         if phase == "capture":
-            return self._captured(func, args, kwargs, run)
+            return capture.recorded(self, func, args, kwargs, run)
         targets = self.targets(func, args, kwargs)
         if targets and self.every and phase == "eager":
             self.carried.wrote(self, func, args, targets)
@@ -396,7 +378,7 @@ class Doctor:
             else:
                 out = undersized.write(self, func, targets, run)
             if not func.is_view:
-                self.warmup_runs[-1].append(warmup.op(func, args, kwargs, self.startup.constant, self.opened))
+                self.warm.warmup_op(func, args, kwargs, self.startup.constant)
                 self.startup.created_by(args, kwargs, out)
             memory.record_new_storages(func, args, kwargs, out)
             return out
@@ -405,8 +387,8 @@ class Doctor:
             overwritten.check_read(self, func, args, kwargs)
         if self.pattern is not None and self.fresh and not view:
             padding_probe.consumed(self, func, args, kwargs)
-        if (self.warmup_runs or self.step_head is not None) and not view:   # between a warmup and a capture
-            self.eager_lines.add(user_frame())
+        if not view:
+            self.warm.eager_op()
         if func._schema.is_mutable and (self.graph_writes or self.startup.kept):
             self.startup.wrote(func, args, kwargs)
             for t in written_tensors(func, args, kwargs):
@@ -429,57 +411,6 @@ class Doctor:
             memory.record_new_storages(func, args, kwargs, out)
             if not self.report.replays:             # set-up: what is computed from what
                 derived.record(self, func, args, kwargs, out)
-        return out
-
-    def _captured(self, func, args, kwargs, run):
-        info = self.capturing
-        source = user_frame()
-        sync.check(self, info, func, args, kwargs, source)
-        inputs = op_tensors(args, kwargs)
-        in_keys = {storage_key(t) for t in inputs}
-        targets = self.targets(func, args, kwargs)
-        if targets and func is _COPY:
-            undersized.check_fit(self, args[0], args[1])
-        written = frozenset(storage_key(t) for t in written_tensors(func, args, kwargs))
-        sig = signature(func, args, kwargs)
-        out = undersized.write(self, func, targets, run)
-        self.pool.captured(info, func, args, kwargs, out, Op(str(func), source))
-        padded_scatter.captured(self, info, func, args, kwargs, source)
-        lifted = func.overloadpacket in (aten.lift_fresh, aten.lift_fresh_copy)
-        if lifted:
-            for t in inputs:                          # a constant of the captured code: the graph keeps it
-                self.owned[storage_key(t)] = (StorageWeakRef(t.untyped_storage()), info)
-                info.created.add(storage_key(t))
-        for t in inputs:
-            key = storage_key(t)
-            if self.every and not func.is_view:
-                unread.read_view(self, info, key, t)
-            owner = self.owner_of(key)
-            if owner is info:
-                continue
-            if owner is not None:
-                info.foreign.setdefault(key, (owner, str(func), source, describe(t)))
-                continue
-            ext = info.externals.get(key)
-            if ext is None:
-                info.externals[key] = External(StorageWeakRef(t.untyped_storage()), describe(t), t.dtype,
-                                               str(func), source, memory.origin_of(t), func.is_view,
-                                               (str(func), source))
-            elif ext.view_only and not func.is_view:      # name the first op that really reads it
-                ext.op, ext.source, ext.tensor, ext.view_only = str(func), source, describe(t), False
-        for key in written:
-            if self.owner_of(key) is None:
-                info.writes.setdefault(key, Op(str(func), source))
-        for o in tensors(out):
-            key = storage_key(o)
-            if key not in in_keys and self.owner_of(key) is None:
-                self.owned[key] = (StorageWeakRef(o.untyped_storage()), info)
-                info.created.add(key)
-        if info.warmup is not None and not func.is_view:      # what the capture called, for rules/warmup.py
-            info.called |= codes_within(self.opened)
-        if not func.is_view or lifted:              # a constant's value is part of the trace
-            info.ops.append(Op(str(func), source, frozenset(in_keys), written,
-                               frozenset(in_keys - info.created), sig))
         return out
 
     # ------------------------------------------------------------------ the end

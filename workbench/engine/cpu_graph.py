@@ -155,8 +155,7 @@ class CPUGraph:
 
     def capture_end(self) -> None:
         self._close_capture()
-        # The emulation's own work, not the user's ops; in inference mode, so that it can put back
-        # tensors made in inference mode (a CUDA capture writes nothing, so it has nothing to put back).
+        # The emulation's own work; in inference mode, to put back tensors made in it (as on CUDA).
         with _disable_current_modes(), torch.inference_mode():
             for view, saved in self._snapshots.values():
                 view.copy_(saved)

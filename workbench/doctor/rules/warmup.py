@@ -12,11 +12,73 @@ from collections import Counter
 
 from ...engine.memory import HOST_TYPES
 from ...engine.opinfo import op_tensors, storage_key
-from ...engine.source import codes_within, user_frame
+from ...engine.source import codes_within, user_frame, user_frames
 from ..records import Op
 
 from .. import explain
 from ..report import Finding
+
+
+class Warmups:
+    """What the doctor keeps of warmups between them and the capture they prepare (``Doctor.warm``):
+    the ops each warmup ran, the lines eager code ran since, the step whose pieces are being captured
+    (PIECEWISE: one warmup, then a capture per piece with the step's eager code between them), and
+    the user's frame that entered the warmup or capture running (what it calls is the step's)."""
+
+    def __init__(self) -> None:
+        self.runs: list[list[Op]] = []
+        self.eager_lines: set[str] = set()
+        self.head = None                 # the graph last captured after warmups, until a warmup or a replay
+        self.opened = None
+
+    def capture_begin(self, info) -> None:
+        info.warmup = self.runs[0] if self.runs else None
+        info.eager_lines, self.eager_lines = self.eager_lines, set()
+        if info.warmup is None and self.head is not None:      # the next piece of a step being captured
+            self.head.pieces.append(info)
+        self.runs = []
+        self.opened = next(iter(user_frames()), None)
+        if self.opened is not None:      # a piece opened inside the step's own code (PIECEWISE)
+            info.called.add(self.opened.f_code)
+
+    def capture_end(self, info) -> None:
+        """After a capture that recorded ops (an empty piece hands its warmup on: ``hand_on``)."""
+        self.opened = None
+        if info.warmup is not None:
+            self.head = info
+
+    def hand_on(self, info) -> None:
+        """Nothing captured: a PIECEWISE piece closed before its first op (the step begins with eager
+        code). The warmup, and what runs eagerly next, belong to the step's next piece."""
+        self.runs, self.eager_lines, info.warmup, self.opened = [info.warmup], info.eager_lines, None, None
+
+    def capture_abort(self, info) -> None:
+        self.opened = None
+        if info is not None:
+            info.warmup = None           # nothing was captured to compare its warmup with
+
+    def replay_begin(self) -> None:
+        if self.head is not None:        # captures are over, for now
+            self.head, self.eager_lines = None, set()
+
+    def warmup_begin(self) -> None:
+        self.replay_begin()              # a new step's warmups: eager code since the last capture is not its
+        self.opened = next(iter(user_frames()), None)
+        self.runs.append([])
+
+    def warmup_end(self) -> None:
+        self.opened = None
+
+    def warmup_op(self, func, args, kwargs, constant: set) -> None:
+        self.runs[-1].append(op(func, args, kwargs, constant, self.opened))
+
+    def eager_op(self) -> None:
+        """An eager op outside warmups: between a warmup and its capture, or between pieces."""
+        if self.runs or self.head is not None:
+            self.eager_lines.add(user_frame())
+
+    def captured_op(self, info) -> None:
+        info.called |= codes_within(self.opened)
 
 
 def op(func, args, kwargs, constant: set, opened) -> Op:

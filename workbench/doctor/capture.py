@@ -1,0 +1,72 @@
+"""What a capture records, op by op: the graph's launch trace (each op's reads, writes, user source
+line and Python-decided arguments), the storages it created (its pool) and those it only references
+(externals: the first op on each, and the first that really reads it), and what the rules check as
+the op runs (host syncs, writes into static buffers, the pool, scatters into state, what warmups
+ran that the capture does not)."""
+from __future__ import annotations
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from ..engine import memory
+from ..engine.opinfo import describe, op_tensors, storage_key, tensors, written_tensors
+from ..engine.source import user_frame
+from .records import External, Op
+from .rules import padded_scatter, sync, undersized, unread
+from .tensors import signature
+
+aten = torch.ops.aten
+_COPY = aten.copy_.default
+
+
+def recorded(doctor, func, args, kwargs, run):
+    """One op inside a capture (``Doctor.capturing``): run it, record it."""
+    info = doctor.capturing
+    source = user_frame()
+    sync.check(doctor, info, func, args, kwargs, source)
+    inputs = op_tensors(args, kwargs)
+    in_keys = {storage_key(t) for t in inputs}
+    targets = doctor.targets(func, args, kwargs)
+    if targets and func is _COPY:
+        undersized.check_fit(doctor, args[0], args[1])
+    written = frozenset(storage_key(t) for t in written_tensors(func, args, kwargs))
+    sig = signature(func, args, kwargs)
+    out = undersized.write(doctor, func, targets, run)
+    doctor.pool.captured(info, func, args, kwargs, out, Op(str(func), source))
+    padded_scatter.captured(doctor, info, func, args, kwargs, source)
+    lifted = func.overloadpacket in (aten.lift_fresh, aten.lift_fresh_copy)
+    if lifted:
+        for t in inputs:                          # a constant of the captured code: the graph keeps it
+            doctor.owned[storage_key(t)] = (StorageWeakRef(t.untyped_storage()), info)
+            info.created.add(storage_key(t))
+    for t in inputs:
+        key = storage_key(t)
+        if doctor.every and not func.is_view:
+            unread.read_view(doctor, info, key, t)
+        owner = doctor.owner_of(key)
+        if owner is info:
+            continue
+        if owner is not None:
+            info.foreign.setdefault(key, (owner, str(func), source, describe(t)))
+            continue
+        ext = info.externals.get(key)
+        if ext is None:
+            info.externals[key] = External(StorageWeakRef(t.untyped_storage()), describe(t), t.dtype,
+                                           str(func), source, memory.origin_of(t), func.is_view,
+                                           (str(func), source))
+        elif ext.view_only and not func.is_view:      # name the first op that really reads it
+            ext.op, ext.source, ext.tensor, ext.view_only = str(func), source, describe(t), False
+    for key in written:
+        if doctor.owner_of(key) is None:
+            info.writes.setdefault(key, Op(str(func), source))
+    for o in tensors(out):
+        key = storage_key(o)
+        if key not in in_keys and doctor.owner_of(key) is None:
+            doctor.owned[key] = (StorageWeakRef(o.untyped_storage()), info)
+            info.created.add(key)
+    if not func.is_view:
+        doctor.warm.captured_op(info)
+    if not func.is_view or lifted:              # a constant's value is part of the trace
+        info.ops.append(Op(str(func), source, frozenset(in_keys), written,
+                           frozenset(in_keys - info.created), sig))
+    return out
