@@ -20,6 +20,13 @@ step is then run again from the same state, watched, to localise it). The other 
 doctor's dispatch mode off the stack. What an unwatched run cannot see is memory it writes outside
 the kept state; a graph whose watched eager step wrote any is watched on every compared replay from
 then on, so that such writes are reported and put back.
+
+Two differences are no evidence against the replay: memory outside what the graph reads that the
+eager step only writes before reading (its scratch), and an eager step that reads what the previous
+replay left in memory the graph owns and never reads (a ``.grad`` that capture found empty: the eager
+step accumulates where the graph assigns). Where the traces part because the eager step runs the same
+lines another number of times, the step is run once more to find the frame that loops
+(``launch.repeats``). A padded replay that raises is tried on its real rows alone (``failed``).
 """
 from __future__ import annotations
 
