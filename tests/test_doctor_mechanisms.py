@@ -812,9 +812,10 @@ def test_a_piecewise_eager_region_that_mixes_padded_and_real_rows(fixed):
 
 
 @pytest.mark.parametrize("variant", ["bug", "fix"])
-def test_a_static_input_no_graph_reads_is_a_capture_that_took_another_path(variant):
-    """The runner fills ``embeds`` every step, but the bug's capture calls the model without it:
-    the graph embeds ``ids`` instead, and every replay ignores the runner's ``embeds``."""
+def test_a_static_input_no_graph_reads_is_noted(variant):
+    """The runner fills ``embeds`` every step, but the bug's capture calls the model without it: the
+    graph embeds ``ids`` instead, and every replay ignores the runner's ``embeds``. A runner may also
+    keep a buffer the captured kernels do not use, so this is a note, never a finding."""
     table = torch.randn(6, 3, generator=torch.Generator().manual_seed(0))
 
     def model(ids, embeds=None):
@@ -830,12 +831,11 @@ def test_a_static_input_no_graph_reads_is_a_capture_that_took_another_path(varia
             embeds[:] = table[ids] + 1.0                  # image features merged into the embeddings
             m.replay(4)
     report = doctor.diagnose(workload)
-    if variant == "fix":
-        assert report.findings == [], report
-        return
-    (finding,) = report.findings
-    assert finding.kind == "warmup-divergence" and finding.op == "capture" and finding.tensor.startswith("embeds")
-    assert "no graph reads embeds at all" in finding.evidence and "with graph(g, pool=self.pool" in finding.source
+    assert report.findings == [], report
+    noted = [n for n in report.notes if "no graph reads embeds" in n]
+    assert bool(noted) == (variant == "bug"), report.notes
+    if noted:
+        assert "with graph(g, pool=self.pool" in noted[0]
 
 
 def test_a_static_input_only_the_host_reads_is_no_finding():

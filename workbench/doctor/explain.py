@@ -152,13 +152,6 @@ def update_in_a_copy(op: str, buffer: str) -> str:
             "after each replay.")
 
 
-def input_never_captured(buffer: str, graph: str) -> str:
-    return (f"The runner fills {buffer} for every step, but the capture of {graph} never read it: the captured code "
-            f"took a path without it (an argument the capture was not given, a branch on whether it is None), and "
-            f"every replay repeats that path, so this step's {buffer} is ignored. Capture with the inputs a real step "
-            "has, every one of them a view of its static buffer.")
-
-
 def derived_before_capture(tensor: str, source: str) -> str:
     return (f"{tensor} was computed from the static input {source} outside the capture (before the warmups, when "
             "a metadata object was built), so the graph recorded only its read: every replay reads the value computed "

@@ -1,8 +1,9 @@
 """undersized-buffer: a step copies data into a static input where its graph never reads.
 
 A static input that no graph reads at all, while the runner brings it data for the steps they
-serve, was left out of what the capture ran (a branch taken on an argument the capture was not
-given: ``inputs_embeds=None``): that is ``warmup-divergence``, at the capture.
+serve, may have been left out of what the capture ran (a branch taken on an argument the capture
+was not given: ``inputs_embeds=None``), or be a buffer the runner keeps for kernels the graphs do
+not use: a note says so, not a finding.
 
 A graph reads the views of its static inputs that the capture read: ``input_ids[:, :3]`` if it
 was captured on a batch of three tokens, whatever the buffer's width. A later step that copies four
@@ -157,13 +158,12 @@ def _read_by_any(doctor, key: int) -> bool:
 def _dropped(doctor, key: int) -> None:
     mask, source, graph, replay, read, name, shape, captured_at = doctor.unread.pop(key)
     n = int(mask.sum())
-    if captured_at is not None:
-        doctor.add(Finding(
-            "warmup-divergence", graph, "capture", f"{name}: {shape}", captured_at,
-            f"before replay {replay} of {graph}, the runner copied {n} element(s) of data into the static input {name} "
-            f"(at {source}), but no graph reads {name} at all, and nothing read them before they were overwritten "
-            "or the watch ended", explain.input_never_captured(name, graph),
-            {"elements_dropped": n}), ("warmup-divergence", "capture", name))
+    if captured_at is not None:      # a note: a runner may keep a buffer the captured kernels do not use
+        note = (f"the runner fills the static input {name} for the steps {graph} serves ({n} element(s) of new data "
+                f"before replay {replay}, at {source}), but no graph reads {name}, nor anything computed from it: if "
+                f"the step needs it, the capture took a path without it ({captured_at})")
+        if note not in doctor.report.notes:
+            doctor.report.notes.append(note)
         return
     doctor.add(Finding(
         "undersized-buffer", graph, "aten.copy_.default", f"{name}: {shape}", source,
