@@ -87,6 +87,7 @@ class Doctor:
         self.handed_any, self.padded_steps, self.unknown_replays = False, 0, 0
         self.served = self.no_eager = self.compared = 0     # steps served, of them without an eager form, compared
         self.real_writes: dict[int, tuple] = {}   # probes/unpadded.py: state -> (dtype, elements real rows wrote)
+        self.replay_changed: dict[int, torch.Tensor] = {}   # probes/row_writes.py: state elements replays changed
         self.trace: list[dict] = []                 # per replay, under diagnose's padded-row probes
         self.diff = None                            # the eager run of a differential replay
         self.spanning = None                        # (first piece, Pending) of a PIECEWISE step being compared

@@ -268,6 +268,7 @@ def finish(doctor, info, pending) -> None:
         elif sampled and pending.unpadded is not None:
             unpadded.check(doctor, info, pending, replayed, graph_out,
                            lambda step: _eager(doctor, info, pending, replayed, rng_after, step=step))
+    row_writes.replays_wrote(doctor, pending, replayed)
 
 
 def failed(doctor, info, pending, error: BaseException) -> None:

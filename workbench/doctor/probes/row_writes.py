@@ -12,7 +12,9 @@ The write itself can: in a watched eager step of a padded sampled replay (``diff
 indexed write whose index and source have the step's ``size`` leading rows is run once more on a copy
 of its state with only the first ``real`` rows. Elements where the two results differ are what the
 padded rows did; where such an element is one that real rows write in this op, or wrote on an
-earlier compared step (``Doctor.real_writes``), the padded rows changed a real request's state. A
+earlier compared step (``Doctor.real_writes``), or that held live data (announced persistent state
+changed since its announcement by eager code other than warmups: an eager prefill), the padded rows
+changed a real request's state. A
 padded row that writes a null slot, or writes back what is there (a guarded kernel), changes nothing
 real rows own and gives no finding. Static inputs are not state: their writes are
 ``persistent-mutation``'s.
@@ -27,7 +29,7 @@ from ...engine.source import user_frame
 from .. import explain
 from ..report import Finding
 from ..rules.padded_scatter import SCATTERS
-from ..tensors import changed
+from ..tensors import alias, changed
 from . import unpadded
 
 
@@ -54,7 +56,7 @@ def indexed_write(doctor, func, args, kwargs, run, rows: tuple[int, int]):
             return out
         by_padded = changed(alone, state)
         by_real = changed(before, alone)
-        owned = by_real | _owned(doctor, key, state)
+        owned = by_real | _owned(doctor, key, state) | _live(doctor, key, state, before)
         _own(doctor, key, state, by_real)
         hit = by_padded & owned
         if bool(hit.any()):
@@ -114,6 +116,37 @@ def _owned(doctor, key: int, state: torch.Tensor) -> torch.Tensor:
     if dtype != state.dtype:
         return torch.zeros(state.shape, dtype=torch.bool, device=state.device)
     return mask.as_strided(state.shape, state.stride(), state.storage_offset())
+
+
+def _live(doctor, key: int, state: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """The elements of ``state`` (a view of announced persistent state) that held live data before
+    the op: changed since the announcement by eager code other than warmups (a prefill), not by a
+    replay (the rows a replay writes are real rows' when they are ``Doctor.real_writes``, and else a
+    padded row's null slot)."""
+    buf = doctor.buffer(key)
+    initial = doctor.initial.get(key)
+    if buf is None or initial is None or initial.dtype != state.dtype:
+        return torch.zeros(state.shape, dtype=torch.bool, device=state.device)
+    whole = buf.ref()
+    flat = alias(whole.untyped_storage(), state.dtype).clone()      # the storage as it is now (before the op)
+    flat.as_strided(state.shape, state.stride(), state.storage_offset()).copy_(before)
+    was = torch.zeros_like(flat)
+    was.as_strided(whole.shape, whole.stride(), whole.storage_offset()).copy_(initial)
+    live = changed(was, flat)
+    replayed = doctor.replay_changed.get(key)
+    if replayed is not None and replayed.shape == live.shape:
+        live &= ~replayed
+    return live.as_strided(state.shape, state.stride(), state.storage_offset()).clone()
+
+
+def replays_wrote(doctor, pending, replayed: dict) -> None:
+    """After a compared replay: the elements of announced persistent state it changed."""
+    with _disable_current_modes():
+        for key, (w, _, before) in pending.pre.items():
+            if key in doctor.initial and w.dtype == doctor.initial[key].dtype:
+                mask = changed(before, replayed[key])
+                kept = doctor.replay_changed.get(key)
+                doctor.replay_changed[key] = mask if kept is None or kept.shape != mask.shape else kept | mask
 
 
 def _own(doctor, key: int, state: torch.Tensor, mine: torch.Tensor) -> None:
