@@ -526,3 +526,35 @@ def test_a_padded_replay_that_fails_where_its_real_rows_alone_do_not_is_stale_pa
     (finding,) = report.findings
     assert finding.kind == "stale-padding" and finding.op == "aten.index_select.default", report
     assert "completes" in finding.evidence and finding.numbers["crashed"] == "IndexError"
+
+
+@pytest.mark.parametrize("pad_slot", [-1, 0], ids=["wraps-to-a-prefilled-slot", "reserved-slot"])
+def test_padded_rows_overwriting_what_an_eager_prefill_wrote_are_stale_padding(pad_slot):
+    """Padded rows get slot ``pad_slot``; the cache write indexes with it as Python does, so -1 is
+    the cache's last slot, which an eager prefill filled with a live prompt's key. Slot 0 is reserved:
+    no request owns it, and the padded rows' writes there, replay after replay, are no one's."""
+    from workbench.zoo.kit import capture, replay
+
+    def decode(cache, slots, x):
+        cache[slots] = x * 2                                  # reshape_and_cache, as plain indexing
+        return cache.sum(0, keepdim=True).expand(slots.shape[0], -1) + x
+
+    def workload():
+        cache = torch.zeros(6, 2)
+        slots, x = torch.zeros(4, dtype=torch.int64), torch.zeros(4, 2)
+        g, out = capture(lambda: decode(cache, slots, x), device="cpu", static={"slots": slots, "x": x},
+                         state={"kv_cache": cache})
+        cache[5] = torch.tensor([3.0, 4.0])                   # prefill of a prompt whose key lives in slot 5
+        for step, n in enumerate((3, 2, 3)):
+            slots[:n] = torch.arange(1, n + 1)
+            slots[n:] = pad_slot
+            x[:n] = step + 1.0
+            x[n:] = 0.0
+            replay(g, out, real=n, size=4, padded={})
+    report = doctor.diagnose(workload)
+    if pad_slot == 0:
+        assert report.findings == [], report
+        return
+    finding = report.findings[0]
+    assert finding.kind == "stale-padding" and "cache[slots] = x * 2" in finding.source, report
+    assert "for its padded rows alone" in finding.evidence
