@@ -946,3 +946,21 @@ def test_the_doctors_aliases_made_under_inference_mode_are_writable_outside_it()
         a = alias(t.untyped_storage(), t.dtype)
     a.copy_(torch.ones(3))
     assert torch.equal(t, torch.ones(3))
+
+
+def test_masks_placed_through_a_storage_follow_the_view_expanded_views_included():
+    """``onto`` puts a view's values at its elements of the storage and ``at`` reads them back;
+    an expanded view (stride 0) names one element several times and must not fail."""
+    from workbench.doctor.tensors import at, onto, region
+    buf = torch.zeros(4, 3)
+    view = buf[1:3, ::2]
+    mask = onto(torch.tensor([[True, False], [False, True]]), view, buf)
+    assert mask.nonzero().tolist() == [[1, 0], [2, 2]]
+    assert torch.equal(at(mask, view, buf), torch.tensor([[True, False], [False, True]]))
+    assert torch.equal(at(onto(torch.tensor([[1.0, 2.0]]), view), view), torch.tensor([[1.0, 2.0]] * 2))
+    row = buf[0:1].expand(5, 3)
+    assert region(row, buf).nonzero()[:, 0].unique().tolist() == [0]
+    assert onto(torch.ones(5, 3, dtype=torch.bool), row, buf)[0].all()
+    windows = buf.reshape(-1).unfold(0, 4, 2)                      # windows share elements
+    assert region(windows, buf).all()
+    assert onto(torch.ones(windows.shape), windows, buf).eq(1).all()

@@ -36,13 +36,44 @@ def alias(storage, dtype: torch.dtype, size=None, stride=None) -> torch.Tensor:
 def region(view: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
     """Which elements of ``buffer`` the tensor ``view`` (of the same storage) covers: a bool mask
     shaped like ``buffer``; all of it when the view reinterprets the bytes."""
+    if view.dtype != buffer.dtype:
+        return torch.ones(buffer.shape, dtype=torch.bool, device=buffer.device)
+    return onto(torch.ones((), dtype=torch.bool, device=view.device), view, buffer)
+
+
+def onto(values: torch.Tensor, view: torch.Tensor, buffer: torch.Tensor | None = None) -> torch.Tensor:
+    """``values`` (shaped like ``view``, or broadcasting to it) at the elements of ``view`` in a new
+    tensor shaped like ``buffer`` (a view of the same storage, and dtype), zero elsewhere; with no
+    ``buffer``, a flat tensor over the whole storage. Where a view names one element several times
+    (an expanded or unfolded view), one of its values is kept."""
     with _disable_current_modes():
-        if view.dtype != buffer.dtype:
-            return torch.ones(buffer.shape, dtype=torch.bool, device=buffer.device)
-        flat = torch.zeros(buffer.untyped_storage().nbytes() // buffer.element_size(), dtype=torch.bool,
-                           device=buffer.device)
-        flat.as_strided(view.shape, view.stride(), view.storage_offset()).fill_(True)
-        return flat.as_strided(buffer.shape, buffer.stride(), buffer.storage_offset()).clone()
+        flat = torch.zeros(view.untyped_storage().nbytes() // view.element_size(), dtype=values.dtype,
+                           device=view.device)
+        if _may_overlap(view):
+            index = torch.arange(flat.numel(), device=view.device).as_strided(
+                view.shape, view.stride(), view.storage_offset())
+            flat[index.reshape(-1)] = values.expand(view.shape).reshape(-1)
+        else:
+            flat.as_strided(view.shape, view.stride(), view.storage_offset()).copy_(values)
+        return flat if buffer is None else flat.as_strided(buffer.shape, buffer.stride(), buffer.storage_offset())
+
+
+def _may_overlap(view: torch.Tensor) -> bool:
+    """Whether two indices of ``view`` may name one element (an expanded or unfolded view): False is
+    sure, True may be cautious. Taken by stride, each dim must step past all the smaller ones span."""
+    span = 0
+    for stride, size in sorted((s, n) for n, s in zip(view.shape, view.stride()) if n > 1):
+        if stride <= span:
+            return True
+        span += stride * (size - 1)
+    return False
+
+
+def at(values: torch.Tensor, view: torch.Tensor, buffer: torch.Tensor | None = None) -> torch.Tensor:
+    """The elements of ``values`` (shaped like ``buffer``, a view of the same storage; with no
+    ``buffer``, flat over the whole storage) that ``view`` covers, shaped like ``view``."""
+    flat = values if buffer is None else onto(values, buffer)
+    return flat.as_strided(view.shape, view.stride(), view.storage_offset())
 
 
 def digest(t: torch.Tensor) -> str:

@@ -31,7 +31,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ...engine.opinfo import describe, storage_key
-from ..tensors import broadcasts, changed, region
+from ..tensors import at, broadcasts, changed, onto, region
 
 _COPY = torch.ops.aten.copy_.default
 
@@ -82,13 +82,10 @@ class CarriedInputs:
                 fresh = doctor.fresh.get(storage_key(src)) if source is not None else None
                 if fresh is None or fresh.shape != source.ref().shape or source.role != "input":
                     continue
-                given = _view_of(fresh, source.ref(), src)       # which of the copied elements this step wrote
+                given = at(fresh, src, source.ref())       # which of the copied elements this step wrote
                 if not broadcasts(given, dst) or bool(given.all()) or not bool(given.any()):
                     continue
-                stale = torch.zeros(whole.untyped_storage().nbytes() // whole.element_size(), dtype=torch.bool,
-                                    device=whole.device)
-                stale.as_strided(dst.shape, dst.stride(), dst.storage_offset()).copy_(~given.expand_as(dst))
-                stale = stale.as_strided(whole.shape, whole.stride(), whole.storage_offset())
+                stale = onto(~given, dst, whole)
                 self.relayed[key] = stale if mask is None else mask | stale
 
     def replay_begins(self, doctor, info) -> None:
@@ -146,13 +143,6 @@ class CarriedInputs:
                 if bool(mask.any()):
                     out[key] = Carried(now, mask, was, buf.name, describe(now))
         return out
-
-
-def _view_of(mask: torch.Tensor, buf: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
-    """``mask`` (shaped like ``buf``) at the elements of ``view``, a view of ``buf``'s storage."""
-    flat = torch.zeros(buf.untyped_storage().nbytes() // buf.element_size(), dtype=torch.bool, device=buf.device)
-    flat.as_strided(buf.shape, buf.stride(), buf.storage_offset()).copy_(mask)
-    return flat.as_strided(view.shape, view.stride(), view.storage_offset()).clone()
 
 
 def _padded(buf: torch.Tensor, key: int, pending) -> torch.Tensor:

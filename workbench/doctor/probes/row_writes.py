@@ -14,9 +14,8 @@ of its state with only the first ``real`` rows. Elements where the two results d
 padded rows did; where such an element is one that real rows write in this op, or wrote on an
 earlier compared step (``Doctor.real_writes``), or that held live data (announced persistent state
 changed since its announcement by eager code other than warmups: an eager prefill), the padded rows
-changed a real request's state. A
-padded row that writes a null slot, or writes back what is there (a guarded kernel), changes nothing
-real rows own and gives no finding. Static inputs are not state: their writes are
+changed a real request's state. A padded row that writes a null slot, or writes back what is there
+(a guarded kernel), changes nothing real rows own and gives no finding. Static inputs are not state: their writes are
 ``persistent-mutation``'s.
 """
 from __future__ import annotations
@@ -29,7 +28,7 @@ from ...engine.source import user_frame
 from .. import explain
 from ..report import Finding
 from ..rules.padded_scatter import SCATTERS
-from ..tensors import alias, changed
+from ..tensors import at, changed, onto
 from . import unpadded
 
 
@@ -115,7 +114,7 @@ def _owned(doctor, key: int, state: torch.Tensor) -> torch.Tensor:
     dtype, mask = doctor.real_writes.get(key, (None, None))
     if dtype != state.dtype:
         return torch.zeros(state.shape, dtype=torch.bool, device=state.device)
-    return mask.as_strided(state.shape, state.stride(), state.storage_offset())
+    return at(mask, state)
 
 
 def _live(doctor, key: int, state: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
@@ -127,16 +126,11 @@ def _live(doctor, key: int, state: torch.Tensor, before: torch.Tensor) -> torch.
     initial = doctor.initial.get(key)
     if buf is None or initial is None or initial.dtype != state.dtype:
         return torch.zeros(state.shape, dtype=torch.bool, device=state.device)
-    whole = buf.ref()
-    flat = alias(whole.untyped_storage(), state.dtype).clone()      # the storage as it is now (before the op)
-    flat.as_strided(state.shape, state.stride(), state.storage_offset()).copy_(before)
-    was = torch.zeros_like(flat)
-    was.as_strided(whole.shape, whole.stride(), whole.storage_offset()).copy_(initial)
-    live = changed(was, flat)
+    live = changed(at(initial, state, buf.ref()), before)
     replayed = doctor.replay_changed.get(key)
-    if replayed is not None and replayed.shape == live.shape:
-        live &= ~replayed
-    return live.as_strided(state.shape, state.stride(), state.storage_offset()).clone()
+    if replayed is not None and replayed.numel() == state.untyped_storage().nbytes() // state.element_size():
+        live &= ~at(replayed, state)
+    return live
 
 
 def replays_wrote(doctor, pending, replayed: dict) -> None:
@@ -152,7 +146,4 @@ def replays_wrote(doctor, pending, replayed: dict) -> None:
 def _own(doctor, key: int, state: torch.Tensor, mine: torch.Tensor) -> None:
     """Add the elements of ``state`` (a view) that real rows wrote to ``Doctor.real_writes``."""
     if bool(mine.any()):
-        flat = torch.zeros(state.untyped_storage().nbytes() // state.element_size(), dtype=torch.bool,
-                           device=state.device)
-        flat.as_strided(state.shape, state.stride(), state.storage_offset()).copy_(mine)
-        unpadded.own(doctor, key, state.dtype, flat)
+        unpadded.own(doctor, key, state.dtype, onto(mine, state))

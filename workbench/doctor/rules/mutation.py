@@ -23,7 +23,7 @@ from ...engine.opinfo import describe, overwrites, storage_key
 from ...engine.source import user_frame
 from .. import explain
 from ..report import Finding
-from ..tensors import changed, region
+from ..tensors import changed, onto, region
 from . import undersized
 
 
@@ -127,11 +127,7 @@ def copied_over(doctor, dst: torch.Tensor, src) -> None:
             return
         info, wrote = entry
         buf = doctor.buffer(key).ref()
-        lost = wrote & region(dst, buf)
-        flat = torch.zeros(buf.untyped_storage().nbytes() // buf.element_size(), dtype=torch.bool, device=buf.device)
-        flat.as_strided(dst.shape, dst.stride(), dst.storage_offset()).copy_(dst != src)
-        lost &= flat.as_strided(buf.shape, buf.stride(), buf.storage_offset())
-        n = int(lost.sum())
+        n = int((wrote & onto(dst != src, dst, buf)).sum())
     if not n:
         return
     name, op = doctor.buffer(key).name, info.writes[key]

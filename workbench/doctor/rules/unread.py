@@ -30,7 +30,7 @@ from ...engine.source import user_frame
 from .. import explain
 from ..report import Finding
 from . import derived
-from ..tensors import broadcasts, region
+from ..tensors import broadcasts, onto, region
 
 _HOST_READ = torch.ops.aten.alias.default      # a read-only op standing for a host read in ``touched``
 def read_view(doctor, info, key: int, t: torch.Tensor) -> None:
@@ -73,10 +73,7 @@ def copied(doctor, targets: list, src) -> None:
             # copy brings data, and so does one into memory graphs read (checked by their windows).
             if key not in doctor.graph_reads and isinstance(src, torch.Tensor) \
                     and (src.dtype, src.device) == (dst.dtype, dst.device) and broadcasts(src, dst):
-                same = torch.zeros(whole.untyped_storage().nbytes() // whole.element_size(), dtype=torch.bool,
-                                   device=whole.device)
-                same.as_strided(dst.shape, dst.stride(), dst.storage_offset()).copy_(dst == src.expand_as(dst))
-                mask &= ~same.as_strided(whole.shape, whole.stride(), whole.storage_offset())
+                mask &= ~onto(dst == src, dst, whole)
         entry = doctor.copied.get(key)
         doctor.copied[key] = (entry[0] | mask, entry[1]) if entry is not None else (mask, user_frame())
 
