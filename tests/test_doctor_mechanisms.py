@@ -964,3 +964,63 @@ def test_masks_placed_through_a_storage_follow_the_view_expanded_views_included(
     windows = buf.reshape(-1).unfold(0, 4, 2)                      # windows share elements
     assert region(windows, buf).all()
     assert onto(torch.ones(windows.shape), windows, buf).eq(1).all()
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix", "smaller"])
+def test_a_write_that_does_not_fit_an_unannounced_buffer_is_an_undersized_buffer(variant):
+    """Before each capture the runner builds its dummy batch's metadata into a persistent buffer of
+    ``max_reqs + 1`` entries, not yet announced; the bug counts one request per token, so the
+    largest capture's metadata does not fit and the copy fails (the start-up loop catches it and
+    goes on). Data *smaller* than the destination that does not broadcast is another problem."""
+    def workload():
+        max_reqs = 2
+        meta = torch.zeros(max_reqs + 1, dtype=torch.int64)
+
+        def build(num_reqs):
+            data = torch.arange(num_reqs + 1) if variant != "smaller" else torch.arange(2)
+            meta[:num_reqs + 1 if variant != "smaller" else 3].copy_(data)
+
+        x = torch.zeros(4)
+        m = Manager(lambda size: x[:size] * 2 + meta[:1], [2, 4], {"x": x})
+        for size in (4, 2):
+            try:
+                build(size if variant == "bug" else min(size, max_reqs))
+            except RuntimeError:
+                continue
+        m.capture()
+    report = doctor.diagnose(workload)
+    if variant != "bug":
+        assert report.of("undersized-buffer") == [], report
+        return
+    (finding,) = report.of("undersized-buffer")
+    assert "meta[:num_reqs + 1" in finding.source and "data of shape (5,)" in finding.evidence, finding
+    assert "destination of shape (3,)" in finding.evidence and "during eager" in finding.evidence
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_an_index_past_the_end_of_a_workspace_a_capture_sized_is_an_undersized_buffer(variant):
+    """The capture sizes a split-KV workspace for its dummy batch and keeps it; an eager stage of a
+    later step needs more splits than that and writes past the workspace's end (the serving loop
+    drops the step). The fix sizes the workspace for the step."""
+    def workload():
+        x = torch.zeros(4)
+        spaces = {}
+
+        def forward(size):
+            spaces.setdefault(size, torch.zeros(2, 3))         # sized by the dummy batch: 2 splits
+            return x[:size] * 2
+
+        m = Manager(forward, [4], {"x": x})
+        m.capture()
+        splits = 3
+        space = spaces[4] if variant == "bug" else torch.zeros(splits, 3)
+        try:
+            space.index_copy_(0, torch.arange(splits), torch.ones(splits, 3))
+        except IndexError:
+            pass
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    (finding,) = report.of("undersized-buffer")
+    assert "space.index_copy_" in finding.source and "an index past its end" in finding.evidence, finding

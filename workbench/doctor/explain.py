@@ -105,6 +105,12 @@ def failed_write(name: str, error: str) -> str:
             "than this data.")
 
 
+def unfit_write(error: str) -> str:
+    return (f"A write failed because its data does not fit its destination: {error}. The buffer was sized (at "
+            "start-up, or by a warmup or capture's dummy batch) for less than what this step writes into it; "
+            "on a GPU a kernel writing past it corrupts the memory after it.")
+
+
 def over_served(what: str, real: int, captured: int) -> str:
     return (f"A replay was announced to serve {real} {what} but the graph was captured for {captured}: the graph "
             "computes only the captured ones, so the rest are silently dropped or read out of bounds.")

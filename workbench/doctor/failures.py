@@ -39,14 +39,20 @@ def contained(handler):
     return run
 
 
-def op_failed(doctor, func, args, error: BaseException) -> None:
+def op_failed(doctor, func, args, kwargs, error: BaseException) -> None:
     """An op of the watched code raised (in eager code, a warmup or a capture); the doctor's own
     runs (probes, differential replay) are not the workload's."""
-    if doctor.phase in ("eager", "warmup", "capture") and len(doctor.failed_ops) < _KEPT:
+    if doctor.phase not in ("eager", "warmup", "capture"):
+        return
+    if len(doctor.failed_ops) < _KEPT:
         doctor.failed_ops.setdefault(id(error), f"{type(error).__name__}: {first_line(error)} (raised by {func} at "
                                                 f"{user_frame()}, during {doctor.phase})")
-    if doctor.phase in ("warmup", "capture"):
-        undersized.failed_lookup(doctor, func, args, error)
+    try:
+        undersized.failed_write(doctor, func, args, kwargs, error)
+        if doctor.phase in ("warmup", "capture"):
+            undersized.failed_lookup(doctor, func, args, error)
+    except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
+        doctor.fail(e, f"explaining the failure of {func}")
 
 
 def replay_failed(doctor, error: BaseException, where: str) -> None:

@@ -37,7 +37,7 @@ def _watched(doctor: Doctor, func, args, kwargs):
         raise
     except Exception as e:
         if e is run.error:                   # the op itself failed: the watched code's error
-            failures.op_failed(doctor, func, args, e)
+            failures.op_failed(doctor, func, args, kwargs, e)
             raise
         doctor.fail(e, f"watching {func}")
         return run.result()

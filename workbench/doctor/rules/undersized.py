@@ -8,14 +8,17 @@
 * a replay announced for more real rows than the graph's size, or more real columns than the
   padded-columns buffer holds;
 * a lookup into a static buffer past its end during a warmup or a capture, which run the capture
-  size's own dummy batch: the buffer is smaller than a batch of that size needs.
+  size's own dummy batch: the buffer is smaller than a batch of that size needs;
+* a write that fails because its data does not fit its destination, announced or not (a runner
+  fills a buffer before it announces it, and a buffer a capture sized is reused by later steps):
+  data larger than the destination, or an index past its end.
 """
 from __future__ import annotations
 
 import torch
 
 from ...engine import memory
-from ...engine.opinfo import describe, storage_key
+from ...engine.opinfo import describe, storage_key, written_tensors
 from ...engine.source import user_frame
 from .. import explain
 from ..report import Finding
@@ -146,6 +149,33 @@ def failed_lookup(doctor, func, args, error: BaseException) -> None:
         f"during {_where(doctor)} (the capture size's dummy batch), {func} looked {buf.name} up out of its range: "
         f"{first_line(error)}", explain.lookup_past_end(buf.name), {"buffer_shape": list(buf.ref().shape)}),
         ("undersized-buffer", buf.owner, buf.name, source))
+
+
+def failed_write(doctor, func, args, kwargs, error: BaseException) -> None:
+    """A write by the watched code (eager, warmup or capture) failed because its data does not fit
+    its destination: larger than it in some dimension, or indexed past its end. Writes into
+    announced buffers are ``write``'s; a destination of any other size problem (smaller data that
+    does not broadcast) is not this kind."""
+    written = written_tensors(func, args, kwargs)
+    if not written or doctor.buffer(storage_key(written[0])) is not None:
+        return
+    dst, src = written[0], next((a for a in args[1:] if isinstance(a, torch.Tensor)), None)
+    if isinstance(error, IndexError) and "out of bounds" in str(error):
+        what = "an index past its end"
+    elif isinstance(src, torch.Tensor) and src.dim() <= dst.dim() and any(
+            s > d for s, d in zip(reversed(src.shape), reversed(dst.shape))):
+        what = f"data of shape {tuple(src.shape)}"
+    else:
+        return
+    source = user_frame()
+    made = memory.created_by(dst)
+    origin = f", created by {made[0]} at {made[1]}" if made else ""
+    doctor.add(Finding(
+        "undersized-buffer", _where(doctor), str(func), describe(dst), source,
+        f"during {_where(doctor)}, {func} wrote {what} into a destination of shape {tuple(dst.shape)} "
+        f"(its storage holds {dst.untyped_storage().nbytes() // dst.element_size()} elements{origin}) and failed: "
+        f"{first_line(error)}", explain.unfit_write(first_line(error)), {"destination_shape": list(dst.shape)}),
+        ("undersized-buffer", "write", source))
 
 
 def serve_contract(doctor, graph: str, real: int, size: int, padded: dict, columns: dict) -> None:
