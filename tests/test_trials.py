@@ -22,7 +22,7 @@ def test_bug_misbehaves_and_fix_equals_eager_on_cpu(name):
 
 
 def test_the_trials_span_rounds_and_families():
-    assert len(NAMES) >= 50 and {n.split("/")[0] for n in NAMES} == set(trials.ROUNDS)
+    assert len(NAMES) >= 60 and {n.split("/")[0] for n in NAMES} == set(trials.ROUNDS)
     assert {trials.program(n).FAMILY for n in NAMES} == set(zoo.FAMILIES)
 
 
