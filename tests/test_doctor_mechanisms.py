@@ -1024,3 +1024,36 @@ def test_an_index_past_the_end_of_a_workspace_a_capture_sized_is_an_undersized_b
         return
     (finding,) = report.of("undersized-buffer")
     assert "space.index_copy_" in finding.source and "an index past its end" in finding.evidence, finding
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_host_work_is_not_part_of_a_launch_trace(variant):
+    """The step reads its longest length from host metadata (``host()``: pinned memory on CUDA),
+    which a capture does not record, and scales its attention with it. The launch traces of the
+    replay and the eager step line up past that host read; they part at the op whose arguments
+    the frozen length decided: host-work-frozen there, as on CUDA, not a divergence at the read."""
+    from workbench.engine import host
+
+    def workload():
+        x = torch.zeros(2, 8)
+        longest = host(torch.full((1,), 4, dtype=torch.int64))
+
+        def attend(h, n):
+            return h.sum(1, keepdim=True) / n
+
+        def forward(size):
+            return attend(x[:size], int(longest[0]))
+
+        m = Manager(forward, [2], {"x": x})
+        m.capture()
+        for step in range(3):
+            x.copy_(rows(2, 8, seed=step))
+            if variant == "bug":
+                longest[0] = 5 + step
+            m.replay(2)
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "host-work-frozen" and finding.location.endswith(" in attend"), report

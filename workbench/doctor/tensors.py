@@ -9,6 +9,7 @@ from typing import NamedTuple
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ..engine.memory import HOST_TYPES
 from ..engine.opinfo import tensors
 
 aten = torch.ops.aten
@@ -74,6 +75,12 @@ def at(values: torch.Tensor, view: torch.Tensor, buffer: torch.Tensor | None = N
     ``buffer``, flat over the whole storage) that ``view`` covers, shaped like ``view``."""
     flat = values if buffer is None else onto(values, buffer)
     return flat.as_strided(view.shape, view.stride(), view.storage_offset())
+
+
+def host_only(ts, cuda: bool) -> bool:
+    """Whether an op's tensors ``ts`` all live in host memory (host tensors; beside a CUDA graph,
+    the CPU's): host work, which launches nothing on the device and which a capture does not record."""
+    return bool(ts) and all(type(t) in HOST_TYPES or (cuda and not t.is_cuda) for t in ts)
 
 
 def digest(t: torch.Tensor) -> str:

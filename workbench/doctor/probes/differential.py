@@ -39,8 +39,8 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 from ...engine.opinfo import op_tensors, overwrites, storage_key, tensors, written_tensors
 from ...engine.source import location, user_frame, user_frames
 from ..records import Op
-from ..tensors import (alias, changed, differs, first_line, max_abs_diff, rng_state, set_rng_state, signature,
-                       whole)
+from ..tensors import (alias, changed, differs, first_line, host_only, max_abs_diff, rng_state, set_rng_state,
+                       signature, whole)
 from . import launch, pystate, rootcause, row_writes, unpadded
 
 aten = torch.ops.aten
@@ -67,6 +67,7 @@ class EagerRun:
     written: set = dataclasses.field(default_factory=set)      # storages it has written so far
     read_first: set = dataclasses.field(default_factory=set)   # ... and those it read before writing them
     stacks_at: tuple = ()                        # two positions in the trace whose user frames are compared
+    cuda: bool = False                           # the step's graphs are CUDA graphs (host memory: the CPU's)
     held: list | None = None                     # ... the frames at the first, until the second
     loop: str | None = None                      # the deepest frame both share: the one that looped
 
@@ -118,6 +119,8 @@ def on_op(doctor, func, args, kwargs, run):
     if not d.traced:
         return _untraced(d, func, args, kwargs, run)
     inputs = op_tensors(args, kwargs)
+    if not lifted and host_only(inputs, d.cuda):     # host work launches nothing: a capture has no trace of it
+        return run()
     keys = {storage_key(t) for t in inputs}
     if lifted:                                   # a constant made from Python data in this run
         d.new.update(keys)
@@ -299,7 +302,7 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
         set_rng_state(pending.rng)
     aside = not traced and _get_current_dispatch_mode() is doctor.mode
     doctor.diff, doctor.phase = (EagerRun(set(pre), _graph_ops(info, pending), traced, not aside, rows,
-                                          _unread_outputs(info, pending), stacks_at=stacks), "differential")
+                                          _unread_outputs(info, pending), stacks_at=stacks, cuda=info.cuda), "differential")
     got = error = None
     try:
         with torch.set_grad_enabled(pending.grad):     # code may branch on it (is_grad_enabled())
