@@ -13,7 +13,7 @@ from ..engine.opinfo import describe, op_tensors, storage_key, tensors, written_
 from ..engine.source import user_frame
 from .records import External, Op
 from .rules import padded_scatter, sync, undersized, unread
-from .tensors import host_only, signature
+from .tensors import signature
 
 aten = torch.ops.aten
 _COPY = aten.copy_.default
@@ -66,9 +66,7 @@ def recorded(doctor, func, args, kwargs, run):
             info.created.add(key)
     if not func.is_view:
         doctor.warm.captured_op(info)
-    # A constant's value is part of the trace; host work is not (it launches nothing, and the CPU
-    # engine runs it outside the capture, as CUDA does).
-    if lifted or not (func.is_view or host_only(inputs, info.cuda)):
+    if not func.is_view or lifted:              # a constant's value is part of the trace
         info.ops.append(Op(str(func), source, frozenset(in_keys), written,
                            frozenset(in_keys - info.created), sig))
     return out

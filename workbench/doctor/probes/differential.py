@@ -67,7 +67,7 @@ class EagerRun:
     written: set = dataclasses.field(default_factory=set)      # storages it has written so far
     read_first: set = dataclasses.field(default_factory=set)   # ... and those it read before writing them
     stacks_at: tuple = ()                        # two positions in the trace whose user frames are compared
-    cuda: bool = False                           # the step's graphs are CUDA graphs (host memory: the CPU's)
+    cuda: bool = False                           # the step's graphs are CUDA graphs (whose captures record host work)
     held: list | None = None                     # ... the frames at the first, until the second
     loop: str | None = None                      # the deepest frame both share: the one that looped
 
@@ -119,8 +119,8 @@ def on_op(doctor, func, args, kwargs, run):
     if not d.traced:
         return _untraced(d, func, args, kwargs, run)
     inputs = op_tensors(args, kwargs)
-    if not lifted and host_only(inputs, d.cuda):     # host work launches nothing: a capture has no trace of it
-        return run()
+    if not lifted and not d.cuda and host_only(inputs, False):
+        return run()     # host memory's work, which the CPU engine runs outside a capture: not in its trace
     keys = {storage_key(t) for t in inputs}
     if lifted:                                   # a constant made from Python data in this run
         d.new.update(keys)
