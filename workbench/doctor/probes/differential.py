@@ -230,8 +230,8 @@ def finish(doctor, info, pending) -> None:
         doctor.report.notes.append(f"differential replay of {info.name}: the eager step raised "
                                    f"{type(error).__name__}: {first_line(error)}")
         return
-    divergence = launch.compare(*_traces(info, pending, run)) if traced else None
-    if what is not None and (at := launch.repeats(divergence, *_traces(info, pending, run))) is not None:
+    divergence = launch.compare(*launch.traces(info, pending, run)) if traced else None
+    if what is not None and (at := launch.repeats(divergence, *launch.traces(info, pending, run))) is not None:
         first = run.ops[divergence.index] if divergence.how == "skipped" else divergence.graph_op
         divergence.loop = first.source
         if at:                                   # once more, to see which frame runs the loop
@@ -301,7 +301,7 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
             now[mask] = before[mask]
         set_rng_state(pending.rng)
     aside = not traced and _get_current_dispatch_mode() is doctor.mode
-    doctor.diff, doctor.phase = (EagerRun(set(pre), _graph_ops(info, pending), traced, not aside, rows,
+    doctor.diff, doctor.phase = (EagerRun(set(pre), launch.graph_ops(info, pending), traced, not aside, rows,
                                           _unread_outputs(info, pending), stacks_at=stacks, cuda=info.cuda), "differential")
     got = error = None
     try:
@@ -386,22 +386,6 @@ def _unread_outputs(info, pending) -> frozenset:
         return pieces[0].unread_outputs
     reads = frozenset().union(*(op.reads for p in pieces for op in p.ops))
     return frozenset().union(*(p.unread_outputs for p in pieces)) - reads
-
-
-def _graph_ops(info, pending) -> list:
-    """The step's launch trace as its graphs recorded it: all pieces of a PIECEWISE step, in order."""
-    return [op for piece in pending.span for op in piece.ops] if pending.span else info.ops
-
-
-def _traces(info, pending, run) -> tuple[list, list]:
-    """The graph's and the eager step's traces to compare. A PIECEWISE step's eager regions run in
-    both but are no graph's ops: the eager trace keeps the lines the graphs recorded, so that a
-    scalar or a tensor frozen in a piece still shows (work a piece skipped does not)."""
-    ops = _graph_ops(info, pending)
-    if not pending.span:
-        return ops, run.ops
-    lines = {op.source for op in ops}
-    return ops, [op for op in run.ops if op.source in lines]
 
 
 def _announced(doctor, key: int, kept) -> str:

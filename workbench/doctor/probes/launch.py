@@ -121,3 +121,19 @@ def _argument_difference(graph_sig: tuple, eager_sig: tuple) -> str:
 def _short(value) -> str:
     text = str(value)
     return text if len(text) <= 60 else text[:60] + "..."
+
+
+def graph_ops(info, pending) -> list:
+    """The step's launch trace as its graphs recorded it: all pieces of a PIECEWISE step, in order."""
+    return [op for piece in pending.span for op in piece.ops] if pending.span else info.ops
+
+
+def traces(info, pending, run) -> tuple[list, list]:
+    """The graph's and the eager step's traces to compare. A PIECEWISE step's eager regions run in
+    both but are no graph's ops: the eager trace keeps the lines the graphs recorded, so that a
+    scalar or a tensor frozen in a piece still shows (work a piece skipped does not)."""
+    ops = graph_ops(info, pending)
+    if not pending.span:
+        return ops, run.ops
+    lines = {op.source for op in ops}
+    return ops, [op for op in run.ops if op.source in lines]
