@@ -1057,3 +1057,18 @@ def test_host_work_is_not_part_of_a_launch_trace(variant):
         return
     (finding,) = report.findings
     assert finding.kind == "host-work-frozen" and finding.location.endswith(" in attend"), report
+
+
+def test_an_index_past_the_end_of_an_announced_buffer_is_an_undersized_buffer():
+    """An index error is not a ``RuntimeError``: a scatter past the end of a static buffer, caught
+    by the serving loop, is reported like a copy that does not fit it."""
+    def workload():
+        x = torch.zeros(4)
+        m = Manager(lambda size: x[:size] * 2, [4], {"x": x})
+        m.capture()
+        try:
+            x.index_copy_(0, torch.arange(5), torch.ones(5))
+        except IndexError:
+            pass
+    (finding,) = doctor.diagnose(workload).of("undersized-buffer")
+    assert finding.tensor.startswith("x") and "x.index_copy_" in finding.source, finding

@@ -67,7 +67,6 @@ class EagerRun:
     written: set = dataclasses.field(default_factory=set)      # storages it has written so far
     read_first: set = dataclasses.field(default_factory=set)   # ... and those it read before writing them
     stacks_at: tuple = ()                        # two positions in the trace whose user frames are compared
-    cuda: bool = False                           # the step's graphs are CUDA graphs (whose captures record host work)
     held: list | None = None                     # ... the frames at the first, until the second
     loop: str | None = None                      # the deepest frame both share: the one that looped
 
@@ -119,8 +118,11 @@ def on_op(doctor, func, args, kwargs, run):
     if not d.traced:
         return _untraced(d, func, args, kwargs, run)
     inputs = op_tensors(args, kwargs)
-    if not lifted and not d.cuda and host_only(inputs, False):
-        return run()     # host memory's work, which the CPU engine runs outside a capture: not in its trace
+    if not lifted and host_only(inputs, cuda=False):
+        # Work on the CPU engine's host tensors, which it runs outside a capture: not in the graph's
+        # trace, so not in this one. (Beside a CUDA graph host memory is plain CPU memory, and a
+        # CUDA capture records its work as the eager step's trace does.)
+        return run()
     keys = {storage_key(t) for t in inputs}
     if lifted:                                   # a constant made from Python data in this run
         d.new.update(keys)
@@ -302,7 +304,7 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
         set_rng_state(pending.rng)
     aside = not traced and _get_current_dispatch_mode() is doctor.mode
     doctor.diff, doctor.phase = (EagerRun(set(pre), launch.graph_ops(info, pending), traced, not aside, rows,
-                                          _unread_outputs(info, pending), stacks_at=stacks, cuda=info.cuda), "differential")
+                                          _unread_outputs(info, pending), stacks_at=stacks), "differential")
     got = error = None
     try:
         with torch.set_grad_enabled(pending.grad):     # code may branch on it (is_grad_enabled())

@@ -119,7 +119,7 @@ def write(doctor, func, targets: list, run):
         return run()
     try:
         return run()
-    except RuntimeError as e:
+    except (RuntimeError, IndexError) as e:          # an index past the end is an IndexError
         _, t, buf = targets[0]
         source = user_frame()
         doctor.add(Finding(
