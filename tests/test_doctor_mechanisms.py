@@ -1072,3 +1072,58 @@ def test_an_index_past_the_end_of_an_announced_buffer_is_an_undersized_buffer():
             pass
     (finding,) = doctor.diagnose(workload).of("undersized-buffer")
     assert finding.tensor.startswith("x") and "x.index_copy_" in finding.source, finding
+
+
+# ------------------------------------------------------------------------------ unwritten memory
+def test_eager_allocations_are_filled_while_watching_and_captures_keep_the_users_setting():
+    """``torch.empty`` outside a capture holds NaN (integers: their maximum) while the doctor
+    watches; inside a capture, and after the block, the user's own deterministic setting stands."""
+    seen = {}
+
+    def forward():
+        seen["capture"] = (torch.are_deterministic_algorithms_enabled(),
+                           torch.is_deterministic_algorithms_warn_only_enabled())
+        return torch.ones(2) * 2
+
+    with doctor.watch():
+        torch.full((64,), 7.0).mul_(2)                  # a previous user of the memory, freed
+        floats, ints = torch.empty(64), torch.empty(64, dtype=torch.int32)
+        with graph(new_graph("cpu"), name="size 2"):
+            forward()
+        after_capture = torch.are_deterministic_algorithms_enabled()
+    assert torch.isnan(floats).all() and (ints == torch.iinfo(torch.int32).max).all()
+    assert seen["capture"] == (False, False) and after_capture and not torch.are_deterministic_algorithms_enabled()
+
+    torch.use_deterministic_algorithms(True)            # the user's strict setting, errors included
+    try:
+        with doctor.watch():
+            warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+            with graph(new_graph("cpu"), name="size 2"):
+                forward()
+        assert not warn_only and seen["capture"] == (True, False)
+        assert torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_a_step_reading_memory_no_op_wrote_gets_the_same_answer_every_run():
+    """A kernel whose grid misses rows of its output leaves them as the allocation held them: in the
+    replay, the capture's poison; in the eager step, what the allocator's previous user left there
+    (here, on purpose, 7s). Both are unwritten memory and the doctor compares them as equal, in
+    every run; the replay's NaN reaching the output is the program's symptom, not a divergence."""
+    def workload():
+        x = torch.zeros(4, 3)
+
+        def forward(size):
+            computed = x[:size] * 2
+            torch.ones_like(computed).mul_(7)              # a previous user of the memory, freed
+            out = torch.empty_like(computed)              # rows past the grid are never written
+            return torch.where(torch.arange(size)[:, None] < 2, computed, out)
+
+        m = Manager(forward, [4], {"x": x})
+        m.capture()
+        for step in range(3):
+            x.copy_(rows(4, 3, seed=step))
+            m.replay(4)
+    reports = [doctor.diagnose(workload, padding_probe=False) for _ in range(3)]
+    assert [r.findings for r in reports] == [[], [], []], reports[0]

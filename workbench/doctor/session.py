@@ -15,6 +15,7 @@ from .failures import DELIBERATE
 from .intake import _ASIDE, Doctor
 from .report import Report
 from .rules import undersized, unread
+from .uninit import filled
 
 
 class _Watch(TorchDispatchMode):
@@ -141,7 +142,8 @@ def watching(doctor: Doctor) -> Iterator[Doctor]:
     mode.__enter__()
     start = time.perf_counter()
     try:
-        yield doctor
+        with filled():
+            yield doctor
     except BaseException as e:
         doctor.report.errors.append(failures.describe(doctor, e))
         raise

@@ -104,6 +104,14 @@ def differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a != b
 
 
+def disagrees(replay: torch.Tensor, eager: torch.Tensor) -> torch.Tensor:
+    """``differs``, where the eager step's NaN is no evidence: while the doctor watches, memory no op
+    has written holds NaN (``uninit``), so an eager NaN is most often unwritten memory, which in the
+    replay holds whatever the graph's memory last held. (A NaN in the replay still counts.)"""
+    diff = differs(replay, eager)
+    return diff & ~eager.isnan() if eager.dtype.is_floating_point and diff.shape == eager.shape else diff
+
+
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.shape != b.shape or not a.numel():
         return float("inf") if a.shape != b.shape else 0.0

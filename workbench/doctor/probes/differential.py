@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 from ...engine.opinfo import op_tensors, overwrites, storage_key, tensors, written_tensors
 from ...engine.source import location, user_frame, user_frames
 from ..records import Op
-from ..tensors import (alias, changed, differs, first_line, host_only, max_abs_diff, rng_state, set_rng_state,
+from ..tensors import (alias, changed, disagrees, first_line, host_only, max_abs_diff, rng_state, set_rng_state,
                        signature, whole)
 from . import launch, pystate, rootcause, row_writes, unpadded
 
@@ -345,7 +345,7 @@ def _from_before_warmups(doctor, info, pending, replayed: dict, rng_after, graph
     if error is not None or graph_out is None or got[0] is None:
         return
     for i, (g, e) in enumerate(zip(graph_out, got[0])):
-        if g.shape == e.shape and not bool(differs(g, e).any()):
+        if g.shape == e.shape and not bool(disagrees(g, e).any()):
             continue
         key, (_, mask, _, kept) = next(iter(reset.items()))
         label = _announced(doctor, key, kept)
@@ -422,11 +422,11 @@ def _compare(graph_out, eager_out, replayed, eager_state, extra, pre) -> tuple |
         if len(graph_out) != len(eager_out):
             return f"the replay has {len(graph_out)} outputs, the eager step {len(eager_out)}", {}, None
         for i, (g, e) in enumerate(zip(graph_out, eager_out)):
-            if g.shape != e.shape or bool(differs(g, e).any()):
+            if g.shape != e.shape or bool(disagrees(g, e).any()):
                 return (f"output {i} (real rows) differs by max |diff| = {max_abs_diff(g, e):.3g}",
                         {"output": i, "max_abs_diff": max_abs_diff(g, e)}, None)
     for key, g in replayed.items():
-        mask = differs(g, eager_state[key])
+        mask = disagrees(g, eager_state[key])
         if bool(mask.any()):
             label = pre[key][1]
             return (f"state `{label}` differs in {int(mask.sum())} element(s)",

@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ...engine.opinfo import storage_key
 from .. import explain, failures
 from ..report import Finding
-from ..tensors import changed, differs, first_line, max_abs_diff
+from ..tensors import changed, disagrees, first_line, max_abs_diff
 
 
 def owned_by_full_step(doctor, pending, replayed: dict) -> None:
@@ -45,7 +45,7 @@ def check(doctor, info, pending, replayed: dict, graph_out, run_eager) -> None:
     out, state, _ = got
     with _disable_current_modes():
         for i, (g, e) in enumerate(zip(graph_out or (), out or ())):
-            if g.shape == e.shape and g.dim() and bool(differs(g, e).any()):
+            if g.shape == e.shape and g.dim() and bool(disagrees(g, e).any()):
                 _output(doctor, info, pending, i, max_abs_diff(g, e))
                 return
         for key, (_, label, before) in pending.pre.items():
