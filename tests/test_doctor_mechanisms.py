@@ -10,6 +10,7 @@ import functools
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from workbench import doctor
 from workbench.engine import GraphRunner, events, graph, graph_pool_handle, new_graph
@@ -1075,6 +1076,7 @@ def test_an_index_past_the_end_of_an_announced_buffer_is_an_undersized_buffer():
 
 
 # ------------------------------------------------------------------------------ unwritten memory
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the doctor fills no memory where CUDA is available")
 def test_eager_allocations_are_filled_while_watching_and_captures_keep_the_users_setting():
     """``torch.empty`` outside a capture holds NaN (integers: their maximum) while the doctor
     watches; inside a capture, and after the block, the user's own deterministic setting stands."""
@@ -1106,6 +1108,7 @@ def test_eager_allocations_are_filled_while_watching_and_captures_keep_the_users
         torch.use_deterministic_algorithms(False)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the doctor fills no memory where CUDA is available")
 def test_a_step_reading_memory_no_op_wrote_gets_the_same_answer_every_run():
     """A kernel whose grid misses rows of its output leaves them as the allocation held them: in the
     replay, the capture's poison; in the eager step, what the allocator's previous user left there
@@ -1127,3 +1130,142 @@ def test_a_step_reading_memory_no_op_wrote_gets_the_same_answer_every_run():
             m.replay(4)
     reports = [doctor.diagnose(workload, padding_probe=False) for _ in range(3)]
     assert [r.findings for r in reports] == [[], [], []], reports[0]
+
+
+# ------------------------------------------------------------------------ pool blocks handed on
+@pytest.mark.parametrize("keep_outputs", [False, True])
+def test_an_output_whose_block_a_later_capture_was_given_is_overwritten_by_its_replay(keep_outputs):
+    """A runner that keeps only a weak reference to a graph's output frees its block at once: the
+    next capture into the pool is given it for a tensor of its own, and that graph's replay writes
+    the block. An output of the first graph handed out, then read after the second graph's replay,
+    holds the second graph's numbers (``overwritten-output`` at the read). Keeping the output alive
+    as long as its graph (the fix) keeps the block, and no finding."""
+    def workload():
+        weight = torch.linspace(-1, 1, 32).reshape(4, 8)
+        ids = torch.zeros(4, dtype=torch.long)
+        pool, graphs, kept, outputs = graph_pool_handle("cpu"), {}, {}, {}
+        events.static_buffers("Tiny", {"ids": ids})
+
+        def forward(size):
+            h = torch.tanh(weight[ids[:size]])
+            return torch.cat([h, h])[:size] * 2           # size 2's cat has the bytes of size 4's output
+
+        for size in (4, 2):
+            with events.warmup():
+                forward(size)
+            g = new_graph("cpu")
+            with graph(g, pool=pool, name=f"size {size}"):
+                out = forward(size)
+            graphs[size], outputs[size] = g, (StorageWeakRef(out.untyped_storage()), out.shape)
+            if keep_outputs:
+                kept[size] = out
+            del out
+
+        def output(n):                                    # the output, from its address alone
+            ref, shape = outputs[n]
+            storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+            return torch.empty(0).set_(storage, 0, shape)
+
+        previous = None
+        for step, n in enumerate((4, 2, 4)):
+            ids[:n].copy_(torch.arange(n) + step)
+            g = graphs[n]
+            events.serve(g, n, n, padded={}, outputs=output(n))
+            g.replay()
+            out = output(n)
+            events.handed_out(g, out)
+            if previous is not None:
+                previous.sum()                            # the previous step's output, read after this replay
+            previous = out
+
+    report = doctor.diagnose(workload, padding_probe=False)
+    if keep_outputs:
+        assert not report.findings, report
+    else:
+        (finding,) = report.of("overwritten-output")
+        assert finding.numbers["overwritten_by"] == "size 2" and "previous.sum()" in finding.source, finding
+
+
+# ------------------------------------------------------------------ one line, two consumers' data
+@pytest.mark.parametrize("variant", ["bug", "fix", "patch"])
+def test_a_line_that_overwrites_its_own_data_before_the_replay_is_persistent_mutation(variant):
+    """Metadata for two draft steps built by the same builder before one replay: with one buffer
+    (bug) the second build overwrites what the first wrote for step 1, and the graph reads step 2's
+    lengths twice: ``persistent-mutation`` at the builder's copy. A buffer per step (fix) is clean, and
+    so is another line patching what a bulk copy wrote (a next token over shifted ids)."""
+    def workload():
+        lens = [torch.zeros(2) for _ in range(2)]
+        x = torch.zeros(2, 3)
+        shared = variant == "bug"
+
+        def build(step_lens, step):
+            buf = lens[0] if shared else lens[step]
+            buf[:2].copy_(step_lens)
+            return buf
+
+        def forward(size):
+            return x[:size] * lens[0][:size, None] + x[:size] * lens[1][:size, None]
+
+        m = Manager(forward, [2], {"x": x, "lens0": lens[0], "lens1": lens[1]})
+        m.capture()
+        for step in range(2):
+            x.copy_(rows(2, 3, seed=step))
+            if variant == "patch":
+                lens[0][:2].copy_(torch.tensor([1.0, 2.0]) + step)
+                lens[0][1:2].copy_(torch.tensor([7.0]))          # another line edits what the bulk copy wrote
+                lens[1][:2].copy_(torch.tensor([3.0, 4.0]))
+            else:
+                for k in range(2):
+                    build(torch.tensor([1.0, 2.0]) + 2 * k + step, k)
+            m.replay(2)
+
+    report = doctor.diagnose(workload, padding_probe=False)
+    if variant == "bug":
+        (finding,) = report.of("persistent-mutation")
+        assert "buf[:2].copy_(step_lens)" in finding.source and finding.tensor.startswith("lens0"), finding
+    else:
+        assert not report.findings, report
+
+
+# --------------------------------------------------------- padded rows' writes read back by eager code
+@pytest.mark.parametrize("neutralised", [False, True])
+def test_state_padded_rows_wrote_that_eager_code_reads_back_is_stale_padding(neutralised):
+    """Padded rows of a slot index left as the previous step wrote them make the graph write a real
+    request's state slot; the runner reads that state back eagerly for a request this step did not
+    serve. The write is a masked store of the whole state (no index names a slot), and the graph's
+    real-row outputs do not show it; what eager code computes from the state does, between the two
+    padded-row fills: ``stale-padding`` at the graph's write. Padded rows pointed at
+    the reserved slot 0 (the fix) leave every request's state as it was."""
+    def workload():
+        slots = torch.zeros(4, dtype=torch.long)
+        x = torch.zeros(4, 3)
+        state = torch.zeros(5, 3)                     # slot 0: reserved for padded rows
+
+        def forward(size):
+            h = x[:size] * 2
+            # each row stores its result in its request's slot: a kernel that writes the whole state
+            # (a masked store), so no index names a slot
+            mine = slots[:size, None] == torch.arange(5)[None, :]
+            state.copy_(torch.where(mine.any(0)[:, None], mine.t().float() @ h, state))
+            return h + 1
+
+        m = Manager(forward, [4], {"x": x, "slots": slots}, state={"state": state})
+        m.capture()
+        state.zero_()
+        seen = []
+        for step, reqs in enumerate(([1, 2, 3, 4], [3, 4], [1, 2])):
+            n = len(reqs)
+            seen.append(state[torch.tensor(reqs)].sum(1))  # the runner reads its requests' states back
+            x[:n].copy_(rows(n, 3, seed=step))
+            slots[:n].copy_(torch.tensor(reqs))
+            if neutralised:
+                slots[n:].fill_(0)
+            m.replay(n, padded={"x": x, "slots": slots})
+
+    report = doctor.diagnose(workload)
+    if neutralised:
+        assert not report.findings, report
+    else:
+        (finding,) = report.of("stale-padding")
+        assert "copy_" in finding.op and "state.copy_(torch.where" in finding.source, finding
+        assert "eager code computes other values" in finding.evidence, finding

@@ -136,6 +136,13 @@ def handed_on_input(first: str, second: str, graph: str) -> str:
             "later). Keep a graph's input buffers for as long as any graph that reads them lives.")
 
 
+def lost_update(buffer: str) -> str:
+    return (f"One static input holds the data of several consumers: the same code copies into {buffer} for each of "
+            "them before the graph reads it (the metadata of two draft steps built into one buffer before one "
+            "replay), so the graph reads the last consumer's data for all of them. Give each consumer a buffer of its "
+            "own, or replay between the writes.")
+
+
 def unread_copy(buffer: str, graph: str) -> str:
     return (f"The step copied data into {buffer} where {graph} never reads: the graph reads the views of {buffer} "
             "its capture read, sized for the batch it was captured on, so the rest of this step's data is dropped "

@@ -71,6 +71,7 @@ class Doctor:
         self.warm_updates: dict[int, Finding] = {}  # static input -> a warmup building on an earlier one's update
         self.computed_from: dict[int, tuple] = {}   # rules/derived.py: what set-up code computed each storage from
         self.copied: dict[int, tuple] = {}          # rules/unread.py: static-input elements copied since the last replay
+        self.copied_lines: dict[int, dict] = {}     # ... the same, per source line (a line that overwrites its own data)
         self.before_replay: dict[int, torch.Tensor] = {}    # rules/mutation.py: static inputs a graph writes, before it
         self.replay_wrote: dict[int, tuple] = {}    # ... -> (graph, elements its last replay changed)
         self.copy_sources: dict[int, tuple] = {}    # ... -> the tensor the last copy into it took, as it was
@@ -82,8 +83,8 @@ class Doctor:
         self.graph_reads: set[int] = set()          # ... or reads (of graphs captured while watched)
         self.touched: dict[int, str] = {}           # of those, written outside graphs since: -> source line
         self.handed: dict[int, tuple] = {}          # rules.overwritten
-        self.generation: dict[int, int] = {}        # storage -> replays that wrote it (handed-out ones)
-        self.writers: dict[int, tuple] = {}         # storage -> (graph, its replay) that wrote it last
+        self.generation: dict[tuple, int] = {}      # memory block -> replays that wrote it (handed-out ones)
+        self.writers: dict[tuple, tuple] = {}       # memory block -> (graph, its replay) that wrote it last
         self.handed_any, self.padded_steps, self.unknown_replays = False, 0, 0
         self.served = self.no_eager = self.compared = 0     # steps served, of them without an eager form, compared
         self.real_writes: dict[int, tuple] = {}   # probes/unpadded.py: state -> (dtype, elements real rows wrote)
@@ -156,7 +157,6 @@ class Doctor:
             self.warm.hand_on(info)
             return
         self.pool.settle(info)
-        info.out_keys = frozenset(info.writes) | frozenset(info.created)
         self.graph_writes.update(info.writes)
         self.graph_reads.update(info.externals)
         for key in info.writes:
@@ -170,6 +170,7 @@ class Doctor:
         derived.captured(self, info)
         unread.capture_end(self, info)
         self.copied.clear()
+        self.copied_lines.clear()
 
     @contained
     def capture_abort(self, graph, error: BaseException) -> None:
@@ -227,6 +228,7 @@ class Doctor:
         self.report.replays += 1
         self.fresh.clear()
         self.copied.clear()
+        self.copied_lines.clear()
         info = self.info(graph)
         error = sys.exc_info()[1]
         if info is None:
@@ -403,6 +405,8 @@ class Doctor:
             out = undersized.write(self, func, targets, run)
         if self.padded_step is not None and not view:
             shapes.derived(self, func, args, kwargs, out)
+        if self.pattern is not None and not view:
+            padding_probe.state_read(self, func, args, kwargs, out)
         if (self.unread or self.copied) and not view:
             unread.touched(self, func, args, kwargs)
         if view:

@@ -133,7 +133,6 @@ class GraphInfo:
         self.created: set[int] = set()              # storages this capture created
         self.foreign: dict[int, tuple] = {}         # storage of another graph's pool -> (graph, op, source, tensor)
         self.owners: tuple[int, tuple] = (0, ())    # rules.dangling's cache: (len(foreign), their graphs)
-        self.out_keys: frozenset = frozenset()      # every storage a replay writes
         self.warmup: list[Op] | None = None         # the first warmup run before this capture
         self.eager_lines: set[str] = set()          # lines run eagerly after that warmup, outside the capture
         self.pieces: list = []                      # later pieces of its step (PIECEWISE), captured after it

@@ -8,8 +8,12 @@ difference in one run and not in the next. While it watches, eager allocations a
 PyTorch's deterministic mode fills them (``torch.utils.deterministic.fill_uninitialized_memory``:
 NaN, the integer maximum, True), as a capture fills the memory of its graph (``CPUGraph``), so a
 replay and its eager step that read unwritten memory read the same values. Captures keep the
-user's own setting: on CUDA the fill is a kernel, which the graph would record and replay, and a
-graph captured without the doctor has no such kernel.
+user's own setting.
+
+Only where CUDA is not available: deterministic mode also changes the kernels eager CUDA code runs
+(``index_put_`` with repeated indices sorts them first), so an eager step would part from the replay
+of a graph captured without it for that reason alone (a padding sentinel slot that several rows write
+holds another row's value); and on CUDA the fill is a kernel, which a graph would record and replay.
 
 Deterministic mode is turned on with ``warn_only=True`` unless the user turned it on already (their
 setting, errors included, stands); its warnings about ops without a deterministic implementation
@@ -62,8 +66,12 @@ def _apply(state: tuple) -> None:
 
 
 @contextlib.contextmanager
-def filled() -> Iterator[Fill]:
-    """Eager allocations filled deterministically inside the block; the user's setting after it."""
+def filled() -> Iterator[Fill | None]:
+    """Eager allocations filled deterministically inside the block (where CUDA is not available);
+    the user's setting after it."""
+    if torch.cuda.is_available():
+        yield None
+        return
     fill = Fill()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NOT_DETERMINISTIC)

@@ -34,6 +34,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ...engine.opinfo import op_tensors, storage_key, written_tensors
+from ...engine.source import user_frame
 from ..rules.padded_scatter import Index
 from ..tensors import digest, region, whole
 
@@ -51,12 +52,15 @@ class Plan:
         self.current: dict[str, weakref.ref] = {}
         self.mirrors: dict[int, Index] = {}
         self.borrowed: list[tuple] = []
+        self.in_step = False                      # between a ``serve`` and its ``handed_out``
+        self.writes: dict[int, tuple] = {}        # storage -> (op, source) of eager code of a step that wrote it
 
 
 def served(doctor, real: int, size: int, padded: dict, columns: dict) -> None:
     plan = doctor.plan
     if plan is None:
         return
+    plan.in_step = True
     regions = {name: None for name in padded} | {name: width for name, (_, width) in columns.items()}
     plan.steps.append((real, size, regions, doctor.report.warmups + doctor.report.captures))
     with _disable_current_modes():
@@ -73,6 +77,8 @@ def carry(doctor) -> None:
     """After a step of a padded-row run: fill the next step's padded rows and columns now, in the
     tensors of this step that a graph reads, if nothing is captured before that step."""
     plan = doctor.plan
+    if plan is not None:
+        plan.in_step = False
     if plan is None or plan.ahead is None or not plan.current:
         return
     k = len(plan.steps)
@@ -178,6 +184,42 @@ def record_inputs(doctor, info) -> None:
                          "inputs": inputs, "readers": readers, "outputs": None, "state": {},
                          "padded_reader": (first.name, first.source, _name_of(doctor, first.reads & padded_keys))
                          if first else None})
+
+
+# Ops that move memory rather than compute on it: a runner copying a whole state buffer (a swap, a
+# snapshot) moves what padded rows wrote into rows nobody reads, which is no evidence by itself.
+_MOVES = frozenset(("aten::copy_", "aten::clone", "aten::_to_copy", "aten::detach", "aten::alias", "aten::lift_fresh"))
+
+
+def state_read(doctor, func, args, kwargs, out) -> None:
+    """In a padded-row run, an eager op on memory the served steps write (what graphs write, and
+    what a PIECEWISE step's eager regions write: a cache, a recurrent state): what it computed, and
+    which op wrote that memory, to compare between the two fills. Padded rows may write slots no
+    one reads; a value eager code computes from that memory differs only if it read what they wrote."""
+    plan = doctor.plan
+    if plan.in_step:
+        if func._schema.is_mutable:
+            for t in written_tensors(func, args, kwargs):
+                plan.writes[storage_key(t)] = (str(func), user_frame())
+        return
+    if not doctor.trace or func._schema.name in _MOVES or not isinstance(out, torch.Tensor):
+        return
+    writer = next((w for t in op_tensors(args, kwargs) if (w := _writer(doctor, storage_key(t))) is not None), None)
+    if writer is not None:
+        with _disable_current_modes():
+            doctor.trace[-1].setdefault("reads", []).append((str(func), user_frame(), digest(out), writer))
+
+
+def _writer(doctor, key: int) -> tuple | None:
+    """(op, source) of what a served step writes into storage ``key``: the step's eager code, else
+    a graph's first write of it."""
+    if key in doctor.plan.writes:
+        return doctor.plan.writes[key]
+    if key in doctor.graph_writes:
+        for info in doctor.graphs.values():
+            if (op := info.writes.get(key)) is not None:
+                return (op.name, op.source)
+    return None
 
 
 def _name_of(doctor, keys) -> str:

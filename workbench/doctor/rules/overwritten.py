@@ -1,22 +1,27 @@
 """overwritten-output: an output is read after a replay wrote new values into its memory.
 
-Tracked per storage, not per graph: a replay of *any* graph that writes the memory of a handed-out
-view (its own static outputs, or an output buffer several graphs share) makes the view stale."""
+Tracked per memory block, not per graph: a replay of *any* graph that writes the memory of a
+handed-out view (its own static outputs, an output buffer several graphs share, or a pool block a
+later capture was given because the view did not own it) makes the view stale. Blocks are keyed by
+device and address (``pool.block``), as the allocator hands them on: a runner that keeps only a
+weak reference (or a raw pointer) to a graph's output lets the next capture of the pool place its
+own tensors there, and on CUDA that tensor has another storage at the same address."""
 from __future__ import annotations
 
 import weakref
 
 import torch
 
-from ...engine.opinfo import describe, storage_key, tensors
+from ...engine.opinfo import describe, tensors
 from ...engine.source import user_frame
 from .. import explain
 from ..report import Finding
+from .pool import block
 
 
 def tag(doctor, t, info) -> None:
     """``t`` holds outputs of ``info``'s latest replay."""
-    key = storage_key(t)
+    key = block(t)
     _remember(doctor, t, key, doctor.generation.setdefault(key, 0), info, info.replays)
 
 
@@ -27,7 +32,7 @@ def tag_view(doctor, base, view) -> None:
         _remember(doctor, view, *entry[1:])
 
 
-def _remember(doctor, t, key: int, generation: int, info, replays: int) -> None:
+def _remember(doctor, t, key: tuple, generation: int, info, replays: int) -> None:
     """Keyed by the view's ``id`` with a weak reference to it (a lookup checks that the view is the
     same object). Entries of released views are swept every 64 additions, not by callbacks: a
     runner hands out a view per step, and a callback per view costs host time on every step."""
@@ -39,10 +44,10 @@ def _remember(doctor, t, key: int, generation: int, info, replays: int) -> None:
 
 
 def replayed(doctor, info) -> None:
-    """Every handed-out storage this replay wrote moves to a new generation."""
+    """Every handed-out block this replay wrote moves to a new generation."""
     if not doctor.generation:
         return
-    for key in info.out_keys.intersection(doctor.generation):     # walks the few handed-out storages
+    for key in info.blocks.intersection(doctor.generation):       # walks the few handed-out blocks
         doctor.generation[key] += 1
         doctor.writers[key] = (info, info.replays)
 
@@ -68,7 +73,7 @@ def _read(doctor, func, t) -> None:
         _stale(doctor, func, t, *entry[1:])
 
 
-def _stale(doctor, func, t, key: int, generation: int, info, handed_after: int) -> None:
+def _stale(doctor, func, t, key: tuple, generation: int, info, handed_after: int) -> None:
     writer, writer_replay = doctor.writers[key]
     source = user_frame()
     if writer is info:

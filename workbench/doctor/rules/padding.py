@@ -34,6 +34,14 @@ def compare_runs(a: list[dict], b: list[dict], errors_a: list[str], errors_b: li
                 evidence += f"; state {state_since[1]} differs since replay {state_since[0]}"
             return _finding(ra, evidence, {"replay": k + 1, "max_abs_diff": diff},
                             differing[0] if differing else None)
+        read = next(((x, y) for x, y in zip(ra.get("reads", ()), rb.get("reads", ())) if x != y), None)
+        if read is not None:
+            (op, source, _, (writer, written_at)), _ = read
+            evidence = (f"after replay {k + 1} ({ra['graph']}, {ra['real']} real rows of {ra['size']}), eager code "
+                        f"computes other values ({op} at {source}) from memory the step writes with {writer}: "
+                        "what the padded rows made it write reached a reader")
+            return Finding("stale-padding", ra["graph"], writer, "-", written_at, evidence,
+                           explain.stale_padding(None), {"replay": k + 1})
     if len(a) != len(b) or errors_a != errors_b:
         shorter = a if len(a) <= len(b) else b
         what = "; ".join(f"pattern {i}: {e[0] if e else 'no error'}, {n} replays"

@@ -62,20 +62,54 @@ def capture_end(doctor, info) -> None:
 def copied(doctor, targets: list, src) -> None:
     """Eager code is about to copy ``src`` into announced buffers (``[(key, written view, Buffer)]``):
     the elements whose values it changes are data this step brings (rewriting what is there brings
-    none)."""
+    none). A source holding one value everywhere is a fill, not data. Data a line copied earlier in
+    this step that the same line now changes never reaches a reader (``_lost``); a step's copies end
+    at a replay, or when eager code reads data copied since (an eager step ran on them)."""
+    if isinstance(src, torch.Tensor) and src.numel() > 1 and _uniform(src):
+        return
     for key, dst, buf in targets:
         if buf.role != "input":
             continue
+        comparable = isinstance(src, torch.Tensor) and (src.dtype, src.device) == (dst.dtype, dst.device) \
+            and broadcasts(src, dst)
+        entry, source = doctor.copied.get(key), user_frame()
+        lines = doctor.copied_lines.setdefault(key, {})
         with _disable_current_modes():
             whole = buf.ref()
             mask = region(dst, whole)
+            if source in lines and key in doctor.graph_reads and isinstance(src, torch.Tensor) \
+                    and broadcasts(src, dst):     # (a host-to-device copy too: compared as copy_ casts)
+                changes = dst != src.to(dst.device, dst.dtype)
+                _lost(doctor, buf, source, lines[source] & mask & onto(changes, dst, whole))
+            lines[source] = lines[source] | mask if source in lines else mask
             # Only where no graph reads the buffer (the data would be lost whole): a host-to-device
             # copy brings data, and so does one into memory graphs read (checked by their windows).
-            if key not in doctor.graph_reads and isinstance(src, torch.Tensor) \
-                    and (src.dtype, src.device) == (dst.dtype, dst.device) and broadcasts(src, dst):
+            if key not in doctor.graph_reads and comparable:
                 mask &= ~onto(dst == src, dst, whole)
-        entry = doctor.copied.get(key)
-        doctor.copied[key] = (entry[0] | mask, entry[1]) if entry is not None else (mask, user_frame())
+        doctor.copied[key] = (entry[0] | mask, entry[1]) if entry is not None else (mask, source)
+
+
+def _uniform(t: torch.Tensor) -> bool:
+    with _disable_current_modes():
+        flat = t.reshape(-1)
+        return bool((flat == flat[0]).all()) or bool(flat.isnan().all())
+
+
+def _lost(doctor, buf, source: str, lost) -> None:
+    """Elements of a static input a graph reads that one line copied data into since the previous
+    replay, that nothing read since, and that the same line now changes: the line runs once per
+    consumer (a builder called for each draft step) on one buffer, and only its last data reaches
+    the graph. (Another line patching what a bulk copy wrote, a next token over a shifted id, edits
+    on purpose.)"""
+    if not bool(lost.any()):
+        return
+    n = int(lost.sum())
+    doctor.add(Finding(
+        "persistent-mutation", "-", "aten.copy_.default", f"{buf.name}: {describe(buf.ref())}", source,
+        f"{n} element(s) of {buf.name} that this line copied data into since the previous replay, and that nothing "
+        "read since, are overwritten by the same line with other values: its earlier data never reaches a reader",
+        explain.lost_update(buf.name), {"elements_overwritten": n}),
+        ("persistent-mutation", buf.name, "overwritten before read"))
 
 
 def check(doctor, info) -> None:
@@ -116,7 +150,10 @@ def touched(doctor, func, args, kwargs) -> None:
         if (copy := doctor.copied.get(key := storage_key(t))) is not None and id(t) not in written \
                 and (buf := doctor.buffer(key)) is not None:
             with _disable_current_modes():
-                doctor.copied[key] = (copy[0] & ~region(t, buf.ref()), copy[1])
+                read = region(t, buf.ref())
+                if bool((copy[0] & read).any()):
+                    doctor.copied_lines.clear()    # the step's data is being used: the next copies are another's
+                doctor.copied[key] = (copy[0] & ~read, copy[1])
         entry = doctor.unread.get(key)
         if entry is None or (buf := doctor.buffer(key)) is None:
             continue
