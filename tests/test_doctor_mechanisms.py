@@ -1223,6 +1223,7 @@ def test_a_line_that_overwrites_its_own_data_before_the_replay_is_persistent_mut
     if variant == "bug":
         (finding,) = report.of("persistent-mutation")
         assert "buf[:2].copy_(step_lens)" in finding.source and finding.tensor.startswith("lens0"), finding
+        assert finding.graph == "size 2", finding
     else:
         assert not report.findings, report
 

@@ -80,7 +80,7 @@ def copied(doctor, targets: list, src) -> None:
             if source in lines and key in doctor.graph_reads and isinstance(src, torch.Tensor) \
                     and broadcasts(src, dst):     # (a host-to-device copy too: compared as copy_ casts)
                 changes = dst != src.to(dst.device, dst.dtype)
-                _lost(doctor, buf, source, lines[source] & mask & onto(changes, dst, whole))
+                _lost(doctor, key, buf, source, lines[source] & mask & onto(changes, dst, whole))
             lines[source] = lines[source] | mask if source in lines else mask
             # Only where no graph reads the buffer (the data would be lost whole): a host-to-device
             # copy brings data, and so does one into memory graphs read (checked by their windows).
@@ -95,7 +95,7 @@ def _uniform(t: torch.Tensor) -> bool:
         return bool((flat == flat[0]).all()) or bool(flat.isnan().all())
 
 
-def _lost(doctor, buf, source: str, lost) -> None:
+def _lost(doctor, key: int, buf, source: str, lost) -> None:
     """Elements of a static input a graph reads that one line copied data into since the previous
     replay, that nothing read since, and that the same line now changes: the line runs once per
     consumer (a builder called for each draft step) on one buffer, and only its last data reaches
@@ -104,8 +104,9 @@ def _lost(doctor, buf, source: str, lost) -> None:
     if not bool(lost.any()):
         return
     n = int(lost.sum())
+    reader = next((g.name for g in doctor.graphs.values() if g.ref() is not None and key in g.externals), "-")
     doctor.add(Finding(
-        "persistent-mutation", "-", "aten.copy_.default", f"{buf.name}: {describe(buf.ref())}", source,
+        "persistent-mutation", reader, "aten.copy_.default", f"{buf.name}: {describe(buf.ref())}", source,
         f"{n} element(s) of {buf.name} that this line copied data into since the previous replay, and that nothing "
         "read since, are overwritten by the same line with other values: its earlier data never reaches a reader",
         explain.lost_update(buf.name), {"elements_overwritten": n}),
