@@ -17,8 +17,13 @@ and the elements eager code copies into static inputs (``copy_``, slice assignme
 replays. Before a replay, elements copied since the previous replay outside the one window of a
 buffer the graph reads are held: another graph's replay or eager code that reads them clears them
 (a runner keeps data there for its own use); overwritten, or still unread when the watch ends, they
-were data the step brought and nobody used. Fills (``zero_``, ``fill_``: a runner neutralising
-a whole buffer) bring no data and are not counted.
+were data the step brought and nobody used. Fills (``zero_``, ``fill_``, a copy of one value: a
+runner neutralising a whole buffer) bring no data and are not counted.
+
+Inside the window a graph reads, data is lost another way: the same line copies into it again, with
+other values, before anything read the first copy (a metadata builder run for each of two draft
+steps on one buffer, one replay after both). That is ``persistent-mutation`` at the copy: the step's
+own code overwrote a static input's data before its consumer read it.
 """
 from __future__ import annotations
 
