@@ -105,9 +105,10 @@ def differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def disagrees(replay: torch.Tensor, eager: torch.Tensor) -> torch.Tensor:
-    """``differs``, where the eager step's NaN is no evidence: while the doctor watches, memory no op
-    has written holds NaN (``uninit``), so an eager NaN is most often unwritten memory, which in the
-    replay holds whatever the graph's memory last held. (A NaN in the replay still counts.)"""
+    """``differs``, where the eager step's NaN is no evidence: while the doctor watches on a machine
+    without CUDA, memory no op has written holds NaN (``uninit``), so an eager NaN is most often
+    unwritten memory, which in the replay holds whatever the graph's memory last held. (A NaN in the
+    replay still counts. On CUDA unwritten memory holds what it held, and an eager NaN is rare.)"""
     diff = differs(replay, eager)
     return diff & ~eager.isnan() if eager.dtype.is_floating_point and diff.shape == eager.shape else diff
 
