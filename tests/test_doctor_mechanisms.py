@@ -1270,3 +1270,51 @@ def test_state_padded_rows_wrote_that_eager_code_reads_back_is_stale_padding(neu
         (finding,) = report.of("stale-padding")
         assert "copy_" in finding.op and "state.copy_(torch.where" in finding.source, finding
         assert "eager code computes other values" in finding.evidence, finding
+
+
+# ------------------------------------------------------------------------------ errors raised before dispatch
+def _metadata_step(lengths, how):
+    """A runner step whose host metadata check fails before any op reaches a dispatch mode
+    (``repeat_interleave``'s size check), caught as ``how`` says."""
+    x = torch.zeros(4, 4)
+
+    def build(lens):
+        return torch.repeat_interleave(torch.tensor(lens), torch.tensor([1, 1, 1, 1]))
+
+    def probe():
+        try:
+            return torch.repeat_interleave(torch.tensor(lengths), torch.tensor([1, 1, 1, 1]))
+        except RuntimeError:             # the function that called the op catches it: a capability probe
+            return None
+
+    def deliberate():
+        raise ValueError("no metadata for this batch")
+
+    def workload():
+        m = Manager(lambda size: x[:size] * 2, [4], {"x": x})
+        m.capture()
+        x.copy_(rows(4))
+        m.replay(4)
+        try:
+            {"escapes": lambda: build(lengths), "probe": probe, "deliberate": deliberate}[how]()
+        except (RuntimeError, ValueError):     # a serving loop that drops the batch
+            pass
+    return workload
+
+
+def test_an_error_a_library_check_raised_before_dispatch_and_the_workload_caught_is_reported():
+    report = doctor.diagnose(_metadata_step([2, 2, 2], "escapes"))
+    assert len(report.caught) == 1 and report.caught[0].startswith("RuntimeError: repeats must have the same size")
+    assert "in build" in report.caught[0] and "caught the error" in report.headline()
+    assert not report.clean
+
+
+@pytest.mark.parametrize("how", ["probe", "deliberate"])
+def test_errors_caught_where_raised_or_raised_on_purpose_are_not_reported(how):
+    report = doctor.diagnose(_metadata_step([2, 2, 2], how))
+    assert report.caught == [] and report.findings == [], report
+
+
+def test_a_step_whose_metadata_fits_is_clean():
+    report = doctor.diagnose(_metadata_step([2, 2, 2, 2], "escapes"))
+    assert report.caught == [] and report.findings == [], report

@@ -19,7 +19,7 @@ from .intake import Doctor
 from .probes.padding import Plan
 from .report import Report
 from .rules.padding import compare_runs, crashed_only_as_left
-from .rules.shapes import stop_tracing
+from . import raised
 from .session import watching
 
 
@@ -131,11 +131,12 @@ def _planned(doctor: Doctor, ahead: list | None) -> Doctor:
 def _run(workload: Callable[[], Any], doctor: Doctor) -> tuple[Report, Doctor]:
     try:
         with watching(doctor):
+            raised.start(doctor)
             workload()
     except _Misuse:
         raise
     except Exception:  # noqa: BLE001, S110 - watching() lists what the workload raised in the report
         pass
     finally:
-        stop_tracing()                  # errors are watched as raised only while the workload runs
+        raised.stop()                   # errors are watched as raised only while the workload runs
     return doctor.report, doctor

@@ -15,7 +15,7 @@ from .rules import shapes, undersized
 from .rules.dangling import DanglingReferenceError
 from .tensors import first_line
 
-_KEPT = 3          # caught op failures kept per watch
+KEPT = 3          # caught op failures kept per watch
 
 # What the doctor raises on purpose, into the watched code: a guarded replay, a host sync refused
 # during a CUDA capture (as the CPU engine refuses it). Anything else it raises is its own failure.
@@ -44,7 +44,7 @@ def op_failed(doctor, func, args, kwargs, error: BaseException) -> None:
     runs (probes, differential replay) are not the workload's."""
     if doctor.phase not in ("eager", "warmup", "capture"):
         return
-    if len(doctor.failed_ops) < _KEPT:
+    if len(doctor.failed_ops) < KEPT:
         doctor.failed_ops.setdefault(id(error), f"{type(error).__name__}: {first_line(error)} (raised by {func} at "
                                                 f"{user_frame()}, during {doctor.phase})")
     try:
@@ -58,7 +58,7 @@ def op_failed(doctor, func, args, kwargs, error: BaseException) -> None:
 def replay_failed(doctor, error: BaseException, where: str) -> None:
     """A replay of the watched code raised (``where``: the recorded op, ``recorded_op``); kept like
     an op failure, so that a workload that catches it is not reported as clean."""
-    if len(doctor.failed_ops) < _KEPT:
+    if len(doctor.failed_ops) < KEPT:
         doctor.failed_ops.setdefault(id(error), f"{type(error).__name__}: {first_line(error)} ({where})")
 
 

@@ -10,14 +10,12 @@ frames of the traceback are searched for a tensor that is (a view of, or derived
 replay's outputs with ``size`` rows next to a tensor with ``real`` rows; the frame's line is the
 site. Eager ops that combined such tensors before the failure are the fallback evidence.
 A workload may catch its own failure and carry on (a test harness, a serving loop that logs and
-drops the batch): under ``diagnose`` such errors are seen as they are raised, by a tracer that is
-on only between a padded replay and the next served replay.
+drops the batch): under ``diagnose`` such errors are seen as they are raised (``doctor/raised.py``).
 """
 from __future__ import annotations
 
 import dataclasses
 import linecache
-import sys
 
 import torch
 
@@ -44,21 +42,16 @@ class PaddedStep:
 
 
 def replayed(doctor, info, pending) -> None:
-    """After a served replay: remember it when it served padded rows, forget the previous one.
-    Under ``diagnose`` (not its padded-row runs) errors are watched as they are raised from then
-    on, because a workload may catch its own failure and carry on."""
+    """After a served replay: remember it when it served padded rows, forget the previous one."""
     if pending is None:
         return
     if pending.real >= pending.size or pending.outputs is None:
         doctor.padded_step = None
-        _tracer.stop()
         return
     # Its outputs, and all memory it owns: a PIECEWISE piece hands its own tensors (not the step's
     # outputs) to the eager code that runs before the next piece.
     keys = {storage_key(t) for t in tensors(pending.outputs)} | info.created
     doctor.padded_step = PaddedStep(info.name, info.replays, pending.real, pending.size, keys)
-    if doctor.plan is not None and doctor.pattern is None:
-        _tracer.start(doctor)
 
 
 def derived(doctor, func, args, kwargs, out) -> None:
@@ -80,7 +73,7 @@ def failed(doctor, error: BaseException) -> None:
     """The watched code raised out of ``watch()``: explain it when it met a padded replay's rows
     and real rows, in the innermost user frames or, failing that, in an eager op before."""
     step = doctor.padded_step
-    if step is None or not _explainable(error) or (doctor.replay_error is not None and doctor.replay_error[0] is error):
+    if step is None or not explainable(error) or (doctor.replay_error is not None and doctor.replay_error[0] is error):
         return
     try:
         frames = []
@@ -123,60 +116,16 @@ def _in_frame(step: PaddedStep, frame, line: int) -> tuple[str, str] | None:
     return f"{short_path(filename)}:{line} in {frame.f_code.co_name}: {code}", what
 
 
-class _Tracer:
-    """Sees each error as it is raised in a user frame, caught later or not (``sys.settrace``,
-    line events off: a Python call per user function call, only between a padded replay and the
-    next served replay, only under ``diagnose``). Stands aside when another tracer (a debugger,
-    coverage) is installed."""
-
-    def __init__(self) -> None:
-        self.doctor = None
-        self.seen: set[int] = set()
-
-    def start(self, doctor) -> None:
-        if self.doctor is None and sys.gettrace() is not None:
-            return                                   # someone else's tracer: leave it alone
-        self.doctor = doctor
-        sys.settrace(self.call)
-        frame = sys._getframe(1)
-        while frame is not None:                     # frames already running (the caller of replay)
-            if not frame.f_code.co_filename.startswith(SKIP_DIRS):
-                frame.f_trace_lines, frame.f_trace = False, self.local
-            frame = frame.f_back
-
-    def stop(self) -> None:
-        if self.doctor is not None:
-            self.doctor = None
-            self.seen.clear()
-            sys.settrace(None)
-
-    def call(self, frame, event, arg):
-        if self.doctor is None or frame.f_code.co_filename.startswith(SKIP_DIRS):
-            return None
-        frame.f_trace_lines = False
-        return self.local
-
-    def local(self, frame, event, arg):
-        doctor = self.doctor
-        if event != "exception" or doctor is None or doctor.padded_step is None or doctor.failure is not None:
-            return self.local if doctor is not None else None
-        error = arg[1]
-        if _explainable(error) and id(error) not in self.seen:
-            try:
-                found = _in_frame(doctor.padded_step, frame, frame.f_lineno)
-                if found is not None:
-                    self.seen.add(id(error))
-                    _report(doctor, doctor.padded_step, error, *found)
-            except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
-                doctor.fail(e, "watching an error raised after a padded replay")
-        return self.local
+def raised(doctor, error: BaseException, frame) -> bool:
+    """An error met as it is raised (``doctor/raised.py``) after a padded replay, caught later or
+    not: reported (True) when this frame holds the replay's padded rows and real rows."""
+    found = _in_frame(doctor.padded_step, frame, frame.f_lineno) if explainable(error) else None
+    if found is not None:
+        _report(doctor, doctor.padded_step, error, *found)
+    return found is not None
 
 
-_tracer = _Tracer()
-stop_tracing = _tracer.stop
-
-
-def _explainable(error: BaseException) -> bool:
+def explainable(error: BaseException) -> bool:
     """What a broken shape contract raises; not the engine's own errors (a refused capture, a guarded
     replay, a replay that read released memory), which the other rules explain."""
     return (isinstance(error, (AssertionError, IndexError, RuntimeError, ValueError))

@@ -1,0 +1,115 @@
+"""Errors as they are raised in the watched code, caught later or not (``sys.settrace``, under ``diagnose``).
+
+A workload may catch its own failure and carry on: a test harness that compares outcomes, a
+serving loop that logs and drops the batch. An op that fails at dispatch is seen by the dispatch
+mode (``failures.op_failed``), but many errors are raised before any op reaches it: a composite
+op's argument check (``repeat_interleave`` with mismatched sizes), a tensor's ``__index__``, an
+``assert`` of the workload. Unseen, such a run reads "0 findings". The tracer sees each error in
+the first user frame it passes through and keeps, once graphs exist, those that came from a call
+into a library (torch's checks) or from an ``assert`` and then left that frame: not those of a
+``raise`` statement, which code uses on purpose, nor those the same function caught (a probe
+such as ``try: torch.xpu.is_current_stream_capturing() except Exception: return False``).
+After a padded replay it also hands each frame to ``rules/shapes.py``, which may tie the error
+to the padded rows.
+
+Line events are off: the cost is one Python call per user function call, only under ``diagnose``
+(``watch()`` alone does not trace). Another tracer (a debugger, coverage) is left alone.
+"""
+from __future__ import annotations
+
+import dis
+import sys
+
+from ..engine.source import SKIP_DIRS, short_path
+from .failures import KEPT
+from .rules import shapes
+from .tensors import first_line
+
+_RAISES = {dis.opmap[name] for name in ("RAISE_VARARGS", "RERAISE")}
+_RETURNS = {dis.opmap[name] for name in ("RETURN_VALUE", "YIELD_VALUE", "RETURN_GENERATOR")}
+
+
+class _Tracer:
+    def __init__(self) -> None:
+        self.doctor = None
+        self.pending: dict[int, tuple] = {}   # id(frame) -> (error key, description) raised there, not yet left
+        self.leaving: tuple | None = None     # the key of the last error seen leaving its frame
+        self.explained: set[tuple] = set()    # errors tied to a padded replay's rows
+
+    def start(self, doctor) -> None:
+        if self.doctor is None and sys.gettrace() is not None:
+            return                                   # someone else's tracer: leave it alone
+        self.doctor = doctor
+        sys.settrace(self.call)
+        frame = sys._getframe(1)
+        while frame is not None:                     # frames already running
+            if not frame.f_code.co_filename.startswith(SKIP_DIRS):
+                frame.f_trace_lines, frame.f_trace = False, self.local
+            frame = frame.f_back
+
+    def stop(self) -> None:
+        if self.doctor is not None:
+            self.doctor, self.leaving = None, None
+            self.pending.clear()
+            self.explained.clear()
+            sys.settrace(None)
+
+    def call(self, frame, event, arg):
+        if self.doctor is None or frame.f_code.co_filename.startswith(SKIP_DIRS):
+            return None
+        frame.f_trace_lines = False
+        return self.local
+
+    def local(self, frame, event, arg):
+        doctor = self.doctor
+        if doctor is None:
+            return None
+        if doctor.failure is not None:
+            return self.local
+        try:
+            if event == "exception":
+                self._raised(doctor, frame, arg[1])
+            elif event == "return" and self.pending:
+                entry = self.pending.pop(id(frame), None)
+                if entry is not None and arg is None and _op(frame) not in _RETURNS:    # it left the frame
+                    self.leaving = entry[0]
+                    _keep(doctor, *entry)
+        except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
+            doctor.fail(e, "watching an error raised in the workload")
+        return self.local
+
+    def _raised(self, doctor, frame, error: BaseException) -> None:
+        key = (id(error), type(error))
+        if doctor.padded_step is not None and doctor.pattern is None and key not in self.explained:
+            if shapes.raised(doctor, error, frame):
+                self.explained.add(key)
+        if key == self.leaving:
+            return                                   # on its way out of the frame that raised it
+        self.pending.pop(id(frame), None)
+        if doctor.graphs and doctor.phase in ("eager", "warmup", "capture") and _from_a_check(error, frame):
+            where = f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+            self.pending[id(frame)] = (key, f"{type(error).__name__}: {first_line(error)} (raised at {where}, "
+                                            f"during {doctor.phase})")
+
+
+def _op(frame) -> int | None:
+    code = frame.f_code.co_code
+    return code[frame.f_lasti] if 0 <= frame.f_lasti < len(code) else None
+
+
+def _from_a_check(error: BaseException, frame) -> bool:
+    """A broken contract that a library checked (or the workload asserted), not a deliberate raise."""
+    if not shapes.explainable(error):
+        return False
+    return isinstance(error, AssertionError) or _op(frame) not in _RAISES
+
+
+def _keep(doctor, key: tuple, description: str) -> None:
+    """Listed like an op failure (``failures.op_failed``), so a run that caught it is not clean; an
+    error that leaves ``watch()`` moves to the report's headline instead."""
+    if len(doctor.failed_ops) < KEPT:
+        doctor.failed_ops.setdefault(key[0], description)
+
+
+_tracer = _Tracer()
+start, stop = _tracer.start, _tracer.stop
