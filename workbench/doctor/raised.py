@@ -32,7 +32,7 @@ _RETURNS = {dis.opmap[name] for name in ("RETURN_VALUE", "YIELD_VALUE", "RETURN_
 class _Tracer:
     def __init__(self) -> None:
         self.doctor = None
-        self.pending: dict[int, tuple] = {}   # id(frame) -> (error key, description) raised there, not yet left
+        self.pending: dict[int, tuple] = {}   # id(frame) -> (error key, description or None) raised there
         self.leaving: tuple | None = None     # the key of the last error seen leaving its frame
         self.explained: set[tuple] = set()    # errors tied to a padded replay's rows
 
@@ -73,7 +73,8 @@ class _Tracer:
                 entry = self.pending.pop(id(frame), None)
                 if entry is not None and arg is None and _op(frame) not in _RETURNS:    # it left the frame
                     self.leaving = entry[0]
-                    _keep(doctor, *entry)
+                    if entry[1] is not None:
+                        _keep(doctor, *entry)
         except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
             doctor.fail(e, "watching an error raised in the workload")
         return self.local
@@ -85,11 +86,11 @@ class _Tracer:
                 self.explained.add(key)
         if key == self.leaving:
             return                                   # on its way out of the frame that raised it
-        self.pending.pop(id(frame), None)
+        description = None                           # not kept, but followed: its callers must not take it for new
         if doctor.graphs and doctor.phase in ("eager", "warmup", "capture") and _from_a_check(error, frame):
             where = f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
-            self.pending[id(frame)] = (key, f"{type(error).__name__}: {first_line(error)} (raised at {where}, "
-                                            f"during {doctor.phase})")
+            description = f"{type(error).__name__}: {first_line(error)} (raised at {where}, during {doctor.phase})"
+        self.pending[id(frame)] = (key, description)
 
 
 def _op(frame) -> int | None:
