@@ -1321,3 +1321,35 @@ def test_errors_caught_where_raised_or_raised_on_purpose_are_not_reported(how):
 def test_a_step_whose_metadata_fits_is_clean():
     report = doctor.diagnose(_metadata_step([2, 2, 2, 2], "escapes"))
     assert report.caught == [] and report.findings == [], report
+
+
+def _host_staging(width):
+    """A runner that stages each step's block table in a NumPy array sized for 4 blocks a row, then
+    copies it into the graph's static input; a step with ``width`` blocks, in a loop that drops a
+    batch whose preparation fails."""
+    import numpy as np
+    table = torch.zeros(2, 4, dtype=torch.int64)
+    staging = np.zeros((2, 4), dtype=np.int64)
+
+    def prepare(blocks):
+        for i, row in enumerate(blocks):
+            staging[i, :len(row)] = row
+        table.copy_(torch.from_numpy(staging))
+
+    def workload():
+        m = Manager(lambda size: table[:size] * 2, [2], {"table": table})
+        m.capture()
+        try:
+            prepare([list(range(width)), [1]])
+            m.replay(2)
+        except ValueError:
+            pass
+    return workload
+
+
+def test_a_host_staging_write_that_does_not_fit_is_an_undersized_buffer():
+    report = doctor.diagnose(_host_staging(5))
+    found = report.of("undersized-buffer")
+    assert len(found) == 1 and found[0].location.endswith("in prepare"), report
+    assert "shape (5,)" in found[0].evidence and "(4,)" in found[0].evidence
+    assert doctor.diagnose(_host_staging(4)).findings == []

@@ -10,7 +10,8 @@ into a library (torch's checks) or from an ``assert`` and then left that frame: 
 ``raise`` statement, which code uses on purpose, nor those the same function caught (a probe
 such as ``try: torch.xpu.is_current_stream_capturing() except Exception: return False``).
 After a padded replay it also hands each frame to ``rules/shapes.py``, which may tie the error
-to the padded rows.
+to the padded rows; an item assignment that failed (into a NumPy staging array, which dispatches
+no op) goes to ``rules/undersized.py``'s write contract.
 
 Line events are off: the cost is one Python call per user function call, only under ``diagnose``
 (``watch()`` alone does not trace). Another tracer (a debugger, coverage) is left alone.
@@ -22,11 +23,12 @@ import sys
 
 from ..engine.source import SKIP_DIRS, short_path
 from .failures import KEPT
-from .rules import shapes
+from .rules import shapes, undersized
 from .tensors import first_line
 
 _RAISES = {dis.opmap[name] for name in ("RAISE_VARARGS", "RERAISE")}
 _RETURNS = {dis.opmap[name] for name in ("RETURN_VALUE", "YIELD_VALUE", "RETURN_GENERATOR")}
+_STORE = dis.opmap["STORE_SUBSCR"]
 
 
 class _Tracer:
@@ -86,8 +88,11 @@ class _Tracer:
                 self.explained.add(key)
         if key == self.leaving:
             return                                   # on its way out of the frame that raised it
+        watched = doctor.phase in ("eager", "warmup", "capture")
+        if watched and _op(frame) == _STORE:
+            undersized.failed_host_write(doctor, error, frame)
         description = None                           # not kept, but followed: its callers must not take it for new
-        if doctor.graphs and doctor.phase in ("eager", "warmup", "capture") and _from_a_check(error, frame):
+        if watched and doctor.graphs and _from_a_check(error, frame):
             where = f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
             description = f"{type(error).__name__}: {first_line(error)} (raised at {where}, during {doctor.phase})"
         self.pending[id(frame)] = (key, description)

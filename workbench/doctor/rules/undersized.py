@@ -15,11 +15,13 @@
 """
 from __future__ import annotations
 
+import re
+
 import torch
 
 from ...engine import memory
 from ...engine.opinfo import describe, storage_key, written_tensors
-from ...engine.source import user_frame
+from ...engine.source import location, user_frame
 from .. import explain
 from ..report import Finding
 from ..tensors import first_line
@@ -175,6 +177,33 @@ def failed_write(doctor, func, args, kwargs, error: BaseException) -> None:
         f"during {_where(doctor)}, {func} wrote {what} into a destination of shape {tuple(dst.shape)} "
         f"(its storage holds {dst.untyped_storage().nbytes() // dst.element_size()} elements{origin}) and failed: "
         f"{first_line(error)}", explain.unfit_write(first_line(error)), {"destination_shape": list(dst.shape)}),
+        ("undersized-buffer", "write", source))
+
+
+_BROADCAST = re.compile(r"could not broadcast input array from shape \(([\d, ]*)\) into shape \(([\d, ]*)\)")
+
+
+def failed_host_write(doctor, error: BaseException, frame) -> None:
+    """An item assignment into a host array (``staging[i, :n] = row``, NumPy: no op is dispatched)
+    failed because its data does not fit: the same contract as ``failed_write``, on the write path
+    runners use for host staging buffers. Only NumPy's own messages are read: a larger source in
+    some dimension, or an index past the end of an axis."""
+    text = first_line(error)
+    found = _BROADCAST.search(text) if isinstance(error, ValueError) else None
+    if found is not None:
+        src, dst = ([int(n) for n in g.replace(" ", "").split(",") if n] for g in found.groups())
+        if not any(a > b for a, b in zip(reversed(src), reversed(dst))):
+            return
+        what, shape = f"data of shape {tuple(src)}", tuple(dst)
+    elif isinstance(error, IndexError) and "out of bounds for axis" in text:
+        what, shape = "an index past its end", None
+    else:
+        return
+    source = location(frame)
+    doctor.add(Finding(
+        "undersized-buffer", _where(doctor), "item assignment", "a host array" + (f" of shape {shape}" if shape else ""),
+        source, f"during {_where(doctor)}, an item assignment wrote {what} into a host array and failed: {text}",
+        explain.unfit_write(text), {"destination_shape": list(shape) if shape else None}),
         ("undersized-buffer", "write", source))
 
 
