@@ -1353,3 +1353,32 @@ def test_a_host_staging_write_that_does_not_fit_is_an_undersized_buffer():
     assert len(found) == 1 and found[0].location.endswith("in prepare"), report
     assert "shape (5,)" in found[0].evidence and "(4,)" in found[0].evidence
     assert doctor.diagnose(_host_staging(4)).findings == []
+
+
+def _restored_after_capture(dummy_slot):
+    """Per-request lengths advanced by each row's slot; the capture's dummy rows write
+    ``dummy_slot`` and the runner restores the lengths afterwards (as TensorRT-LLM's spec workers
+    do); padded rows of served steps get ``dummy_slot`` too. Slot 4 is reserved for them."""
+    lens = torch.zeros(5, dtype=torch.int64)
+    slots = torch.full((4,), dummy_slot, dtype=torch.int64)
+
+    def forward(size):
+        lens.index_add_(0, slots[:size], torch.ones(size, dtype=torch.int64))
+        return lens[slots[:size]] * 1
+
+    def workload():
+        m = Manager(forward, [4], {"slots": slots}, state={"lens": lens})
+        saved = lens.clone()
+        m.capture()
+        lens.copy_(saved)                     # what the dummy rows advanced is put back
+        lens[:2] = torch.tensor([5, 3])       # two requests' prefills
+        for _ in range(2):
+            slots.copy_(torch.tensor([0, 1, dummy_slot, dummy_slot]))
+            m.replay(2)
+    return workload
+
+
+def test_state_a_runner_restored_after_capture_is_not_live_data():
+    assert doctor.diagnose(_restored_after_capture(4)).findings == []
+    found = doctor.diagnose(_restored_after_capture(0)).of("stale-padding")
+    assert found and found[0].op == "aten.index_add_.default", found

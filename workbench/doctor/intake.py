@@ -66,7 +66,8 @@ class Doctor:
         self.updates: dict[int, dict[tuple, list]] = {}    # rules.mutation: eager in-place updates
         self.fresh: dict[int, torch.Tensor] = {}    # elements rewritten outside graphs since the last replay
         self.unprobed = 0                           # graphs writing a static input, not yet probed
-        self.initial: dict[int, torch.Tensor] = {}  # persistent state as announced
+        self.initial: dict[int, torch.Tensor] = {}  # persistent state as announced, with what warmups wrote since
+        self.announced: dict[int, torch.Tensor] = {}    # ... as announced (what a runner restores after warmups)
         self.warm_saved: dict[int, tuple] = {}      # persistent state before the current warmup wrote it
         self.warm_updates: dict[int, Finding] = {}  # static input -> a warmup building on an earlier one's update
         self.computed_from: dict[int, tuple] = {}   # rules/derived.py: what set-up code computed each storage from
@@ -277,6 +278,7 @@ class Doctor:
         self._announce(owner, buffers, "state")
         for t in buffers.values():
             self.initial[storage_key(t)] = t.detach().clone()
+            self.announced[storage_key(t)] = t.detach().clone()
 
     @contained
     def shared_outputs(self, owner: str, buffers: dict) -> None:

@@ -27,6 +27,7 @@ from ...engine.opinfo import describe, storage_key
 from ...engine.source import user_frame
 from .. import explain
 from ..report import Finding
+from ..rules.mutation import held_live
 from ..rules.padded_scatter import SCATTERS
 from ..tensors import at, changed, onto
 from . import unpadded
@@ -126,7 +127,7 @@ def _live(doctor, key: int, state: torch.Tensor, before: torch.Tensor) -> torch.
     initial = doctor.initial.get(key)
     if buf is None or initial is None or initial.dtype != state.dtype:
         return torch.zeros(state.shape, dtype=torch.bool, device=state.device)
-    live = changed(at(initial, state, buf.ref()), before)
+    live = held_live(doctor, key, before, state, buf.ref())
     replayed = doctor.replay_changed.get(key)
     if replayed is not None and replayed.numel() == state.untyped_storage().nbytes() // state.element_size():
         live &= ~at(replayed, state)

@@ -23,7 +23,7 @@ from ...engine.opinfo import describe, overwrites, storage_key
 from ...engine.source import user_frame
 from .. import explain
 from ..report import Finding
-from ..tensors import changed, onto, region
+from ..tensors import at, changed, onto, region
 from . import undersized
 
 
@@ -183,6 +183,18 @@ def before_warmup_write(doctor, targets: list, op: str) -> None:
                 doctor.warm_saved[key] = (buf, buf.ref().clone(), op, user_frame())
 
 
+def held_live(doctor, key: int, values: torch.Tensor, view=None, buffer=None) -> torch.Tensor:
+    """Which of ``values`` (the whole of persistent state; or, given them, of its ``view``, with
+    ``buffer`` the announced tensor) hold live data: changed since the announcement by anything but
+    a warmup. An element back at its announced value does not: runners put back what their warmups'
+    dummy batches wrote (TensorRT-LLM restores its context lengths after capture), and that restore
+    is no request's data."""
+    initial, announced = doctor.initial[key], doctor.announced[key]
+    if view is not None:
+        initial, announced = at(initial, view, buffer), at(announced, view, buffer)
+    return changed(initial, values) & changed(announced, values)
+
+
 def warmup_wrote_state(doctor) -> None:
     """At the end of a warmup: rows of persistent state that held live data (changed since the
     announcement by anything but a warmup) and that the warmup changed."""
@@ -193,7 +205,7 @@ def warmup_wrote_state(doctor) -> None:
             continue
         with _disable_current_modes():
             rows = was.shape[0] if was.dim() else 1
-            live = changed(doctor.initial[key], was).reshape(rows, -1).any(1)
+            live = held_live(doctor, key, was).reshape(rows, -1).any(1)
             written = changed(was, now).reshape(rows, -1).any(1)
             hit = (written & live).nonzero().reshape(-1)
             # What a warmup wrote is dummy data, not live data: a later warmup may overwrite it.
