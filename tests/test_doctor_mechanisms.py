@@ -1382,3 +1382,57 @@ def test_state_a_runner_restored_after_capture_is_not_live_data():
     assert doctor.diagnose(_restored_after_capture(4)).findings == []
     found = doctor.diagnose(_restored_after_capture(0)).of("stale-padding")
     assert found and found[0].op == "aten.index_add_.default", found
+
+
+def test_real_rows_of_a_one_by_tokens_output_are_its_second_dimension():
+    """A ``[1, tokens, vocab]`` output (lmdeploy's logits): its real rows are along the tokens, so a
+    padded row an earlier step left in the static input changes nothing real rows get."""
+    x = torch.zeros(4, 2)
+
+    def workload():
+        m = Manager(lambda size: (x[:size] * 2)[None], [4], {"x": x})
+        m.capture()
+        for n in (3, 2):
+            x[:n].copy_(rows(n, 2, seed=n))
+            m.replay(n)
+    assert doctor.diagnose(workload).findings == []
+
+
+class _Scaled:
+    """A step that multiplies by a scale the trainer sets between steps: a 0-dim host tensor that
+    ``set_scale`` rebinds (bug: CUDA passes it by value, the graph keeps the capture's number), or
+    a device tensor it writes in place (fix)."""
+
+    def __init__(self, fixed):
+        from workbench.engine import host
+        self.fixed, self.x = fixed, torch.zeros(2, 2)
+        self.scale = torch.ones(()) if fixed else host(torch.tensor(1.0))
+
+    def set_scale(self, value):
+        from workbench.engine import host
+        if self.fixed:
+            self.scale.copy_(torch.tensor(value))
+        else:
+            self.scale = host(torch.tensor(value))
+
+    def forward(self, size):
+        return self.x[:size] * self.scale
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_a_host_scalar_given_to_a_captured_op_is_a_constant_not_a_reference(fixed):
+    model = _Scaled(fixed)
+
+    def workload():
+        m = Manager(model.forward, [2], {"x": model.x})
+        m.capture()
+        for step, value in enumerate((0.5, 0.25)):
+            model.set_scale(value)
+            model.x.copy_(rows(2, 2, seed=step))
+            m.replay(2)
+    report = doctor.diagnose(workload)
+    if fixed:
+        assert report.findings == [], report
+    else:
+        assert report.kinds == {"host-work-frozen"}, report
+        assert "('scalar', '1.0') in the graph and ('scalar', '0.5')" in report.findings[0].cause

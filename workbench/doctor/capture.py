@@ -13,7 +13,7 @@ from ..engine.opinfo import describe, op_tensors, storage_key, tensors, written_
 from ..engine.source import user_frame
 from .records import External, Op
 from .rules import padded_scatter, sync, undersized, unread
-from .tensors import signature
+from .tensors import by_value, signature
 
 aten = torch.ops.aten
 _COPY = aten.copy_.default
@@ -39,7 +39,10 @@ def recorded(doctor, func, args, kwargs, run):
         for t in inputs:                          # a constant of the captured code: the graph keeps it
             doctor.owned[storage_key(t)] = (StorageWeakRef(t.untyped_storage()), info)
             info.created.add(storage_key(t))
+    constant = func is not _COPY
     for t in inputs:
+        if constant and by_value(t, info.cuda):
+            continue                              # its value is the graph's (``signature``), not its memory
         key = storage_key(t)
         if doctor.every and not func.is_view:
             unread.read_view(doctor, info, key, t)

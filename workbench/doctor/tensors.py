@@ -77,6 +77,15 @@ def at(values: torch.Tensor, view: torch.Tensor, buffer: torch.Tensor | None = N
     return flat.as_strided(view.shape, view.stride(), view.storage_offset())
 
 
+def real_rows(o: torch.Tensor, real: int | None, size: int | None) -> torch.Tensor:
+    """The real rows of a graph's output: along its first dimension of the step's ``size`` (a
+    ``[1, tokens, vocab]`` layout has them second), else its first."""
+    if real is None or not o.dim():
+        return o
+    dim = next((d for d, n in enumerate(o.shape) if n == size), 0)
+    return o.narrow(dim, 0, min(real, o.shape[dim]))
+
+
 def host_only(ts, cuda: bool) -> bool:
     """Whether an op's tensors ``ts`` all live in host memory (host tensors; beside a CUDA graph,
     the CPU's): host work, which launches nothing on the device and which a capture does not record."""
@@ -150,17 +159,29 @@ def signature(func, args, kwargs) -> tuple:
     if func.overloadpacket in (aten.lift_fresh, aten.lift_fresh_copy):
         with _disable_current_modes():
             return tuple(digest(t) for t in tensors(args))
+    if func.overloadpacket is not aten.copy_:
+        cuda = any(t.is_cuda for t in tensors(args))
+        return tuple(_plain(a, cuda) for a in (*args, *kwargs.items()))
     return tuple(_plain(a) for a in (*args, *kwargs.items()))
 
 
-def _plain(value):
+def by_value(t: torch.Tensor, cuda: bool) -> bool:
+    """A 0-dim host tensor given to a device op (not ``copy_``): CUDA passes it by value, so a graph
+    keeps the number it held at capture, not its memory (the CPU engine does the same)."""
+    return t.dim() == 0 and (type(t) in HOST_TYPES or (cuda and not t.is_cuda))
+
+
+def _plain(value, cuda: bool | None = None):
     if isinstance(value, torch.Tensor):
+        if cuda is not None and by_value(value, cuda):
+            with _disable_current_modes(), torch._C.DisableTorchFunctionSubclass():
+                return ("scalar", repr(value.item()))
         try:
             return TensorArg(tuple(value.shape), value.storage_offset())
         except (RuntimeError, NotImplementedError):     # a tensor without strided storage
             return TensorArg((), 0)
     if isinstance(value, (tuple, list)):
-        return tuple(_plain(v) for v in value)
+        return tuple(_plain(v, cuda) for v in value)
     if isinstance(value, float):
         return repr(value)                          # NaN equals NaN here
     return value if isinstance(value, (int, bool, str, type(None))) else str(value)

@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 from ...engine.opinfo import op_tensors, overwrites, storage_key, tensors, written_tensors
 from ...engine.source import location, user_frame, user_frames
 from ..records import Op
-from ..tensors import (alias, changed, disagrees, first_line, host_only, max_abs_diff, rng_state, set_rng_state,
+from ..tensors import (alias, changed, disagrees, first_line, host_only, max_abs_diff, real_rows, rng_state, set_rng_state,
                        signature, whole)
 from . import launch, pystate, rootcause, row_writes, unpadded
 
@@ -202,7 +202,7 @@ def finish(doctor, info, pending) -> None:
     pre = pending.pre
     with _disable_current_modes():
         replayed = {key: w.clone() for key, (w, _, _) in pre.items()}
-        graph_out = _rows(pending.outputs, pending.real)
+        graph_out = _rows(pending.outputs, pending.real, pending.size)
         rng_after = rng_state(info.cuda)
     if info.python is None:
         info.python = pystate.bindings(pystate.watched(pending.eager))
@@ -316,7 +316,7 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
                 if aside:
                     _push_on_torch_dispatch_stack(doctor.mode)
         with _disable_current_modes():
-            got = (_rows(out, pending.real), {key: w.clone() for key, (w, _, _) in pre.items()},
+            got = (_rows(out, pending.real, pending.size if step is None else pending.real), {key: w.clone() for key, (w, _, _) in pre.items()},
                    {key: (before, w.clone()) for key, (w, before) in doctor.diff.extra.items()})
     except Exception as e:  # noqa: BLE001 - the eager step's failure is evidence, reported by the caller
         error = e
@@ -410,10 +410,10 @@ def _carried_over(doctor, info, pending, replayed: dict, rng_after, graph_out, c
                         {}, pending.pre)
 
 
-def _rows(out, real: int) -> list | None:
+def _rows(out, real: int, size: int) -> list | None:
     if out is None:
         return None
-    return [(o[:real] if o.dim() else o).detach().clone() for o in tensors(out)]
+    return [real_rows(o, real, size).detach().clone() for o in tensors(out)]
 
 
 def _compare(graph_out, eager_out, replayed, eager_state, extra, pre) -> tuple | None:

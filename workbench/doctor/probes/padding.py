@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ...engine.opinfo import op_tensors, storage_key, written_tensors
 from ...engine.source import user_frame
 from ..rules.padded_scatter import Index
-from ..tensors import digest, region, whole
+from ..tensors import digest, real_rows, region, whole
 
 
 class Plan:
@@ -233,11 +233,11 @@ def record_outputs(doctor, info, pending) -> None:
     if not doctor.trace or doctor.trace[-1]["graph"] != info.name:
         return
     record = doctor.trace[-1]
-    real, outputs = (pending.real, pending.outputs) if pending else (None, None)
+    real, size, outputs = (pending.real, pending.size, pending.outputs) if pending else (None, None, None)
     with _disable_current_modes():
         if outputs is not None:
             parts = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
-            record["outputs"] = torch.cat([(p[:real] if p.dim() else p).detach().double().reshape(-1).cpu() for p in parts])
+            record["outputs"] = torch.cat([real_rows(p, real, size).detach().double().reshape(-1).cpu() for p in parts])
         for key in info.writes:
             if doctor.buffer(key) is None and (w := whole(info.externals[key].weak)) is not None:
                 record["state"][info.externals[key].tensor] = digest(w)

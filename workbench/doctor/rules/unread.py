@@ -157,6 +157,8 @@ def touched(doctor, func, args, kwargs) -> None:
                 and (buf := doctor.buffer(key)) is not None:
             with _disable_current_modes():
                 read = region(t, buf.ref())
+                if read.shape != copy[0].shape:     # kept through another announced view of the storage
+                    continue
                 if bool((copy[0] & read).any()):
                     doctor.copied_lines.clear()    # the step's data is being used: the next copies are another's
                 doctor.copied[key] = (copy[0] & ~read, copy[1])
@@ -165,7 +167,7 @@ def touched(doctor, func, args, kwargs) -> None:
             continue
         with _disable_current_modes():
             hit = region(t, buf.ref())
-            if not bool((entry[0] & hit).any()):
+            if hit.shape != entry[0].shape or not bool((entry[0] & hit).any()):
                 continue
         if id(t) in written:
             _dropped(doctor, key)
