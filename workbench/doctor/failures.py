@@ -15,7 +15,7 @@ from .rules import shapes, undersized
 from .rules.dangling import DanglingReferenceError
 from .tensors import first_line
 
-KEPT = 3          # caught op failures kept per watch
+_KEPT = 3          # caught op failures kept per watch
 
 # What the doctor raises on purpose, into the watched code: a guarded replay, a host sync refused
 # during a CUDA capture (as the CPU engine refuses it). Anything else it raises is its own failure.
@@ -44,9 +44,8 @@ def op_failed(doctor, func, args, kwargs, error: BaseException) -> None:
     runs (probes, differential replay) are not the workload's."""
     if doctor.phase not in ("eager", "warmup", "capture"):
         return
-    if len(doctor.failed_ops) < KEPT:
-        doctor.failed_ops.setdefault(id(error), f"{type(error).__name__}: {first_line(error)} (raised by {func} at "
-                                                f"{user_frame()}, during {doctor.phase})")
+    keep(doctor, id(error), lambda: f"{type(error).__name__}: {first_line(error)} (raised by {func} at {user_frame()}, "
+                                    f"during {doctor.phase})")
     try:
         undersized.failed_write(doctor, func, args, kwargs, error)
         if doctor.phase in ("warmup", "capture"):
@@ -58,8 +57,14 @@ def op_failed(doctor, func, args, kwargs, error: BaseException) -> None:
 def replay_failed(doctor, error: BaseException, where: str) -> None:
     """A replay of the watched code raised (``where``: the recorded op, ``recorded_op``); kept like
     an op failure, so that a workload that catches it is not reported as clean."""
-    if len(doctor.failed_ops) < KEPT:
-        doctor.failed_ops.setdefault(id(error), f"{type(error).__name__}: {first_line(error)} ({where})")
+    keep(doctor, id(error), lambda: f"{type(error).__name__}: {first_line(error)} ({where})")
+
+
+def keep(doctor, error_id: int, describe_error) -> None:
+    """List an error the watched code raised (``describe_error()`` says what and where) among those
+    the report shows if the workload catches it; the first ``_KEPT`` of a watch are kept."""
+    if len(doctor.failed_ops) < _KEPT and error_id not in doctor.failed_ops:
+        doctor.failed_ops[error_id] = describe_error()
 
 
 def describe(doctor, error: BaseException) -> str:

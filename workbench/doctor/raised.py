@@ -22,7 +22,7 @@ import dis
 import sys
 
 from ..engine.source import SKIP_DIRS, short_path
-from .failures import KEPT
+from . import failures
 from .rules import shapes, undersized
 from .tensors import first_line
 
@@ -75,8 +75,8 @@ class _Tracer:
                 entry = self.pending.pop(id(frame), None)
                 if entry is not None and arg is None and _op(frame) not in _RETURNS:    # it left the frame
                     self.leaving = entry[0]
-                    if entry[1] is not None:
-                        _keep(doctor, *entry)
+                    if entry[1] is not None:      # kept like an op failure: a run that caught it is not clean
+                        failures.keep(doctor, entry[0][0], lambda: entry[1])
         except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
             doctor.fail(e, "watching an error raised in the workload")
         return self.local
@@ -108,13 +108,6 @@ def _from_a_check(error: BaseException, frame) -> bool:
     if not shapes.explainable(error):
         return False
     return isinstance(error, AssertionError) or _op(frame) not in _RAISES
-
-
-def _keep(doctor, key: tuple, description: str) -> None:
-    """Listed like an op failure (``failures.op_failed``), so a run that caught it is not clean; an
-    error that leaves ``watch()`` moves to the report's headline instead."""
-    if len(doctor.failed_ops) < KEPT:
-        doctor.failed_ops.setdefault(key[0], description)
 
 
 _tracer = _Tracer()

@@ -39,8 +39,8 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 from ...engine.opinfo import op_tensors, overwrites, storage_key, tensors, written_tensors
 from ...engine.source import location, user_frame, user_frames
 from ..records import Op
-from ..tensors import (alias, changed, disagrees, first_line, host_only, max_abs_diff, real_rows, rng_state, set_rng_state,
-                       signature, whole)
+from ..tensors import (alias, changed, disagrees, first_line, host_only, max_abs_diff, real_rows, rng_state,
+                       set_rng_state, signature, whole)
 from . import launch, pystate, rootcause, row_writes, unpadded
 
 aten = torch.ops.aten
@@ -316,7 +316,8 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
                 if aside:
                     _push_on_torch_dispatch_stack(doctor.mode)
         with _disable_current_modes():
-            got = (_rows(out, pending.real, pending.size if step is None else pending.real), {key: w.clone() for key, (w, _, _) in pre.items()},
+            size = pending.size if step is None else pending.real      # an unpadded step has only real rows
+            got = (_rows(out, pending.real, size), {key: w.clone() for key, (w, _, _) in pre.items()},
                    {key: (before, w.clone()) for key, (w, before) in doctor.diff.extra.items()})
     except Exception as e:  # noqa: BLE001 - the eager step's failure is evidence, reported by the caller
         error = e
