@@ -7,7 +7,9 @@ handed-out views tracked without a callback per view.
 """
 from __future__ import annotations
 
+import collections
 import gc
+import itertools
 
 import pytest
 import torch
@@ -169,18 +171,18 @@ class Drifts:
 
     def __init__(self, drift_at: int, counts: bool = False):
         self.x, self.scale, self.steps, self.drift_at = torch.zeros(4, 4), 2.0, 0, drift_at
-        self.counter, self.counts, self.calls = torch.zeros(1), counts, 0
+        # (an iterator, not an int: the doctor puts back what an eager run rebinds)
+        self.counter, self.counts, self.calls = torch.zeros(1), counts, itertools.count(1)
 
     def forward(self, size):
-        self.calls += 1
-        if self.counts and self.calls > 2:          # after the warmup and the capture
+        if next(self.calls) > 2 and self.counts:    # after the warmup and the capture
             self.counter.add_(1)
         return self.x[:size] * self.scale
 
 
 def _served(model: Drifts, steps: int) -> tuple[doctor.Report, list]:
     from test_doctor_mechanisms import Manager, rows
-    seen = []
+    seen = collections.deque()      # (not a list: the doctor puts back lists an eager run appends to)
     with doctor.watch(differential=1) as report:
         m = Manager(model.forward, [4], {"x": model.x})
         m.capture()
@@ -197,7 +199,7 @@ def _served(model: Drifts, steps: int) -> tuple[doctor.Report, list]:
             if step == model.drift_at:
                 model.scale = 3.0
             m.replay(3)
-    return report, seen
+    return report, list(seen)
 
 
 def test_eager_steps_are_watched_on_the_first_compared_replay_and_every_trace_every_th():

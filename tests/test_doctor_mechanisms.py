@@ -1436,3 +1436,159 @@ def test_a_host_scalar_given_to_a_captured_op_is_a_constant_not_a_reference(fixe
     else:
         assert report.kinds == {"host-work-frozen"}, report
         assert "('scalar', '1.0') in the graph and ('scalar', '0.5')" in report.findings[0].cause
+
+
+class _Connector:
+    """Transfers queued per layer before the step, landed by the forward's wait (a layer-wise KV
+    connector). ``piecewise``: the wait runs in an eager region between graphs, at every step (the
+    fix); else inside the captured forward, where a replay runs no Python (the bug)."""
+
+    def __init__(self):
+        self.cache, self.queued = torch.zeros(4, 2), {}
+
+    def start_load(self, rows_):
+        self.queued["layer0"] = [(torch.arange(2), rows_)]
+
+    def wait(self, layer):
+        for slots, values in self.queued.pop(layer, []):
+            self.cache[slots] = values
+        return self.cache
+
+
+@pytest.mark.parametrize("piecewise", [False, True])
+def test_differential_replay_puts_host_state_back_and_names_host_work_the_graph_skips(piecewise):
+    """The eager re-run takes the step's transfers off the queue; the program must find them where
+    the replay left them (its results the same watched and not), and a FULL graph that skipped the
+    wait is host work frozen at the line that drained the queue."""
+    from workbench.engine import CUDAGraphMode, GraphManager
+
+    def program():
+        conn, x = _Connector(), torch.zeros(2, 2)
+        mode = CUDAGraphMode.PIECEWISE if piecewise else CUDAGraphMode.FULL
+        manager = GraphManager(lambda size: (x[:size] * 2) + wait("layer0")[:size], [2], device="cpu", mode=mode,
+                               static_buffers={"x": x}, name="Tiny")
+        events.persistent_state("Tiny", {"cache": conn.cache})
+        wait = manager.eager(conn.wait)
+        manager.capture()
+        conn.cache.zero_()
+        outs = []
+        for step in range(3):
+            x.copy_(rows(2, 2, seed=step))
+            conn.start_load(rows(2, 2, seed=10 + step))
+            outs.append(manager.replay(2, 2).clone())
+            outs.append(conn.cache.clone())
+            conn.queued.clear()
+        return torch.cat(outs)
+
+    unwatched = program()
+    watched = []
+    report = doctor.diagnose(lambda: watched.append(program()))
+    assert torch.equal(watched[0], unwatched)
+    if piecewise:
+        assert report.findings == [], report
+    else:
+        found = report.of("host-work-frozen")
+        assert found and "in wait: for slots, values in self.queued.pop(layer, [])" in found[0].source, report
+        assert found[0].tensor == "_Connector.queued", found[0]
+
+
+def test_eager_regions_of_a_piecewise_capture_write_dummy_data():
+    """Between the pieces of a PIECEWISE capture, eager code runs on the capture's dummy batch: its
+    cache writes are no live data, so the next size's capture writing the same rows is no finding;
+    a re-capture after real steps wrote those rows is."""
+    from workbench.engine import CUDAGraphMode, GraphManager
+
+    def workload(recapture):
+        cache, x = torch.zeros(4, 2), torch.zeros(2, 2)
+
+        def store(h):
+            cache[:h.shape[0]] = h            # the dummy batch's keys land in slots 0..size
+            return cache[:h.shape[0]] * 1.0
+        manager = GraphManager(lambda size: region(x[:size] + 1) * 2, [1, 2], device="cpu",
+                               mode=CUDAGraphMode.PIECEWISE, static_buffers={"x": x}, name="Tiny")
+        events.persistent_state("Tiny", {"cache": cache})
+        region = manager.eager(store)
+        manager.capture()
+        cache.zero_()
+        x.copy_(rows(2, 2, seed=1))
+        manager.replay(2, 2)
+        if recapture:
+            manager.recapture()
+    assert doctor.diagnose(lambda: workload(False)).findings == []
+    found = doctor.diagnose(lambda: workload(True)).of("persistent-mutation")
+    assert found and "in store" in found[0].source, found
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_a_warmup_that_runs_backward_is_a_training_step(train):
+    """PyTorch's whole-network capture warms up with a real optimizer step: the weights it moves are
+    training, not dummy data. A forward-only warmup that moves the same weights is still reported."""
+    w = torch.ones(2, 2, requires_grad=True)
+    x = torch.zeros(2, 2)
+
+    def step():
+        if train:
+            loss = (x @ w).sum()
+            w.grad = None
+            loss.backward()
+            with torch.no_grad():
+                w.sub_(0.1 * w.grad)
+            return loss.detach()
+        with torch.no_grad():
+            w.mul_(0.5)                      # a dummy batch that moves the weights
+            return (x @ w).sum()
+
+    def workload():
+        events.static_buffers("trainer", {"x": x})
+        events.persistent_state("trainer", {"w": w})
+        x.copy_(rows(2, 2, seed=0))
+        with events.warmup():
+            step()
+        g = new_graph("cpu")
+        with graph(g, name="train step"):
+            out = step()
+        for i in range(2):
+            x.copy_(rows(2, 2, seed=i + 1))
+            events.serve(g, 2, 2, outputs=out, eager=step)
+            g.replay()
+            events.handed_out(g, out)
+    report = doctor.diagnose(workload)
+    if train:
+        assert report.findings == [], report
+    else:
+        assert "persistent-mutation" in report.kinds, report
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_a_graph_whose_view_of_a_per_token_input_is_shorter_than_its_real_rows(fixed):
+    """A graph of 4 tokens captured on ``slots[:2]`` (sliced by the request count, not the tokens):
+    a step of 3 real tokens writes a slot the graph never reads. The window is fixed at capture."""
+    slots, cache, x = torch.zeros(4, dtype=torch.long), torch.zeros(6, 2), torch.zeros(4, 2)
+
+    def workload():
+        events.static_buffers("runner", {"slots": slots, "x": x})
+        events.persistent_state("runner", {"cache": cache})
+        view = slots[:4] if fixed else slots[:2]
+
+        def forward():
+            cache.index_copy_(0, view, x[:view.shape[0]])
+            return cache[:4] * 1.0
+        with events.warmup():
+            forward()
+        g = new_graph("cpu")
+        with graph(g, name="size 4"):
+            out = forward()
+        cache.zero_()
+        for n in (3, 2):
+            slots[:n].copy_(torch.arange(n) + 1)
+            slots[n:].fill_(5)
+            x[:n].copy_(rows(n, 2, seed=n))
+            events.serve(g, n, 4, outputs=out, eager=forward)
+            g.replay()
+            events.handed_out(g, out[:n])
+    report = doctor.diagnose(workload)
+    if fixed:
+        assert report.of("undersized-buffer") == [], report
+    else:
+        found = report.of("undersized-buffer")
+        assert found and "in workload" in found[0].source and found[0].numbers["rows_read"] == 2, report

@@ -71,6 +71,31 @@ def test_cpu_probe_answers_are_cudas_where_the_issue_states_them(cpu_answers):
     assert cpu_answers["capture_query"] == {"inside": True, "other_thread": False, "after": False}
 
 
+def test_batch_norm_running_stats_move_at_replay_not_at_capture(cpu_answers):
+    """Batch norm's running statistics are written though its schema does not say so: the capture
+    leaves them as they were, a replay updates them as one eager call does."""
+    x = torch.arange(12.0).reshape(4, 3) / 4
+    mean = torch.zeros(3)
+    torch.nn.functional.batch_norm(x, mean, torch.ones(3), training=True, momentum=0.5)
+    assert cpu_answers["batch_norm_stats"] == {"mean_after_capture": [0.0, 0.0, 0.0],
+                                               "mean_after_replay": [round(v, 4) for v in mean.tolist()]}
+
+
+def test_a_reused_block_freed_during_its_capture_reads_as_unknown_bytes():
+    """``on_freed="reuse"``: a tensor read in a capture and freed before it ends (a counter rebound
+    inside the captured code) is retained with bytes no computation produces, not an error."""
+    class Counter:
+        def __init__(self):
+            self.count = torch.zeros(())
+    c = Counter()
+    g = new_graph("cpu", on_freed="reuse")
+    with graph(g):
+        c.count = c.count + 1
+        doubled = c.count * 2
+    g.replay()
+    assert doubled.isnan()
+
+
 def test_probes_detect_a_broken_emulation(monkeypatch):
     """The fidelity comparison can fail: an emulation whose capture leaves writes behind differs."""
     from workbench.engine import cpu_graph

@@ -47,13 +47,8 @@ def test_verdicts_name_right_wrong_and_missed():
         trials.program("round4/no_such_program")
 
 
-# Variants that behave alike on both backends but where the doctor answers otherwise, and why.
-GPU_DIFFERS = {
-    ("round10/pytorch_61042_clip_grad_norm_sync_in_capture", "fix"):
-        "whole-network training capture whose warmup is a real optimizer step, announced as a dummy warmup: on "
-        "the CPU the startup probe reports the warmup's weight update (persistent-mutation); on the H200 the "
-        "doctor gave no finding. Not explained yet.",
-}
+# Variants that behave alike on both backends but where the doctor answers otherwise, and why (none at present).
+GPU_DIFFERS: dict = {}
 
 
 def test_the_gpu_record_says_what_the_cpu_says(answers):

@@ -374,6 +374,21 @@ def probe_op_trace(device: str) -> dict:
     return {"ops": ops}
 
 
+def probe_batch_norm_stats(device: str) -> dict:
+    """``F.batch_norm`` in training updates its running statistics in place, though the op's schema
+    does not mark them written: capture must not update them, each replay must."""
+    mean, var = torch.zeros(3, device=device), torch.ones(3, device=device)
+    x = torch.arange(12.0, device=device).reshape(4, 3) / 4
+    g = new_graph(device)
+    with graph(g):
+        torch.nn.functional.batch_norm(x, mean, var, training=True, momentum=0.5)
+    synchronize(device)
+    after_capture = _values(mean)
+    g.replay()
+    synchronize(device)
+    return {"mean_after_capture": after_capture, "mean_after_replay": [round(v, 4) for v in _values(mean)]}
+
+
 PROBES = {
     "increment": probe_increment,
     "frozen_python": probe_frozen_python,
@@ -389,6 +404,7 @@ PROBES = {
     "freed_in_capture": probe_freed_in_capture,
     "shared_retained": probe_shared_retained,
     "op_trace": probe_op_trace,
+    "batch_norm_stats": probe_batch_norm_stats,
 }
 
 

@@ -150,6 +150,13 @@ def unread_copy(buffer: str, graph: str) -> str:
             "the first real batch), and serve a batch only with a graph captured for at least its size.")
 
 
+def short_window(buffer: str, graph: str) -> str:
+    return (f"{graph} was captured reading a view of {buffer} with fewer rows than the steps it serves: the view is "
+            "fixed at capture, so the data a step writes past it is never read, and what those rows stand for (a "
+            "token's cache slot, a request's length) silently goes missing. Build the capture-time view from the "
+            "capture size (tokens for per-token buffers), not from another count.")
+
+
 def lookup_past_end(buffer: str) -> str:
     return (f"A warmup or capture runs the runner's own dummy batch of the capture size, and it needs more of "
             f"{buffer} than the buffer holds: a kernel indexes past its end (on a GPU an illegal memory access, or "

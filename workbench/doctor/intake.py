@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..engine import memory
 from ..engine.errors import CaptureError
-from ..engine.opinfo import overwrites, pure_view, storage_key, written_tensors
+from ..engine.opinfo import mutable, overwrites, pure_view, storage_key, written_tensors
 from ..engine.source import user_frame
 from .probes import differential, mutation as mutation_probe, padding as padding_probe
 from .probes.carried import CarriedInputs
@@ -62,6 +62,8 @@ class Doctor:
         self.capturing: GraphInfo | None = None
         self.phase = "eager"                        # eager | warmup | capture | replay | probe | differential
         self.real_warmup = False                    # the current warmup is a real step (events.warmup(real=True))
+        self.dummy_run = False                      # eager code on a capture's dummy batch (events.dummy_run)
+        self.trained = False                        # the current warmup ran a backward pass: a training step
         self.warm = warmup.Warmups()                # warmups, and the captures they prepare
         self.updates: dict[int, dict[tuple, list]] = {}    # rules.mutation: eager in-place updates
         self.fresh: dict[int, torch.Tensor] = {}    # elements rewritten outside graphs since the last replay
@@ -291,14 +293,29 @@ class Doctor:
     @contained
     def warmup_begin(self, real: bool = False) -> None:
         self.warm.warmup_begin()
-        self.phase, self.real_warmup = "warmup", real
+        self.phase, self.real_warmup, self.trained = "warmup", real, False
         self.report.warmups += 1
 
     @contained
+    def dummy_run_begin(self) -> None:
+        self.dummy_run = True
+
+    @contained
+    def dummy_run_end(self) -> None:
+        self.dummy_run = False
+        mutation.warmup_wrote_state(self)
+        self.startup.warmup_end()
+
+    @contained
     def warmup_end(self) -> None:
+        """A warmup that ran a backward pass was a training step (PyTorch's whole-network capture
+        warms up with real optimizer steps): its writes are real data, as ``warmup(real=True)``'s."""
         self.phase = "eager"
         self.warm.warmup_end()
-        if not self.real_warmup:
+        if self.trained:
+            self.warm_saved = {}
+            self.startup.trained()
+        elif not self.real_warmup:
             mutation.warmup_wrote_state(self)
         self.startup.warmup_end()
 
@@ -344,7 +361,7 @@ class Doctor:
     # ------------------------------------------------------------------ the dispatch mode's work
     def targets(self, func, args, kwargs) -> list:
         """The announced buffers an op writes: ``[(key, written view, Buffer)]``."""
-        if not self.buffers or not func._schema.is_mutable:
+        if not self.buffers or not mutable(func):
             return []
         buffers = self.buffers
         return [(key, t, buf) for t in written_tensors(func, args, kwargs)
@@ -374,9 +391,10 @@ class Doctor:
             if self.every and phase == "eager":
                 unread.copied(self, targets, args[1])
         if phase == "warmup":
+            self.trained = self.trained or torch._C._current_graph_task_id() != -1     # inside a backward pass
             if not self.real_warmup:                   # a dummy batch's writes into live memory are suspect
                 mutation.before_warmup_write(self, targets, str(func))
-                if func._schema.is_mutable:
+                if mutable(func):
                     self.startup.before_write(func, args, kwargs)
             if targets and not overwrites(func):    # an in-place update: does the next warmup build on it?
                 out = mutation.eager_write(self, func, args, kwargs, run, targets)
@@ -394,7 +412,11 @@ class Doctor:
             padding_probe.consumed(self, func, args, kwargs)
         if not view:
             self.warm.eager_op()
-        if func._schema.is_mutable and (self.graph_writes or self.startup.kept):
+        if self.dummy_run:                         # dummy data, as a warmup's
+            mutation.before_warmup_write(self, targets, str(func))
+            if mutable(func):
+                self.startup.before_write(func, args, kwargs)
+        elif mutable(func) and (self.graph_writes or self.startup.kept):
             self.startup.wrote(func, args, kwargs)
             for t in written_tensors(func, args, kwargs):
                 if (key := storage_key(t)) in self.graph_writes:

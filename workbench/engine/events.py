@@ -24,6 +24,9 @@ Who calls what, and when (a runner built on the graph manager gets all of this f
   Announcing again (after a re-capture or a resize) replaces the meaning of those tensors.
 * ``warmup()`` around each eager run made before a capture (``warmup(real=True)`` when that run is
   a real step whose results the runner hands out: lazy capture on a shape's first batch).
+* ``dummy_run()`` around eager code that runs on a capture's dummy batch between its graphs: the
+  eager regions of a PIECEWISE capture (attention between the pieces). What it writes into
+  persistent state is dummy data, as a warmup's is, and must not land on live rows.
 * ``serve`` **after** the runner has written this step's inputs (and neutralised whatever padded
   rows it neutralises), **immediately before** ``replay()``, with the padded rows (``padded``) and
   the padded columns (``padded_columns``: a buffer and the width of the step's data in it). The doctor fills only padded rows and
@@ -43,8 +46,8 @@ from typing import Any
 
 _observers: list[Any] = []
 _EVENTS = ("capture_begin", "capture_end", "capture_abort", "replay_begin", "replay_end", "static_buffers",
-           "persistent_state", "shared_outputs", "written_metadata", "warmup_begin", "warmup_end", "serve",
-           "handed_out", "engine_op")
+           "persistent_state", "shared_outputs", "written_metadata", "warmup_begin", "warmup_end",
+           "dummy_run_begin", "dummy_run_end", "serve", "handed_out", "engine_op")
 # event -> the observers' handlers, in subscription order: looked up once per subscription, not
 # per event (a served step emits four events, and an observer's cost is host time per step).
 _handlers: dict[str, tuple] = {event: () for event in _EVENTS}
@@ -139,6 +142,20 @@ def warmup(real: bool = False) -> Iterator[None]:
         yield
     finally:
         _emit("warmup_end")
+
+
+@contextlib.contextmanager
+def dummy_run() -> Iterator[None]:
+    """Eager code run on a capture's dummy batch outside the graphs being captured (the graph
+    manager wraps each eager region of a PIECEWISE capture in it)."""
+    if not _observers:
+        yield
+        return
+    _emit("dummy_run_begin")
+    try:
+        yield
+    finally:
+        _emit("dummy_run_end")
 
 
 def serve(graph: Any, real: int, size: int, *, padded: Mapping[str, Any] | None = None,

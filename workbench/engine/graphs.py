@@ -240,7 +240,8 @@ class GraphManager:
                 return fn(*args, **kwargs)
             size = self.capturing
             self._close_piece(None)
-            out = fn(*args, **kwargs)
+            with events.dummy_run():
+                out = fn(*args, **kwargs)
             static = _static_copy(out)
             self._pieces.append(_EagerCall(fn, args, kwargs, static))
             self._open_piece(size, self.pool if self.shared_pool else None)

@@ -88,7 +88,9 @@ def retain(ref) -> None:
     """Called by ``CPUGraph`` (``on_freed="reuse"``) at capture end for each block it references.
 
     Graphs that reference one address share one retained block, as on CUDA, where the address is
-    one block: whatever lands there is what every one of them reads."""
+    one block: whatever lands there is what every one of them reads. A block freed before the
+    capture ended is retained with bytes no computation produces: the emulation did not keep its
+    last ones."""
     key = ref.weak.cdata
     for r in _retained:
         other = r()
@@ -98,7 +100,11 @@ def retain(ref) -> None:
             ref.retained.copy_(torch.UntypedStorage._new_with_weak_ptr(key))   # the bytes of now
             break
     else:
-        ref.retained = torch.UntypedStorage._new_with_weak_ptr(key).clone()
+        storage = torch.UntypedStorage._new_with_weak_ptr(key)
+        if storage is None:     # freed during the capture: its last bytes are not known here
+            storage = torch.UntypedStorage(ref.nbytes)
+            storage.fill_(0xFF)     # (NaN in floats, -1 in integers: what no computation produces)
+        ref.retained = storage.clone()
     _retained.append(weakref.ref(ref))
 
 

@@ -66,8 +66,27 @@ def _written_arguments(func) -> tuple[tuple[int, str, bool], ...]:
                  if arg.alias_info is not None and arg.alias_info.is_write)
 
 
+# Ops that write arguments their schema does not mark (``Tensor?`` without ``(a!)``): batch norm's
+# running statistics, updated in place when ``training`` (argument 5) is true. ``F.batch_norm``
+# reaches them (``native_batch_norm`` on the CPU, ``cudnn_batch_norm`` on CUDA); trusting the schema,
+# a capture would keep their update and the doctor would not see the write.
+_UNMARKED_WRITES = {getattr(aten, name).default: (3, 4)
+                    for name in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm")
+                    if hasattr(aten, name)}
+
+
+@functools.cache
+def mutable(func) -> bool:
+    """Whether the op may write any argument: its schema says so, or it is one that writes unmarked."""
+    return bool(func._schema.is_mutable) or func in _UNMARKED_WRITES
+
+
 def written_tensors(func, args, kwargs) -> list[torch.Tensor]:
-    """Tensors the op's schema marks as written (``Tensor(a!)``): in-place self, ``out=`` args."""
+    """Tensors the op writes: those its schema marks (``Tensor(a!)``: in-place self, ``out=`` args),
+    and a batch norm's running statistics in training."""
+    if (unmarked := _UNMARKED_WRITES.get(func)) is not None:
+        training = args[5] if len(args) > 5 else kwargs.get("training")
+        return [args[i] for i in unmarked if training and i < len(args) and isinstance(args[i], torch.Tensor)]
     written = []
     for i, name, kwarg_only in _written_arguments(func):
         value = args[i] if i < len(args) and not kwarg_only else kwargs.get(name)
@@ -82,7 +101,7 @@ def written_tensors(func, args, kwargs) -> list[torch.Tensor]:
 def pure_view(func) -> bool:
     """A view that changes no tensor's metadata in place (``slice``, ``view``; not ``t_``): it
     writes nothing, creates no storage and reads no data. Decided once per op."""
-    return bool(func.is_view and not func._schema.is_mutable)
+    return bool(func.is_view and not mutable(func))
 
 
 def overwrites(func) -> bool:

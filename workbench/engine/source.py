@@ -55,15 +55,20 @@ def codes_within(opened) -> frozenset:
     return frozenset(codes) if frame is opened else frozenset()
 
 
-def location(frame) -> str:
-    """``file:line in function: code`` of a frame, at the line it is running."""
-    code = frame.f_code
-    key = (code, frame.f_lineno)
+def location(frame, lineno: int | None = None) -> str:
+    """``file:line in function: code`` of a frame, at the line it is running (or at ``lineno``)."""
+    code, lineno = frame.f_code, lineno or frame.f_lineno
+    key = (code, lineno)
     text = _LINES.get(key)
     if text is None:
-        line = linecache.getline(code.co_filename, frame.f_lineno).strip()
-        text = _LINES[key] = f"{short_path(code.co_filename)}:{frame.f_lineno} in {code.co_name}: {line}"
+        line = linecache.getline(code.co_filename, lineno).strip()
+        text = _LINES[key] = f"{short_path(code.co_filename)}:{lineno} in {code.co_name}: {line}"
     return text
+
+
+def mine(frame) -> bool:
+    """Whether a frame runs the user's code (not torch, engine or doctor code)."""
+    return _mine(frame.f_code)
 
 
 def _mine(code) -> bool:

@@ -31,12 +31,13 @@ lines another number of times, the step is run once more to find the frame that 
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import torch
 from torch._C import _pop_torch_dispatch_stack, _push_on_torch_dispatch_stack
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
-from ...engine.opinfo import op_tensors, overwrites, storage_key, tensors, written_tensors
+from ...engine.opinfo import mutable, op_tensors, overwrites, storage_key, tensors, written_tensors
 from ...engine.source import location, user_frame, user_frames
 from ..records import Op
 from ..tensors import (alias, changed, disagrees, first_line, host_only, max_abs_diff, real_rows, rng_state,
@@ -69,6 +70,9 @@ class EagerRun:
     stacks_at: tuple = ()                        # two positions in the trace whose user frames are compared
     held: list | None = None                     # ... the frames at the first, until the second
     loop: str | None = None                      # the deepest frame both share: the one that looped
+    rebound: list = dataclasses.field(default_factory=list)    # tensor bindings it moved (pystate.changes)
+    host: list = dataclasses.field(default_factory=list)   # (container, name, what changed): the replay left it
+    host_line: str | None = None                 # where it changed the container it was traced for
 
 
 def _state(doctor, info) -> dict:
@@ -90,6 +94,10 @@ def begin(doctor, info) -> None:
     (before its eager regions), whose inputs written so far are then its window."""
     if info.pending.span:
         doctor.carried.replay_begins(doctor, info)
+    if info.python is None:
+        info.python = pystate.watched(info.pending.eager)
+        info.bound = pystate.bindings(info.python)
+    info.pending.host = pystate.keep(info.python)
     with _disable_current_modes():
         pending = info.pending
         pending.pre = {key: (w, label, w.clone()) for key, (w, label) in _state(doctor, info).items()}
@@ -107,7 +115,7 @@ def on_op(doctor, func, args, kwargs, run):
     if d.outputs and not d.read_outputs:        # before its own writes make them this run's
         if any((key := storage_key(t)) in d.outputs and key not in d.extra for t in op_tensors(args, kwargs)):
             d.read_outputs.append(f"{func} at {user_frame()}")
-    if func._schema.is_mutable:
+    if mutable(func):
         for t in written_tensors(func, args, kwargs):
             key = storage_key(t)
             if key not in d.known and key not in d.new and key not in d.extra:
@@ -143,14 +151,14 @@ def on_op(doctor, func, args, kwargs, run):
     for o in (out,) if isinstance(out, torch.Tensor) else tensors(out):
         if (key := storage_key(o)) not in keys:
             d.new.add(key)
-            d.created_by.setdefault(key, op)
+            d.created_by[key] = op             # (the latest: a freed storage's address is reused)
     return out
 
 
 def _accessed(d: EagerRun, func, args, kwargs, inputs) -> None:
     """Which storages the run read before it wrote them (an op that overwrites its output does not
     read it): memory it only writes before reading is its own scratch."""
-    written = {id(t): storage_key(t) for t in written_tensors(func, args, kwargs)} if func._schema.is_mutable else {}
+    written = {id(t): storage_key(t) for t in written_tensors(func, args, kwargs)} if mutable(func) else {}
     for t in inputs:
         if id(t) in written and overwrites(func):
             continue
@@ -179,7 +187,7 @@ def _untraced(d: EagerRun, func, args, kwargs, run):
     op's outputs are all new; an in-place op's output is its input)."""
     out = run()
     outs = (out,) if isinstance(out, torch.Tensor) else tensors(out)
-    if func._schema.is_mutable:
+    if mutable(func):
         keys = {storage_key(t) for t in op_tensors(args, kwargs)}
         d.new.update(k for o in outs if (k := storage_key(o)) not in keys)
     else:
@@ -204,9 +212,7 @@ def finish(doctor, info, pending) -> None:
         replayed = {key: w.clone() for key, (w, _, _) in pre.items()}
         graph_out = _rows(pending.outputs, pending.real, pending.size)
         rng_after = rng_state(info.cuda)
-    if info.python is None:
-        info.python = pystate.bindings(pystate.watched(pending.eager))
-    bindings = pystate.snapshot(info.python)
+    _replayed_host(info, pending)
     padded = pending.real < pending.size
     info.padded_compared += padded
     sampled = padded and (info.padded_compared - 1) % TRACE_EVERY == 0    # a padded step's rows are looked at
@@ -214,8 +220,7 @@ def finish(doctor, info, pending) -> None:
     while True:
         run, got, error = _eager(doctor, info, pending, replayed, rng_after, traced=traced,
                                  rows=(pending.real, pending.size) if sampled and traced else None)
-        changed = pystate.changes(bindings, run.new if run.seen else None)
-        pystate.restore(changed)
+        changed = [c for c in run.rebound if _made_as_at_capture(info, pending, run, c[3])]
         what = None
         if error is None:
             eager_out, eager_state, extra = got
@@ -250,7 +255,8 @@ def finish(doctor, info, pending) -> None:
         if note not in doctor.report.notes:
             doctor.report.notes.append(note)
     elif what is not None:
-        rootcause.classify(doctor, info, pending, what, divergence, run)
+        rootcause.classify(doctor, info, pending, what, divergence, run,
+                           _host_work(doctor, info, pending, replayed, rng_after, run))
     elif changed:
         rootcause.rebound(doctor, info, pending, changed, run)
     else:
@@ -284,17 +290,47 @@ def failed(doctor, info, pending, error: BaseException) -> None:
     with _disable_current_modes():
         left = {key: w.clone() for key, (w, _, _) in pending.pre.items()}
         rng_after = rng_state(info.cuda)
+    _replayed_host(info, pending)
     unpadded.crashed(doctor, info, pending, error,
                      lambda step: _eager(doctor, info, pending, left, rng_after, step=step))
 
 
+def _made_as_at_capture(info, pending, run, new) -> bool:
+    """Whether the tensor the eager step bound was made by a line the capture also ran: the step's
+    Python binds what it computes, which a replay never does again. (A cache an eager path grows
+    for itself -- scratch the graph does not use -- is made by a line the capture never ran.)"""
+    made = run.created_by.get(storage_key(new)) if isinstance(new, torch.Tensor) else None
+    return made is None or any(op.source == made.source for g in pending.span or (info,) for op in g.ops)
+
+
+def _host_work(doctor, info, pending, replayed: dict, rng_after, run) -> tuple | None:
+    """(container's name, what changed, where) for the first Python container the eager step
+    changed and the replay left alone (a queue drained, a counter moved), found by running the
+    step once more, traced."""
+    for container, label, change in run.host:
+        kept = next((entry for entry in pending.host if entry[0] is container), None)
+        if kept is not None:
+            again, _, _ = _eager(doctor, info, pending, replayed, rng_after, host=kept)
+            if again.host_line is not None:
+                return label, change, again.host_line
+    return None
+
+
+def _replayed_host(info, pending) -> None:
+    """The host state the replay left, which each eager run puts back when it is done. A graph's
+    replay runs no Python: without eager regions in the step it is the state before the step."""
+    pending.replayed_host = pystate.keep(info.python) if pending.span else pending.host
+    pending.bound = pystate.snapshot(info.bound)
+
+
 def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None = None, traced: bool = False,
-           step=None, rows: tuple | None = None, stacks: tuple = ()):
+           step=None, rows: tuple | None = None, stacks: tuple = (), host: tuple | None = None):
     """Run the eager step (or ``step``, another eager form: the unpadded one) from the state before the
     replay (with ``reset``'s bytes put back as they were before the warmups), keep what it gives, and
-    put the replay's state back. ``traced`` records its launch trace; otherwise the doctor's mode is
+    put the replay's state back, host state included (``pystate``). ``traced`` records its launch trace; otherwise the doctor's mode is
     taken off the stack while it runs, where it is on top. ``rows`` (real, size): the padded step's
-    indexed writes are attributed to its rows (``row_writes``)."""
+    indexed writes are attributed to its rows (``row_writes``). ``host``: a kept container whose first
+    change the run is traced for, line by line (``pystate.tracer``)."""
     pre = pending.pre
     with _disable_current_modes():
         for w, _, before in pre.values():
@@ -302,6 +338,8 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
         for now, mask, before, _ in (reset or {}).values():
             now[mask] = before[mask]
         set_rng_state(pending.rng)
+    if pending.span:                            # (else each run ends where the step began: see below)
+        pystate.put_back(pending.host)
     aside = not traced and _get_current_dispatch_mode() is doctor.mode
     doctor.diff, doctor.phase = (EagerRun(set(pre), launch.graph_ops(info, pending), traced, not aside, rows,
                                           _unread_outputs(info, pending), stacks_at=stacks), "differential")
@@ -310,9 +348,15 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
         with torch.set_grad_enabled(pending.grad):     # code may branch on it (is_grad_enabled())
             if aside:
                 _pop_torch_dispatch_stack(None)
+            if host is not None:
+                trace, found, outer = *pystate.tracer(host), sys.gettrace()
+                sys.settrace(trace)
             try:
                 out = (step or pending.eager)()
             finally:
+                if host is not None:
+                    sys.settrace(outer)
+                    doctor.diff.host_line = found[0] if found else None
                 if aside:
                     _push_on_torch_dispatch_stack(doctor.mode)
         with _disable_current_modes():
@@ -332,6 +376,10 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
                 if key not in pre:                  # (the replay's state, put back above, covers the rest)
                     now[mask] = kept.after[mask]
             set_rng_state(rng_after)
+        run.rebound = pystate.changes(pending.bound, run.new if run.seen else None)
+        changed = pystate.differ(pending.replayed_host)
+        run.host = [(entry[0], entry[1], pystate.what_changed(entry)) for entry in changed]
+        pystate.put_back(changed)
     return run, got, error
 
 

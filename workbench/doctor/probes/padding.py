@@ -33,7 +33,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ...engine.opinfo import op_tensors, storage_key, written_tensors
+from ...engine.opinfo import mutable, op_tensors, storage_key, written_tensors
 from ...engine.source import user_frame
 from ..rules.padded_scatter import Index
 from ..tensors import digest, real_rows, region, whole
@@ -120,7 +120,7 @@ def copied(doctor, dst: torch.Tensor, src) -> None:
 def consumed(doctor, func, args, kwargs) -> None:
     """An eager op of a padded-row run reads announced buffers: the elements it reads, written since
     the previous replay, were that eager step's input, so they are no longer fresh."""
-    written = {id(t) for t in written_tensors(func, args, kwargs)} if func._schema.is_mutable else ()
+    written = {id(t) for t in written_tensors(func, args, kwargs)} if mutable(func) else ()
     for t in op_tensors(args, kwargs):
         key = storage_key(t)
         if key in doctor.fresh and id(t) not in written and (buf := doctor.buffer(key)) is not None:
@@ -198,7 +198,7 @@ def state_read(doctor, func, args, kwargs, out) -> None:
     one reads; a value eager code computes from that memory differs only if it read what they wrote."""
     plan = doctor.plan
     if plan.in_step:
-        if func._schema.is_mutable:
+        if mutable(func):
             for t in written_tensors(func, args, kwargs):
                 plan.writes[storage_key(t)] = (str(func), user_frame())
         return

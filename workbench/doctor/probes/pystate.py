@@ -1,11 +1,19 @@
-"""Python state an eager step changes and a replay cannot: tensor bindings.
+"""Python state an eager step changes and a replay cannot: tensor bindings, queues, counters.
 
 A replay runs kernels only. Whatever the step's Python does besides launching them -- bind an
-attribute to this step's tensor (``self.x = h``) -- happened once, at capture, and never again.
-Differential replay makes that visible: the tensor bindings reachable from the step's eager
-callable are noted before its eager run and compared after it; a binding the eager step moved to a
-tensor it made is host work the graph does not repeat. The doctor then puts every such binding back
-as the replay left it, so the watched program goes on as if only the replay had run.
+attribute to this step's tensor (``self.x = h``), take the work queued for a layer off a dict,
+count a step -- happened once, at capture, and never again. Differential replay makes that
+visible: the tensor bindings reachable from the step's eager callable are noted before its eager
+run and compared after it; a binding the eager step moved to a tensor it made is host work the
+graph does not repeat.
+
+The eager run must also start from the host state the replay started from, and leave the program
+as the replay left it: a connector whose eager step takes this step's transfers off its queue
+would otherwise find them gone when the served step's own code (an eager piece between graphs,
+the code after the replay) looks for them. So the contents of every reachable container (an
+object's attributes, a dict, a list, a set) are kept before the step (``keep``) and after the
+replay, and put back (``put_back``) before and after each eager run: one level each, which covers
+nested containers since each of them is kept too. Keys a run adds stay (a cache it filled).
 
 Reachable means through closures, bound methods, ``functools.partial``, object ``__dict__``
 entries, dicts, lists and tuples (an ``nn.Module``'s submodules and buffers included), up to
@@ -16,44 +24,74 @@ from __future__ import annotations
 
 import functools
 import types
+from operator import is_
 
 import torch
 
 from ...engine.opinfo import storage_key
+from ...engine.source import location, mine
 
 _MAX_OBJECTS = 4000
 _ATOMS = (int, float, bool, str, bytes, complex, type(None))  # walked past: nothing to reach through
 _OPAQUE = (types.ModuleType, type, torch.dtype, torch.device, torch.Tensor)
 _INFRA = ("workbench.engine", "workbench.doctor", "torch.utils._python_dispatch")
+_THEIRS = ("torch", "numpy")
+_LIBRARIES = (*_THEIRS, "workbench.engine", "workbench.doctor")
+_STATEFUL = (torch.nn.Module, torch.optim.Optimizer)   # torch objects that hold a model's own state
+_RECORDINGS = ("workbench.engine.cpu_graph", "workbench.engine.recorded", "workbench.engine.pool")
+# A module's hook registries: set up before serving, never a step's state (a dozen dicts per module,
+# each compared on every sampled step otherwise).
+_REGISTRIES = frozenset(torch.nn.Module().__dict__) - {"training", "_parameters", "_buffers", "_modules"}
 
 
 def watched(root: object) -> list:
-    """The containers whose bindings the step could change: objects with a ``__dict__`` and dicts
-    reachable from ``root`` (found once per eager callable: the reachable set is stable).
+    """``(container, name)`` of the containers whose contents the step could change: objects with
+    a ``__dict__``, dicts, lists and sets reachable from ``root`` (found once per eager callable:
+    the reachable set is stable), each named by the path that reached it first. A function
+    reaches the module globals its code names (a connector kept in a module global, reached through
+    ``get_kv_transfer_group()``), except inside torch and NumPy, whose registries and objects are
+    theirs (modules and optimizers hold the model's state: those are walked).
     Containers held by the engine's own objects are walked through, not watched."""
-    seen, out, stack = set(), [], [(root, True)]
-    while stack and len(seen) < _MAX_OBJECTS:
-        obj, watch = stack.pop()
-        if id(obj) in seen or isinstance(obj, _ATOMS) or isinstance(obj, _OPAQUE):
+    seen, out, stack, far = {}, [], [(root, True, "the step")], []
+    while (stack or far) and len(seen) < _MAX_OBJECTS:
+        if not stack:                   # what the step holds first; then what its functions' globals hold
+            stack, far = far[::-1], []
+        obj, watch, label = stack.pop()
+        # (reached first through the engine's objects, unwatched, and then from the step's: watched)
+        if (was := seen.get(id(obj))) is not None and was >= watch or isinstance(obj, (*_ATOMS, *_OPAQUE)):
             continue
-        seen.add(id(obj))
+        seen[id(obj)] = watch
         if isinstance(obj, types.FunctionType):
-            stack += [(c.cell_contents, watch) for c in obj.__closure__ or () if _filled(c)]
-            stack += [(d, watch) for d in obj.__defaults__ or ()]
+            if not (obj.__module__ or "").startswith(_LIBRARIES):
+                far += [(obj.__globals__[n], watch, n) for n in _names(obj.__code__) if n in obj.__globals__]
+            cells = zip(obj.__code__.co_freevars, obj.__closure__ or ())
+            stack += [(c.cell_contents, watch, n) for n, c in cells if _filled(c)]
+            stack += [(d, watch, f"{obj.__name__}'s default") for d in obj.__defaults__ or ()]
         elif isinstance(obj, types.MethodType):
-            stack += [(obj.__self__, watch), (obj.__func__, watch)]
+            stack += [(obj.__self__, watch, type(obj.__self__).__name__), (obj.__func__, watch, label)]
         elif isinstance(obj, functools.partial):
-            stack += [(v, watch) for v in (obj.func, *obj.args, *obj.keywords.values())]
-        elif isinstance(obj, (dict, list, tuple)):
-            if watch and isinstance(obj, dict):
-                out.append(obj)
-            stack += [(v, watch) for v in (obj.values() if isinstance(obj, dict) else obj)]
+            stack += [(v, watch, label) for v in (obj.func, *obj.args, *obj.keywords.values())]
+        elif isinstance(obj, (dict, list, tuple, set)):
+            if watch and not isinstance(obj, tuple):
+                out.append((obj, label))
+            items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+            stack += [(v, watch, f"{label}[{k!r}]") for k, v in items]
         elif isinstance(attrs := getattr(obj, "__dict__", None), dict):
-            mine = not type(obj).__module__.startswith(_INFRA)
+            module = type(obj).__module__
+            if module.startswith(_THEIRS) and not isinstance(obj, _STATEFUL) or module.startswith(_RECORDINGS):
+                continue                # a library's own object (an op overload), a graph's recording
+            mine = not module.startswith(_INFRA)
             if mine:
-                out.append(obj)
-            stack += [(v, mine) for v in attrs.values()]
+                out.append((obj, type(obj).__name__))
+            skip = _REGISTRIES if isinstance(obj, torch.nn.Module) else ()
+            stack += [(v, mine, f"{type(obj).__name__}.{k}") for k, v in attrs.items() if k not in skip]
     return out
+
+
+@functools.cache
+def _names(code: types.CodeType) -> tuple:
+    """The global names a function's code (its nested functions and comprehensions included) uses."""
+    return tuple(code.co_names) + tuple(n for c in code.co_consts if isinstance(c, types.CodeType) for n in _names(c))
 
 
 def _filled(cell) -> bool:
@@ -68,10 +106,80 @@ def bindings(objects: list) -> list:
     """``(container, key)`` of every binding of a tensor in the watched objects and dicts (found
     once per graph, with the containers)."""
     out = []
-    for o in objects:
-        items = (o if isinstance(o, dict) else o.__dict__).items()
-        out += [(o, k) for k, v in items if isinstance(v, torch.Tensor)]
+    for o, _ in objects:
+        if not isinstance(o, (list, set)):
+            items = (o if isinstance(o, dict) else o.__dict__).items()
+            out += [(o, k) for k, v in items if isinstance(v, torch.Tensor)]
     return out
+
+
+def keep(containers: list) -> list:
+    """``(container, name, a copy of its contents, the live contents)`` for each of ``watched``'s
+    containers (the live contents: the container, or an object's ``__dict__``)."""
+    out = []
+    for c, label in containers:
+        live = c if isinstance(c, (dict, list, set)) else c.__dict__
+        out.append((c, label, live.copy(), live))
+    return out
+
+
+def differ(kept: list) -> list:
+    """The kept entries whose container's contents are no longer those kept (compared by identity:
+    a value rebound, a key added or taken away)."""
+    return [entry for entry in kept if not _same(entry[3], entry[2])]
+
+
+def put_back(kept: list) -> None:
+    """Give every kept container the contents it had when kept, where they differ: values rebound
+    and keys taken away are put back, lists and sets restored whole. Keys and attributes added
+    stay: a dict an eager run filled is a cache (quantized weights kept for later microbatches),
+    and an eager program runs from its second step on with that cache filled."""
+    for _, _, was, now in differ(kept):
+        if isinstance(now, list):
+            now[:] = was
+        elif isinstance(now, set):
+            now.clear()
+            now.update(was)
+        else:
+            now.update((k, v) for k, v in was.items() if now.get(k, _MISSING) is not v)
+
+
+def what_changed(entry) -> str:
+    """In words, how a container's contents differ from those kept (``differ``'s entry)."""
+    c, label, was, now = entry
+    if isinstance(now, dict):
+        owner = label if isinstance(c, dict) else type(c).__name__
+        gone, added = [k for k in was if k not in now], [k for k in now if k not in was]
+        rebound = [k for k in was if k in now and now[k] is not was[k]]
+        for verb, keys in (("removes", gone), ("adds", added), ("rebinds", rebound)):
+            if keys:
+                where = f"{owner}.{keys[0]}" if not isinstance(c, dict) else f"{owner}[{keys[0]!r}]"
+                more = f" and {len(keys) - 1} more" if len(keys) > 1 else ""
+                return f"{verb} {where}{more}" + (f" ({_short(was[keys[0]])} -> {_short(now[keys[0]])})"
+                                                  if verb == "rebinds" else "")
+    return f"changes {label} ({len(was)} -> {len(now)} item(s))"
+
+
+def _short(value) -> str:
+    text = repr(value) if not isinstance(value, torch.Tensor) else f"a tensor {tuple(value.shape)}"
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+_MISSING = object()
+
+
+def _same(now, was) -> bool:
+    """Identity of contents, in C where it can be (``map(is_, ...)``): this runs over every watched
+    container once or twice per compared replay."""
+    if len(now) != len(was):
+        return False
+    if isinstance(now, dict):
+        if all(map(is_, now.values(), was.values())) and all(map(is_, now, was)):
+            return True                     # (the common case: nothing moved, in the same order)
+        return now.keys() == was.keys() and all(now[k] is v for k, v in was.items())
+    if isinstance(now, list):
+        return all(map(is_, now, was))
+    return {id(v) for v in now} == {id(v) for v in was}
 
 
 def snapshot(bound: list) -> list:
@@ -92,12 +200,30 @@ def changes(before: list, made: set | None) -> list[tuple]:
     return out
 
 
-def restore(changed: list[tuple]) -> None:
-    """Put each changed binding back as it was before the eager step."""
-    for obj, key, old, _ in changed:
-        (obj if isinstance(obj, dict) else obj.__dict__)[key] = old
-
-
 def name(obj, key) -> str:
     owner = type(obj).__name__
     return f"{owner}[{key!r}]" if isinstance(obj, dict) else f"{owner}.{key}"
+
+
+def tracer(entry) -> tuple:
+    """A ``sys.settrace`` function that finds the user's line after which ``entry``'s container
+    first differs from its kept contents, and the list it puts that line in (run once, on an eager
+    step whose host work a replay does not repeat)."""
+    _, _, was, now = entry
+    found, last = [], {}
+
+    def trace(frame, event, arg):
+        if found:
+            return None
+        if not _same(now, was):
+            # Seen at a line: the frame's previous line changed it; at a call: the caller's line; at
+            # a return: the line the frame returns from.
+            at, line = (frame.f_back, None) if event == "call" else (frame, last.get(frame) if event == "line" else None)
+            while at is not None and not mine(at):
+                at, line = at.f_back, None
+            found.append(location(at, line) if at is not None else "-")
+            return None
+        if event == "line":
+            last[frame] = frame.f_lineno
+        return trace
+    return trace, found

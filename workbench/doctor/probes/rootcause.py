@@ -22,12 +22,14 @@ import dataclasses
 from ...engine import memory
 from ...engine.opinfo import describe, storage_key
 from .. import explain
+from ..records import Op
 from ..report import Finding
 from . import pystate
 
 
-def classify(doctor, info, pending, what: tuple, divergence, run) -> None:
-    """A finding for a replay whose outputs or state differ from the eager step's (``what``)."""
+def classify(doctor, info, pending, what: tuple, divergence, run, host: tuple | None = None) -> None:
+    """A finding for a replay whose outputs or state differ from the eager step's (``what``).
+    ``host``: (name, what changed, where) of Python state the eager step changed and the replay did not."""
     text, numbers, key = what
     if divergence is None:
         writer = info.writes.get(key) if key is not None else None
@@ -38,6 +40,11 @@ def classify(doctor, info, pending, what: tuple, divergence, run) -> None:
     else:
         kind, op, tensor, site = _parted(doctor, info, divergence, run)
         numbers = {**numbers, "launch": divergence.index + 1, "how": divergence.how}
+    if kind == "warmup-divergence" and host is not None:
+        tensor, change, line = host
+        kind, op = "host-work-frozen", Op("-", line)
+        site = (f"{site} The eager step {change} at {line}; a replay runs no Python, so that host work ran once, "
+                "at capture, and what it decided then is what every replay repeats.")
     _add(doctor, info, pending, kind, op, tensor, text, site, numbers)
 
 

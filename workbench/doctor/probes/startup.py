@@ -76,6 +76,20 @@ class Startup:
                 self.kept[key] = Kept(weak, dtype, whole(weak, dtype).clone(), None, str(func), user_frame(),
                                       describe(t))
 
+    def trained(self) -> None:
+        """The warmup just ended was a training step (it ran a backward pass): what it wrote is the
+        training's state -- weights the optimizer moved, running statistics -- not dummy data, as
+        a real step's writes are. Storages first kept in it are dropped; in those kept before,
+        what it changed counts as rewritten."""
+        with _disable_current_modes():
+            for key, kept in list(self.kept.items()):
+                if kept.after is None:
+                    del self.kept[key]
+                elif kept.start is not None and (now := whole(kept.weak, kept.dtype)) is not None:
+                    mask = changed(kept.start, now)
+                    self.rewritten[key] = self.rewritten[key] | mask if key in self.rewritten else mask
+                    kept.start = None
+
     def created_by(self, args, kwargs, out) -> None:
         """Outputs of a warmup op that are new storages (not views of its inputs); constants when
         every input is one (an allocation, ``torch.arange(3) * 2``)."""

@@ -21,7 +21,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ...engine.opinfo import op_tensors, storage_key, tensors, written_tensors
+from ...engine.opinfo import mutable, op_tensors, storage_key, tensors, written_tensors
 from ...engine.source import user_frame
 from .. import explain
 from ..report import Finding
@@ -58,7 +58,7 @@ def record(doctor, func, args, kwargs, out) -> None:
     inputs = op_tensors(args, kwargs)
     if not inputs:
         return
-    written = {storage_key(t) for t in written_tensors(func, args, kwargs)} if func._schema.is_mutable else set()
+    written = {storage_key(t) for t in written_tensors(func, args, kwargs)} if mutable(func) else set()
     # Weak references keep the storages' identities (their keys) from being reused while noted.
     read = {storage_key(t): StorageWeakRef(t.untyped_storage()) for t in inputs if storage_key(t) not in written}
     made = [o for o in tensors(out) if storage_key(o) not in read]

@@ -138,14 +138,34 @@ def check(doctor, info) -> None:
                 continue
             if reads is None or reads.shape != mask.shape:
                 continue
-            # Only in rows the graph reads: a row given more columns than the graph reads of it
-            # (rows past its window are the serve contract's: more real rows than captured).
+            # In rows the graph reads: a row given more columns than the graph reads of it.
             rows = reads.reshape(reads.shape[0], -1).any(1).reshape(-1, *([1] * (reads.dim() - 1))) \
                 if reads.dim() > 1 else torch.zeros_like(reads)
+            _short_window(doctor, info, key, mask & ~reads & ~rows, reads)
             lost = mask & ~reads & rows
             if bool(lost.any()) and (buf := doctor.buffer(key)) is not None:
                 doctor.unread[key] = (lost, source, info.name, info.replays + 1, int(reads.sum()), buf.name,
                                       describe(buf.ref()), None)
+
+
+def _short_window(doctor, info, key: int, past, reads) -> None:
+    """Data copied this step into rows of a static input that the graph's window of it ends
+    before, among the step's real rows: the capture read a view of fewer rows than the graph
+    serves (a per-token slot mapping sliced by the request count), and every replay leaves those
+    rows' data unread. The window was fixed when the graph was captured: the capture's line is
+    named (the view is made there or in what it calls)."""
+    pending = info.pending
+    if pending is None or reads.dim() == 0 or not reads.any():
+        return
+    window = int(reads.reshape(reads.shape[0], -1).any(1).nonzero().max()) + 1
+    if window >= pending.real or not bool(past[window:pending.real].any()) or (buf := doctor.buffer(key)) is None:
+        return
+    doctor.add(Finding(
+        "undersized-buffer", info.name, "-", f"{buf.name}: {describe(buf.ref())}", info.site,
+        f"replay {info.replays + 1} of {info.name} serves {pending.real} real rows, and the step copied data into rows "
+        f"{window}..{pending.real - 1} of {buf.name}, but the graph reads only its first {window} row(s): the view "
+        "its capture read", explain.short_window(buf.name, info.name),
+        {"real": pending.real, "rows_read": window}), ("undersized-buffer", info.name, buf.name, "window"))
 
 
 def touched(doctor, func, args, kwargs) -> None:
