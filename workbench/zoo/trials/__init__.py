@@ -5,6 +5,8 @@ and did not run it: they chose the expected kind from the kinds' definitions and
 mechanism, and checked only that the bug misbehaves and the fix equals eager. The doctor was then
 run on them unchanged; what it found at that point is each round's blind result
 (``benchmarks/README.md``), and mechanisms built afterwards are general (none names a program).
+``round12`` holds programs written for the next round and not yet measured: the doctor has not
+been run on them, so their blind result is still to be taken (``ROUNDS`` leaves them out until then).
 The programs share the zoo's format (``UPSTREAM``, ``FAMILY``, ``KIND``, ``SITE``, ``SYMPTOM``,
 ``run(variant, device)``), but unlike the zoo the set is not curated: misses stay in it.
 
