@@ -71,7 +71,6 @@ class Pending:
     unpadded: object = None             # the step on its real rows alone (probes/unpadded.py)
     host: list = dataclasses.field(default_factory=list)       # Python containers' contents before the step
     replayed_host: list = dataclasses.field(default_factory=list)   # ... and after the replay (pystate.keep)
-    bound: list = dataclasses.field(default_factory=list)      # tensor bindings after the replay (pystate.snapshot)
 
 
 def _objects_live_with_storages() -> bool:
@@ -147,7 +146,6 @@ class GraphInfo:
         self.attempts = 0                           # mutation probes run (see probes/mutation.py)
         self.pending: Pending | None = None
         self.python: list | None = None            # Python containers its eager step reaches (probes/pystate.py)
-        self.bound: list = []                       # ... the tensor bindings among them
         self.startup_checked = False                # compared once from the state before the warmups
         self.compared = 0                           # replays compared with an eager step
         self.disagreed = False                      # ... and one of them gave other results

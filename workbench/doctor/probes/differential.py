@@ -13,8 +13,8 @@ turns the parting into a kind). Python state the eager step rebinds is compared 
 (``pystate``). Once per graph, the step is also run from the state as it was before the warmups
 (``startup``): a real step must not depend on what dummy batches wrote.
 
-Watching the eager step's ops costs more than the step itself (a dispatch mode on every op, and a
-launch trace: each op's signature, tensors and line), so it is watched on a graph's first compared
+Watching the eager step's ops (``eager_trace``) costs more than the step itself (a dispatch mode
+on every op, and a launch trace: each op's signature, tensors and line), so it is watched on a graph's first compared
 replay, on every ``TRACE_EVERY``-th after it, and whenever the comparison finds a difference (the
 step is then run again from the same state, watched, to localise it). The other eager runs take the
 doctor's dispatch mode off the stack. What an unwatched run cannot see is memory it writes outside
@@ -30,49 +30,19 @@ lines another number of times, the step is run once more to find the frame that 
 """
 from __future__ import annotations
 
-import dataclasses
 import sys
 
 import torch
 from torch._C import _pop_torch_dispatch_stack, _push_on_torch_dispatch_stack
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
-from ...engine.opinfo import mutable, op_tensors, overwrites, storage_key, tensors, written_tensors
-from ...engine.source import location, user_frame, user_frames
-from ..records import Op
-from ..tensors import (alias, changed, disagrees, first_line, host_only, max_abs_diff, real_rows, rng_state,
-                       set_rng_state, signature, whole)
+from ...engine.opinfo import storage_key, tensors
+from ..tensors import (alias, changed, disagrees, first_line, max_abs_diff, real_rows, rng_state, set_rng_state,
+                       whole)
 from . import launch, pystate, rootcause, row_writes, unpadded
+from .eager_trace import EagerRun
 
-aten = torch.ops.aten
 TRACE_EVERY = 8         # a graph's compared replays between two whose launch traces are recorded
-
-
-@dataclasses.dataclass
-class EagerRun:
-    """The eager step's launch trace and the storages it created or wrote."""
-
-    known: set                                   # storages kept before the replay
-    graph_ops: list                              # the capture's trace, to align with as it runs
-    traced: bool = True                          # record the launch trace (else only new and extra storages)
-    seen: bool = True                            # its ops went through the doctor's mode
-    rows: tuple | None = None                    # (real, size) of a padded step whose writes are attributed
-    outputs: frozenset = frozenset()             # memory the graph owns and never reads: its previous outputs
-    ops: list = dataclasses.field(default_factory=list)
-    new: set = dataclasses.field(default_factory=set)
-    created_by: dict = dataclasses.field(default_factory=dict)   # storage it created -> the Op that did
-    extra: dict = dataclasses.field(default_factory=dict)    # other storages it wrote: key -> (whole, before)
-    described: dict = dataclasses.field(default_factory=dict)
-    row_writes: list = dataclasses.field(default_factory=list)   # padded rows' writes of owned state (row_writes)
-    read_outputs: list = dataclasses.field(default_factory=list)  # ops that read ``outputs`` before writing them
-    written: set = dataclasses.field(default_factory=set)      # storages it has written so far
-    read_first: set = dataclasses.field(default_factory=set)   # ... and those it read before writing them
-    stacks_at: tuple = ()                        # two positions in the trace whose user frames are compared
-    held: list | None = None                     # ... the frames at the first, until the second
-    loop: str | None = None                      # the deepest frame both share: the one that looped
-    rebound: list = dataclasses.field(default_factory=list)    # tensor bindings it moved (pystate.changes)
-    host: list = dataclasses.field(default_factory=list)   # (container, name, what changed): the replay left it
-    host_line: str | None = None                 # where it changed the container it was traced for
 
 
 def _state(doctor, info) -> dict:
@@ -96,114 +66,12 @@ def begin(doctor, info) -> None:
         doctor.carried.replay_begins(doctor, info)
     if info.python is None:
         info.python = pystate.watched(info.pending.eager)
-        info.bound = pystate.bindings(info.python)
     info.pending.host = pystate.keep(info.python)
     with _disable_current_modes():
         pending = info.pending
         pending.pre = {key: (w, label, w.clone()) for key, (w, label) in _state(doctor, info).items()}
         pending.rng = rng_state(info.cuda)
         pending.carried = doctor.carried.of_step(doctor, info, pending)
-
-
-def on_op(doctor, func, args, kwargs, run):
-    """An op of the eager step: keep what it is about to overwrite, record it in the trace. (A
-    view makes no storage and is not part of a launch trace: it only runs.)"""
-    d = doctor.diff
-    lifted = func.overloadpacket in _LIFTS
-    if func.is_view and not lifted:
-        return run()
-    if d.outputs and not d.read_outputs:        # before its own writes make them this run's
-        if any((key := storage_key(t)) in d.outputs and key not in d.extra for t in op_tensors(args, kwargs)):
-            d.read_outputs.append(f"{func} at {user_frame()}")
-    if mutable(func):
-        for t in written_tensors(func, args, kwargs):
-            key = storage_key(t)
-            if key not in d.known and key not in d.new and key not in d.extra:
-                with _disable_current_modes():
-                    w = alias(t.untyped_storage(), torch.uint8)
-                    with torch.inference_mode(False):
-                        d.extra[key] = (w, w.clone())
-    if not d.traced:
-        return _untraced(d, func, args, kwargs, run)
-    inputs = op_tensors(args, kwargs)
-    if not lifted and host_only(inputs, cuda=False):
-        # Work on the CPU engine's host tensors, which it runs outside a capture: not in the graph's
-        # trace, so not in this one. (Beside a CUDA graph host memory is plain CPU memory, and a
-        # CUDA capture records its work as the eager step's trace does.)
-        return run()
-    keys = {storage_key(t) for t in inputs}
-    if lifted:                                   # a constant made from Python data in this run
-        d.new.update(keys)
-    _accessed(d, func, args, kwargs, inputs)
-    out = row_writes.indexed_write(doctor, func, args, kwargs, run, d.rows) if d.rows else run()
-    for t in inputs:
-        if (key := storage_key(t)) not in d.new:     # pre-existing, so alive anyway: described if reported
-            d.described.setdefault(key, t)
-    name, sig, i = _name(func), signature(func, args, kwargs), len(d.ops)
-    if i in d.stacks_at:
-        _stack(d, i)
-    same = i < len(d.graph_ops) and d.graph_ops[i].name == name and d.graph_ops[i].sig == sig
-    # The source line costs a walk up the stack: where the op matches the capture's op at the
-    # same position, it is taken to be the same line (a divergence is looked up in full).
-    op = Op(name, d.graph_ops[i].source if same else user_frame(), frozenset(keys), frozenset(),
-            frozenset(keys - d.new), sig)
-    d.ops.append(op)
-    for o in (out,) if isinstance(out, torch.Tensor) else tensors(out):
-        if (key := storage_key(o)) not in keys:
-            d.new.add(key)
-            d.created_by[key] = op             # (the latest: a freed storage's address is reused)
-    return out
-
-
-def _accessed(d: EagerRun, func, args, kwargs, inputs) -> None:
-    """Which storages the run read before it wrote them (an op that overwrites its output does not
-    read it): memory it only writes before reading is its own scratch."""
-    written = {id(t): storage_key(t) for t in written_tensors(func, args, kwargs)} if mutable(func) else {}
-    for t in inputs:
-        if id(t) in written and overwrites(func):
-            continue
-        if (key := storage_key(t)) not in d.written and key not in d.new:
-            d.read_first.add(key)
-    d.written.update(written.values())
-
-
-def _stack(d: EagerRun, i: int) -> None:
-    """At the first of ``stacks_at``, hold the user's frames; at the second, keep the line of the
-    deepest frame both share (the same call, not only the same function) and let the frames go."""
-    frames = user_frames()[::-1]                 # outermost first
-    if i == d.stacks_at[0]:
-        d.held = frames
-        return
-    shared = None
-    for a, b in zip(d.held or (), frames):
-        if a is not b:
-            break
-        shared = b
-    d.held, d.loop = None, location(shared) if shared is not None else None
-
-
-def _untraced(d: EagerRun, func, args, kwargs, run):
-    """An op of an eager run without a trace: only the storages it creates are noted (a functional
-    op's outputs are all new; an in-place op's output is its input)."""
-    out = run()
-    outs = (out,) if isinstance(out, torch.Tensor) else tensors(out)
-    if mutable(func):
-        keys = {storage_key(t) for t in op_tensors(args, kwargs)}
-        d.new.update(k for o in outs if (k := storage_key(o)) not in keys)
-    else:
-        d.new.update(storage_key(o) for o in outs)
-    return out
-
-
-_LIFTS = (aten.lift_fresh, aten.lift_fresh_copy)
-_NAMES: dict = {}
-
-
-def _name(func) -> str:
-    name = _NAMES.get(func)
-    if name is None:
-        name = _NAMES[func] = str(func)
-    return name
 
 
 def finish(doctor, info, pending) -> None:
@@ -320,7 +188,6 @@ def _replayed_host(info, pending) -> None:
     """The host state the replay left, which each eager run puts back when it is done. A graph's
     replay runs no Python: without eager regions in the step it is the state before the step."""
     pending.replayed_host = pystate.keep(info.python) if pending.span else pending.host
-    pending.bound = pystate.snapshot(info.bound)
 
 
 def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None = None, traced: bool = False,
@@ -376,8 +243,8 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
                 if key not in pre:                  # (the replay's state, put back above, covers the rest)
                     now[mask] = kept.after[mask]
             set_rng_state(rng_after)
-        run.rebound = pystate.changes(pending.bound, run.new if run.seen else None)
         changed = pystate.differ(pending.replayed_host)
+        run.rebound = pystate.changes(changed, run.new if run.seen else None)
         run.host = [(entry[0], entry[1], pystate.what_changed(entry)) for entry in changed]
         pystate.put_back(changed)
     return run, got, error

@@ -3,9 +3,9 @@
 A replay runs kernels only. Whatever the step's Python does besides launching them -- bind an
 attribute to this step's tensor (``self.x = h``), take the work queued for a layer off a dict,
 count a step -- happened once, at capture, and never again. Differential replay makes that
-visible: the tensor bindings reachable from the step's eager callable are noted before its eager
-run and compared after it; a binding the eager step moved to a tensor it made is host work the
-graph does not repeat.
+visible: the containers reachable from the step's eager callable are kept before its eager run and
+compared after it; a binding the eager step moved to a tensor it made (``changes``), or any other
+change the replay did not make, is host work the graph does not repeat.
 
 The eager run must also start from the host state the replay started from, and leave the program
 as the replay left it: a connector whose eager step takes this step's transfers off its queue
@@ -102,17 +102,6 @@ def _filled(cell) -> bool:
     return True
 
 
-def bindings(objects: list) -> list:
-    """``(container, key)`` of every binding of a tensor in the watched objects and dicts (found
-    once per graph, with the containers)."""
-    out = []
-    for o, _ in objects:
-        if not isinstance(o, (list, set)):
-            items = (o if isinstance(o, dict) else o.__dict__).items()
-            out += [(o, k) for k, v in items if isinstance(v, torch.Tensor)]
-    return out
-
-
 def keep(containers: list) -> list:
     """``(container, name, a copy of its contents, the live contents)`` for each of ``watched``'s
     containers (the live contents: the container, or an object's ``__dict__``)."""
@@ -182,21 +171,19 @@ def _same(now, was) -> bool:
     return {id(v) for v in now} == {id(v) for v in was}
 
 
-def snapshot(bound: list) -> list:
-    """``(container, key, tensor bound now)`` for each of ``bindings``."""
-    return [(o, k, (o if isinstance(o, dict) else o.__dict__).get(k)) for o, k in bound]
-
-
-def changes(before: list, made: set | None) -> list[tuple]:
-    """``(container, key, old, new)`` for every binding of a tensor that now holds another tensor,
-    one the eager step made (``made``: its new storages; None when they are not known, and then any
-    other tensor). Keys added or removed (a cache filled) and plain values are bookkeeping the
-    step's kernels do not read."""
+def changes(entries: list, made: set | None) -> list[tuple]:
+    """``(container, key, old, new)`` for every binding of a tensor, among ``differ``'s entries,
+    that now holds another tensor, one the eager step made (``made``: its new storages; None when
+    they are not known, and then any other tensor). Keys added or removed (a cache filled) and
+    plain values are bookkeeping the step's kernels do not read."""
     out = []
-    for obj, key, old in before:
-        new = (obj if isinstance(obj, dict) else obj.__dict__).get(key, old)
-        if new is not old and isinstance(new, torch.Tensor) and (made is None or storage_key(new) in made):
-            out.append((obj, key, old, new))
+    for c, _, was, now in entries:
+        if isinstance(now, dict):
+            for key, old in was.items():
+                new = now.get(key, old)
+                if new is not old and isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) \
+                        and (made is None or storage_key(new) in made):
+                    out.append((c, key, old, new))
     return out
 
 

@@ -1,0 +1,151 @@
+"""The eager step of a differential replay, watched op by op: its launch trace and its writes.
+
+While ``differential`` runs an eager step (``Doctor.diff`` is set), the doctor's dispatch mode
+hands each op here. A watched run records, for every op, its name, its Python-decided arguments,
+the storages it reads and the line that launched it (the launch trace ``launch`` aligns with the
+capture's); any run notes the storages it creates, and keeps memory it writes outside the state
+kept before the replay so that it can be put back. (A view makes no storage and is not part of a
+launch trace: it only runs.)
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ...engine.opinfo import mutable, op_tensors, overwrites, storage_key, tensors, written_tensors
+from ...engine.source import location, user_frame, user_frames
+from ..records import Op
+from ..tensors import alias, host_only, signature
+from . import row_writes
+
+aten = torch.ops.aten
+
+
+@dataclasses.dataclass
+class EagerRun:
+    """The eager step's launch trace and the storages it created or wrote."""
+
+    known: set                                   # storages kept before the replay
+    graph_ops: list                              # the capture's trace, to align with as it runs
+    traced: bool = True                          # record the launch trace (else only new and extra storages)
+    seen: bool = True                            # its ops went through the doctor's mode
+    rows: tuple | None = None                    # (real, size) of a padded step whose writes are attributed
+    outputs: frozenset = frozenset()             # memory the graph owns and never reads: its previous outputs
+    ops: list = dataclasses.field(default_factory=list)
+    new: set = dataclasses.field(default_factory=set)
+    created_by: dict = dataclasses.field(default_factory=dict)   # storage it created -> the Op that did
+    extra: dict = dataclasses.field(default_factory=dict)    # other storages it wrote: key -> (whole, before)
+    described: dict = dataclasses.field(default_factory=dict)
+    row_writes: list = dataclasses.field(default_factory=list)   # padded rows' writes of owned state (row_writes)
+    read_outputs: list = dataclasses.field(default_factory=list)  # ops that read ``outputs`` before writing them
+    written: set = dataclasses.field(default_factory=set)      # storages it has written so far
+    read_first: set = dataclasses.field(default_factory=set)   # ... and those it read before writing them
+    stacks_at: tuple = ()                        # two positions in the trace whose user frames are compared
+    held: list | None = None                     # ... the frames at the first, until the second
+    loop: str | None = None                      # the deepest frame both share: the one that looped
+    rebound: list = dataclasses.field(default_factory=list)    # tensor bindings it moved (pystate.changes)
+    host: list = dataclasses.field(default_factory=list)   # (container, name, what changed): the replay left it
+    host_line: str | None = None                 # where it changed the container it was traced for
+
+
+def on_op(doctor, func, args, kwargs, run):
+    """An op of the eager step: keep what it is about to overwrite, record it in the trace. (A
+    view makes no storage and is not part of a launch trace: it only runs.)"""
+    d = doctor.diff
+    lifted = func.overloadpacket in _LIFTS
+    if func.is_view and not lifted:
+        return run()
+    if d.outputs and not d.read_outputs:        # before its own writes make them this run's
+        if any((key := storage_key(t)) in d.outputs and key not in d.extra for t in op_tensors(args, kwargs)):
+            d.read_outputs.append(f"{func} at {user_frame()}")
+    if mutable(func):
+        for t in written_tensors(func, args, kwargs):
+            key = storage_key(t)
+            if key not in d.known and key not in d.new and key not in d.extra:
+                with _disable_current_modes():
+                    w = alias(t.untyped_storage(), torch.uint8)
+                    with torch.inference_mode(False):
+                        d.extra[key] = (w, w.clone())
+    if not d.traced:
+        return _untraced(d, func, args, kwargs, run)
+    inputs = op_tensors(args, kwargs)
+    if not lifted and host_only(inputs, cuda=False):
+        # Work on the CPU engine's host tensors, which it runs outside a capture: not in the graph's
+        # trace, so not in this one. (Beside a CUDA graph host memory is plain CPU memory, and a
+        # CUDA capture records its work as the eager step's trace does.)
+        return run()
+    keys = {storage_key(t) for t in inputs}
+    if lifted:                                   # a constant made from Python data in this run
+        d.new.update(keys)
+    _accessed(d, func, args, kwargs, inputs)
+    out = row_writes.indexed_write(doctor, func, args, kwargs, run, d.rows) if d.rows else run()
+    for t in inputs:
+        if (key := storage_key(t)) not in d.new:     # pre-existing, so alive anyway: described if reported
+            d.described.setdefault(key, t)
+    name, sig, i = _name(func), signature(func, args, kwargs), len(d.ops)
+    if i in d.stacks_at:
+        _stack(d, i)
+    same = i < len(d.graph_ops) and d.graph_ops[i].name == name and d.graph_ops[i].sig == sig
+    # The source line costs a walk up the stack: where the op matches the capture's op at the
+    # same position, it is taken to be the same line (a divergence is looked up in full).
+    op = Op(name, d.graph_ops[i].source if same else user_frame(), frozenset(keys), frozenset(),
+            frozenset(keys - d.new), sig)
+    d.ops.append(op)
+    for o in (out,) if isinstance(out, torch.Tensor) else tensors(out):
+        if (key := storage_key(o)) not in keys:
+            d.new.add(key)
+            d.created_by[key] = op             # (the latest: a freed storage's address is reused)
+    return out
+
+
+def _accessed(d: EagerRun, func, args, kwargs, inputs) -> None:
+    """Which storages the run read before it wrote them (an op that overwrites its output does not
+    read it): memory it only writes before reading is its own scratch."""
+    written = {id(t): storage_key(t) for t in written_tensors(func, args, kwargs)} if mutable(func) else {}
+    for t in inputs:
+        if id(t) in written and overwrites(func):
+            continue
+        if (key := storage_key(t)) not in d.written and key not in d.new:
+            d.read_first.add(key)
+    d.written.update(written.values())
+
+
+def _stack(d: EagerRun, i: int) -> None:
+    """At the first of ``stacks_at``, hold the user's frames; at the second, keep the line of the
+    deepest frame both share (the same call, not only the same function) and let the frames go."""
+    frames = user_frames()[::-1]                 # outermost first
+    if i == d.stacks_at[0]:
+        d.held = frames
+        return
+    shared = None
+    for a, b in zip(d.held or (), frames):
+        if a is not b:
+            break
+        shared = b
+    d.held, d.loop = None, location(shared) if shared is not None else None
+
+
+def _untraced(d: EagerRun, func, args, kwargs, run):
+    """An op of an eager run without a trace: only the storages it creates are noted (a functional
+    op's outputs are all new; an in-place op's output is its input)."""
+    out = run()
+    outs = (out,) if isinstance(out, torch.Tensor) else tensors(out)
+    if mutable(func):
+        keys = {storage_key(t) for t in op_tensors(args, kwargs)}
+        d.new.update(k for o in outs if (k := storage_key(o)) not in keys)
+    else:
+        d.new.update(storage_key(o) for o in outs)
+    return out
+
+
+_LIFTS = (aten.lift_fresh, aten.lift_fresh_copy)
+_NAMES: dict = {}
+
+
+def _name(func) -> str:
+    name = _NAMES.get(func)
+    if name is None:
+        name = _NAMES[func] = str(func)
+    return name
