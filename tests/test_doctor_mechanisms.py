@@ -1592,3 +1592,118 @@ def test_a_graph_whose_view_of_a_per_token_input_is_shorter_than_its_real_rows(f
     else:
         found = report.of("undersized-buffer")
         assert found and "in workload" in found[0].source and found[0].numbers["rows_read"] == 2, report
+
+
+# ------------------------------------------------------------ host values a replay leaves as it found
+_TRACKER: dict = {}
+
+
+def _save_to_tracker(loss, group):
+    entry = _TRACKER.setdefault("aux", {"values": torch.zeros(())})
+    entry["values"] += loss.detach().sum()         # the graph repeats this add...
+    entry["group"] = group                         # ...but not this host work
+
+
+class _Router:
+    def __init__(self):
+        self.x, self.group = torch.zeros(4, 3), "tp"
+
+    def forward(self, size):
+        y = self.x[:size] * 2
+        _save_to_tracker(y, self.group)
+        return y
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_a_python_value_the_step_sets_and_code_outside_the_graph_clears_is_host_work(fixed):
+    """A logging tracker in a module global: the captured forward adds into its values and sets
+    its reduction group; the end of each iteration clears it (bug: the group too). Outputs agree,
+    but the eager step sets the group where the replay leaves ``None``: host-work-frozen at the
+    assignment. A value set by an eager-only path (a count the capture never ran) is not."""
+    def workload():
+        _TRACKER.clear()
+        r = _Router()
+        m = Manager(r.forward, [2, 4], {"x": r.x})
+        m.capture()
+        for step in range(3):
+            r.x[:3].copy_(rows(3, 3, seed=step))
+            m.replay(3)
+            _TRACKER["aux"]["values"].zero_()
+            if not fixed:
+                _TRACKER["aux"]["group"] = None
+    report = doctor.diagnose(workload)
+    assert report.failure is None and not report.errors, report
+    if fixed:
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "host-work-frozen" and finding.location.endswith("in _save_to_tracker"), finding
+    assert "entry[\"group\"] = group" in finding.source and finding.tensor == "_TRACKER['aux']['group']"
+
+
+class _Scratch:
+    """An eager-only path that grows a scratch size of its own (the capture took another path, as
+    a capture-owned scratch does), in a function the capture never ran."""
+
+    def __init__(self):
+        self.x, self.reserved = torch.zeros(4, 3), 0
+
+    def reserve(self, n):
+        if n > self.reserved:
+            self.reserved = n
+
+    def forward(self, size):
+        if not torch.cuda.is_current_stream_capturing():
+            self.reserve(size)
+        return self.x[:size] + 1
+
+
+def test_a_value_set_by_code_the_capture_never_ran_is_not_host_work():
+    def workload():
+        s = _Scratch()
+        m = Manager(s.forward, [4], {"x": s.x})
+        m.capture()
+        for step in range(3):
+            s.x.copy_(rows(4, 3, seed=step))
+            m.replay(4)
+            s.reserved = 0                      # the scratch released between steps
+    report = doctor.diagnose(workload)
+    assert report.findings == [] and report.failure is None and not report.errors, report
+    assert "differential replay: 3 replay(s) compared" in " ".join(report.notes), report.notes
+
+
+# ------------------------------------------------------------------- a dummy batch's index past a table
+@pytest.mark.parametrize("held_by", ["input", "state"])
+@pytest.mark.parametrize("fixed", [False, True])
+def test_a_dummy_batch_index_past_a_table_is_named_by_the_buffer_that_holds_it(held_by, fixed):
+    """A warmup's dummy batch looks up a table that is no static buffer (a rotary cache, a KV pool)
+    past its end. The index held by a static input (the dummy positions) is data that does not
+    fit: undersized-buffer; held by state the dummy rows index (a request-to-slot table left as
+    allocated) it is entries no request wrote: stale-padding. The fixes bound the dummy data, or
+    initialise the entries."""
+    table = torch.randn(8, 2, generator=torch.Generator().manual_seed(0))
+    pos = torch.zeros(4, dtype=torch.long)
+    slots = torch.full((2, 3), 0 if fixed else 1 << 20, dtype=torch.long)      # row 0: the dummy request's
+
+    def forward(size):
+        idx = pos[:size] if held_by == "input" else slots[pos[:size] % 2, 0]
+        return table[idx] * 2
+
+    def workload():
+        nonlocal pos
+        pos.copy_(torch.tensor([3, 5, 7, 7 if fixed else 8]) if held_by == "input" else torch.zeros(4))
+        m = Manager(forward, [4], {"pos": pos}, state={"slots": slots})
+        try:
+            m.capture()
+        except IndexError:
+            return
+        pos.copy_(torch.tensor([1, 2, 3, 4]) if held_by == "input" else torch.zeros(4))
+        m.replay(4)
+    report = doctor.diagnose(workload)
+    if fixed:
+        assert report.findings == [] and not report.errors, report
+        return
+    (finding,) = report.findings
+    assert finding.kind == ("undersized-buffer" if held_by == "input" else "stale-padding"), finding
+    assert finding.tensor.startswith("pos" if held_by == "input" else "slots") and "in forward" in finding.location
+    assert finding.numbers["size"] == 8 and "past the end" in finding.evidence

@@ -164,6 +164,19 @@ def lookup_past_end(buffer: str) -> str:
             "or cap the capture sizes at what the buffers hold.")
 
 
+def dummy_index(buffer: str, state: bool) -> str:
+    if state:
+        return (f"The dummy rows of a warmup or capture index through {buffer} at entries no request wrote (a "
+                "dummy request's row, left as allocated), and the index found there runs past the table it looks "
+                "up: on a GPU an illegal memory access at startup, or a silent read of other memory. Initialise "
+                f"the entries dummy and padded rows read ({buffer} zeroed, a reserved valid slot), or point those "
+                "rows at entries that hold valid indices.")
+    return (f"The runner's dummy batch puts an index into {buffer} that runs past the end of the table it looks up "
+            "(a position past the rotary cache, a slot past the pool): the dummy data does not fit what the graph "
+            "indexes. Bound the dummy batch by every table its indices reach, or size the table for the largest "
+            "index a capture can carry.")
+
+
 def update_in_a_copy(op: str, buffer: str) -> str:
     return (f"The captured {op} updates {buffer} in place, but {buffer} is a copy: the runner fills it from the "
             "tensor that holds the state before every replay and never copies the update back, so the next "

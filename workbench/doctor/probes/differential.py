@@ -127,6 +127,9 @@ def finish(doctor, info, pending) -> None:
                            _host_work(doctor, info, pending, replayed, rng_after, run))
     elif changed:
         rootcause.rebound(doctor, info, pending, changed, run)
+    elif run.settings and (host := _host_work(doctor, info, pending, replayed, rng_after, run,
+                                              {id(c) for c, *_ in run.settings})) is not None:
+        rootcause.host_set(doctor, info, pending, run.settings, host)
     else:
         if divergence is not None:
             doctor.report.notes.append(f"differential replay of {info.name}: launch traces differ ("
@@ -171,15 +174,20 @@ def _made_as_at_capture(info, pending, run, new) -> bool:
     return made is None or any(op.source == made.source for g in pending.span or (info,) for op in g.ops)
 
 
-def _host_work(doctor, info, pending, replayed: dict, rng_after, run) -> tuple | None:
+def _host_work(doctor, info, pending, replayed: dict, rng_after, run, only: set | None = None) -> tuple | None:
     """(container's name, what changed, where) for the first Python container the eager step
     changed and the replay left alone (a queue drained, a counter moved), found by running the
-    step once more, traced."""
+    step once more, traced (``only``: among the containers of these ids, changed by a function the
+    capture also ran in: host work a path outside the capture does for itself, such as growing a
+    cache only eager code uses, is not the graph's)."""
     for container, label, change in run.host:
+        if only is not None and id(container) not in only:
+            continue
         kept = next((entry for entry in pending.host if entry[0] is container), None)
         if kept is not None:
             again, _, _ = _eager(doctor, info, pending, replayed, rng_after, host=kept)
-            if again.host_line is not None:
+            if again.host_line is not None and (only is None or any(again.host_code in p.called
+                                                                    for p in pending.span or (info,))):
                 return label, change, again.host_line
     return None
 
@@ -223,7 +231,7 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
             finally:
                 if host is not None:
                     sys.settrace(outer)
-                    doctor.diff.host_line = found[0] if found else None
+                    doctor.diff.host_line, doctor.diff.host_code = found[0] if found else (None, None)
                 if aside:
                     _push_on_torch_dispatch_stack(doctor.mode)
         with _disable_current_modes():
@@ -246,6 +254,7 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
         changed = pystate.differ(pending.replayed_host)
         run.rebound = pystate.changes(changed, run.new if run.seen else None)
         run.host = [(entry[0], entry[1], pystate.what_changed(entry)) for entry in changed]
+        run.settings = pystate.settings(changed)
         pystate.put_back(changed)
     return run, got, error
 

@@ -47,7 +47,9 @@ class EagerRun:
     loop: str | None = None                      # the deepest frame both share: the one that looped
     rebound: list = dataclasses.field(default_factory=list)    # tensor bindings it moved (pystate.changes)
     host: list = dataclasses.field(default_factory=list)   # (container, name, what changed): the replay left it
+    settings: list = dataclasses.field(default_factory=list)   # plain values among them it set (pystate.settings)
     host_line: str | None = None                 # where it changed the container it was traced for
+    host_code: object = None                     # ... and the function that did
 
 
 def on_op(doctor, func, args, kwargs, run):

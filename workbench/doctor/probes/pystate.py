@@ -23,6 +23,7 @@ graph manager leads to the model) but not watched: their bookkeeping is not the 
 from __future__ import annotations
 
 import functools
+import sys
 import types
 from operator import is_
 
@@ -50,19 +51,23 @@ def watched(root: object) -> list:
     the reachable set is stable), each named by the path that reached it first. A function
     reaches the module globals its code names (a connector kept in a module global, reached through
     ``get_kv_transfer_group()``), except inside torch and NumPy, whose registries and objects are
-    theirs (modules and optimizers hold the model's state: those are walked).
+    theirs (modules and optimizers hold the model's state: those are walked). Only the globals of
+    the program's own packages are walked: those of the objects and functions the step holds
+    (a model's package, the runner's), not of every library their code calls.
     Containers held by the engine's own objects are walked through, not watched."""
-    seen, out, stack, far = {}, [], [(root, True, "the step")], []
+    seen, out, stack, far, ours, near = {}, [], [(root, True, "the step")], [], set(), True
     while (stack or far) and len(seen) < _MAX_OBJECTS:
         if not stack:                   # what the step holds first; then what its functions' globals hold
-            stack, far = far[::-1], []
+            stack, far, near = far[::-1], [], False
         obj, watch, label = stack.pop()
+        if near:
+            ours.add(_package(obj))
         # (reached first through the engine's objects, unwatched, and then from the step's: watched)
         if (was := seen.get(id(obj))) is not None and was >= watch or isinstance(obj, (*_ATOMS, *_OPAQUE)):
             continue
         seen[id(obj)] = watch
         if isinstance(obj, types.FunctionType):
-            if not (obj.__module__ or "").startswith(_LIBRARIES):
+            if not (obj.__module__ or "").startswith(_LIBRARIES) and _package(obj) in ours:
                 far += [(obj.__globals__[n], watch, n) for n in _names(obj.__code__) if n in obj.__globals__]
             cells = zip(obj.__code__.co_freevars, obj.__closure__ or ())
             stack += [(c.cell_contents, watch, n) for n, c in cells if _filled(c)]
@@ -78,14 +83,39 @@ def watched(root: object) -> list:
             stack += [(v, watch, f"{label}[{k!r}]") for k, v in items]
         elif isinstance(attrs := getattr(obj, "__dict__", None), dict):
             module = type(obj).__module__
-            if module.startswith(_THEIRS) and not isinstance(obj, _STATEFUL) or module.startswith(_RECORDINGS):
-                continue                # a library's own object (an op overload), a graph's recording
+            if module.startswith(_THEIRS) and not isinstance(obj, _STATEFUL) or module.startswith(_RECORDINGS) \
+                    or module.partition(".")[0] in sys.stdlib_module_names:
+                continue                # a library's own object (an op overload, a logger), a graph's recording
             mine = not module.startswith(_INFRA)
             if mine:
                 out.append((obj, type(obj).__name__))
+                far += [(f, True, f.__name__) for f in _methods(type(obj))]
             skip = _REGISTRIES if isinstance(obj, torch.nn.Module) else ()
             stack += [(v, mine, f"{type(obj).__name__}.{k}") for k, v in attrs.items() if k not in skip]
     return out
+
+
+def _package(obj) -> str:
+    """The top-level package a function, or an object's class, comes from."""
+    module = obj.__module__ if isinstance(obj, types.FunctionType) else type(obj).__module__
+    return (module or "").partition(".")[0]
+
+
+@functools.cache
+def _methods(cls: type) -> tuple:
+    """The functions a class of the program (not a library's) defines, its bases' included: what
+    its objects' steps run, and through them the module globals they use (a tracker kept in a
+    module global, reached through a method that calls ``get_tracker()``)."""
+    out = []
+    for klass in cls.__mro__:
+        module = klass.__module__ or ""
+        if module.startswith(_LIBRARIES) or module.partition(".")[0] in sys.stdlib_module_names:
+            continue
+        for v in vars(klass).values():
+            v = v.__func__ if isinstance(v, (staticmethod, classmethod)) else v
+            if isinstance(v, types.FunctionType):
+                out.append(v)
+    return tuple(out)
 
 
 @functools.cache
@@ -108,7 +138,7 @@ def keep(containers: list) -> list:
     out = []
     for c, label in containers:
         live = c if isinstance(c, (dict, list, set)) else c.__dict__
-        out.append((c, label, live.copy(), live))
+        out.append((c, label, _COPY[type(live)](live) if type(live) in _COPY else _plain_copy(live), live))
     return out
 
 
@@ -130,7 +160,7 @@ def put_back(kept: list) -> None:
             now.clear()
             now.update(was)
         else:
-            now.update((k, v) for k, v in was.items() if now.get(k, _MISSING) is not v)
+            now.update((k, v) for k, v in was.items() if _get(now, k) is not v)
 
 
 def what_changed(entry) -> str:
@@ -139,22 +169,34 @@ def what_changed(entry) -> str:
     if isinstance(now, dict):
         owner = label if isinstance(c, dict) else type(c).__name__
         gone, added = [k for k in was if k not in now], [k for k in now if k not in was]
-        rebound = [k for k in was if k in now and now[k] is not was[k]]
+        rebound = [k for k in was if k in now and _get(now, k) is not was[k]]
         for verb, keys in (("removes", gone), ("adds", added), ("rebinds", rebound)):
             if keys:
                 where = f"{owner}.{keys[0]}" if not isinstance(c, dict) else f"{owner}[{keys[0]!r}]"
                 more = f" and {len(keys) - 1} more" if len(keys) > 1 else ""
-                return f"{verb} {where}{more}" + (f" ({_short(was[keys[0]])} -> {_short(now[keys[0]])})"
+                return f"{verb} {where}{more}" + (f" ({short(was[keys[0]])} -> {short(now[keys[0]])})"
                                                   if verb == "rebinds" else "")
     return f"changes {label} ({len(was)} -> {len(now)} item(s))"
 
 
-def _short(value) -> str:
+def short(value) -> str:
     text = repr(value) if not isinstance(value, torch.Tensor) else f"a tensor {tuple(value.shape)}"
     return text if len(text) <= 40 else text[:37] + "..."
 
 
 _MISSING = object()
+_COPY = {dict: dict.copy, list: list.copy, set: set.copy}
+
+
+def _plain_copy(live):
+    """A container subclass's contents as a plain container: its own ``copy`` or item access may
+    run code (a registry whose ``__getitem__`` builds an object)."""
+    return dict(live.items()) if isinstance(live, dict) else list(live) if isinstance(live, list) else set(live)
+
+
+def _get(d: dict, key, default=_MISSING):
+    """``d[key]`` as stored, without a subclass's ``__getitem__``/``get``."""
+    return dict.get(d, key, default)
 
 
 def _same(now, was) -> bool:
@@ -165,7 +207,7 @@ def _same(now, was) -> bool:
     if isinstance(now, dict):
         if all(map(is_, now.values(), was.values())) and all(map(is_, now, was)):
             return True                     # (the common case: nothing moved, in the same order)
-        return now.keys() == was.keys() and all(now[k] is v for k, v in was.items())
+        return now.keys() == was.keys() and all(_get(now, k) is v for k, v in was.items())
     if isinstance(now, list):
         return all(map(is_, now, was))
     return {id(v) for v in now} == {id(v) for v in was}
@@ -180,11 +222,40 @@ def changes(entries: list, made: set | None) -> list[tuple]:
     for c, _, was, now in entries:
         if isinstance(now, dict):
             for key, old in was.items():
-                new = now.get(key, old)
+                new = _get(now, key, old)
                 if new is not old and isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) \
                         and (made is None or storage_key(new) in made):
                     out.append((c, key, old, new))
     return out
+
+
+def settings(entries: list) -> list[tuple]:
+    """``(container, where, old, new)`` for every plain value, among ``differ``'s entries, that the
+    eager step set to another value: a number, a flag or a string changed, or a binding set where
+    the replay left ``None`` (or cleared where it left one). That is host work the graph does not
+    repeat: a replay leaves what capture set, and code outside the graph that changed it since
+    (a tracker cleared after each step) is never undone. A fresh object bound in place of another
+    (new metadata each step) is the step's own bookkeeping; tensors are ``changes``'; keys added
+    are a cache."""
+    out = []
+    for c, label, was, now in entries:
+        if isinstance(now, dict):
+            for key, old in was.items():
+                new = _get(now, key, old)
+                if new is not old and not isinstance(old, torch.Tensor) and not isinstance(new, torch.Tensor) \
+                        and _set(old, new):
+                    out.append((c, f"{label}[{key!r}]" if isinstance(c, dict) else f"{label}.{key}", old, new))
+    return out
+
+
+def _set(old, new) -> bool:
+    if old is None or new is None:
+        return True
+    return _plain(old) and _plain(new) and old != new
+
+
+def _plain(value) -> bool:
+    return isinstance(value, _ATOMS) or isinstance(value, tuple) and all(isinstance(v, _ATOMS) for v in value)
 
 
 def name(obj, key) -> str:
@@ -194,8 +265,8 @@ def name(obj, key) -> str:
 
 def tracer(entry) -> tuple:
     """A ``sys.settrace`` function that finds the user's line after which ``entry``'s container
-    first differs from its kept contents, and the list it puts that line in (run once, on an eager
-    step whose host work a replay does not repeat)."""
+    first differs from its kept contents, and the list it puts that line (and its function's code)
+    in (run once, on an eager step whose host work a replay does not repeat)."""
     _, _, was, now = entry
     found, last = [], {}
 
@@ -208,7 +279,7 @@ def tracer(entry) -> tuple:
             at, line = (frame.f_back, None) if event == "call" else (frame, last.get(frame) if event == "line" else None)
             while at is not None and not mine(at):
                 at, line = at.f_back, None
-            found.append(location(at, line) if at is not None else "-")
+            found.append((location(at, line), at.f_code) if at is not None else ("-", None))
             return None
         if event == "line":
             last[frame] = frame.f_lineno

@@ -110,6 +110,19 @@ def rebound(doctor, info, pending, changed: list, run) -> None:
          {"rebound": len(changed)})
 
 
+def host_set(doctor, info, pending, settings: list, host: tuple) -> None:
+    """Outputs and state agree, but the eager step set Python values that the replay leaves as they
+    are: host work inside the captured region that ran once, at capture (``pystate.settings``)."""
+    label, change, line = host
+    names = ", ".join(f"{where} ({pystate.short(old)} -> {pystate.short(new)})" for _, where, old, new in settings[:3]) + (", ..." if len(settings) > 3 else "")
+    text = f"outputs and state agree, but the eager step sets {names}, which the replay leaves as it found them"
+    site = (f"The eager step {change} at {line}; a replay runs no Python, so that host work ran once, at capture. "
+            "What changed it since (code outside the graph) is never undone by a replay, and code that reads it "
+            "after the step sees what the eager step would not leave there.")
+    _add(doctor, info, pending, "host-work-frozen", Op("-", line), settings[0][1], text, site,
+         {"settings": len(settings)})
+
+
 def startup(doctor, info, pending, text: str, numbers: dict, kept, tensor: str | None = None) -> None:
     """A real step's answer depends on what the warmups (dummy batches) wrote into ``kept``
     (``tensor``: its announced name, which keys the finding as other rules on that buffer do)."""

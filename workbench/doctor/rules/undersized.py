@@ -144,6 +144,7 @@ def failed_lookup(doctor, func, args, error: BaseException) -> None:
     t = args[0] if isinstance(args[0], torch.Tensor) else None
     buf = doctor.buffer(storage_key(t)) if t is not None else None
     if buf is None or buf.role != "input":
+        _index_from(doctor, func, args, error)
         return
     source = user_frame()
     doctor.add(Finding(
@@ -151,6 +152,46 @@ def failed_lookup(doctor, func, args, error: BaseException) -> None:
         f"during {_where(doctor)} (the capture size's dummy batch), {func} looked {buf.name} up out of its range: "
         f"{first_line(error)}", explain.lookup_past_end(buf.name), {"buffer_shape": list(buf.ref().shape)}),
         ("undersized-buffer", buf.owner, buf.name, source))
+
+
+_OUT_OF_BOUNDS = re.compile(r"index (-?\d+) is out of bounds for dimension (\d+) with size (\d+)")
+
+
+def _index_from(doctor, func, args, error: BaseException) -> None:
+    """A dummy batch's lookup into a table that is not a static input ran past its end: which
+    announced buffer holds the index that did? The lookup's own index tensor first, else any
+    announced integer buffer holding that value. The runner's static inputs (the dummy batch's
+    data: positions, token counts) holding it means the dummy data does not fit the table:
+    ``undersized-buffer``. State holding it (a request-to-token table the dummy rows index
+    by their dummy request) means the dummy rows read entries no request wrote:
+    ``stale-padding``; on a GPU, an illegal memory access at startup either way."""
+    found = _OUT_OF_BOUNDS.search(str(error))
+    if found is None:
+        return
+    value, dim, size = (int(g) for g in found.groups())
+    own = {storage_key(a) for a in _tensors(args[1:])}
+    holders = [b for b in doctor.buffers.values() if (t := b.ref()) is not None and isinstance(t, torch.Tensor)
+               and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool and bool((t == value).any())]
+    holder = next((b for b in holders if storage_key(b.ref()) in own), holders[0] if holders else None)
+    if holder is None or storage_key(holder.ref()) in doctor.startup.kept:
+        return                  # (a warmup wrote it: the step advanced its own input, persistent-mutation's)
+    source, table = user_frame(), describe(args[0]) if isinstance(args[0], torch.Tensor) else "its table"
+    kind = "stale-padding" if holder.role == "state" else "undersized-buffer"
+    evidence = (f"during {_where(doctor)} (the capture size's dummy batch), {func} looked {table} up with index "
+                f"{value}, past the end of its dimension {dim} (size {size}); {holder.name} ({holder.role}, "
+                f"{describe(holder.ref())}) holds that index")
+    doctor.add(Finding(kind, _where(doctor), str(func), f"{holder.name}: {describe(holder.ref())}", source, evidence,
+                       explain.dummy_index(holder.name, holder.role == "state"),
+                       {"index": value, "dimension": dim, "size": size}),
+               (kind, holder.owner, holder.name, source))
+
+
+def _tensors(args) -> list:
+    """The tensors among a lookup's arguments (``aten.index`` takes a list of them)."""
+    out = []
+    for a in args:
+        out += [t for t in (a if isinstance(a, (list, tuple)) else (a,)) if isinstance(t, torch.Tensor)]
+    return out
 
 
 def failed_write(doctor, func, args, kwargs, error: BaseException) -> None:
