@@ -1707,3 +1707,74 @@ def test_a_dummy_batch_index_past_a_table_is_named_by_the_buffer_that_holds_it(h
     assert finding.kind == ("undersized-buffer" if held_by == "input" else "stale-padding"), finding
     assert finding.tensor.startswith("pos" if held_by == "input" else "slots") and "in forward" in finding.location
     assert finding.numbers["size"] == 8 and "past the end" in finding.evidence
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_a_padded_replay_whose_padded_rows_index_past_a_table_is_stale_padding(fixed):
+    """Padded rows take their token ids from a dummy request's row of a token table no request
+    wrote (allocated uninitialised: here a far index): the replay's embedding lookup fails there.
+    The index sits in the padded rows of the static input only: stale-padding at the lookup. The
+    fix zero-initialises the table."""
+    embed = torch.randn(6, 2, generator=torch.Generator().manual_seed(0))
+    ids = torch.zeros(4, dtype=torch.long)
+    tokens = torch.full((5, 3), 0 if fixed else 1 << 30, dtype=torch.long)     # row 4: the dummy request's
+
+    def forward(size):
+        return embed[ids[:size]] * 2
+
+    def workload():
+        m = Manager(forward, [4], {"ids": ids})
+        m.capture()
+        tokens[:3, 0] = torch.tensor([1, 2, 3])
+        for _ in range(2):
+            ids.copy_(tokens[[0, 1, 2, 4], 0])       # three requests, padded with the dummy's row
+            try:
+                m.replay(3)
+            except IndexError:
+                pass
+    report = doctor.diagnose(workload)
+    if fixed:
+        assert report.findings == [] and not report.caught, report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "stale-padding" and finding.tensor.startswith("ids") and "in forward" in finding.location
+    assert "padded row(s) of ids" in finding.evidence and finding.numbers["real"] == 3
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_a_padded_row_writing_what_real_rows_read_after_state_moved_is_stale_padding(fixed):
+    """A padded row writes through a dummy slot. After the first steps, eager code migrates the
+    cache (compaction moves a live page into the dummy's old slot and remaps its request) but the
+    runner never re-points the dummy (the fix does): every padded replay then writes where a real
+    row reads. Seen on the padded step after the migration (eager code wrote persistent state),
+    as a padded row's write into elements real rows read in the same step."""
+    kv = torch.zeros(8, 2)
+    x = torch.zeros(4, 2)
+    slot = torch.zeros(4, dtype=torch.long)        # where each row writes its entry
+    read = torch.zeros(4, dtype=torch.long)        # which entry each row reads back (its page)
+
+    def forward(size):
+        kv[slot[:size]] = x[:size]
+        return kv[read[:size]] * 2
+
+    def workload():
+        m = Manager(forward, [4], {"x": x, "slot": slot, "read": read}, state={"kv": kv})
+        m.capture()
+        pages, dummy = [1, 2, 3], 7
+        kv[1:4] = rows(3, 2, seed=9)                       # prefill of three requests' pages
+        for step in range(4):
+            if step == 2:                                  # compaction: page of request 2 moves to slot 7
+                kv[7] = kv[3]
+                pages[2] = 7
+                dummy = 0 if fixed else dummy              # the fix re-points the padding dummy
+            x.copy_(rows(4, 2, seed=step))
+            slot.copy_(torch.tensor([4, 5, 6, dummy]))     # three new entries, then the padded row's
+            read.copy_(torch.tensor(pages + [dummy]))
+            m.replay(3)
+    report = doctor.diagnose(workload)
+    if fixed:
+        assert report.findings == [], report
+        return
+    found = report.of("stale-padding")
+    assert found and found[0].tensor == "`kv`" and "in forward" in found[0].location, report
+    assert found[0].numbers["real"] == 3 and "read" in found[0].evidence

@@ -70,7 +70,8 @@ def diagnose(target: Callable[[], Any], make_batch: Callable[[int, int], Mapping
         finding = compare_runs(*(r[1].trace for r in runs), *(_failed(r[0]) for r in runs))
         if finding is None and _failed(report) and not any(_failed(r[0]) for r in runs):
             finding = crashed_only_as_left(_failed(report)[0], runs[0][1].trace[-1] if runs[0][1].trace else None, 2)
-        if finding is not None:
+        if finding is not None:         # (it says more than a finding of the watched run at the same op)
+            report.findings = [f for f in report.findings if (f.kind, f.source) != (finding.kind, finding.source)]
             report.findings.append(finding)
             _explained_by_padding(report, finding)
         report.not_checked.pop("stale-padding", None)

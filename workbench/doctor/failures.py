@@ -54,10 +54,15 @@ def op_failed(doctor, func, args, kwargs, error: BaseException) -> None:
         doctor.fail(e, f"explaining the failure of {func}")
 
 
-def replay_failed(doctor, error: BaseException, where: str) -> None:
+def replay_failed(doctor, info, error: BaseException, where: str) -> None:
     """A replay of the watched code raised (``where``: the recorded op, ``recorded_op``); kept like
-    an op failure, so that a workload that catches it is not reported as clean."""
+    an op failure, so that a workload that catches it is not reported as clean. A lookup past a
+    table's end may be padded rows' doing (``undersized.failed_replay_lookup``)."""
     keep(doctor, id(error), lambda: f"{type(error).__name__}: {first_line(error)} ({where})")
+    try:
+        undersized.failed_replay_lookup(doctor, info, info.pending, error, failed_op(error))
+    except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
+        doctor.fail(e, "explaining the failure of a replay")
 
 
 def keep(doctor, error_id: int, describe_error) -> None:

@@ -92,6 +92,7 @@ class Doctor:
         self.served = self.no_eager = self.compared = 0     # steps served, of them without an eager form, compared
         self.real_writes: dict[int, tuple] = {}   # probes/unpadded.py: state -> (dtype, elements real rows wrote)
         self.replay_changed: dict[int, torch.Tensor] = {}   # probes/row_writes.py: state elements replays changed
+        self.state_moved = False     # eager code wrote persistent state since a padded step's rows were last watched
         self.trace: list[dict] = []                 # per replay, under diagnose's padded-row probes
         self.diff = None                            # the eager run of a differential replay
         self.spanning = None                        # (first piece, Pending) of a PIECEWISE step being compared
@@ -238,7 +239,7 @@ class Doctor:
             return
         if error is not None:
             self.replay_error = (error, failures.recorded_op(error, info.name))
-            failures.replay_failed(self, error, self.replay_error[1])
+            failures.replay_failed(self, info, error, self.replay_error[1])
         info.replays += 1
         if self.before_replay:
             mutation.inputs_after(self, info)
@@ -426,10 +427,12 @@ class Doctor:
                     self.touched[key] = user_frame()
         if not targets:
             out = run()
-        elif self.tracking_fresh or self.updates or not overwrites(func):
-            out = mutation.eager_write(self, func, args, kwargs, run, targets)
-        else:       # a refresh (copy, fill) that no fresh-element tracking or in-place update follows
-            out = undersized.write(self, func, targets, run)
+        else:
+            self.state_moved |= any(buf.role == "state" for _, _, buf in targets)
+            if self.tracking_fresh or self.updates or not overwrites(func):
+                out = mutation.eager_write(self, func, args, kwargs, run, targets)
+            else:   # a refresh (copy, fill) that no fresh-element tracking or in-place update follows
+                out = undersized.write(self, func, targets, run)
         if self.padded_step is not None and not view:
             shapes.derived(self, func, args, kwargs, out)
         if self.pattern is not None and not view:

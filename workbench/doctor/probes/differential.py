@@ -83,11 +83,15 @@ def finish(doctor, info, pending) -> None:
     _replayed_host(info, pending)
     padded = pending.real < pending.size
     info.padded_compared += padded
-    sampled = padded and (info.padded_compared - 1) % TRACE_EVERY == 0    # a padded step's rows are looked at
+    # A padded step's rows are looked at (``row_writes``) on sampled steps, and after eager code wrote
+    # persistent state (a prefill, pages migrated): then for what real rows read that padded rows write.
+    periodic = padded and (info.padded_compared - 1) % TRACE_EVERY == 0
+    sampled = periodic or padded and doctor.state_moved
+    doctor.state_moved &= not sampled
     traced = info.traced_always or info.compared % TRACE_EVERY == 0 or sampled
     while True:
         run, got, error = _eager(doctor, info, pending, replayed, rng_after, traced=traced,
-                                 rows=(pending.real, pending.size) if sampled and traced else None)
+                                 rows=(pending.real, pending.size, periodic) if sampled and traced else None)
         changed = [c for c in run.rebound if _made_as_at_capture(info, pending, run, c[3])]
         what = None
         if error is None:

@@ -31,7 +31,7 @@ class EagerRun:
     graph_ops: list                              # the capture's trace, to align with as it runs
     traced: bool = True                          # record the launch trace (else only new and extra storages)
     seen: bool = True                            # its ops went through the doctor's mode
-    rows: tuple | None = None                    # (real, size) of a padded step whose writes are attributed
+    rows: tuple | None = None                    # (real, size, all) of a padded step whose writes are attributed
     outputs: frozenset = frozenset()             # memory the graph owns and never reads: its previous outputs
     ops: list = dataclasses.field(default_factory=list)
     new: set = dataclasses.field(default_factory=set)
@@ -39,6 +39,9 @@ class EagerRun:
     extra: dict = dataclasses.field(default_factory=dict)    # other storages it wrote: key -> (whole, before)
     described: dict = dataclasses.field(default_factory=dict)
     row_writes: list = dataclasses.field(default_factory=list)   # padded rows' writes of owned state (row_writes)
+    padded_writes: list = dataclasses.field(default_factory=list)   # ... of any state: (op, line, key, mask)
+    real_reads: dict = dataclasses.field(default_factory=dict)     # state elements real rows looked up: key -> mask
+    real_writes: dict = dataclasses.field(default_factory=dict)    # ... and wrote: key -> mask
     read_outputs: list = dataclasses.field(default_factory=list)  # ops that read ``outputs`` before writing them
     written: set = dataclasses.field(default_factory=set)      # storages it has written so far
     read_first: set = dataclasses.field(default_factory=set)   # ... and those it read before writing them
@@ -82,6 +85,8 @@ def on_op(doctor, func, args, kwargs, run):
     if lifted:                                   # a constant made from Python data in this run
         d.new.update(keys)
     _accessed(d, func, args, kwargs, inputs)
+    if d.rows:
+        row_writes.indexed_read(doctor, func, args, d.rows)
     out = row_writes.indexed_write(doctor, func, args, kwargs, run, d.rows) if d.rows else run()
     for t in inputs:
         if (key := storage_key(t)) not in d.new:     # pre-existing, so alive anyway: described if reported

@@ -32,6 +32,8 @@ from ..rules.padded_scatter import SCATTERS
 from ..tensors import at, changed, onto
 from . import unpadded
 
+aten = torch.ops.aten
+
 
 def indexed_write(doctor, func, args, kwargs, run, rows: tuple[int, int]):
     """Run an op of a padded eager step; where it is an indexed write of the batch rows into kept
@@ -41,7 +43,7 @@ def indexed_write(doctor, func, args, kwargs, run, rows: tuple[int, int]):
     key = storage_key(state) if state is not None else None
     if form is None or key not in doctor.diff.known or not _is_state(doctor, key):
         return run()
-    real, size = rows
+    real, size, every = rows
     with _disable_current_modes():
         sliced = _real_rows(form, args, real, size)
         before = state.clone() if sliced is not None else None
@@ -58,20 +60,64 @@ def indexed_write(doctor, func, args, kwargs, run, rows: tuple[int, int]):
         by_real = changed(before, alone)
         owned = by_real | _owned(doctor, key, state) | _live(doctor, key, state, before)
         _own(doctor, key, state, by_real)
+        d = doctor.diff
+        d.real_writes[key] = _union(d.real_writes.get(key), onto(by_real, state))
         hit = by_padded & owned
-        if bool(hit.any()):
-            doctor.diff.row_writes.append((str(func), user_frame(), key, state, int(hit.sum()), real, size))
+        if every and bool(hit.any()):
+            d.row_writes.append((str(func), user_frame(), key, state, int(hit.sum()), real, size))
+        elif bool(by_padded.any()):
+            d.padded_writes.append((str(func), user_frame(), key, state, onto(by_padded, state)))
     return out
 
 
+def _union(kept, mask):
+    return mask if kept is None or kept.shape != mask.shape else kept | mask
+
+
+_READS = frozenset({aten.index.Tensor})
+
+
+def indexed_read(doctor, func, args, rows: tuple[int, int]) -> None:
+    """A lookup of kept state by the step's batch rows (``state[slots]``, each index tensor with the
+    step's ``size`` leading rows): note the elements its first ``real`` rows read. A padded row's
+    write into one of them (``report``) changes what a real request reads."""
+    if func not in _READS or len(args) < 2 or not isinstance(args[0], torch.Tensor):
+        return
+    state, indices = args[0], args[1]
+    key = storage_key(state)
+    real, size, _ = rows
+    given = [i for i in indices if i is not None]
+    if key not in doctor.diff.known or not _is_state(doctor, key) or not given \
+            or any(i.dim() == 0 or i.shape[0] != size or i.dtype == torch.bool for i in given):
+        return
+    with _disable_current_modes():
+        mask = torch.zeros(state.shape, dtype=torch.bool, device=state.device)
+        try:
+            mask[tuple(i[:real] if i is not None else slice(None) for i in indices)] = True
+        except (RuntimeError, IndexError):
+            return
+        doctor.diff.real_reads[key] = _union(doctor.diff.real_reads.get(key), onto(mask, state))
+
+
 def report(doctor, info, pending, run) -> None:
-    """The padded-row writes a watched eager step noted (``indexed_write``), as findings."""
+    """The padded-row writes a watched eager step noted (``indexed_write``), as findings: into
+    elements real rows write or own (on a sampled step), or only read (``indexed_read``): a live
+    page the padded rows' stale slot now points at. (Elements real rows both read and write are
+    their own slots: a dummy step whose real rows sit on the null slot with the padded rows.)"""
+    if not run.row_writes:
+        for op, source, key, state, mask in run.padded_writes:
+            read, wrote = run.real_reads.get(key), run.real_writes.get(key)
+            if wrote is not None and wrote.shape == mask.shape:
+                mask = mask & ~wrote
+            if read is not None and read.shape == mask.shape and bool((hit := read & mask).any()):
+                run.row_writes.append((op, source, key, state, int(hit.sum()), pending.real, pending.size))
+                break
     for op, source, key, state, elements, real, size in run.row_writes[:1]:
         buf = doctor.buffer(key)
         label = f"`{buf.name}`" if buf is not None else f"the state {describe(state)}"
         evidence = (f"sampled replay {info.replays} of {info.name} ({real} real rows of {size}): in an eager run of "
                     f"the step, {op} changed {elements} element(s) of {label} for its padded rows alone, element(s) "
-                    "that real rows write in this step or wrote in an earlier one")
+                    "that real rows write or read in this step, or wrote in an earlier one")
         doctor.add(Finding("stale-padding", info.name, op, label, source, evidence,
                            explain.padding_writes_owned(label, op),
                            {"replay": info.replays, "elements": elements, "real": real, "size": size}),

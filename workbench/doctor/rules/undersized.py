@@ -170,8 +170,7 @@ def _index_from(doctor, func, args, error: BaseException) -> None:
         return
     value, dim, size = (int(g) for g in found.groups())
     own = {storage_key(a) for a in _tensors(args[1:])}
-    holders = [b for b in doctor.buffers.values() if (t := b.ref()) is not None and isinstance(t, torch.Tensor)
-               and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool and bool((t == value).any())]
+    holders = _holders(doctor, value)
     holder = next((b for b in holders if storage_key(b.ref()) in own), holders[0] if holders else None)
     if holder is None or storage_key(holder.ref()) in doctor.startup.kept:
         return                  # (a warmup wrote it: the step advanced its own input, persistent-mutation's)
@@ -184,6 +183,41 @@ def _index_from(doctor, func, args, error: BaseException) -> None:
                        explain.dummy_index(holder.name, holder.role == "state"),
                        {"index": value, "dimension": dim, "size": size}),
                (kind, holder.owner, holder.name, source))
+
+
+def _holders(doctor, value: int) -> list:
+    """The announced integer buffers that hold ``value`` somewhere."""
+    return [b for b in doctor.buffers.values() if (t := b.ref()) is not None and isinstance(t, torch.Tensor)
+            and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
+            and bool((t == value).any())]
+
+
+def failed_replay_lookup(doctor, info, pending, error: BaseException, op) -> None:
+    """A padded replay's lookup ran past a table's end (on a GPU an illegal memory access, which
+    the CPU engine raises at the recorded op): an index held by padded rows of a static input only
+    (rows ``real``..``size``), or by state, means padded rows carry metadata no real request
+    gave them (a dummy request's unwritten token row): ``stale-padding`` at the recorded op
+    (``op``: ``failures.failed_op``)."""
+    found = _OUT_OF_BOUNDS.search(str(error))
+    if found is None or op is None or pending is None or pending.real >= pending.size \
+            or pending.differential and pending.unpadded is not None:
+        return                  # (a step with an unpadded form is tried on its real rows: unpadded.crashed)
+    value, dim, size = (int(g) for g in found.groups())
+    for holder in _holders(doctor, value):
+        t = holder.ref()
+        rows = (t == value).nonzero()[:, 0] if t.dim() else None
+        padded = rows is not None and bool(((rows >= pending.real) & (rows < pending.size)).any()) \
+            and not bool((rows < pending.real).any())
+        if holder.role == "state" or padded:
+            where = f"padded row(s) of {holder.name}" if padded else f"{holder.name} (state)"
+            doctor.add(Finding(
+                "stale-padding", info.name, str(op.func), f"{holder.name}: {describe(t)}", op.source,
+                f"replay {info.replays + 1} of {info.name} ({pending.real} real rows of {pending.size}) failed: "
+                f"{op.func} looked a table up with index {value}, past the end of its dimension {dim} (size {size}); "
+                f"{where} hold that index", explain.dummy_index(holder.name, True),
+                {"index": value, "real": pending.real, "size": pending.size}),
+                ("stale-padding", holder.owner, holder.name, op.source))
+            return
 
 
 def _tensors(args) -> list:
