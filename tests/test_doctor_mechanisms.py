@@ -1778,3 +1778,39 @@ def test_a_padded_row_writing_what_real_rows_read_after_state_moved_is_stale_pad
     found = report.of("stale-padding")
     assert found and found[0].tensor == "`kv`" and "in forward" in found[0].location, report
     assert found[0].numbers["real"] == 3 and "read" in found[0].evidence
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_a_per_row_state_update_of_a_padded_row_into_a_real_requests_slot(fixed):
+    """A recurrent-state kernel that updates one row at a time (``idx = slots[i:i + 1]``): the
+    padded row's slot index is the dummy slot 0, which the bug also hands to a real request. Its
+    one-row write is the padded row's (the index is a slice of the step's rows), into a slot a
+    real row writes: stale-padding at the update. The fix keeps slot 0 for the dummy."""
+    state = torch.zeros(4, 2)
+    x = torch.zeros(2, 2)
+    slots = torch.zeros(2, dtype=torch.long)
+
+    def forward(size):
+        out = []
+        for i in range(size):
+            idx = slots[:size][i:i + 1]
+            new = state.index_select(0, idx) * 0.5 + x[i:i + 1]
+            state.index_copy_(0, idx, new)
+            out.append(new)
+        return torch.cat(out)
+
+    def workload():
+        m = Manager(forward, [2], {"x": x, "slots": slots}, state={"state": state})
+        m.capture()
+        first = 1 if fixed else 0                      # the slot the request is given
+        state[first] = 1.0                             # its prefill
+        for step in range(3):
+            x.copy_(rows(2, 2, seed=step))
+            slots.copy_(torch.tensor([first, 0]))      # one real row, the padded row on the dummy slot
+            m.replay(1)
+    report = doctor.diagnose(workload)
+    if fixed:
+        assert report.findings == [], report
+        return
+    found = report.of("stale-padding")
+    assert found and found[0].location.endswith("in forward") and found[0].op == "aten.index_copy_.default", report

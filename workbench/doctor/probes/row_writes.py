@@ -46,18 +46,25 @@ def indexed_write(doctor, func, args, kwargs, run, rows: tuple[int, int]):
     real, size, every = rows
     with _disable_current_modes():
         sliced = _real_rows(form, args, real, size)
-        before = state.clone() if sliced is not None else None
+        span = _row_span(form, args, size) if sliced is None else None
+        before = state.clone() if sliced is not None or span is not None else None
     out = run()
     if before is None:
         return out
     with _disable_current_modes():
-        try:
-            alone = before.clone()
-            func(alone, *sliced, **kwargs)
-        except (RuntimeError, IndexError):
-            return out
-        by_padded = changed(alone, state)
-        by_real = changed(before, alone)
+        if span is not None:                    # the write of one row (or a few) of a loop over rows
+            wrote = changed(before, state)
+            nothing = torch.zeros_like(wrote)
+            by_padded, by_real = (wrote, nothing) if span[0] >= real else (nothing, wrote) if span[1] <= real \
+                else (nothing, nothing)
+        else:
+            try:
+                alone = before.clone()
+                func(alone, *sliced, **kwargs)
+            except (RuntimeError, IndexError):
+                return out
+            by_padded = changed(alone, state)
+            by_real = changed(before, alone)
         owned = by_real | _owned(doctor, key, state) | _live(doctor, key, state, before)
         _own(doctor, key, state, by_real)
         d = doctor.diff
@@ -68,6 +75,20 @@ def indexed_write(doctor, func, args, kwargs, run, rows: tuple[int, int]):
         elif bool(by_padded.any()):
             d.padded_writes.append((str(func), user_frame(), key, state, onto(by_padded, state)))
     return out
+
+
+def _row_span(form: str, args, size: int) -> tuple[int, int] | None:
+    """The batch rows ``[first, end)`` an indexed write covers when its index is a slice of a
+    tensor of the step's ``size`` rows: a kernel that updates the state one row at a time
+    (``idx = state_indices[i:i + 1]``) writes for those rows only."""
+    rest = args[1:]
+    index = (rest[1] if len(rest) > 1 else None) if form != "put" else (rest[0][0] if rest and rest[0] else None)
+    base = getattr(index, "_base", None)
+    if not isinstance(index, torch.Tensor) or base is None or base.dim() != 1 or base.shape[0] != size \
+            or index.dim() != 1 or index.stride(0) != base.stride(0):
+        return None
+    first = (index.storage_offset() - base.storage_offset()) // max(base.stride(0), 1)
+    return first, first + index.shape[0]
 
 
 def _union(kept, mask):
