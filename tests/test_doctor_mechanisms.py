@@ -1814,3 +1814,48 @@ def test_a_per_row_state_update_of_a_padded_row_into_a_real_requests_slot(fixed)
         return
     found = report.of("stale-padding")
     assert found and found[0].location.endswith("in forward") and found[0].op == "aten.index_copy_.default", report
+
+
+class _Scheduler:
+    """Scheduler coefficients kept on the host, read by the step and passed down to the kernel
+    launch by value (the fix keeps them in a static buffer the runner refreshes)."""
+
+    def __init__(self, fixed):
+        self.fixed = fixed
+        self.x = torch.zeros(2, 2)
+        self.coeffs = [0.37, 0.61]
+        self.coeff_buf = torch.full((), 0.37)
+
+    def launch(self, x, alpha):
+        return x * alpha + 1
+
+    def step(self, size):
+        alpha = self.coeff_buf if self.fixed else self.coeffs[0]     # the host read
+        return self.launch(self.x[:size], alpha)
+
+    def set_schedule(self, coeffs):
+        self.coeffs = coeffs
+        self.coeff_buf.fill_(coeffs[0])
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_a_frozen_number_is_named_where_the_step_read_it_from_the_host(fixed):
+    """The graph keeps the coefficient it was given at capture; the launch helper only passes it
+    on. host-work-frozen is named at the frame that read it from host state (the outermost that
+    holds the number), not at the helper's op."""
+    def workload():
+        s = _Scheduler(fixed)
+        m = Manager(s.step, [2], {"x": s.x})
+        m.capture()
+        for step, coeffs in enumerate(([0.37, 0.61], [0.83, 0.29])):
+            s.set_schedule(coeffs)
+            s.x.copy_(rows(2, 2, seed=step))
+            m.replay(2)
+    report = doctor.diagnose(workload)
+    if fixed:
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "host-work-frozen" and finding.op == "aten.mul.Tensor", finding
+    assert finding.location.endswith("in step") and "self.launch(self.x[:size], alpha)" in finding.source
+    assert "The number comes from" in finding.cause

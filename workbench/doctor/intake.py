@@ -428,7 +428,8 @@ class Doctor:
         if not targets:
             out = run()
         else:
-            self.state_moved |= any(buf.role == "state" for _, _, buf in targets)
+            if self.every and not self.state_moved:     # (only differential replay asks)
+                self.state_moved = any(buf.role == "state" for _, _, buf in targets)
             if self.tracking_fresh or self.updates or not overwrites(func):
                 out = mutation.eager_write(self, func, args, kwargs, run, targets)
             else:   # a refresh (copy, fill) that no fresh-element tracking or in-place update follows

@@ -116,6 +116,12 @@ def finish(doctor, info, pending) -> None:
         if at:                                   # once more, to see which frame runs the loop
             again, _, _ = _eager(doctor, info, pending, replayed, rng_after, traced=True, stacks=at)
             divergence.loop = again.loop or divergence.loop
+    if what is not None and divergence is not None and divergence.how == "arguments" \
+            and not divergence.tensor_argument():    # once more, to see where the number came from
+        numbers = tuple(e for g, e in zip(divergence.graph_op.sig, divergence.eager_op.sig) if g != e)
+        again, _, _ = _eager(doctor, info, pending, replayed, rng_after, traced=True,
+                             origin_of=(divergence.index, numbers, sys._getframe()))
+        divergence.origin = again.origin
     row_writes.report(doctor, info, pending, run)
     info.compared += 1
     info.disagreed |= (what is not None or bool(changed)) and not pending.span
@@ -203,13 +209,15 @@ def _replayed_host(info, pending) -> None:
 
 
 def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None = None, traced: bool = False,
-           step=None, rows: tuple | None = None, stacks: tuple = (), host: tuple | None = None):
+           step=None, rows: tuple | None = None, stacks: tuple = (), host: tuple | None = None,
+           origin_of: tuple = ()):
     """Run the eager step (or ``step``, another eager form: the unpadded one) from the state before the
     replay (with ``reset``'s bytes put back as they were before the warmups), keep what it gives, and
     put the replay's state back, host state included (``pystate``). ``traced`` records its launch trace; otherwise the doctor's mode is
     taken off the stack while it runs, where it is on top. ``rows`` (real, size): the padded step's
     indexed writes are attributed to its rows (``row_writes``). ``host``: a kept container whose first
-    change the run is traced for, line by line (``pystate.tracer``)."""
+    change the run is traced for, line by line (``pystate.tracer``). ``origin_of``: a position in
+    the trace and the numbers it is given, traced back to the frame that holds them (``eager_trace``)."""
     pre = pending.pre
     with _disable_current_modes():
         for w, _, before in pre.values():
@@ -221,7 +229,8 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
         pystate.put_back(pending.host)
     aside = not traced and _get_current_dispatch_mode() is doctor.mode
     doctor.diff, doctor.phase = (EagerRun(set(pre), launch.graph_ops(info, pending), traced, not aside, rows,
-                                          _unread_outputs(info, pending), stacks_at=stacks), "differential")
+                                          _unread_outputs(info, pending), stacks_at=stacks, origin_of=origin_of),
+                                  "differential")
     got = error = None
     try:
         with torch.set_grad_enabled(pending.grad):     # code may branch on it (is_grad_enabled())

@@ -10,12 +10,13 @@ launch trace: it only runs.)
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ...engine.opinfo import mutable, op_tensors, overwrites, storage_key, tensors, written_tensors
-from ...engine.source import location, user_frame, user_frames
+from ...engine.source import location, mine, user_frame, user_frames
 from ..records import Op
 from ..tensors import alias, host_only, signature
 from . import row_writes
@@ -48,6 +49,8 @@ class EagerRun:
     stacks_at: tuple = ()                        # two positions in the trace whose user frames are compared
     held: list | None = None                     # ... the frames at the first, until the second
     loop: str | None = None                      # the deepest frame both share: the one that looped
+    origin_of: tuple = ()                        # (position in the trace, numbers it is given) to trace back...
+    origin: str | None = None                    # ... to the outermost frame holding one as a local
     rebound: list = dataclasses.field(default_factory=list)    # tensor bindings it moved (pystate.changes)
     host: list = dataclasses.field(default_factory=list)   # (container, name, what changed): the replay left it
     settings: list = dataclasses.field(default_factory=list)   # plain values among them it set (pystate.settings)
@@ -94,6 +97,8 @@ def on_op(doctor, func, args, kwargs, run):
     name, sig, i = _name(func), signature(func, args, kwargs), len(d.ops)
     if i in d.stacks_at:
         _stack(d, i)
+    if d.origin_of and i == d.origin_of[0]:
+        d.origin = _origin(*d.origin_of[1:])
     same = i < len(d.graph_ops) and d.graph_ops[i].name == name and d.graph_ops[i].sig == sig
     # The source line costs a walk up the stack: where the op matches the capture's op at the
     # same position, it is taken to be the same line (a divergence is looked up in full).
@@ -132,6 +137,35 @@ def _stack(d: EagerRun, i: int) -> None:
             break
         shared = b
     d.held, d.loop = None, location(shared) if shared is not None else None
+
+
+def _origin(values: tuple, top) -> str | None:
+    """Where the Python numbers an op is given come from (``values``: as the launch signature keeps
+    them, floats by their ``repr``): the line of the outermost user frame inside the step (below
+    ``top``, the frame that called it) that holds one of them in a variable of its own (not a
+    parameter: it was handed that), the function of the captured code that read it from host state
+    and passed it down. A number the step was given from outside (a training loop's count, passed
+    in as an argument) stays at the op. Numbers reach the dispatcher as new
+    objects, so they are matched by value; 0 and 1, which any frame may hold, are not traced."""
+    values = [v[1] if isinstance(v, tuple) and len(v) == 2 and v[0] == "scalar" else v for v in values]
+    floats = {v for v in values if isinstance(v, str)} - {"0.0", "1.0", "-1.0"}
+    ints = {v for v in values if type(v) is int} - {0, 1, -1}
+    if not floats and not ints:
+        return None
+    inside, frame = [], sys._getframe(1)
+    while frame is not None and frame is not top:
+        if mine(frame):
+            inside.append(frame)
+        frame = frame.f_back
+    if frame is None:
+        return None
+    for frame in inside[::-1]:
+        code, local = frame.f_code, frame.f_locals
+        given = code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & 4) + bool(code.co_flags & 8)
+        if any(type(v := local.get(name)) is float and repr(v) in floats or type(v) is int and v in ints
+               for name in code.co_varnames[given:] + code.co_cellvars):
+            return location(frame)
+    return None
 
 
 def _untraced(d: EagerRun, func, args, kwargs, run):

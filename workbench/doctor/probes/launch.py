@@ -27,6 +27,7 @@ class Divergence:
     after: object = None
     inserted: int = 0           # ``skipped``/``extra``: how many ops one trace has that the other has not
     loop: str | None = None     # the line of the frame whose loop ran another number of times (``repeats``)
+    origin: str | None = None   # ``arguments``: the line of the outermost frame holding the value (``eager_trace``)
 
     def tensor_argument(self) -> bool:
         """An ``arguments`` divergence in the geometry of a tensor argument (a view's offset or shape)."""

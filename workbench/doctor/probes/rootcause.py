@@ -61,8 +61,10 @@ def _parted(doctor, info, d, run) -> tuple:
         what = ("A view Python took at capture (where it starts in its storage, its shape) is baked into the "
                 "graph" if d.tensor_argument() else "A value Python computed on the host at capture is baked into "
                 "the graph")
-        return ("host-work-frozen", d.graph_op, _read_by(doctor, info, d.graph_op),
-                f"{site} {what}; the eager step computes it again now.")
+        op = d.graph_op if d.origin is None else dataclasses.replace(d.graph_op, source=d.origin)
+        came = f" The number comes from {d.origin}." if d.origin is not None and d.origin != d.graph_op.source else ""
+        return ("host-work-frozen", op, _read_by(doctor, info, d.graph_op),
+                f"{site} {what}; the eager step computes it again now.{came}")
     if d.how == "reference":
         return _frozen_reference(doctor, info, d.graph_op, next(iter(d.graph_keys)), next(iter(d.eager_keys)), run,
                                  site)
