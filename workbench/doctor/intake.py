@@ -92,6 +92,7 @@ class Doctor:
         self.served = self.no_eager = self.compared = 0     # steps served, of them without an eager form, compared
         self.real_writes: dict[int, tuple] = {}   # probes/unpadded.py: state -> (dtype, elements real rows wrote)
         self.replay_changed: dict[int, torch.Tensor] = {}   # probes/row_writes.py: state elements replays changed
+        self.replay_left: dict[int, torch.Tensor] = {}      # ... and the state as the last compared replay left it
         self.state_moved = False     # eager code wrote persistent state since a padded step's rows were last watched
         self.trace: list[dict] = []                 # per replay, under diagnose's padded-row probes
         self.diff = None                            # the eager run of a differential replay

@@ -17,7 +17,8 @@ a benchmark loop does), the rows of a static input the step gave nothing are omi
 elements written in an earlier step, outside the padded rows and columns, that differ from what
 they held when the first graph reading them was captured, are *carried over*. (Of a row the step
 wrote in part, the rest is its padding -- tokens past its count, blocks past its longest
-sequence -- which is ``stale-padding``'s to judge.) The step is run eagerly once more with
+sequence -- which is ``stale-padding``'s to judge; so are rows ``real..size`` of an input whose
+first ``real`` rows, and only those, the step wrote: the batch's padded rows, announced or not.) The step is run eagerly once more with
 those elements put back to their capture-time values (values the captured code ran on, so valid
 indices stay valid): real-row outputs or state that change depend on what an earlier step left.
 Memory the runner carries over on purpose (a block table updated in place) is persistent state:
@@ -139,6 +140,8 @@ class CarriedInputs:
                     # Written in part: columns past what a row was given are its padding (tokens past
                     # the count, blocks past the longest row); a row given nothing is carried over.
                     rows = written[key].reshape(now.shape[0], -1).any(1)
+                    if int(rows.sum()) == pending.real and bool(rows[:pending.real].all()):
+                        rows[pending.real:pending.size] = True     # the batch's real rows: the rest is padding
                     mask &= ~rows.reshape(-1, *([1] * (now.dim() - 1)))
                 if bool(mask.any()):
                     out[key] = Carried(now, mask, was, buf.name, describe(now))

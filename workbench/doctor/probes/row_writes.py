@@ -72,8 +72,8 @@ def indexed_write(doctor, func, args, kwargs, run, rows: tuple[int, int]):
         hit = by_padded & owned
         if every and bool(hit.any()):
             d.row_writes.append((str(func), user_frame(), key, state, int(hit.sum()), real, size))
-        elif bool(by_padded.any()):
-            d.padded_writes.append((str(func), user_frame(), key, state, onto(by_padded, state)))
+        elif bool((over := by_padded & (_owned(doctor, key, state) | _live(doctor, key, state, before))).any()):
+            d.padded_writes.append((str(func), user_frame(), key, state, onto(over, state)))
     return out
 
 
@@ -122,8 +122,10 @@ def indexed_read(doctor, func, args, rows: tuple[int, int]) -> None:
 
 def report(doctor, info, pending, run) -> None:
     """The padded-row writes a watched eager step noted (``indexed_write``), as findings: into
-    elements real rows write or own (on a sampled step), or only read (``indexed_read``): a live
-    page the padded rows' stale slot now points at. (Elements real rows both read and write are
+    elements real rows write or own (on a sampled step), or into live data (a prefill wrote it, or
+    real rows did) that real rows only read (``indexed_read``): a live page the padded rows' stale
+    slot now points at. (A reserved dummy slot that masked positions of real rows gather is no
+    live data.) (Elements real rows both read and write are
     their own slots: a dummy step whose real rows sit on the null slot with the padded rows.)"""
     if not run.row_writes:
         for op, source, key, state, mask in run.padded_writes:
@@ -189,26 +191,32 @@ def _live(doctor, key: int, state: torch.Tensor, before: torch.Tensor) -> torch.
     """The elements of ``state`` (a view of announced persistent state) that held live data before
     the op: changed since the announcement by eager code other than warmups (a prefill), not by a
     replay (the rows a replay writes are real rows' when they are ``Doctor.real_writes``, and else a
-    padded row's null slot)."""
+    padded row's null slot) unless eager code wrote them again after it (a cache compaction moving a
+    live page into a slot a padded row once wrote)."""
     buf = doctor.buffer(key)
     initial = doctor.initial.get(key)
     if buf is None or initial is None or initial.dtype != state.dtype:
         return torch.zeros(state.shape, dtype=torch.bool, device=state.device)
     live = held_live(doctor, key, before, state, buf.ref())
-    replayed = doctor.replay_changed.get(key)
+    replayed, left = doctor.replay_changed.get(key), doctor.replay_left.get(key)
     if replayed is not None and replayed.numel() == state.untyped_storage().nbytes() // state.element_size():
-        live &= ~at(replayed, state)
+        still = at(replayed, state)
+        if left is not None and left.shape == replayed.shape:
+            still = still & ~changed(at(left, state), before)      # rewritten since by eager code: live again
+        live &= ~still
     return live
 
 
 def replays_wrote(doctor, pending, replayed: dict) -> None:
-    """After a compared replay: the elements of announced persistent state it changed."""
+    """After a compared replay: the elements of announced persistent state it changed, and the
+    state as it left it."""
     with _disable_current_modes():
         for key, (w, _, before) in pending.pre.items():
             if key in doctor.initial and w.dtype == doctor.initial[key].dtype:
                 mask = changed(before, replayed[key])
                 kept = doctor.replay_changed.get(key)
                 doctor.replay_changed[key] = mask if kept is None or kept.shape != mask.shape else kept | mask
+                doctor.replay_left[key] = replayed[key]
 
 
 def _own(doctor, key: int, state: torch.Tensor, mine: torch.Tensor) -> None:

@@ -163,11 +163,15 @@ def probed(doctor, info, key: int, buf, pattern: str, numbers: dict, shape_of) -
 
 def unprobed(doctor, info) -> None:
     """A graph that writes a static input buffer but was never replayed while watched (a graph
-    probed only on replays before which the runner rewrote everything it writes is not one)."""
+    probed only on replays before which the runner rewrote everything it writes is not one).
+    Where a graph captured from the same code (another capture size) writes that buffer at the same
+    line and was probed, its replays are the evidence: the finding is theirs to make."""
     if info.attempts:
         return
+    probed_lines = {(key, op.source) for other in doctor.graphs.values() if other.attempts
+                    for key, op in other.writes.items()}
     for key, op in info.writes.items():
-        if (buf := doctor.buffer(key)) is not None and buf.role == "input":
+        if (buf := doctor.buffer(key)) is not None and buf.role == "input" and (key, op.source) not in probed_lines:
             doctor.add(Finding(
                 "persistent-mutation", info.name, op.name, f"{buf.name}: {describe(buf.ref())}", op.source,
                 f"{op.name} writes {buf.name} inside the graph; not replayed inside watch(), so whether writes "
