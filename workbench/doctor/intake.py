@@ -104,14 +104,14 @@ class Doctor:
         self.stepped_aside = False                  # our mode is off the stack for this replay
         self.failure: str | None = None             # the doctor's own error, once it has stopped
         self.failed_ops: dict[int, str] = {}        # id(error) -> what an op of the watched code raised
-        self._keys: dict[tuple, Finding] = {}
+        self.found: dict[tuple, Finding] = {}        # each hazard once (``add``), by its key
 
     # ------------------------------------------------------------------ shared lookups
     def add(self, finding: Finding, key: tuple) -> Finding:
         """Record a finding once; the same hazard in another graph adds that graph's name."""
-        known = self._keys.get(key)
+        known = self.found.get(key)
         if known is None:
-            self._keys[key] = finding
+            self.found[key] = finding
             self.report.findings.append(finding)
             return finding
         if finding.graph not in known.graph.split(", "):

@@ -171,12 +171,16 @@ def unprobed(doctor, info) -> None:
     probed_lines = {(key, op.source) for other in doctor.graphs.values() if other.attempts
                     for key, op in other.writes.items()}
     for key, op in info.writes.items():
-        if (buf := doctor.buffer(key)) is not None and buf.role == "input" and (key, op.source) not in probed_lines:
-            doctor.add(Finding(
-                "persistent-mutation", info.name, op.name, f"{buf.name}: {describe(buf.ref())}", op.source,
-                f"{op.name} writes {buf.name} inside the graph; not replayed inside watch(), so whether writes "
-                "accumulate was not probed", explain.mutation(op.name, buf.name, buf.owner, "not probed"),
-                {"pattern": "not probed"}), ("persistent-mutation", op.name, op.source, buf.name))
+        if (buf := doctor.buffer(key)) is None or buf.role != "input":
+            continue
+        dedupe = ("persistent-mutation", op.name, op.source, buf.name)
+        if (key, op.source) in probed_lines and dedupe not in doctor.found:
+            continue                # (where the probed graph has the finding, this graph's name joins it)
+        doctor.add(Finding(
+            "persistent-mutation", info.name, op.name, f"{buf.name}: {describe(buf.ref())}", op.source,
+            f"{op.name} writes {buf.name} inside the graph; not replayed inside watch(), so whether writes "
+            "accumulate was not probed", explain.mutation(op.name, buf.name, buf.owner, "not probed"),
+            {"pattern": "not probed"}), dedupe)
 
 
 def before_warmup_write(doctor, targets: list, op: str) -> None:
