@@ -1780,12 +1780,13 @@ def test_a_padded_row_writing_what_real_rows_read_after_state_moved_is_stale_pad
     assert found[0].numbers["real"] == 3 and "read" in found[0].evidence
 
 
+@pytest.mark.parametrize("by", ["index", "source"])
 @pytest.mark.parametrize("fixed", [False, True])
-def test_a_per_row_state_update_of_a_padded_row_into_a_real_requests_slot(fixed):
-    """A recurrent-state kernel that updates one row at a time (``idx = slots[i:i + 1]``): the
-    padded row's slot index is the dummy slot 0, which the bug also hands to a real request. Its
-    one-row write is the padded row's (the index is a slice of the step's rows), into a slot a
-    real row writes: stale-padding at the update. The fix keeps slot 0 for the dummy."""
+def test_a_per_row_state_update_of_a_padded_row_into_a_real_requests_slot(fixed, by):
+    """A kernel that updates the state one row at a time: the padded row's slot index is the dummy
+    slot 0, which the bug also hands to a real request. Its one-row write is the padded row's (the
+    index, ``slots[i:i + 1]``, or else the source, ``x[i:i + 1]``, is a slice of the step's rows),
+    into a slot a real row writes: stale-padding at the update. The fix keeps slot 0 for the dummy."""
     state = torch.zeros(4, 2)
     x = torch.zeros(2, 2)
     slots = torch.zeros(2, dtype=torch.long)
@@ -1793,10 +1794,15 @@ def test_a_per_row_state_update_of_a_padded_row_into_a_real_requests_slot(fixed)
     def forward(size):
         out = []
         for i in range(size):
-            idx = slots[:size][i:i + 1]
-            new = state.index_select(0, idx) * 0.5 + x[i:i + 1]
-            state.index_copy_(0, idx, new)
-            out.append(new)
+            if by == "index":
+                idx = slots[:size][i:i + 1]
+                new = state.index_select(0, idx) * 0.5 + x[i:i + 1]
+                state.index_copy_(0, idx, new)
+            else:                                      # a store kernel: cache[slot] = row i of the source
+                idx = slots[i].clone().view(1)
+                new = x[i:i + 1]
+                state.index_put_((idx,), new)
+            out.append(state[idx] + 0)
         return torch.cat(out)
 
     def workload():
@@ -1813,7 +1819,8 @@ def test_a_per_row_state_update_of_a_padded_row_into_a_real_requests_slot(fixed)
         assert report.findings == [], report
         return
     found = report.of("stale-padding")
-    assert found and found[0].location.endswith("in forward") and found[0].op == "aten.index_copy_.default", report
+    assert found and found[0].location.endswith("in forward"), report
+    assert found[0].op == ("aten.index_copy_.default" if by == "index" else "aten.index_put_.default")
 
 
 class _Scheduler:

@@ -78,17 +78,22 @@ def indexed_write(doctor, func, args, kwargs, run, rows: tuple[int, int]):
 
 
 def _row_span(form: str, args, size: int) -> tuple[int, int] | None:
-    """The batch rows ``[first, end)`` an indexed write covers when its index is a slice of a
-    tensor of the step's ``size`` rows: a kernel that updates the state one row at a time
-    (``idx = state_indices[i:i + 1]``) writes for those rows only."""
+    """The batch rows ``[first, end)`` an indexed write covers when its index, or else its source,
+    is a slice of a tensor of the step's ``size`` rows: a kernel that updates the state one row at
+    a time (``idx = state_indices[i:i + 1]``, ``cache[slot] = key[i]``) writes for those rows only."""
     rest = args[1:]
-    index = (rest[1] if len(rest) > 1 else None) if form != "put" else (rest[0][0] if rest and rest[0] else None)
-    base = getattr(index, "_base", None)
-    if not isinstance(index, torch.Tensor) or base is None or base.dim() != 1 or base.shape[0] != size \
-            or index.dim() != 1 or index.stride(0) != base.stride(0):
-        return None
-    first = (index.storage_offset() - base.storage_offset()) // max(base.stride(0), 1)
-    return first, first + index.shape[0]
+    if form == "put":
+        candidates = (rest[0][0] if rest and rest[0] else None, rest[1] if len(rest) > 1 else None)
+    else:
+        candidates = (rest[1] if len(rest) > 1 else None, rest[2] if len(rest) > 2 else None)
+    for t in candidates:
+        base = getattr(t, "_base", None)
+        if isinstance(t, torch.Tensor) and base is not None and base.dim() and base.shape[0] == size \
+                and base.stride(0) > 0:
+            first = (t.storage_offset() - base.storage_offset()) // base.stride(0)
+            if 0 <= first < size:
+                return first, min(first + (t.shape[0] if t.dim() == base.dim() else 1), size)
+    return None
 
 
 def _union(kept, mask):
