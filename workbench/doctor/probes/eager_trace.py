@@ -32,7 +32,7 @@ class EagerRun:
     graph_ops: list                              # the capture's trace, to align with as it runs
     traced: bool = True                          # record the launch trace (else only new and extra storages)
     seen: bool = True                            # its ops went through the doctor's mode
-    rows: tuple | None = None                    # (real, size, all) of a padded step whose writes are attributed
+    rows: tuple | None = None                    # (real, size, sampled) of a padded step whose writes are attributed
     outputs: frozenset = frozenset()             # memory the graph owns and never reads: its previous outputs
     ops: list = dataclasses.field(default_factory=list)
     new: set = dataclasses.field(default_factory=set)

@@ -17,6 +17,12 @@ changed since its announcement by eager code other than warmups: an eager prefil
 changed a real request's state. A padded row that writes a null slot, or writes back what is there
 (a guarded kernel), changes nothing real rows own and gives no finding. Static inputs are not state: their writes are
 ``persistent-mutation``'s.
+
+A kernel that updates the state one row at a time (its index, or its source, a slice of a tensor of
+the step's rows) is attributed row by row. After eager code wrote persistent state (a prefill, a
+cache compaction), the next padded step is watched too, and there only a padded row's write into
+live data that real rows read in that step counts (a page a compaction moved behind the padding
+dummy's stale slot): lookups of the state by the step's rows note what the real rows read.
 """
 from __future__ import annotations
 
@@ -35,7 +41,7 @@ from . import unpadded
 aten = torch.ops.aten
 
 
-def indexed_write(doctor, func, args, kwargs, run, rows: tuple[int, int]):
+def indexed_write(doctor, func, args, kwargs, run, rows: tuple[int, int, bool]):
     """Run an op of a padded eager step; where it is an indexed write of the batch rows into kept
     state, note the elements only its padded rows changed that real rows own."""
     form = SCATTERS.get(func.overloadpacket)
@@ -65,14 +71,14 @@ def indexed_write(doctor, func, args, kwargs, run, rows: tuple[int, int]):
                 return out
             by_padded = changed(alone, state)
             by_real = changed(before, alone)
-        owned = by_real | _owned(doctor, key, state) | _live(doctor, key, state, before)
+        held = _owned(doctor, key, state) | _live(doctor, key, state, before)     # real rows' or live data
         _own(doctor, key, state, by_real)
         d = doctor.diff
         d.real_writes[key] = _union(d.real_writes.get(key), onto(by_real, state))
-        hit = by_padded & owned
+        hit = by_padded & (by_real | held)
         if every and bool(hit.any()):
             d.row_writes.append((str(func), user_frame(), key, state, int(hit.sum()), real, size))
-        elif bool((over := by_padded & (_owned(doctor, key, state) | _live(doctor, key, state, before))).any()):
+        elif bool((over := by_padded & held).any()):
             d.padded_writes.append((str(func), user_frame(), key, state, onto(over, state)))
     return out
 
@@ -103,7 +109,7 @@ def _union(kept, mask):
 _READS = frozenset({aten.index.Tensor})
 
 
-def indexed_read(doctor, func, args, rows: tuple[int, int]) -> None:
+def indexed_read(doctor, func, args, rows: tuple[int, int, bool]) -> None:
     """A lookup of kept state by the step's batch rows (``state[slots]``, each index tensor with the
     step's ``size`` leading rows): note the elements its first ``real`` rows read. A padded row's
     write into one of them (``report``) changes what a real request reads."""
@@ -129,9 +135,9 @@ def report(doctor, info, pending, run) -> None:
     """The padded-row writes a watched eager step noted (``indexed_write``), as findings: into
     elements real rows write or own (on a sampled step), or into live data (a prefill wrote it, or
     real rows did) that real rows only read (``indexed_read``): a live page the padded rows' stale
-    slot now points at. (A reserved dummy slot that masked positions of real rows gather is no
-    live data.) (Elements real rows both read and write are
-    their own slots: a dummy step whose real rows sit on the null slot with the padded rows.)"""
+    slot now points at. A reserved dummy slot that masked positions of real rows gather holds no
+    live data, and elements real rows both read and write are their own slots (a dummy step whose
+    real rows sit on the null slot with the padded rows)."""
     if not run.row_writes:
         for op, source, key, state, mask in run.padded_writes:
             read, wrote = run.real_reads.get(key), run.real_writes.get(key)
