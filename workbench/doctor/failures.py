@@ -11,7 +11,7 @@ import functools
 
 from ..engine.errors import CaptureError
 from ..engine.source import user_frame
-from .rules import shapes, undersized
+from .rules import lookups, shapes, undersized
 from .rules.dangling import DanglingReferenceError
 from .tensors import first_line
 
@@ -49,7 +49,7 @@ def op_failed(doctor, func, args, kwargs, error: BaseException) -> None:
     try:
         undersized.failed_write(doctor, func, args, kwargs, error)
         if doctor.phase in ("warmup", "capture"):
-            undersized.failed_lookup(doctor, func, args, error)
+            lookups.failed_lookup(doctor, func, args, error)
     except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
         doctor.fail(e, f"explaining the failure of {func}")
 
@@ -57,10 +57,10 @@ def op_failed(doctor, func, args, kwargs, error: BaseException) -> None:
 def replay_failed(doctor, info, error: BaseException, where: str) -> None:
     """A replay of the watched code raised (``where``: the recorded op, ``recorded_op``); kept like
     an op failure, so that a workload that catches it is not reported as clean. A lookup past a
-    table's end may be padded rows' doing (``undersized.failed_replay_lookup``)."""
+    table's end may be padded rows' doing (``lookups.failed_replay_lookup``)."""
     keep(doctor, id(error), lambda: f"{type(error).__name__}: {first_line(error)} ({where})")
     try:
-        undersized.failed_replay_lookup(doctor, info, info.pending, error, failed_op(error))
+        lookups.failed_replay_lookup(doctor, info, info.pending, error, failed_op(error))
     except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
         doctor.fail(e, "explaining the failure of a replay")
 

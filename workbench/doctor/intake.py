@@ -369,13 +369,6 @@ class Doctor:
         return [(key, t, buf) for t in written_tensors(func, args, kwargs)
                 if (buf := buffers.get(key := storage_key(t))) is not None and buf.ref() is not None]
 
-    def _dummy_write(self, func, args, kwargs, targets) -> None:
-        """An op of a dummy batch (a warmup, a capture's eager region): keep the persistent state and
-        the older memory it writes as they were, to tell its writes from live data afterwards."""
-        mutation.before_warmup_write(self, targets, str(func))
-        if mutable(func):
-            self.startup.before_write(func, args, kwargs)
-
     def on_op(self, func, args, kwargs, run):
         phase = self.phase
         if phase == "differential":
@@ -402,7 +395,7 @@ class Doctor:
         if phase == "warmup":
             self.trained = self.trained or torch._C._current_graph_task_id() != -1     # inside a backward pass
             if not self.real_warmup:                   # a dummy batch's writes into live memory are suspect
-                self._dummy_write(func, args, kwargs, targets)
+                mutation.dummy_write(self, func, args, kwargs, targets)
             if targets and not overwrites(func):    # an in-place update: does the next warmup build on it?
                 out = mutation.eager_write(self, func, args, kwargs, run, targets)
             else:
@@ -420,7 +413,7 @@ class Doctor:
         if not view:
             self.warm.eager_op()
         if self.dummy_run:                         # dummy data, as a warmup's
-            self._dummy_write(func, args, kwargs, targets)
+            mutation.dummy_write(self, func, args, kwargs, targets)
         elif mutable(func) and (self.graph_writes or self.startup.kept):
             self.startup.wrote(func, args, kwargs)
             for t in written_tensors(func, args, kwargs):

@@ -44,15 +44,21 @@ def user_frames() -> list:
     return frames
 
 
+def frames_within(opened) -> list | None:
+    """The user's frames running inside the frame ``opened``, innermost first (None when ``opened``
+    is not on the stack): what a block called, not the code around it."""
+    frames, frame = [], sys._getframe(1)
+    while frame is not None and frame is not opened:
+        if _mine(frame.f_code):
+            frames.append(frame)
+        frame = frame.f_back
+    return frames if frame is opened else None
+
+
 def codes_within(opened) -> frozenset:
     """The code objects of the user's frames running inside the frame ``opened`` (the user's frame
     that entered a capture or a warmup): what that block called, not the runner around it."""
-    codes, frame = set(), sys._getframe(1)
-    while frame is not None and frame is not opened:
-        if _mine(frame.f_code):
-            codes.add(frame.f_code)
-        frame = frame.f_back
-    return frozenset(codes) if frame is opened else frozenset()
+    return frozenset(f.f_code for f in frames_within(opened) or ())
 
 
 def location(frame, lineno: int | None = None) -> str:

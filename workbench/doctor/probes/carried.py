@@ -18,9 +18,10 @@ elements written in an earlier step, outside the padded rows and columns, that d
 they held when the first graph reading them was captured, are *carried over*. (Of a row the step
 wrote in part, the rest is its padding -- tokens past its count, blocks past its longest
 sequence -- which is ``stale-padding``'s to judge; so are rows ``real..size`` of an input whose
-first ``real`` rows, and only those, the step wrote: the batch's padded rows, announced or not.) The step is run eagerly once more with
-those elements put back to their capture-time values (values the captured code ran on, so valid
-indices stay valid): real-row outputs or state that change depend on what an earlier step left.
+first ``real`` rows, and only those, the step wrote: the batch's padded rows, announced or not.)
+The step is run eagerly once more with those elements put back to their capture-time values
+(values the captured code ran on, so valid indices stay valid): real-row outputs or state that
+change depend on what an earlier step left.
 Memory the runner carries over on purpose (a block table updated in place) is persistent state:
 announce it with ``events.persistent_state`` and it is not a static input.
 """

@@ -213,9 +213,10 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
            origin_of: tuple = ()):
     """Run the eager step (or ``step``, another eager form: the unpadded one) from the state before the
     replay (with ``reset``'s bytes put back as they were before the warmups), keep what it gives, and
-    put the replay's state back, host state included (``pystate``). ``traced`` records its launch trace; otherwise the doctor's mode is
-    taken off the stack while it runs, where it is on top. ``rows`` (real, size): the padded step's
-    indexed writes are attributed to its rows (``row_writes``). ``host``: a kept container whose first
+    put the replay's state back, host state included (``pystate``). ``traced`` records its launch
+    trace; otherwise the doctor's mode is taken off the stack while it runs, where it is on top.
+    ``rows`` (real, size, sampled): the padded step's indexed writes are attributed to its rows
+    (``row_writes``). ``host``: a kept container whose first
     change the run is traced for, line by line (``pystate.tracer``). ``origin_of``: a position in
     the trace and the numbers it is given, traced back to the frame that holds them (``eager_trace``)."""
     pre = pending.pre

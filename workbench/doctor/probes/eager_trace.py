@@ -10,13 +10,13 @@ launch trace: it only runs.)
 from __future__ import annotations
 
 import dataclasses
-import sys
+import inspect
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ...engine.opinfo import mutable, op_tensors, overwrites, storage_key, tensors, written_tensors
-from ...engine.source import location, mine, user_frame, user_frames
+from ...engine.source import frames_within, location, user_frame, user_frames
 from ..records import Op
 from ..tensors import alias, host_only, signature
 from . import row_writes
@@ -145,23 +145,17 @@ def _origin(values: tuple, top) -> str | None:
     ``top``, the frame that called it) that holds one of them in a variable of its own (not a
     parameter: it was handed that), the function of the captured code that read it from host state
     and passed it down. A number the step was given from outside (a training loop's count, passed
-    in as an argument) stays at the op. Numbers reach the dispatcher as new
-    objects, so they are matched by value; 0 and 1, which any frame may hold, are not traced."""
+    in as an argument) stays at the op. Numbers reach the dispatcher as new objects, so they are
+    matched by value; 0 and 1, which any frame may hold, are not traced."""
     values = [v[1] if isinstance(v, tuple) and len(v) == 2 and v[0] == "scalar" else v for v in values]
     floats = {v for v in values if isinstance(v, str)} - {"0.0", "1.0", "-1.0"}
     ints = {v for v in values if type(v) is int} - {0, 1, -1}
     if not floats and not ints:
         return None
-    inside, frame = [], sys._getframe(1)
-    while frame is not None and frame is not top:
-        if mine(frame):
-            inside.append(frame)
-        frame = frame.f_back
-    if frame is None:
-        return None
-    for frame in inside[::-1]:
+    for frame in (frames_within(top) or [])[::-1]:
         code, local = frame.f_code, frame.f_locals
-        given = code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & 4) + bool(code.co_flags & 8)
+        given = (code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & inspect.CO_VARARGS)
+                 + bool(code.co_flags & inspect.CO_VARKEYWORDS))
         if any(type(v := local.get(name)) is float and repr(v) in floats or type(v) is int and v in ints
                for name in code.co_varnames[given:] + code.co_cellvars):
             return location(frame)

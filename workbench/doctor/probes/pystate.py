@@ -138,7 +138,7 @@ def keep(containers: list) -> list:
     out = []
     for c, label in containers:
         live = c if isinstance(c, (dict, list, set)) else c.__dict__
-        out.append((c, label, _COPY[type(live)](live) if type(live) in _COPY else _plain_copy(live), live))
+        out.append((c, label, _copy(live), live))
     return out
 
 
@@ -174,7 +174,7 @@ def what_changed(entry) -> str:
             if keys:
                 where = f"{owner}.{keys[0]}" if not isinstance(c, dict) else f"{owner}[{keys[0]!r}]"
                 more = f" and {len(keys) - 1} more" if len(keys) > 1 else ""
-                return f"{verb} {where}{more}" + (f" ({short(was[keys[0]])} -> {short(now[keys[0]])})"
+                return f"{verb} {where}{more}" + (f" ({short(was[keys[0]])} -> {short(_get(now, keys[0]))})"
                                                   if verb == "rebinds" else "")
     return f"changes {label} ({len(was)} -> {len(now)} item(s))"
 
@@ -185,12 +185,13 @@ def short(value) -> str:
 
 
 _MISSING = object()
-_COPY = {dict: dict.copy, list: list.copy, set: set.copy}
 
 
-def _plain_copy(live):
-    """A container subclass's contents as a plain container: its own ``copy`` or item access may
+def _copy(live):
+    """A container's contents as a plain container: a subclass's own ``copy`` or item access may
     run code (a registry whose ``__getitem__`` builds an object)."""
+    if type(live) in (dict, list, set):
+        return live.copy()
     return dict(live.items()) if isinstance(live, dict) else list(live) if isinstance(live, list) else set(live)
 
 
@@ -213,39 +214,36 @@ def _same(now, was) -> bool:
     return {id(v) for v in now} == {id(v) for v in was}
 
 
-def changes(entries: list, made: set | None) -> list[tuple]:
-    """``(container, key, old, new)`` for every binding of a tensor, among ``differ``'s entries,
-    that now holds another tensor, one the eager step made (``made``: its new storages; None when
-    they are not known, and then any other tensor). Keys added or removed (a cache filled) and
-    plain values are bookkeeping the step's kernels do not read."""
-    out = []
-    for c, _, was, now in entries:
-        if isinstance(now, dict):
-            for key, old in was.items():
-                new = _get(now, key, old)
-                if new is not old and isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) \
-                        and (made is None or storage_key(new) in made):
-                    out.append((c, key, old, new))
-    return out
-
-
-def settings(entries: list) -> list[tuple]:
-    """``(container, where, old, new)`` for every plain value, among ``differ``'s entries, that the
-    eager step set to another value: a number, a flag or a string changed, or a binding set where
-    the replay left ``None`` (or cleared where it left one). That is host work the graph does not
-    repeat: a replay leaves what capture set, and code outside the graph that changed it since
-    (a tracker cleared after each step) is never undone. A fresh object bound in place of another
-    (new metadata each step) is the step's own bookkeeping; tensors are ``changes``'; keys added
-    are a cache."""
-    out = []
+def _rebinds(entries: list):
+    """``(container, label, key, old, new)`` for every key or attribute of a dict or an object, among
+    ``differ``'s entries, bound to another object than it was. Keys added or removed (a cache
+    filled) are not rebinds."""
     for c, label, was, now in entries:
         if isinstance(now, dict):
             for key, old in was.items():
-                new = _get(now, key, old)
-                if new is not old and not isinstance(old, torch.Tensor) and not isinstance(new, torch.Tensor) \
-                        and _set(old, new):
-                    out.append((c, f"{label}[{key!r}]" if isinstance(c, dict) else f"{label}.{key}", old, new))
-    return out
+                if (new := _get(now, key, old)) is not old:
+                    yield c, label, key, old, new
+
+
+def changes(entries: list, made: set | None) -> list[tuple]:
+    """``(container, key, old, new)`` for every binding of a tensor that now holds another tensor,
+    one the eager step made (``made``: its new storages; None when they are not known, and then any
+    other tensor)."""
+    return [(c, key, old, new) for c, _, key, old, new in _rebinds(entries)
+            if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)
+            and (made is None or storage_key(new) in made)]
+
+
+def settings(entries: list) -> list[tuple]:
+    """``(container, where, old, new)`` for every plain value the eager step set to another value: a
+    number, a flag or a string changed, or a binding set where the replay left ``None`` (or cleared
+    where it left one). That is host work the graph does not repeat: a replay leaves what capture
+    set, and code outside the graph that changed it since (a tracker cleared after each step) is
+    never undone. A fresh object bound in place of another (new metadata each step) is the step's
+    own bookkeeping; tensors are ``changes``'."""
+    return [(c, f"{label}[{key!r}]" if isinstance(c, dict) else f"{label}.{key}", old, new)
+            for c, label, key, old, new in _rebinds(entries)
+            if not isinstance(old, torch.Tensor) and not isinstance(new, torch.Tensor) and _set(old, new)]
 
 
 def _set(old, new) -> bool:
@@ -276,7 +274,10 @@ def tracer(entry) -> tuple:
         if not _same(now, was):
             # Seen at a line: the frame's previous line changed it; at a call: the caller's line; at
             # a return: the line the frame returns from.
-            at, line = (frame.f_back, None) if event == "call" else (frame, last.get(frame) if event == "line" else None)
+            if event == "call":
+                at, line = frame.f_back, None
+            else:
+                at, line = frame, last.get(frame) if event == "line" else None
             while at is not None and not mine(at):
                 at, line = at.f_back, None
             found.append((location(at, line), at.f_code) if at is not None else ("-", None))

@@ -115,8 +115,9 @@ def rebound(doctor, info, pending, changed: list, run) -> None:
 def host_set(doctor, info, pending, settings: list, host: tuple) -> None:
     """Outputs and state agree, but the eager step set Python values that the replay leaves as they
     are: host work inside the captured region that ran once, at capture (``pystate.settings``)."""
-    label, change, line = host
-    names = ", ".join(f"{where} ({pystate.short(old)} -> {pystate.short(new)})" for _, where, old, new in settings[:3]) + (", ..." if len(settings) > 3 else "")
+    _, change, line = host
+    names = ", ".join(f"{where} ({pystate.short(old)} -> {pystate.short(new)})" for _, where, old, new in settings[:3])
+    names += ", ..." if len(settings) > 3 else ""
     text = f"outputs and state agree, but the eager step sets {names}, which the replay leaves as it found them"
     site = (f"The eager step {change} at {line}; a replay runs no Python, so that host work ran once, at capture. "
             "What changed it since (code outside the graph) is never undone by a replay, and code that reads it "

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ...engine.opinfo import describe, overwrites, storage_key
+from ...engine.opinfo import describe, mutable, overwrites, storage_key
 from ...engine.source import user_frame
 from .. import explain
 from ..report import Finding
@@ -181,6 +181,14 @@ def unprobed(doctor, info) -> None:
             f"{op.name} writes {buf.name} inside the graph; not replayed inside watch(), so whether writes "
             "accumulate was not probed", explain.mutation(op.name, buf.name, buf.owner, "not probed"),
             {"pattern": "not probed"}), dedupe)
+
+
+def dummy_write(doctor, func, args, kwargs, targets: list) -> None:
+    """An op of a dummy batch (a warmup, a capture's eager region): keep the persistent state and
+    the older memory it writes as they were, to tell its writes from live data afterwards."""
+    before_warmup_write(doctor, targets, str(func))
+    if mutable(func):
+        doctor.startup.before_write(func, args, kwargs)
 
 
 def before_warmup_write(doctor, targets: list, op: str) -> None:

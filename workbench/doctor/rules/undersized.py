@@ -7,8 +7,7 @@
   clamps it silently, so data is dropped without an error);
 * a replay announced for more real rows than the graph's size, or more real columns than the
   padded-columns buffer holds;
-* a lookup into a static buffer past its end during a warmup or a capture, which run the capture
-  size's own dummy batch: the buffer is smaller than a batch of that size needs;
+* a lookup past a table's end in a dummy batch or a padded replay (``lookups``);
 * a write that fails because its data does not fit its destination, announced or not (a runner
   fills a buffer before it announces it, and a buffer a capture sized is reused by later steps):
   data larger than the destination, or an index past its end.
@@ -47,7 +46,8 @@ def announced(doctor, owner: str, buffers: dict) -> None:
         ("undersized-buffer", owner, name))
 
 
-def _where(doctor) -> str:
+def where(doctor) -> str:
+    """The phase an op runs in, a capture by its graph's name (for the evidence)."""
     return doctor.capturing.name if doctor.phase == "capture" and doctor.capturing else doctor.phase
 
 
@@ -69,7 +69,7 @@ def check_fit(doctor, dst: torch.Tensor, src) -> None:
     doctor.add(Finding(
         "undersized-buffer", buf.owner, str(torch.ops.aten.copy_.default), f"{buf.name}: {describe(whole)}", source,
         f"data of shape {tuple(src.shape)} copied into {buf.name} rows of shape {tuple(dst.shape)} "
-        f"(the whole buffer is {tuple(whole.shape)}; during {_where(doctor)})",
+        f"(the whole buffer is {tuple(whole.shape)}; during {where(doctor)})",
         explain.overflow(buf.name, tuple(src.shape), tuple(whole.shape)),
         {"data_shape": list(src.shape), "buffer_shape": list(whole.shape)}),
         ("undersized-buffer", buf.owner, buf.name, source))
@@ -110,7 +110,7 @@ def _past_end(doctor, buf, dim: int, end: int, shape) -> None:
     doctor.add(Finding(
         "undersized-buffer", buf.owner, str(torch.ops.aten.slice.Tensor), f"{buf.name}: {describe(buf.ref())}",
         source, f"a slice asks for [.., {end}) of dimension {dim} of {buf.name}, which has {length} (during "
-        f"{_where(doctor)}): {end - length} silently dropped", explain.overflow_slice(buf.name, dim, end, length),
+        f"{where(doctor)}): {end - length} silently dropped", explain.overflow_slice(buf.name, dim, end, length),
         {"dim": dim, "end": end, "length": length}), ("undersized-buffer", buf.owner, buf.name, source))
 
 
@@ -126,106 +126,10 @@ def write(doctor, func, targets: list, run):
         source = user_frame()
         doctor.add(Finding(
             "undersized-buffer", buf.owner, str(func), f"{buf.name}: {describe(buf.ref())}", source,
-            f"{func} into {buf.name} (view {describe(t)}, during {_where(doctor)}) failed: {first_line(e)}",
+            f"{func} into {buf.name} (view {describe(t)}, during {where(doctor)}) failed: {first_line(e)}",
             explain.failed_write(buf.name, first_line(e)), {"view_shape": list(t.shape)}),
             ("undersized-buffer", buf.owner, buf.name, source))
         raise
-
-
-_LOOKUPS = frozenset({torch.ops.aten.index, torch.ops.aten.index_select, torch.ops.aten.gather,
-                      torch.ops.aten.embedding, torch.ops.aten.take})
-
-
-def failed_lookup(doctor, func, args, error: BaseException) -> None:
-    """A warmup or a capture runs the capture size's own dummy batch: a lookup into a static buffer
-    that runs past its end there means the buffer is smaller than what a batch of that size needs."""
-    if func.overloadpacket not in _LOOKUPS or not isinstance(error, IndexError) or not args:
-        return
-    t = args[0] if isinstance(args[0], torch.Tensor) else None
-    buf = doctor.buffer(storage_key(t)) if t is not None else None
-    if buf is None or buf.role != "input":
-        _index_from(doctor, func, args, error)
-        return
-    source = user_frame()
-    doctor.add(Finding(
-        "undersized-buffer", _where(doctor), str(func), f"{buf.name}: {describe(buf.ref())}", source,
-        f"during {_where(doctor)} (the capture size's dummy batch), {func} looked {buf.name} up out of its range: "
-        f"{first_line(error)}", explain.lookup_past_end(buf.name), {"buffer_shape": list(buf.ref().shape)}),
-        ("undersized-buffer", buf.owner, buf.name, source))
-
-
-_OUT_OF_BOUNDS = re.compile(r"index (-?\d+) is out of bounds for dimension (\d+) with size (\d+)")
-
-
-def _index_from(doctor, func, args, error: BaseException) -> None:
-    """A dummy batch's lookup into a table that is not a static input ran past its end: which
-    announced buffer holds the index that did? The lookup's own index tensor first, else any
-    announced integer buffer holding that value. The runner's static inputs (the dummy batch's
-    data: positions, token counts) holding it means the dummy data does not fit the table:
-    ``undersized-buffer``. State holding it (a request-to-token table the dummy rows index
-    by their dummy request) means the dummy rows read entries no request wrote:
-    ``stale-padding``; on a GPU, an illegal memory access at startup either way."""
-    found = _OUT_OF_BOUNDS.search(str(error))
-    if found is None:
-        return
-    value, dim, size = (int(g) for g in found.groups())
-    own = {storage_key(a) for a in _tensors(args[1:])}
-    holders = _holders(doctor, value)
-    holder = next((b for b in holders if storage_key(b.ref()) in own), holders[0] if holders else None)
-    if holder is None or storage_key(holder.ref()) in doctor.startup.kept:
-        return                  # (a warmup wrote it: the step advanced its own input, persistent-mutation's)
-    source, table = user_frame(), describe(args[0]) if isinstance(args[0], torch.Tensor) else "its table"
-    kind = "stale-padding" if holder.role == "state" else "undersized-buffer"
-    evidence = (f"during {_where(doctor)} (the capture size's dummy batch), {func} looked {table} up with index "
-                f"{value}, past the end of its dimension {dim} (size {size}); {holder.name} ({holder.role}, "
-                f"{describe(holder.ref())}) holds that index")
-    doctor.add(Finding(kind, _where(doctor), str(func), f"{holder.name}: {describe(holder.ref())}", source, evidence,
-                       explain.dummy_index(holder.name, holder.role == "state"),
-                       {"index": value, "dimension": dim, "size": size}),
-               (kind, holder.owner, holder.name, source))
-
-
-def _holders(doctor, value: int) -> list:
-    """The announced integer buffers that hold ``value`` somewhere."""
-    return [b for b in doctor.buffers.values() if (t := b.ref()) is not None and isinstance(t, torch.Tensor)
-            and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
-            and bool((t == value).any())]
-
-
-def failed_replay_lookup(doctor, info, pending, error: BaseException, op) -> None:
-    """A padded replay's lookup ran past a table's end (on a GPU an illegal memory access, which
-    the CPU engine raises at the recorded op): an index held by padded rows of a static input only
-    (rows ``real``..``size``), or by state, means padded rows carry metadata no real request
-    gave them (a dummy request's unwritten token row): ``stale-padding`` at the recorded op
-    (``op``: ``failures.failed_op``)."""
-    found = _OUT_OF_BOUNDS.search(str(error))
-    if found is None or op is None or pending is None or pending.real >= pending.size \
-            or pending.differential and pending.unpadded is not None:
-        return                  # (a step with an unpadded form is tried on its real rows: unpadded.crashed)
-    value, dim, size = (int(g) for g in found.groups())
-    for holder in _holders(doctor, value):
-        t = holder.ref()
-        rows = (t == value).nonzero()[:, 0] if t.dim() else None
-        padded = rows is not None and bool(((rows >= pending.real) & (rows < pending.size)).any()) \
-            and not bool((rows < pending.real).any())
-        if holder.role == "state" or padded:
-            where = f"padded row(s) of {holder.name}" if padded else f"{holder.name} (state)"
-            doctor.add(Finding(
-                "stale-padding", info.name, str(op.func), f"{holder.name}: {describe(t)}", op.source,
-                f"replay {info.replays + 1} of {info.name} ({pending.real} real rows of {pending.size}) failed: "
-                f"{op.func} looked a table up with index {value}, past the end of its dimension {dim} (size {size}); "
-                f"{where} hold that index", explain.dummy_index(holder.name, True),
-                {"index": value, "real": pending.real, "size": pending.size}),
-                ("stale-padding", holder.owner, holder.name, op.source))
-            return
-
-
-def _tensors(args) -> list:
-    """The tensors among a lookup's arguments (``aten.index`` takes a list of them)."""
-    out = []
-    for a in args:
-        out += [t for t in (a if isinstance(a, (list, tuple)) else (a,)) if isinstance(t, torch.Tensor)]
-    return out
 
 
 def failed_write(doctor, func, args, kwargs, error: BaseException) -> None:
@@ -248,8 +152,8 @@ def failed_write(doctor, func, args, kwargs, error: BaseException) -> None:
     made = memory.created_by(dst)
     origin = f", created by {made[0]} at {made[1]}" if made else ""
     doctor.add(Finding(
-        "undersized-buffer", _where(doctor), str(func), describe(dst), source,
-        f"during {_where(doctor)}, {func} wrote {what} into a destination of shape {tuple(dst.shape)} "
+        "undersized-buffer", where(doctor), str(func), describe(dst), source,
+        f"during {where(doctor)}, {func} wrote {what} into a destination of shape {tuple(dst.shape)} "
         f"(its storage holds {dst.untyped_storage().nbytes() // dst.element_size()} elements{origin}) and failed: "
         f"{first_line(error)}", explain.unfit_write(first_line(error)), {"destination_shape": list(dst.shape)}),
         ("undersized-buffer", "write", source))
@@ -276,8 +180,8 @@ def failed_host_write(doctor, error: BaseException, frame) -> None:
         return
     source = location(frame)
     doctor.add(Finding(
-        "undersized-buffer", _where(doctor), "item assignment", "a host array" + (f" of shape {shape}" if shape else ""),
-        source, f"during {_where(doctor)}, an item assignment wrote {what} into a host array and failed: {text}",
+        "undersized-buffer", where(doctor), "item assignment", "a host array" + (f" of shape {shape}" if shape else ""),
+        source, f"during {where(doctor)}, an item assignment wrote {what} into a host array and failed: {text}",
         explain.unfit_write(text), {"destination_shape": list(shape) if shape else None}),
         ("undersized-buffer", "write", source))
 
