@@ -839,6 +839,52 @@ def test_a_static_input_no_graph_reads_is_noted(variant):
         assert "with graph(g, pool=self.pool" in noted[0]
 
 
+class _Batch:
+    def __init__(self, scaled):
+        self.scaled = scaled
+
+
+def _sample(x, temps, batch):
+    if batch.scaled:
+        return x / temps[:, None]
+    return x * 1.0
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix", "watch"])
+def test_a_branch_the_capture_did_not_take_is_warmup_divergence_at_the_line_that_reads_the_input(variant):
+    """The step divides by ``temps`` only when the batch asks for it, and the capture ran on a dummy
+    batch that did not: its graph holds no kernel that reads ``temps``, and every replay ignores the
+    temperatures the runner copies there. The captured function names ``temps`` on a line the capture
+    never ran, so it is ``warmup-divergence`` there, not a note. ``fix``: the runner serves such
+    batches eagerly and copies nothing. Under ``watch()`` alone no line is traced, so which lines the
+    capture ran is not known: a note, as for a buffer the captured code never names."""
+    def workload():
+        x, temps = torch.zeros(4, 3), torch.ones(4)
+        dummy, live = _Batch(False), _Batch(True)
+        m = Manager(lambda size: _sample(x[:size], temps[:size], dummy), [4], {"x": x, "temps": temps})
+        m.capture()
+        for step in range(2):
+            x[:] = rows(4, 3, seed=step)
+            wanted = torch.tensor([0.5, 1.0, 2.0, 4.0]) + step
+            if variant == "fix":
+                _sample(x, wanted, live)
+            else:
+                temps[:] = wanted
+                m.replay(4)
+    if variant == "watch":
+        with doctor.watch(differential=1) as report:
+            workload()
+        assert report.findings == [] and any("no graph reads temps" in n for n in report.notes), report
+        return
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "warmup-divergence" and "in _sample: return x / temps[:, None]" in finding.source, finding
+    assert finding.tensor.startswith("temps") and finding.numbers["elements_dropped"] == 4
+
+
 def test_a_static_input_only_the_host_reads_is_no_finding():
     """``lens`` is a static input the runner fills and reads on the host (``tolist``, which on the
     CPU dispatches no op) to plan the step; no graph reads it, and nothing is lost."""

@@ -150,6 +150,14 @@ def unread_copy(buffer: str, graph: str) -> str:
             "the first real batch), and serve a batch only with a graph captured for at least its size.")
 
 
+def passed_over(buffer: str, graph: str) -> str:
+    return (f"The code {graph} captured reads {buffer} only on a path Python did not take during the capture (a "
+            "branch decided on the dummy batch, an argument the capture was not given): the graph holds no kernel "
+            f"that reads it, so every replay ignores the data the runner brings, while an eager step of the same "
+            "batch takes that path. Make the decision an input of the graph (a static buffer the kernels read), a key "
+            "of the graph (capture each path), or a reason to run eagerly.")
+
+
 def short_window(buffer: str, graph: str) -> str:
     return (f"{graph} was captured reading a view of {buffer} with fewer rows than the steps it serves: the view is "
             "fixed at capture, so the data a step writes past it is never read, and what those rows stand for (a "

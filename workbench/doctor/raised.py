@@ -13,8 +13,10 @@ After a padded replay it also hands each frame to ``rules/shapes.py``, which may
 to the padded rows; an item assignment that failed (into a NumPy staging array, which dispatches
 no op) goes to ``rules/undersized.py``'s write contract.
 
-Line events are off: the cost is one Python call per user function call, only under ``diagnose``
-(``watch()`` alone does not trace). Another tracer (a debugger, coverage) is left alone.
+Line events are off outside captures: the cost is one Python call per user function call, only
+under ``diagnose`` (``watch()`` alone does not trace). Inside a capture, the functions it calls
+report each line they run (``GraphInfo.lines_run``): which code the capture passed over is then
+known exactly (``skipped.py``). Another tracer (a debugger, coverage) is left alone.
 """
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ class _Tracer:
     def call(self, frame, event, arg):
         if self.doctor is None or frame.f_code.co_filename.startswith(SKIP_DIRS):
             return None
-        frame.f_trace_lines = False
+        frame.f_trace_lines = self.doctor.capturing is not None     # the lines a capture runs: doctor/skipped.py
         return self.local
 
     def local(self, frame, event, arg):
@@ -69,7 +71,11 @@ class _Tracer:
         if doctor.failure is not None:
             return self.local
         try:
-            if event == "exception":
+            if event == "line":
+                if (info := doctor.capturing) is not None:
+                    info.lines_run.add((frame.f_code, frame.f_lineno))
+                    info.lines_traced = True
+            elif event == "exception":
                 self._raised(doctor, frame, arg[1])
             elif event == "return" and self.pending:
                 entry = self.pending.pop(id(frame), None)

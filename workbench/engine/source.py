@@ -62,8 +62,9 @@ def codes_within(opened) -> frozenset:
 
 
 def location(frame, lineno: int | None = None) -> str:
-    """``file:line in function: code`` of a frame, at the line it is running (or at ``lineno``)."""
-    code, lineno = frame.f_code, lineno or frame.f_lineno
+    """``file:line in function: code`` of a frame, at the line it is running (or at ``lineno``; a
+    code object with a ``lineno`` names that line of its function)."""
+    code, lineno = getattr(frame, "f_code", frame), lineno or frame.f_lineno
     key = (code, lineno)
     text = _LINES.get(key)
     if text is None:

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ...engine.opinfo import describe, op_tensors, overwrites, storage_key, written_tensors
 from ...engine.source import user_frame
-from .. import explain
+from .. import explain, skipped
 from ..report import Finding
 from . import derived
 from ..tensors import broadcasts, onto, region
@@ -130,11 +130,11 @@ def check(doctor, info) -> None:
             reads = info.reads.get(key)
             if not bool(mask.any()):
                 continue
-            if reads is None and key not in info.externals and not _read_by_any(doctor, key) \
+            if reads is None and not _reads(info, key) and not _read_by_any(doctor, key) \
                     and not derived.feeds_a_graph(doctor, key):
                 if (buf := doctor.buffer(key)) is not None:     # data for an input no graph reads at all
                     doctor.unread[key] = (mask, source, info.name, info.replays + 1, 0, buf.name, describe(buf.ref()),
-                                          info.site)
+                                          info.site, skipped.reader(info, buf.name))
                 continue
             if reads is None or reads.shape != mask.shape:
                 continue
@@ -145,7 +145,7 @@ def check(doctor, info) -> None:
             lost = mask & ~reads & rows
             if bool(lost.any()) and (buf := doctor.buffer(key)) is not None:
                 doctor.unread[key] = (lost, source, info.name, info.replays + 1, int(reads.sum()), buf.name,
-                                      describe(buf.ref()), None)
+                                      describe(buf.ref()), None, None)
 
 
 def _short_window(doctor, info, key: int, past, reads) -> None:
@@ -213,13 +213,26 @@ def _read(doctor, key: int, entry: tuple, mask) -> None:
         del doctor.unread[key]
 
 
+def _reads(info, key: int) -> bool:
+    """Whether a captured op reads the storage (a view of it the capture took and never used is no read)."""
+    return (ext := info.externals.get(key)) is not None and not ext.view_only
+
+
 def _read_by_any(doctor, key: int) -> bool:
-    return any(key in g.externals for g in doctor.graphs.values() if g.ref() is not None)
+    return any(_reads(g, key) for g in doctor.graphs.values() if g.ref() is not None)
 
 
 def _dropped(doctor, key: int) -> None:
-    mask, source, graph, replay, read, name, shape, captured_at = doctor.unread.pop(key)
+    mask, source, graph, replay, read, name, shape, captured_at, passed_over = doctor.unread.pop(key)
     n = int(mask.sum())
+    if passed_over is not None:      # the captured code names the buffer on a line the capture never ran
+        doctor.add(Finding(
+            "warmup-divergence", graph, "-", f"{name}: {shape}", passed_over,
+            f"the runner fills the static input {name} for the steps {graph} serves ({n} element(s) of new data "
+            f"before replay {replay}, at {source}), but no graph reads it; the captured code names it on this line, "
+            "which did not run during the capture", explain.passed_over(name, graph),
+            {"elements_dropped": n}), ("warmup-divergence", graph, name, "passed over"))
+        return
     if captured_at is not None:      # a note: a runner may keep a buffer the captured kernels do not use
         note = (f"the runner fills the static input {name} for the steps {graph} serves ({n} element(s) of new data "
                 f"before replay {replay}, at {source}), but no graph reads {name}, nor anything computed from it: if "

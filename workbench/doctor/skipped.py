@@ -1,0 +1,70 @@
+"""Code a capture passed over: lines of the functions it ran that name a buffer, and that it never ran.
+
+A capture records the kernels Python launched while it was open. A branch Python did not take
+leaves nothing in the graph, and every replay repeats that choice: ``if need_min_p: ...`` decided on
+the dummy batch, an argument the capture was not given (``adapter_data=None``). When the data a
+runner copies into a static input reaches no graph, the code that would have read it is the
+evidence: a line, in a function the capture ran, that names the buffer (an attribute, a variable,
+a string key) and that no captured op ran under. (A line runs under an op when it is on the op's
+stack; plain Python lines run no op, so only lines the unread data points to are asked about.)
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import re
+import textwrap
+
+from ..engine.source import location
+
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+_WORD = re.compile(r"[A-Za-z_]\w*")     # compiled here: the watched process's tracer sees what ``re`` raises inside
+
+
+def reader(info, name: str) -> str | None:
+    """``file:line in function: code`` of a statement that reads ``name`` (its last identifier) in a
+    function that ran inside ``info``'s capture (not the runner's code that opened it), where no
+    captured op ran: the first such statement by file and line, or None."""
+    words = _WORD.findall(name)
+    if not words or not info.lines_traced:
+        return None
+    found = sorted((code.co_filename, first, code) for code in {code for code, _ in info.lines_run}
+                   for first, last in _mentions(code).get(words[-1], ())
+                   if not any((code, line) in info.lines_run for line in range(first, last + 1)))
+    return location(found[0][2], found[0][1]) if found else None
+
+
+@functools.cache
+def _mentions(code) -> dict[str, tuple[tuple[int, int], ...]]:
+    """identifier -> the statements of ``code``'s own body (not the functions defined in it) that read
+    it (an attribute, a variable, a string subscript), each as its first and last line."""
+    try:
+        lines, start = inspect.getsourcelines(code)
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    if not tree.body or not isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return {}
+    out: dict[str, set[tuple[int, int]]] = {}
+    todo = [(node, node) for node in tree.body[0].body if not isinstance(node, _SCOPES)]
+    while todo:
+        node, statement = todo.pop()
+        if isinstance(node, ast.stmt):
+            statement = node
+        word = _read_name(node)
+        if word is not None:
+            out.setdefault(word, set()).add((start + statement.lineno - 1, start + statement.end_lineno - 1))
+        todo += [(child, statement) for child in ast.iter_child_nodes(node) if not isinstance(child, _SCOPES)]
+    return {word: tuple(sorted(spans)) for word, spans in out.items()}
+
+
+def _read_name(node) -> str | None:
+    if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+        return node.attr
+    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+        return node.id
+    if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and isinstance(node.slice, ast.Constant) \
+            and isinstance(node.slice.value, str):
+        return node.slice.value
+    return None
