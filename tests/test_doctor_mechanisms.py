@@ -1044,6 +1044,34 @@ def test_a_write_that_does_not_fit_an_unannounced_buffer_is_an_undersized_buffer
     assert "destination of shape (3,)" in finding.evidence and "during eager" in finding.evidence
 
 
+@pytest.mark.parametrize("announced", [True, False])
+@pytest.mark.parametrize("variant", ["bug", "fix", "smaller"])
+def test_an_item_assignment_whose_data_does_not_fit_is_an_undersized_buffer(variant, announced):
+    """``buffers[:, :n] = ids`` into a graph's ``[1, width]`` input, announced or not yet: the bug's
+    graph was sized for one token and the step brings four. Item assignment fails inside ``expand``,
+    before any copy is dispatched (into an announced buffer, the slice past its end says so first).
+    Data smaller than its destination that does not broadcast (three tokens into four columns) is
+    another problem."""
+    def workload():
+        ids = torch.zeros(1, 1 if variant == "bug" else 4, dtype=torch.int64)
+        x = torch.zeros(4)
+        m = Manager(lambda size: x[:size] * 2, [4], {"x": x, **({"ids": ids} if announced else {})})
+        m.capture()
+        step = torch.arange(4) if variant != "smaller" else torch.arange(3)
+        try:
+            ids[:, :4] = step
+        except RuntimeError:
+            pass
+        m.replay(4)
+    report = doctor.diagnose(workload)
+    if variant != "bug":
+        assert report.of("undersized-buffer") == [], report
+        return
+    (finding,) = report.of("undersized-buffer")
+    assert "ids[:, :4] = step" in finding.source and finding.tensor.startswith("ids") == announced, finding
+    assert ("a slice asks for [.., 4)" if announced else "elements of shape (1, 1)") in finding.evidence, finding
+
+
 @pytest.mark.parametrize("variant", ["bug", "fix"])
 def test_an_index_past_the_end_of_a_workspace_a_capture_sized_is_an_undersized_buffer(variant):
     """The capture sizes a split-KV workspace for its dummy batch and keeps it; an eager stage of a

@@ -71,7 +71,15 @@ def _item_assignment(doctor: Doctor):
                 undersized.check_index(doctor, self, index)
             except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
                 doctor.fail(e, "watching Tensor.__setitem__")
-        return original(self, index, value)
+        try:
+            return original(self, index, value)
+        except Exception as error:
+            if doctor.failure is None and doctor.phase in ("eager", "warmup", "capture"):
+                try:
+                    undersized.failed_item_write(doctor, self, index, value)
+                except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
+                    doctor.fail(e, "explaining a failed Tensor.__setitem__")
+            raise error
     return original, __setitem__
 
 

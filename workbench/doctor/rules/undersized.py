@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ...engine import memory
 from ...engine.opinfo import describe, storage_key, written_tensors
@@ -55,11 +56,46 @@ def check_fit(doctor, dst: torch.Tensor, src) -> None:
     """``copy_`` of data that does not broadcast to its destination in an announced buffer."""
     if not isinstance(src, torch.Tensor) or src.shape == dst.shape:     # the common case, decided first
         return
+    _check_shape(doctor, dst, tuple(src.shape))
+
+
+def failed_item_write(doctor, t: torch.Tensor, index, value) -> None:
+    """``tensor[...] = data`` failed: if the data is larger than the elements it names in some
+    dimension (after dropping its leading dimensions of size one, as item assignment does), the
+    write did not fit. The assignment fails inside ``expand``, before any copy is dispatched, so
+    ``check_fit`` and ``failed_write`` never see it. Into an announced buffer, the buffer is named."""
+    if not isinstance(value, torch.Tensor):
+        return
+    with _disable_current_modes():
+        try:
+            target = t[index]
+        except (IndexError, RuntimeError, TypeError, ValueError):
+            return                                   # the index itself fails: not this contract
+    shape = list(value.shape)
+    while len(shape) > target.dim() and shape[0] == 1:
+        shape.pop(0)
+    if len(shape) > target.dim() or not any(s > d for s, d in zip(reversed(shape), reversed(target.shape))):
+        return
+    if doctor.buffer(storage_key(t)) is not None:
+        _check_shape(doctor, target, tuple(shape))
+        return
+    source = user_frame()
+    made = memory.created_by(t)
+    origin = f" (the tensor was created by {made[0]} at {made[1]})" if made else ""
+    doctor.add(Finding(
+        "undersized-buffer", where(doctor), "item assignment", describe(t), source,
+        f"during {where(doctor)}, an item assignment of data of shape {tuple(value.shape)} into elements of shape "
+        f"{tuple(target.shape)} of a tensor of shape {tuple(t.shape)} failed{origin}",
+        explain.unfit_write(f"data of shape {tuple(value.shape)} into {tuple(target.shape)}"),
+        {"destination_shape": list(target.shape)}), ("undersized-buffer", "write", source))
+
+
+def _check_shape(doctor, dst: torch.Tensor, src: tuple) -> None:
     buf = doctor.buffer(storage_key(dst))
     if buf is None:
         return
     try:
-        fits = torch.broadcast_shapes(src.shape, dst.shape) == dst.shape
+        fits = torch.broadcast_shapes(src, dst.shape) == dst.shape
     except RuntimeError:
         fits = False
     if fits:
@@ -68,10 +104,10 @@ def check_fit(doctor, dst: torch.Tensor, src) -> None:
     source = user_frame()
     doctor.add(Finding(
         "undersized-buffer", buf.owner, str(torch.ops.aten.copy_.default), f"{buf.name}: {describe(whole)}", source,
-        f"data of shape {tuple(src.shape)} copied into {buf.name} rows of shape {tuple(dst.shape)} "
+        f"data of shape {src} copied into {buf.name} rows of shape {tuple(dst.shape)} "
         f"(the whole buffer is {tuple(whole.shape)}; during {where(doctor)})",
-        explain.overflow(buf.name, tuple(src.shape), tuple(whole.shape)),
-        {"data_shape": list(src.shape), "buffer_shape": list(whole.shape)}),
+        explain.overflow(buf.name, src, tuple(whole.shape)),
+        {"data_shape": list(src), "buffer_shape": list(whole.shape)}),
         ("undersized-buffer", buf.owner, buf.name, source))
 
 

@@ -5,8 +5,8 @@ and did not run it: they chose the expected kind from the kinds' definitions and
 mechanism, and checked only that the bug misbehaves and the fix equals eager. The doctor was then
 run on them unchanged; what it found at that point is each round's blind result
 (``benchmarks/README.md``), and mechanisms built afterwards are general (none names a program).
-``round12`` holds programs written for the next round and not yet measured: the doctor has not
-been run on them, so their blind result is still to be taken (``ROUNDS`` leaves them out until then).
+A new round's directory joins ``ROUNDS`` only when its blind result is taken: until then the
+doctor is never run on its programs.
 The programs share the zoo's format (``UPSTREAM``, ``FAMILY``, ``KIND``, ``SITE``, ``SYMPTOM``,
 ``run(variant, device)``), but unlike the zoo the set is not curated: misses stay in it.
 
@@ -36,7 +36,7 @@ import torch
 from ...childproc import run_in_child
 from .. import VARIANTS, _check
 
-ROUNDS = ("round4", "round5", "round6", "round7", "round8", "round9", "round10", "round11", "round12", "round13", "round14")
+ROUNDS = ("round4", "round5", "round6", "round7", "round8", "round9", "round10", "round11", "round12", "round13", "round14", "round15")
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 TABLE = ROOT / "benchmarks" / "results_trials.md"
 RESULT = ROOT / "results" / "gpu" / "doctor_trials.json"
