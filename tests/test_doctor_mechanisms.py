@@ -7,6 +7,7 @@ step), buffers, and a model with one deliberate flaw -- or its fix, which must g
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
@@ -1389,6 +1390,21 @@ def test_an_error_a_library_check_raised_before_dispatch_and_the_workload_caught
 @pytest.mark.parametrize("how", ["probe", "deliberate"])
 def test_errors_caught_where_raised_or_raised_on_purpose_are_not_reported(how):
     report = doctor.diagnose(_metadata_step([2, 2, 2], how))
+    assert report.caught == [] and report.findings == [], report
+
+
+def test_errors_the_standard_library_raises_and_catches_itself_are_not_reported():
+    """``re`` compiling a new pattern raises and catches ``IndexError`` inside its parser (at the end of
+    every pattern); the standard library is not the workload's code and is not traced."""
+    def workload():
+        x = torch.zeros(4)
+        m = Manager(lambda size: x[:size] * 2, [4], {"x": x})
+        m.capture()
+        re.purge()
+        re.compile(r"(?P<tag>[A-Za-z_]\w*)x{2}(?:ab|cd)+$")
+        x[:] = 1.0
+        m.replay(4)
+    report = doctor.diagnose(workload)
     assert report.caught == [] and report.findings == [], report
 
 

@@ -49,6 +49,13 @@ def test_verdicts_name_right_wrong_and_missed():
 
 # Variants that behave alike on both backends but where the doctor answers otherwise, and why (none at present).
 GPU_DIFFERS: dict = {}
+# Variants whose run on a GPU is not reproducible, and why: not compared.
+GPU_UNSTABLE = {
+    ("round7/vllm_43810_padding_slot_wraps_to_last_slot", "bug"):
+        "every padded token stores into the same last slot (index_put_ with repeated indices): which store lands "
+        "is unspecified on CUDA, so the verdict and the doctor's answer change from run to run (seen on H200s: "
+        "stale-padding, warmup-divergence or no finding at basic_cache, and once 'equals eager')",
+}
 
 
 def test_the_gpu_record_says_what_the_cpu_says(answers):
@@ -63,6 +70,8 @@ def test_the_gpu_record_says_what_the_cpu_says(answers):
     for n in NAMES:
         for v in zoo.VARIANTS:
             g = gpu[n][v]
+            if (n, v) in GPU_UNSTABLE:
+                continue
             if g["verdict"] != trials.program(n).run(v, "cpu").verdict or "CUDA" in " ".join(g["error"] or ()):
                 continue
             compared += 1

@@ -21,7 +21,9 @@ known exactly (``skipped.py``). Another tracer (a debugger, coverage) is left al
 from __future__ import annotations
 
 import dis
+import os
 import sys
+import sysconfig
 
 from ..engine.source import SKIP_DIRS, short_path
 from . import failures
@@ -29,7 +31,13 @@ from .rules import shapes, undersized
 from .tensors import first_line
 
 _RAISES = {dis.opmap[name] for name in ("RAISE_VARARGS", "RERAISE")}
-_RETURNS = {dis.opmap[name] for name in ("RETURN_VALUE", "YIELD_VALUE", "RETURN_GENERATOR")}
+_RETURNS = {dis.opmap[name] for name in ("RETURN_VALUE", "RETURN_CONST", "YIELD_VALUE", "RETURN_GENERATOR")
+            if name in dis.opmap}        # RETURN_CONST: Python 3.12's ``return`` of a constant (``return``, ``return None``)
+# The standard library is never the workload's code, and it raises and catches errors of its own
+# (``re``'s parser, at the end of every pattern): its frames are not traced. Packages installed under
+# it (site-packages, dist-packages) are libraries like any other.
+_STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
+_PACKAGES = ("site-packages", "dist-packages")
 _STORE = dis.opmap["STORE_SUBSCR"]
 
 
@@ -47,7 +55,7 @@ class _Tracer:
         sys.settrace(self.call)
         frame = sys._getframe(1)
         while frame is not None:                     # frames already running
-            if not frame.f_code.co_filename.startswith(SKIP_DIRS):
+            if not frame.f_code.co_filename.startswith(SKIP_DIRS) and not _stdlib(frame.f_code.co_filename):
                 frame.f_trace_lines, frame.f_trace = False, self.local
             frame = frame.f_back
 
@@ -59,7 +67,7 @@ class _Tracer:
             sys.settrace(None)
 
     def call(self, frame, event, arg):
-        if self.doctor is None or frame.f_code.co_filename.startswith(SKIP_DIRS):
+        if self.doctor is None or frame.f_code.co_filename.startswith(SKIP_DIRS) or _stdlib(frame.f_code.co_filename):
             return None
         frame.f_trace_lines = self.doctor.capturing is not None     # the lines a capture runs: doctor/skipped.py
         return self.local
@@ -102,6 +110,10 @@ class _Tracer:
             where = f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
             description = f"{type(error).__name__}: {first_line(error)} (raised at {where}, during {doctor.phase})"
         self.pending[id(frame)] = (key, description)
+
+
+def _stdlib(filename: str) -> bool:
+    return filename.startswith(_STDLIB) and not any(p in filename for p in _PACKAGES)
 
 
 def _op(frame) -> int | None:

@@ -19,7 +19,7 @@ import textwrap
 from ..engine.source import location
 
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
-_WORD = re.compile(r"[A-Za-z_]\w*")     # compiled here: the watched process's tracer sees what ``re`` raises inside
+_WORD = re.compile(r"[A-Za-z_]\w*")
 
 
 def reader(info, name: str) -> str | None:

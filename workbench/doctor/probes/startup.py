@@ -140,7 +140,7 @@ class Startup:
         wrote, as they were before it (the others are as they were)."""
         out = {}
         with _disable_current_modes():
-            for key in keys & self.kept.keys():
+            for key in [key for key in self.kept if key in keys]:     # in the order the warmups wrote them
                 kept = self.kept[key]
                 now = whole(kept.weak, kept.dtype)
                 if now is None or kept.after is None or now.shape != kept.after.shape:

@@ -17,7 +17,8 @@ checks it is current. ``gpu_record`` runs each variant on real CUDA graphs
 (``results/gpu/doctor_trials.json``): where a program behaves there as on the emulation, the
 doctor must answer there as it does here. (Not everywhere: a program may model its GPU behaviour
 with a CPU stand-in, and an index out of range, an ``IndexError`` here, is a device-side assert
-there, which ends the CUDA context before the doctor can look.)
+there, which ends the CUDA context before the doctor can look.) A record's ``amended`` entry lists
+variants recorded again after the full run, on which device and why.
 """
 from __future__ import annotations
 
