@@ -7,6 +7,8 @@ gives the same answers. A probe that needs a dead CUDA context runs in a child p
 """
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from .childproc import run_in_child
@@ -389,6 +391,59 @@ def probe_batch_norm_stats(device: str) -> dict:
     return {"mean_after_capture": after_capture, "mean_after_replay": [round(v, 4) for v in _values(mean)]}
 
 
+POOL_REUSE = ("empty_first", "two_graphs_one_reset", "reset", "del", "del_outputs_too", "del_all_empty_cache",
+              "del_empty_cache_output_held")
+
+
+def probe_pool_handle_reuse(device: str) -> dict:
+    """A pool handle used again after graphs captured into it were reset or dropped: CUDA's caching
+    allocator refuses it while the pool's last graph is gone and memory it allocated is still held
+    (an output), and starts a new pool once all of it is free, ``empty_cache`` or not. Each
+    scenario in a child process on CUDA (the refusal is an internal assert)."""
+    if torch.device(device).type == "cuda":
+        return {name: (r.value if r.ok else f"refused: child {r.error_type}")
+                for name in POOL_REUSE for r in [run_in_child(_pool_reuse, name, device, timeout=120)]}
+    return {name: _pool_reuse(name, device) for name in POOL_REUSE}
+
+
+def _pool_reuse(name: str, device: str) -> str:
+    pool = graph_pool_handle(device)
+    x = torch.ones(4, device=device)
+
+    def captured(scale):
+        g = new_graph(device)
+        with graph(g, pool=pool):
+            out = x * scale
+        return g, out
+    try:
+        if name == "empty_first":
+            g0 = new_graph(device)
+            with graph(g0, pool=pool):
+                pass
+            g0.reset()
+            del g0
+        else:
+            g1, out1 = captured(2)
+            if name == "two_graphs_one_reset":
+                g2, out2 = captured(3)          # noqa: F841 - kept alive: the pool keeps a graph
+                g1.reset()
+            elif name == "reset":
+                g1.reset()
+            elif name in ("del_outputs_too", "del_all_empty_cache"):
+                del out1
+            del g1
+            gc.collect()
+            if name in ("del_all_empty_cache", "del_empty_cache_output_held") and torch.device(device).type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+        g, _ = captured(5)
+        g.replay()
+        synchronize(device)
+        return "ok"
+    except RuntimeError as e:                   # CUDA: INTERNAL ASSERT use_count > 0; CPU: GraphError
+        return f"refused: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+
+
 PROBES = {
     "increment": probe_increment,
     "frozen_python": probe_frozen_python,
@@ -405,6 +460,7 @@ PROBES = {
     "shared_retained": probe_shared_retained,
     "op_trace": probe_op_trace,
     "batch_norm_stats": probe_batch_norm_stats,
+    "pool_handle_reuse": probe_pool_handle_reuse,
 }
 
 
@@ -416,6 +472,8 @@ def run_all(device: str) -> dict:
 def comparable(answers: dict) -> dict:
     """The part of the answers both backends must agree on exactly (error texts differ)."""
     out = {k: v for k, v in answers.items() if k != "freed_input"}
+    if "pool_handle_reuse" in answers:        # refused or not (the errors' texts differ)
+        out["pool_handle_reuse"] = {k: v == "ok" for k, v in answers["pool_handle_reuse"].items()}
     if "freed_input" not in answers:
         return out
     freed = answers["freed_input"]

@@ -147,6 +147,7 @@ class CPUGraph:
                             f"{type(pool).__name__}")
         self._pool = pool if pool is not None else Pool()
         self._ref = weakref.ref(self, self._pool._forget)   # the pool forgets a dropped graph
+        self._pool._enter(self._ref)
         self._state = "capturing"
         queries.set_capturing(self)
         self._modes = (_HostSyncGuard(), _Recorder(self))

@@ -17,7 +17,10 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
+
+from .errors import GraphError
 
 _use_count = torch._C._storage_Use_Count
 
@@ -44,6 +47,24 @@ class Pool:
 
     def __init__(self) -> None:
         self._blocks: dict[int, Block] = {}
+        self._graphs: set[int] = set()      # id(graph ref) of the graphs captured into it, until reset or dropped
+        self._left: list = []               # the blocks it still had when its last graph went (``_enter``)
+
+    def _enter(self, graph_ref: weakref.ref) -> None:
+        """A capture into this pool begins. CUDA's caching allocator counts the graphs that use a
+        private pool. When the last one is reset or dropped while a tensor the pool allocated is
+        still held (a graph's output), the pool waits to be freed, and a capture given its handle
+        fails (``TORCH_INTERNAL_ASSERT(it->second->use_count > 0)`` in the allocator); once all its
+        memory is free the handle starts a new pool (measured on an H200, torch 2.11, with or
+        without ``empty_cache``: ``results/gpu/engine_probes.json``, ``pool_handle_reuse``)."""
+        if not self._graphs and any(not ref.expired() for ref in self._left):
+            raise GraphError(
+                "capture into a graph pool whose graphs have all been reset or dropped while memory it allocated "
+                "is still held (a graph's output): CUDA's caching allocator refuses the handle (INTERNAL ASSERT "
+                "use_count > 0). Take a fresh graph_pool_handle() for the new captures, keep one graph of the "
+                "pool alive until they are captured, or let go of the old outputs first.")
+        self._left = []
+        self._graphs.add(id(graph_ref))
 
     def owns(self, key: int) -> bool:
         return key in self._blocks
@@ -61,6 +82,10 @@ class Pool:
 
     def _forget(self, graph_ref: weakref.ref) -> None:
         """A graph was reset or dropped: it uses none of the pool's blocks any more."""
+        if id(graph_ref) in self._graphs:
+            self._graphs.discard(id(graph_ref))
+            if not self._graphs:
+                self._left = [StorageWeakRef(b.whole.untyped_storage()) for b in self._blocks.values()]
         for key in list(self._blocks):
             users = self._blocks[key].users
             users.pop(id(graph_ref), None)
