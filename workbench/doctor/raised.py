@@ -82,7 +82,6 @@ class _Tracer:
             if event == "line":
                 if (info := doctor.capturing) is not None:
                     info.lines_run.add((frame.f_code, frame.f_lineno))
-                    info.lines_traced = True
             elif event == "exception":
                 self._raised(doctor, frame, arg[1])
             elif event == "return" and self.pending:

@@ -73,13 +73,13 @@ def _item_assignment(doctor: Doctor):
                 doctor.fail(e, "watching Tensor.__setitem__")
         try:
             return original(self, index, value)
-        except Exception as error:
+        except Exception:
             if doctor.failure is None and doctor.phase in ("eager", "warmup", "capture"):
                 try:
                     undersized.failed_item_write(doctor, self, index, value)
                 except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
                     doctor.fail(e, "explaining a failed Tensor.__setitem__")
-            raise error
+            raise
     return original, __setitem__
 
 

@@ -4,9 +4,10 @@ A capture records the kernels Python launched while it was open. A branch Python
 leaves nothing in the graph, and every replay repeats that choice: ``if need_min_p: ...`` decided on
 the dummy batch, an argument the capture was not given (``adapter_data=None``). When the data a
 runner copies into a static input reaches no graph, the code that would have read it is the
-evidence: a line, in a function the capture ran, that names the buffer (an attribute, a variable,
-a string key) and that no captured op ran under. (A line runs under an op when it is on the op's
-stack; plain Python lines run no op, so only lines the unread data points to are asked about.)
+evidence: a statement, in a function that ran inside the capture, that reads the buffer by name (an
+attribute, a variable, a string key) and did not run. Which lines ran is known only under
+``diagnose``, whose error tracer records every line a capture runs (``raised.py``); a statement
+that launches no kernel ran all the same, so the lines of captured ops' stacks would not do.
 """
 from __future__ import annotations
 
@@ -24,15 +25,18 @@ _WORD = re.compile(r"[A-Za-z_]\w*")
 
 def reader(info, name: str) -> str | None:
     """``file:line in function: code`` of a statement that reads ``name`` (its last identifier) in a
-    function that ran inside ``info``'s capture (not the runner's code that opened it), where no
-    captured op ran: the first such statement by file and line, or None."""
+    function that ran inside ``info``'s capture (not the runner's code that opened it) and that did
+    not run: the first such statement by file and line, or None (also when no line was traced)."""
     words = _WORD.findall(name)
-    if not words or not info.lines_traced:
+    if not words:
         return None
-    found = sorted((code.co_filename, first, code) for code in {code for code, _ in info.lines_run}
-                   for first, last in _mentions(code).get(words[-1], ())
-                   if not any((code, line) in info.lines_run for line in range(first, last + 1)))
-    return location(found[0][2], found[0][1]) if found else None
+    found = [(code.co_filename, first, code) for code in {code for code, _ in info.lines_run}
+             for first, last in _mentions(code).get(words[-1], ())
+             if not any((code, line) in info.lines_run for line in range(first, last + 1))]
+    if not found:
+        return None
+    _, first, code = min(found, key=lambda f: f[:2])
+    return location(code, first)
 
 
 @functools.cache

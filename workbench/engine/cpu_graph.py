@@ -36,8 +36,6 @@ What a CUDA graph is, reduced to the rules that cause bugs in serving stacks:
 """
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
@@ -146,8 +144,7 @@ class CPUGraph:
             raise TypeError(f"pool must be a workbench Pool (graph_pool_handle() or g.pool()), got "
                             f"{type(pool).__name__}")
         self._pool = pool if pool is not None else Pool()
-        self._ref = weakref.ref(self, self._pool._forget)   # the pool forgets a dropped graph
-        self._pool._enter(self._ref)
+        self._ref = self._pool._enter(self)      # the pool forgets a dropped graph
         self._state = "capturing"
         queries.set_capturing(self)
         self._modes = (_HostSyncGuard(), _Recorder(self))

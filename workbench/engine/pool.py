@@ -50,8 +50,9 @@ class Pool:
         self._graphs: set[int] = set()      # id(graph ref) of the graphs captured into it, until reset or dropped
         self._left: list = []               # the blocks it still had when its last graph went (``_enter``)
 
-    def _enter(self, graph_ref: weakref.ref) -> None:
-        """A capture into this pool begins. CUDA's caching allocator counts the graphs that use a
+    def _enter(self, graph) -> weakref.ref:
+        """A capture into this pool begins: the graph's weak reference, by which the pool forgets it
+        when it is dropped (or reset). CUDA's caching allocator counts the graphs that use a
         private pool. When the last one is reset or dropped while a tensor the pool allocated is
         still held (a graph's output), the pool waits to be freed, and a capture given its handle
         fails (``TORCH_INTERNAL_ASSERT(it->second->use_count > 0)`` in the allocator); once all its
@@ -64,7 +65,9 @@ class Pool:
                 "use_count > 0). Take a fresh graph_pool_handle() for the new captures, keep one graph of the "
                 "pool alive until they are captured, or let go of the old outputs first.")
         self._left = []
+        graph_ref = weakref.ref(graph, self._forget)
         self._graphs.add(id(graph_ref))
+        return graph_ref
 
     def owns(self, key: int) -> bool:
         return key in self._blocks

@@ -12,7 +12,7 @@ from collections import Counter
 
 from ...engine.memory import HOST_TYPES
 from ...engine.opinfo import op_tensors, storage_key
-from ...engine.source import codes_within, frames_within, user_frame, user_frames
+from ...engine.source import codes_within, user_frame, user_frames
 from ..records import Op
 
 from .. import explain
@@ -78,9 +78,7 @@ class Warmups:
             self.eager_lines.add(user_frame())
 
     def captured_op(self, info) -> None:
-        frames = frames_within(self.opened) or ()
-        info.called.update(f.f_code for f in frames)
-        info.lines_run.update((f.f_code, f.f_lineno) for f in frames)
+        info.called |= codes_within(self.opened)
 
 
 def op(func, args, kwargs, constant: set, opened) -> Op:
