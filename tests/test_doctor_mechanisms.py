@@ -296,6 +296,33 @@ def test_differential_replay_leaves_the_program_as_the_replay_left_it():
     assert report.findings == [] and "differential replay: 3 replay(s) compared" in " ".join(report.notes)
 
 
+@pytest.mark.parametrize("differential", [0, 1])
+def test_differential_replay_keeps_alive_nothing_the_program_let_go(differential):
+    """A runner replaces its buffers object (a beam width changed) and keeps the graph captured on
+    the old one. The old buffers have no owner left; the graph still reads them: dangling, with
+    differential replay on too (its record of the step's Python containers must not hold them)."""
+    class Buffers:
+        def __init__(self):
+            self.x = torch.zeros(4)
+
+    class Runner:
+        def __init__(self):
+            self.buffers = [Buffers()]
+
+        def forward(self, size):
+            return self.buffers[0].x[:size] * 2
+
+    def workload():
+        r = Runner()
+        m = Manager(r.forward, [4], {})
+        m.capture()
+        m.replay(4)
+        r.buffers = [Buffers()]                  # the old object, and its tensor, are released
+        m.replay(4)
+    report = doctor.diagnose(workload, differential=differential, padding_probe=False)
+    assert [f.kind for f in report.findings] == ["dangling-reference"], report
+
+
 def test_differential_replay_is_refused_with_a_clear_error_for_a_bad_rate():
     with pytest.raises(ValueError, match="differential must be a whole number >= 0"):
         with doctor.watch(differential=-1):
@@ -961,6 +988,167 @@ def test_a_lookup_past_a_static_buffer_during_a_warmup_is_an_undersized_buffer(v
     (finding,) = report.findings
     assert finding.kind == "undersized-buffer" and finding.tensor.startswith("table"), report
     assert "table.reshape(-1)[idx]" in finding.source and "during warmup" in finding.evidence
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_warmup_failing_on_the_shape_of_a_static_input_names_where_it_was_made(variant):
+    """A draft model maps the target's hidden states (width 6) with ``fc``; the runner made its
+    static ``hidden`` buffer the draft's own width (4), so the warmup's matmul fails on it (the
+    runner catches the error and serves eagerly). The finding is the buffer's allocation, which
+    decided its width; the fix sizes it from the target's width."""
+    fc = torch.ones(6, 2)
+
+    def workload():
+        hidden = torch.zeros(4, 4 if variant == "bug" else 6)
+        m = Manager(lambda size: hidden[:size] @ fc, [4], {"hidden": hidden})
+        try:
+            m.capture()
+        except RuntimeError:
+            pass
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "undersized-buffer" and finding.tensor.startswith("hidden"), report
+    assert "hidden = torch.zeros(4" in finding.source and "hidden[:size] @ fc" in finding.evidence, finding
+
+
+@pytest.mark.parametrize("fill", [0, 1])
+def test_nan_padded_rows_make_that_a_batch_wide_scale_hands_to_real_rows(fill):
+    """Padded rows' lengths are reset to ``fill`` before each replay. A length of 0 is an attention
+    row with no keys: NaN, which stays in its row until a per-tensor scale over the whole padded
+    batch (dynamic FP8 quantisation) hands it to every real row. A length of 1 stays finite."""
+    keys = rows(4, seed=1)
+    lens = torch.zeros(4, dtype=torch.int64)
+
+    def forward(size):
+        valid = torch.arange(4)[None, :] < lens[:size, None]
+        scores = keys[None, :, 0].expand(size, 4).masked_fill(~valid, float("-inf"))
+        o = torch.softmax(scores, -1) @ keys
+        return o / o.abs().amax()
+
+    def workload():
+        m = Manager(forward, [4], {"lens": lens})
+        m.capture()
+        for n in (3, 2):
+            lens.fill_(fill)
+            lens[:n] = torch.arange(1, n + 1)
+            m.replay(n, padded={})
+    report = doctor.diagnose(workload)
+    if fill:
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "stale-padding" and finding.op == "aten.amax.default", report
+    assert "o / o.abs().amax()" in finding.source and "NaN" in finding.evidence, finding
+
+
+def test_state_announced_again_with_each_capture_keeps_its_first_values():
+    """A runner announces its KV cache with every capture; the warmup of the first capture writes
+    the reserved slot 0, and the runner puts the cache back after the captures. Padded rows then
+    write slot 0, which no request owns: no finding. (Taking each announcement's values as the
+    state as announced would make slot 0 live data, put back by the restore.)"""
+    cache, slots, x = torch.randn(6, 2, generator=torch.Generator().manual_seed(0)), torch.zeros(4, dtype=torch.int64), \
+        torch.zeros(4, 2)
+
+    def forward(size):
+        cache.index_put_((slots[:size],), x[:size] + 1)
+        return cache[slots[:size]] * 2
+
+    def workload():
+        saved = cache.clone()
+        m = Manager(forward, [], {"slots": slots, "x": x})
+        for size in (4, 2):
+            events.persistent_state("Tiny", {"cache": cache})
+            m.sizes = sorted({*m.sizes, size})
+            m.capture([size])
+        cache.copy_(saved)
+        for n in (3, 1):
+            slots.zero_()
+            slots[:n] = torch.arange(1, n + 1)
+            x[:n] = rows(n, 2, seed=n)
+            m.replay(n, padded={})
+    assert doctor.diagnose(workload).findings == []
+
+
+def _value(x):
+    return x.item() if isinstance(x, torch.Tensor) else x
+
+
+@pytest.mark.parametrize("how", ["helper", "direct"])
+def test_a_number_read_from_a_tensor_a_helper_was_handed_is_named_where_it_was_handed_in(how):
+    """An optimizer's step count is a device tensor (capturable); a helper that reads it as a
+    number syncs inside the capture because the update function handed it the tensor: the finding
+    names that line. A read in the function itself is named where it is."""
+    step_t, w = torch.zeros(()), torch.ones(4)
+
+    def update():
+        step_t.add_(1)
+        count = step_t
+        scale = _value(count) if how == "helper" else count.item()
+        w.mul_(1 - 0.1 / scale)
+
+    def workload():
+        with events.warmup():
+            update()
+        g = new_graph("cpu")
+        try:
+            with graph(g):
+                update()
+        except Exception:  # noqa: BLE001 - the capture fails, as on CUDA
+            pass
+    (finding,) = doctor.diagnose(workload).findings
+    assert finding.kind == "sync-in-capture", finding
+    line = "scale = _value(count) if how" if how == "helper" else "count.item()"
+    assert line in finding.source and "in update:" in finding.source, finding
+
+
+def test_a_number_read_from_a_tensor_the_captured_lambda_closes_over_is_named_where_it_is_read():
+    """The captured callable is a lambda over the runner's tensor: the lambda chose nothing, so the
+    finding stays at the function that reads the number."""
+    limit = torch.tensor(3)
+
+    def attention(n):
+        return torch.ones(int(n.item()))
+
+    def workload():
+        g = new_graph("cpu")
+        try:
+            with graph(g):
+                (lambda: attention(limit))()
+        except Exception:  # noqa: BLE001 - the capture fails, as on CUDA
+            pass
+    (finding,) = doctor.diagnose(workload).findings
+    assert "in attention:" in finding.source, finding
+
+
+@pytest.mark.parametrize("grads", [True, False])
+def test_a_warmup_that_steps_an_optimizer_on_gradients_is_a_training_step(grads):
+    """A whole-network capture warms up with a real optimizer step; its gradients are written by
+    hand (no backward pass). What the warmup wrote is training state, not dummy data. Without the
+    gradient, the same warmup moving the weights is a dummy batch's write that real steps read."""
+    w = torch.ones(4)
+    x = torch.zeros(4)
+    if grads:
+        w.grad = torch.zeros(4)
+
+    def step():
+        g = x * w
+        if grads:
+            w.grad.copy_(g)
+        w.sub_(0.1 * g)
+        return (x * w).sum()[None]
+
+    def workload():
+        x.copy_(torch.arange(4.0))
+        m = Manager(lambda size: step(), [1], {"x": x})
+        m.capture()
+        for k in range(2):
+            x.copy_(torch.arange(4.0) + k)
+            m.replay(1)
+    report = doctor.diagnose(workload)
+    assert (report.findings == []) == grads, report
 
 
 def test_a_workload_under_inference_mode_is_watched_to_its_end():

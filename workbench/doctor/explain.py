@@ -111,6 +111,13 @@ def unfit_write(error: str) -> str:
             "on a GPU a kernel writing past it corrupts the memory after it.")
 
 
+def misshaped_input(name: str, shape: tuple, error: str) -> str:
+    return (f"The captured code failed on the static input `{name}` (shape {shape}): {error}. A warmup and a "
+            "capture run the model on the runner's buffers, not on a step's own tensors: this buffer was made "
+            "for another width or length than the model computes with, so no capture of it can be right (and a "
+            "live step's data would not fit it either). Size it from the same configuration the model uses.")
+
+
 def over_served(what: str, real: int, captured: int) -> str:
     return (f"A replay was announced to serve {real} {what} but the graph was captured for {captured}: the graph "
             "computes only the captured ones, so the rest are silently dropped or read out of bounds.")
@@ -208,6 +215,13 @@ def carried_input(buffer: str, op: str) -> str:
             f"element of {buffer} the graph reads before each replay -- the neutral value the eager path assumes "
             "when the step brings no such input -- or, if carrying it across steps is intended, announce it as "
             "persistent state.")
+
+
+def nonfinite_padding(op: str) -> str:
+    return (f"Padded rows computed NaN or infinity (a row with no keys to attend to, memory no kernel wrote), and "
+            f"{op} mixes rows, so it hands them to every real row: a per-tensor scale from the whole padded batch, a "
+            "reduction over all tokens. Give padded rows values that stay finite (a sequence length of 1 on a null "
+            "slot, zeroed rows), or make the op read only the real rows.")
 
 
 def padding_reaches(graph: str, padded: str) -> str:

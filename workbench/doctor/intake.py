@@ -185,7 +185,7 @@ class Doctor:
         name = info.name if info is not None else "a graph"
         self.report.notes.append(f"capture of {name} failed: {type(error).__name__}: {first_line(error)}")
         if isinstance(error, CaptureError) and error.op is not None:
-            sync.finding(self, name, error.op, error.source or "<unknown>")
+            sync.aborted(self, name, error)
 
     @contained
     def replay_begin(self, graph) -> None:
@@ -280,9 +280,7 @@ class Doctor:
     @contained
     def persistent_state(self, owner: str, buffers: dict) -> None:
         self._announce(owner, buffers, "state")
-        for t in buffers.values():
-            self.initial[storage_key(t)] = t.detach().clone()
-            self.announced[storage_key(t)] = t.detach().clone()
+        mutation.state_announced(self, buffers)
 
     @contained
     def shared_outputs(self, owner: str, buffers: dict) -> None:
@@ -310,8 +308,10 @@ class Doctor:
 
     @contained
     def warmup_end(self) -> None:
-        """A warmup that ran a backward pass was a training step (PyTorch's whole-network capture
-        warms up with real optimizer steps): its writes are real data, as ``warmup(real=True)``'s."""
+        """A warmup that ran a backward pass, or an optimizer step (an update of a tensor that holds a
+        gradient, however the gradient got there), was a training step (PyTorch's whole-network
+        capture warms up with real optimizer steps): its writes are real data, as
+        ``warmup(real=True)``'s."""
         self.phase = "eager"
         self.warm.warmup_end()
         if self.trained:
@@ -393,7 +393,8 @@ class Doctor:
             if self.every and phase == "eager":
                 unread.copied(self, targets, args[1])
         if phase == "warmup":
-            self.trained = self.trained or torch._C._current_graph_task_id() != -1     # inside a backward pass
+            self.trained = self.trained or torch._C._current_graph_task_id() != -1 or mutable(func) and any(
+                t.is_leaf and t._grad is not None for t in written_tensors(func, args, kwargs))   # see warmup_end
             if not self.real_warmup:                   # a dummy batch's writes into live memory are suspect
                 mutation.dummy_write(self, func, args, kwargs, targets)
             if targets and not overwrites(func):    # an in-place update: does the next warmup build on it?

@@ -66,6 +66,7 @@ HOST_SYNC_METHODS = frozenset({
     "item", "tolist", "numpy", "cpu", "__repr__", "__str__", "__format__",
     "__bool__", "__int__", "__float__",
 })
+_VALUE_READS = frozenset({"item", "__int__", "__float__", "__bool__"})     # aten._local_scalar_dense
 _INDEX_OPS = frozenset({aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_})
 _LIFTS = frozenset({aten.lift_fresh, aten.lift_fresh_copy})
 _DETACHES = frozenset({aten.detach, aten.detach_})
@@ -82,19 +83,19 @@ def is_host_sync(func, args) -> bool:
     return packet in HOST_SYNC_OPS or (packet in _INDEX_OPS and _has_mask_index(args))
 
 
-def host_sync_error(op: str, source: str) -> CaptureError:
+def host_sync_error(op: str, source: str, tensor=None) -> CaptureError:
     return CaptureError(
         f"{op} inside graph capture needs the device's values on the host (a host synchronisation), "
         f"which a CUDA graph cannot wait for (cudaErrorStreamCaptureUnsupported).\n  at {source}\n"
         "Move it before or after the captured region, or keep it on the device (e.g. torch.where).",
-        op=op, source=source)
+        op=op, source=source, tensor=tensor)
 
 
 class _HostSyncGuard(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
         if name in HOST_SYNC_METHODS and not (args and type(args[0]) is HostTensor):
-            raise host_sync_error(f"Tensor.{name}()", user_frame())
+            raise host_sync_error(f"Tensor.{name}()", user_frame(), args[0] if args and name in _VALUE_READS else None)
         return func(*args, **(kwargs or {}))
 
 

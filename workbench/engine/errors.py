@@ -16,10 +16,11 @@ class CaptureError(GraphError):
     emulation raises this error at the same point, naming the op and the user's source line.
     """
 
-    def __init__(self, message: str, *, op: str | None = None, source: str | None = None) -> None:
+    def __init__(self, message: str, *, op: str | None = None, source: str | None = None, tensor=None) -> None:
         super().__init__(message)
         self.op = op
         self.source = source
+        self.tensor = tensor            # the tensor whose values a host synchronisation asked for, if one
 
 
 class IllegalMemoryAccess(RuntimeError):

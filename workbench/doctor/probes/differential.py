@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 from ...engine.opinfo import storage_key, tensors
 from ..tensors import (alias, changed, disagrees, first_line, max_abs_diff, real_rows, rng_state, set_rng_state,
                        whole)
-from . import launch, pystate, rootcause, row_writes, unpadded
+from . import launch, nonfinite, pystate, rootcause, row_writes, unpadded
 from .eager_trace import EagerRun
 
 TRACE_EVERY = 8         # a graph's compared replays between two whose launch traces are recorded
@@ -123,6 +123,10 @@ def finish(doctor, info, pending) -> None:
                              origin_of=(divergence.index, numbers, sys._getframe()))
         divergence.origin = again.origin
     row_writes.report(doctor, info, pending, run)
+    if padded and nonfinite.outputs_hit(graph_out):    # once more, to see where the NaN came from
+        again, _, _ = _eager(doctor, info, pending, replayed, rng_after, traced=True,
+                             nonfinite=(pending.real, pending.size))
+        nonfinite.report(doctor, info, pending, again)
     info.compared += 1
     info.disagreed |= (what is not None or bool(changed)) and not pending.span
     if what is not None and run.read_outputs:
@@ -210,7 +214,7 @@ def _replayed_host(info, pending) -> None:
 
 def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None = None, traced: bool = False,
            step=None, rows: tuple | None = None, stacks: tuple = (), host: tuple | None = None,
-           origin_of: tuple = ()):
+           origin_of: tuple = (), nonfinite: tuple | None = None):
     """Run the eager step (or ``step``, another eager form: the unpadded one) from the state before the
     replay (with ``reset``'s bytes put back as they were before the warmups), keep what it gives, and
     put the replay's state back, host state included (``pystate``). ``traced`` records its launch
@@ -218,7 +222,8 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
     ``rows`` (real, size, sampled): the padded step's indexed writes are attributed to its rows
     (``row_writes``). ``host``: a kept container whose first
     change the run is traced for, line by line (``pystate.tracer``). ``origin_of``: a position in
-    the trace and the numbers it is given, traced back to the frame that holds them (``eager_trace``)."""
+    the trace and the numbers it is given, traced back to the frame that holds them (``eager_trace``).
+    ``nonfinite`` (real, size): the op that hands padded rows' NaN to real rows (``nonfinite``)."""
     pre = pending.pre
     with _disable_current_modes():
         for w, _, before in pre.values():
@@ -230,7 +235,8 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
         pystate.put_back(pending.host)
     aside = not traced and _get_current_dispatch_mode() is doctor.mode
     doctor.diff, doctor.phase = (EagerRun(set(pre), launch.graph_ops(info, pending), traced, not aside, rows,
-                                          _unread_outputs(info, pending), stacks_at=stacks, origin_of=origin_of),
+                                          _unread_outputs(info, pending), stacks_at=stacks, origin_of=origin_of,
+                                          nonfinite=nonfinite),
                                   "differential")
     got = error = None
     try:

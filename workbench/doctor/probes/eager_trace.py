@@ -19,7 +19,7 @@ from ...engine.opinfo import mutable, op_tensors, overwrites, storage_key, tenso
 from ...engine.source import frames_within, location, user_frame, user_frames
 from ..records import Op
 from ..tensors import alias, host_only, signature
-from . import row_writes
+from . import nonfinite, row_writes
 
 aten = torch.ops.aten
 
@@ -51,6 +51,8 @@ class EagerRun:
     loop: str | None = None                      # the deepest frame both share: the one that looped
     origin_of: tuple = ()                        # (position in the trace, numbers it is given) to trace back...
     origin: str | None = None                    # ... to the outermost frame holding one as a local
+    nonfinite: tuple | None = None               # (real, size): find where padded rows' NaN reach real rows...
+    crossed: tuple | None = None                 # ... (op, source) of the first op that hands them over (nonfinite)
     rebound: list = dataclasses.field(default_factory=list)    # tensor bindings it moved (pystate.changes)
     host: list = dataclasses.field(default_factory=list)   # (container, name, what changed): the replay left it
     settings: list = dataclasses.field(default_factory=list)   # plain values among them it set (pystate.settings)
@@ -91,6 +93,8 @@ def on_op(doctor, func, args, kwargs, run):
     if d.rows:
         row_writes.indexed_read(doctor, func, args, d.rows)
     out = row_writes.indexed_write(doctor, func, args, kwargs, run, d.rows) if d.rows else run()
+    if d.nonfinite and d.crossed is None:
+        nonfinite.on_op(d, func, args, kwargs, out)
     for t in inputs:
         if (key := storage_key(t)) not in d.new:     # pre-existing, so alive anyway: described if reported
             d.described.setdefault(key, t)

@@ -46,41 +46,54 @@ _REGISTRIES = frozenset(torch.nn.Module().__dict__) - {"training", "_parameters"
 
 
 def watched(root: object) -> list:
-    """``(container, name)`` of the containers whose contents the step could change: objects with
-    a ``__dict__``, dicts, lists and sets reachable from ``root`` (found once per eager callable:
-    the reachable set is stable), each named by the path that reached it first. A function
-    reaches the module globals its code names (a connector kept in a module global, reached through
+    """The containers whose contents the step could change: objects with a ``__dict__``, dicts,
+    lists and sets reachable from ``root`` (found once per eager callable: the reachable set is
+    stable), each named by the path that reached it first. A function reaches the module globals
+    its code names (a connector kept in a module global, reached through
     ``get_kv_transfer_group()``), except inside torch and NumPy, whose registries and objects are
     theirs (modules and optimizers hold the model's state: those are walked). Only the globals of
     the program's own packages are walked: those of the objects and functions the step holds
     (a model's package, the runner's), not of every library their code calls.
-    Containers held by the engine's own objects are walked through, not watched."""
-    seen, out, stack, far, ours, near = {}, [], [(root, True, "the step")], [], set(), True
+    Containers held by the engine's own objects are walked through, not watched.
+
+    What is kept is the way to each container, not the container: ``(parent, step, name, watched)``
+    for everything walked, parents first (a root's parent is None and its step the object, a
+    closure's cell, a module's globals), found again at each ``keep``. Holding the containers would
+    keep alive what the program has let go (a buffer object the runner replaced, which a graph may
+    still read: the doctor must not change when memory is released)."""
+    seen, nodes, far, ours, near = {}, [], [], set(), True
+    stack = [(root, True, "the step", None, root)]
     while (stack or far) and len(seen) < _MAX_OBJECTS:
         if not stack:                   # what the step holds first; then what its functions' globals hold
             stack, far, near = far[::-1], [], False
-        obj, watch, label = stack.pop()
+        obj, watch, label, parent, step = stack.pop()
         if near:
             ours.add(_package(obj))
         # (reached first through the engine's objects, unwatched, and then from the step's: watched)
         if (was := seen.get(id(obj))) is not None and was >= watch or isinstance(obj, (*_ATOMS, *_OPAQUE)):
             continue
         seen[id(obj)] = watch
+        me = len(nodes)
+        nodes.append([parent, step, label, False])
         if isinstance(obj, types.FunctionType):
             if not (obj.__module__ or "").startswith(_LIBRARIES) and _package(obj) in ours:
-                far += [(obj.__globals__[n], watch, n) for n in _names(obj.__code__) if n in obj.__globals__]
+                far += [(obj.__globals__[n], watch, n, None, _Global(obj.__globals__, n))
+                        for n in _names(obj.__code__) if n in obj.__globals__]
             cells = zip(obj.__code__.co_freevars, obj.__closure__ or ())
-            stack += [(c.cell_contents, watch, n) for n, c in cells if _filled(c)]
-            stack += [(d, watch, f"{obj.__name__}'s default") for d in obj.__defaults__ or ()]
+            stack += [(c.cell_contents, watch, n, None, c) for n, c in cells if _filled(c)]
+            stack += [(d, watch, f"{obj.__name__}'s default", None, d) for d in obj.__defaults__ or ()]
         elif isinstance(obj, types.MethodType):
-            stack += [(obj.__self__, watch, type(obj.__self__).__name__), (obj.__func__, watch, label)]
+            stack += [(obj.__self__, watch, type(obj.__self__).__name__, me, _SELF), (obj.__func__, watch, label, None,
+                                                                                     obj.__func__)]
         elif isinstance(obj, functools.partial):
-            stack += [(v, watch, label) for v in (obj.func, *obj.args, *obj.keywords.values())]
+            stack += [(v, watch, label, None, v) for v in (obj.func, *obj.args, *obj.keywords.values())]
         elif isinstance(obj, (dict, list, tuple, set)):
-            if watch and not isinstance(obj, tuple):
-                out.append((obj, label))
+            nodes[me][3] = watch and not isinstance(obj, tuple)
+            if isinstance(obj, set):            # (a set's members are reached, never found again by a key)
+                stack += [(v, watch, f"{label}[{v!r}]", None, v) for v in obj]
+                continue
             items = obj.items() if isinstance(obj, dict) else enumerate(obj)
-            stack += [(v, watch, f"{label}[{k!r}]") for k, v in items]
+            stack += [(v, watch, f"{label}[{k!r}]", me, k) for k, v in items]
         elif isinstance(attrs := getattr(obj, "__dict__", None), dict):
             module = type(obj).__module__
             if module.startswith(_THEIRS) and not isinstance(obj, _STATEFUL) or module.startswith(_RECORDINGS) \
@@ -88,10 +101,60 @@ def watched(root: object) -> list:
                 continue                # a library's own object (an op overload, a logger), a graph's recording
             mine = not module.startswith(_INFRA)
             if mine:
-                out.append((obj, type(obj).__name__))
-                far += [(f, True, f.__name__) for f in _methods(type(obj))]
+                nodes[me][2], nodes[me][3] = type(obj).__name__, True
+                far += [(f, True, f.__name__, None, f) for f in _methods(type(obj))]
             skip = _REGISTRIES if isinstance(obj, torch.nn.Module) else ()
-            stack += [(v, mine, f"{type(obj).__name__}.{k}") for k, v in attrs.items() if k not in skip]
+            stack += [(v, mine, f"{type(obj).__name__}.{k}", me, _Attr(k)) for k, v in attrs.items() if k not in skip]
+    return _ways(nodes)
+
+
+def _ways(nodes: list) -> list:
+    """The watched nodes and those on the way to them, renumbered (parents stay first)."""
+    needed = set()
+    for i in reversed(range(len(nodes))):
+        if nodes[i][3] or i in needed:
+            needed.add(i)
+            if nodes[i][0] is not None:
+                needed.add(nodes[i][0])
+    index = {old: new for new, old in enumerate(sorted(needed))}
+    return [(None if p is None else index[p], step, label, watch)
+            for i, (p, step, label, watch) in enumerate(nodes) if i in needed]
+
+
+class _Attr(str):
+    """A step that is an attribute (an entry of an object's ``__dict__``), not a key."""
+
+
+_SELF = _Attr("__self__")
+
+
+class _Global(tuple):
+    """A root that is a module global: ``(the module's globals, name)``, looked up again each time."""
+
+    def __new__(cls, namespace: dict, name: str):
+        return super().__new__(cls, (namespace, name))
+
+
+def _found(nodes: list) -> list:
+    """Each node's object now (``_MISSING`` where the way to it is gone), parents first."""
+    out = []
+    for parent, step, _, _ in nodes:
+        if parent is None:
+            obj = (step.cell_contents if _filled(step) else _MISSING) if isinstance(step, types.CellType) \
+                else _get(*step) if isinstance(step, _Global) else step
+        elif (obj := out[parent]) is _MISSING:
+            pass
+        elif step is _SELF:
+            obj = getattr(obj, "__self__", _MISSING)
+        elif isinstance(step, _Attr):
+            obj = _get(attrs, step) if isinstance(attrs := getattr(obj, "__dict__", None), dict) else _MISSING
+        elif isinstance(obj, dict):
+            obj = _get(obj, step)
+        elif isinstance(obj, (list, tuple)) and isinstance(step, int) and step < len(obj):
+            obj = obj[step]
+        else:
+            obj = _MISSING
+        out.append(obj)
     return out
 
 
@@ -134,11 +197,16 @@ def _filled(cell) -> bool:
 
 def keep(containers: list) -> list:
     """``(container, name, a copy of its contents, the live contents)`` for each of ``watched``'s
-    containers (the live contents: the container, or an object's ``__dict__``)."""
-    out = []
-    for c, label in containers:
-        live = c if isinstance(c, (dict, list, set)) else c.__dict__
-        out.append((c, label, _copy(live), live))
+    containers, found again by its path (the live contents: the container, or an object's
+    ``__dict__``); held only until the step's comparison ends."""
+    out, seen = [], set()
+    for c, (_, _, label, watch) in zip(_found(containers), containers):
+        if not watch or c is _MISSING or id(c) in seen:
+            continue
+        live = c if isinstance(c, (dict, list, set)) else getattr(c, "__dict__", None)
+        if isinstance(live, (dict, list, set)):
+            seen.add(id(c))
+            out.append((c, label, _copy(live), live))
     return out
 
 

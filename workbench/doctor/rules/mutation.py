@@ -199,6 +199,21 @@ def before_warmup_write(doctor, targets: list, op: str) -> None:
                 doctor.warm_saved[key] = (buf, buf.ref().clone(), op, user_frame())
 
 
+def state_announced(doctor, buffers: dict) -> None:
+    """Persistent state as announced (``Doctor.announced``), and as warmups have left it since
+    (``Doctor.initial``). Announced again (a runner announces its state with every capture), the
+    elements the earlier captures' warmups wrote hold dummy data, and the state as announced is
+    what it was before them: a runner puts that back once it has captured."""
+    for t in buffers.values():
+        key, now = storage_key(t), t.detach().clone()
+        was, warm = doctor.announced.get(key), doctor.initial.get(key)
+        doctor.initial[key], doctor.announced[key] = now, now.clone()
+        if was is not None and was.shape == now.shape and was.dtype == now.dtype:
+            with _disable_current_modes():
+                dummy = changed(was, warm)
+                doctor.announced[key][dummy] = was[dummy]
+
+
 def held_live(doctor, key: int, values: torch.Tensor, view=None, buffer=None) -> torch.Tensor:
     """Which of ``values`` (the whole of persistent state; or, given them, of its ``view``, with
     ``buffer`` the announced tensor) hold live data: changed since the announcement by anything but

@@ -1,11 +1,26 @@
-"""sync-in-capture: a host synchronisation attempted while a graph is captured."""
+"""sync-in-capture: a host synchronisation attempted while a graph is captured.
+
+The line that reads a number from a tensor (``item``, ``int()``, ``float()``, ``bool()``) is not
+always the code to change. A helper that turns what it is given into a number (``_get_value(x)``,
+a kernel wrapper converting its scale arguments to launch parameters) syncs because its caller
+handed it a device tensor where a host value was needed: the finding names the frame that handed
+the tensor in, found by walking out from the syncing frame for as long as the tensor reached each
+frame as one of its arguments (or its ``*args``).
+"""
 from __future__ import annotations
+
+import inspect
+
+import torch
 
 from ...engine.cpu_graph import host_sync_error, is_host_sync
 from ...engine.opinfo import tensors
+from ...engine.source import location, mine, user_frames
 from .. import explain
 from ..report import Finding
 from ..tensors import device_to_host, host_only
+
+_VALUE_READ = torch.ops.aten._local_scalar_dense
 
 
 def check(doctor, info, func, args, kwargs, source: str) -> None:
@@ -15,12 +30,55 @@ def check(doctor, info, func, args, kwargs, source: str) -> None:
     if host_only(list(tensors(args)), info.cuda):
         return
     if is_host_sync(func, args) or device_to_host(func, args, kwargs):
-        finding(doctor, info.name, str(func), source)
+        t = args[0] if func.overloadpacket is _VALUE_READ and args else None    # a number read from a tensor
+        finding(doctor, info.name, str(func), source, handed_in([(f, f.f_lineno) for f in user_frames()], t))
         if info.cuda:
-            raise host_sync_error(str(func), source)
+            raise host_sync_error(str(func), source, t)
 
 
-def finding(doctor, graph: str, op: str, source: str) -> None:
-    doctor.add(Finding("sync-in-capture", graph, op, "-", source,
-                       f"{op} was called while {graph} was being captured", explain.sync(op)),
+def aborted(doctor, graph: str, error) -> None:
+    """The engine refused a host sync during capture (the CPU backend): its frames are in the traceback."""
+    frames, tb = [], error.__traceback__
+    while tb is not None:
+        if mine(tb.tb_frame):
+            frames.append((tb.tb_frame, tb.tb_lineno))
+        tb = tb.tb_next
+    finding(doctor, graph, error.op, error.source or "<unknown>", handed_in(frames[::-1], error.tensor))
+
+
+def handed_in(frames: list, t) -> str | None:
+    """``frames`` (innermost first, with their lines): the line of the first frame, walking out,
+    that did not receive ``t`` as an argument, when the syncing frame did; else None (as when
+    that frame only closes over ``t``: the captured lambda of a runner)."""
+    i = 0
+    while t is not None and i + 1 < len(frames) and _argument(frames[i][0], t):
+        i += 1
+    if not i or _closed_over(frames[i][0], t):
+        return None                 # (a closure's variable: chosen where the closure was made, not here)
+    return location(*frames[i])
+
+
+def _argument(frame, t) -> bool:
+    """Whether ``t`` is one of the frame's parameters (or an element of its ``*args``)."""
+    code, values = frame.f_code, frame.f_locals
+    n = code.co_argcount + code.co_kwonlyargcount
+    if any(values.get(name) is t for name in code.co_varnames[:n]):
+        return True
+    rest = values.get(code.co_varnames[n]) if code.co_flags & inspect.CO_VARARGS else None
+    return isinstance(rest, tuple) and any(x is t for x in rest)
+
+
+def _closed_over(frame, t) -> bool:
+    """Whether the frame holds ``t`` only as a variable of an enclosing scope (a lambda's)."""
+    code, values = frame.f_code, frame.f_locals
+    names = [name for name, value in values.items() if value is t]
+    return bool(names) and all(name in code.co_freevars for name in names)
+
+
+def finding(doctor, graph: str, op: str, source: str, caller: str | None = None) -> None:
+    evidence = f"{op} was called while {graph} was being captured"
+    if caller is not None:
+        evidence += (f", at {source}, on a tensor it was given as an argument: the device tensor was handed in at "
+                     f"{caller}")
+    doctor.add(Finding("sync-in-capture", graph, op, "-", caller or source, evidence, explain.sync(op)),
                ("sync-in-capture", op, source))

@@ -10,7 +10,9 @@
 * a lookup past a table's end in a dummy batch or a padded replay (``lookups``);
 * a write that fails because its data does not fit its destination, announced or not (a runner
   fills a buffer before it announces it, and a buffer a capture sized is reused by later steps):
-  data larger than the destination, or an index past its end.
+  data larger than the destination, or an index past its end;
+* an op of a warmup or a capture that fails on the shape of a static input it reads: the captured
+  code runs on the runner's buffers, and those do not have the shape it computes with.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ...engine import memory
-from ...engine.opinfo import describe, storage_key, written_tensors
+from ...engine.opinfo import describe, op_tensors, storage_key, written_tensors
 from ...engine.source import location, user_frame
 from .. import explain
 from ..report import Finding
@@ -193,6 +195,33 @@ def failed_write(doctor, func, args, kwargs, error: BaseException) -> None:
         f"(its storage holds {dst.untyped_storage().nbytes() // dst.element_size()} elements{origin}) and failed: "
         f"{first_line(error)}", explain.unfit_write(first_line(error)), {"destination_shape": list(dst.shape)}),
         ("undersized-buffer", "write", source))
+
+
+_SHAPE_ERROR = re.compile(r"shape|size|dimension", re.IGNORECASE)
+
+
+def failed_read(doctor, func, args, kwargs, error: BaseException) -> None:
+    """An op of a warmup or a capture failed on the shape of a static input it reads (a matmul whose
+    inner dimensions differ, a concatenation of mismatched rows): the model runs eagerly on its
+    own tensors, and here it runs on the runner's buffers, which were made another shape. The
+    finding is where the buffer was made, which decided its shape; the failing op is the evidence.
+    (Writes into buffers, and lookups past their end, are the rules above.)"""
+    if doctor.phase not in ("warmup", "capture") or type(error) is not RuntimeError \
+            or not _SHAPE_ERROR.search(first_line(error)) or written_tensors(func, args, kwargs):
+        return
+    read = next(((t, b) for t in op_tensors(args, kwargs) if (b := doctor.buffer(storage_key(t))) is not None
+                 and b.role == "input" and b.ref() is not None), None)
+    if read is None:
+        return
+    t, buf = read
+    whole, at = buf.ref(), user_frame()
+    made = memory.created_by(whole)
+    op, source = made if made else ("-", buf.source or at)
+    doctor.add(Finding(
+        "undersized-buffer", where(doctor), op, f"{buf.name}: {describe(whole)}", source,
+        f"during {where(doctor)}, {func} failed on {buf.name} (view {describe(t)}) at {at}: {first_line(error)}; "
+        f"the buffer was made at {source}", explain.misshaped_input(buf.name, tuple(whole.shape), first_line(error)),
+        {"buffer_shape": list(whole.shape)}), ("undersized-buffer", buf.owner, buf.name, "read"))
 
 
 _BROADCAST = re.compile(r"could not broadcast input array from shape \(([\d, ]*)\) into shape \(([\d, ]*)\)")

@@ -1,0 +1,76 @@
+"""Non-finite values that padded rows make and real rows receive.
+
+A padded row often computes NaN or infinity: a sequence length of 0 gives an attention row with no
+keys (a softmax of -inf only), a row no kernel writes keeps what the memory held. That is harmless
+while it stays in its row. It reaches real rows through any op that mixes rows: a per-tensor scale
+from the amax of the whole padded batch (FP8 activation quantisation), a norm over the batch, a
+sum over tokens. Differential replay cannot see it (its eager step runs the same padded rows), and
+a runner that neutralises padded rows with a value that is not neutral gives the two-way fill
+nothing to fill.
+
+When a padded replay's real-row outputs hold non-finite values, the eager step is run once more
+from the state before the replay, and each op is asked where its non-finite values are. The first
+op whose inputs hold them only in padded rows (rows ``real..size`` of a tensor whose rows are the
+step's; ``[1, tokens]`` layouts along the tokens) and whose output holds them where real rows
+are (its real rows, or anywhere in an output that is not per row: a scale, a sum) is where padding
+reached real rows: ``stale-padding`` at that op.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ...engine.opinfo import op_tensors, tensors
+from ...engine.source import user_frame
+from .. import explain
+from ..report import Finding
+
+
+def outputs_hit(graph_out) -> bool:
+    """Whether the replay's real-row outputs hold a non-finite value."""
+    return any(o.is_floating_point() and not bool(torch.isfinite(o).all()) for o in graph_out or ())
+
+
+def on_op(d, func, args, kwargs, out) -> None:
+    """An op of the eager step run for this probe (``EagerRun.nonfinite`` is ``(real, size)``):
+    note it (``EagerRun.crossed``) if it carries non-finite values from padded rows to real ones."""
+    real, size = d.nonfinite
+    with _disable_current_modes():
+        padded_only = False
+        for t in op_tensors(args, kwargs):
+            if not t.is_floating_point():
+                continue
+            mine, theirs = _split(t, real, size)
+            if not bool(torch.isfinite(mine).all()):
+                return                                  # real rows already had them
+            padded_only |= theirs is not None and not bool(torch.isfinite(theirs).all())
+        if not padded_only:
+            return
+        for o in (out,) if isinstance(out, torch.Tensor) else tensors(out):
+            if o.is_floating_point() and not bool(torch.isfinite(_split(o, real, size)[0]).all()):
+                d.crossed = (str(func), user_frame())
+                return
+
+
+def _split(t: torch.Tensor, real: int, size: int) -> tuple:
+    """``(real part, padded part or None)``: along the first dimension of the step's ``size``
+    (the first, or the second of a ``[1, tokens]`` layout); a tensor with no such dimension is all
+    the real rows' (a scale, a reduction over the batch)."""
+    dim = 0 if t.dim() and t.shape[0] == size else 1 if t.dim() > 1 and t.shape[0] == 1 and t.shape[1] == size \
+        else None
+    if dim is None:
+        return t, None
+    return t.narrow(dim, 0, real), t.narrow(dim, real, size - real)
+
+
+def report(doctor, info, pending, run) -> None:
+    if run.crossed is None:
+        return
+    op, source = run.crossed
+    padded = ", ".join(pending.padded) or "the padded rows"
+    doctor.add(Finding(
+        "stale-padding", info.name, op, padded, source,
+        f"sampled replay {info.replays} of {info.name} ({pending.real} real rows of {pending.size}): real-row outputs "
+        f"hold NaN or infinity; in an eager run of the step, {op} is the first op that takes non-finite values "
+        "held only by padded rows and gives them to real rows", explain.nonfinite_padding(op),
+        {"replay": info.replays, "real": pending.real, "size": pending.size}), ("stale-padding", op, source))
