@@ -3,6 +3,7 @@
 Each one names what went wrong *and* what to do about it: the people reading these are debugging a
 serving stack at 2 a.m., not reading our source.
 """
+import weakref
 
 
 class GraphError(RuntimeError):
@@ -20,7 +21,9 @@ class CaptureError(GraphError):
         super().__init__(message)
         self.op = op
         self.source = source
-        self.tensor = tensor            # the tensor whose values a host synchronisation asked for, if one
+        # the tensor whose values a host synchronisation asked for, if one (weakly: an error kept by
+        # the caller must not keep it alive)
+        self.tensor = weakref.ref(tensor) if tensor is not None else None
 
 
 class IllegalMemoryAccess(RuntimeError):

@@ -43,7 +43,8 @@ def aborted(doctor, graph: str, error) -> None:
         if mine(tb.tb_frame):
             frames.append((tb.tb_frame, tb.tb_lineno))
         tb = tb.tb_next
-    finding(doctor, graph, error.op, error.source or "<unknown>", handed_in(frames[::-1], error.tensor))
+    t = error.tensor() if error.tensor is not None else None
+    finding(doctor, graph, error.op, error.source or "<unknown>", handed_in(frames[::-1], t))
 
 
 def handed_in(frames: list, t) -> str | None:
