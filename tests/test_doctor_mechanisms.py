@@ -1017,8 +1017,9 @@ def test_a_warmup_failing_on_the_shape_of_a_static_input_names_where_it_was_made
 @pytest.mark.parametrize("fill", [0, 1])
 def test_nan_padded_rows_make_that_a_batch_wide_scale_hands_to_real_rows(fill):
     """Padded rows' lengths are reset to ``fill`` before each replay. A length of 0 is an attention
-    row with no keys: NaN, which stays in its row until a per-tensor scale over the whole padded
-    batch (dynamic FP8 quantisation) hands it to every real row. A length of 1 stays finite."""
+    row with no keys: NaN, which stays in its row (a repeated copy of the rows keeps it there) until
+    a per-tensor scale over the whole padded batch (dynamic FP8 quantisation) hands it to every
+    real row. A length of 1 stays finite."""
     keys = rows(4, seed=1)
     lens = torch.zeros(4, dtype=torch.int64)
 
@@ -1026,7 +1027,8 @@ def test_nan_padded_rows_make_that_a_batch_wide_scale_hands_to_real_rows(fill):
         valid = torch.arange(4)[None, :] < lens[:size, None]
         scores = keys[None, :, 0].expand(size, 4).masked_fill(~valid, float("-inf"))
         o = torch.softmax(scores, -1) @ keys
-        return o / o.abs().amax()
+        wide = o.repeat_interleave(2, 0)            # a copy of the rows, not a mix of them
+        return o / wide.abs().amax()
 
     def workload():
         m = Manager(forward, [4], {"lens": lens})
@@ -1040,8 +1042,23 @@ def test_nan_padded_rows_make_that_a_batch_wide_scale_hands_to_real_rows(fill):
         assert report.findings == [], report
         return
     (finding,) = report.findings
-    assert finding.kind == "stale-padding" and finding.op == "aten.amax.default", report
-    assert "o / o.abs().amax()" in finding.source and "NaN" in finding.evidence, finding
+    assert finding.kind == "stale-padding" and finding.op in ("aten.amax.default", "aten.div.Tensor"), report
+    assert "o / wide.abs().amax()" in finding.source and "NaN" in finding.evidence, finding
+
+
+def test_only_an_op_that_mixes_rows_hands_padded_rows_nan_to_real_rows():
+    """Of ops on a batch whose padded row (the last of 4) holds NaN: a per-row op keeps it there, a
+    flattened copy of the rows is no mix (as large as what carried it), a reduction is one."""
+    from types import SimpleNamespace
+    from workbench.doctor.probes import nonfinite
+    x = torch.ones(4, 3)
+    x[3] = float("nan")
+    aten = torch.ops.aten
+    for func, out, mixes in ((aten.mul.Tensor, x * 2, False), (aten.clone.default, x.reshape(-1).clone(), False),
+                             (aten.sum.default, x.sum(), True)):
+        d = SimpleNamespace(nonfinite=(3, 4), crossed=None)
+        nonfinite.on_op(d, func, (x,), {}, out)
+        assert (d.crossed is not None) == mixes, func
 
 
 def test_state_announced_again_with_each_capture_keeps_its_first_values():

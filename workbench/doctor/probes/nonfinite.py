@@ -12,8 +12,9 @@ When a padded replay's real-row outputs hold non-finite values, the eager step i
 from the state before the replay, and each op is asked where its non-finite values are. The first
 op whose inputs hold them only in padded rows (rows ``real..size`` of a tensor whose rows are the
 step's; ``[1, tokens]`` layouts along the tokens) and whose output holds them where real rows
-are (its real rows, or anywhere in an output that is not per row: a scale, a sum) is where padding
-reached real rows: ``stale-padding`` at that op.
+are (its real rows, or anywhere in a smaller output that is not per row: a scale, a sum; not a
+flattened or repeated copy of the rows) is where padding reached real rows: ``stale-padding`` at
+that op.
 """
 from __future__ import annotations
 
@@ -36,18 +37,25 @@ def on_op(d, func, args, kwargs, out) -> None:
     note it (``EagerRun.crossed``) if it carries non-finite values from padded rows to real ones."""
     real, size = d.nonfinite
     with _disable_current_modes():
-        padded_only = False
+        carrier = 0                                     # the largest input holding them in padded rows only
         for t in op_tensors(args, kwargs):
             if not t.is_floating_point():
                 continue
             mine, theirs = _split(t, real, size)
+            if theirs is None:
+                continue                                # not the step's rows: whose values, unknown
             if not bool(torch.isfinite(mine).all()):
                 return                                  # real rows already had them
-            padded_only |= theirs is not None and not bool(torch.isfinite(theirs).all())
-        if not padded_only:
+            if not bool(torch.isfinite(theirs).all()):
+                carrier = max(carrier, t.numel())
+        if not carrier:
             return
         for o in (out,) if isinstance(out, torch.Tensor) else tensors(out):
-            if o.is_floating_point() and not bool(torch.isfinite(_split(o, real, size)[0]).all()):
+            mine, theirs = _split(o, real, size)
+            # An output without the step's rows counts when it is smaller than what carried them
+            # (a reduction); a copy or an expansion of the rows (a flattened or repeated layout) is not.
+            if o.is_floating_point() and (theirs is not None or o.numel() < carrier) \
+                    and not bool(torch.isfinite(mine).all()):
                 d.crossed = (str(func), user_frame())
                 return
 
