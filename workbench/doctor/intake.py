@@ -394,7 +394,7 @@ class Doctor:
                 unread.copied(self, targets, args[1])
         if phase == "warmup":
             self.trained = self.trained or torch._C._current_graph_task_id() != -1 or mutable(func) and any(
-                t.is_leaf and t._grad is not None for t in written_tensors(func, args, kwargs))   # see warmup_end
+                t.is_leaf and t.grad is not None for t in written_tensors(func, args, kwargs))   # see warmup_end
             if not self.real_warmup:                   # a dummy batch's writes into live memory are suspect
                 mutation.dummy_write(self, func, args, kwargs, targets)
             if targets and not overwrites(func):    # an in-place update: does the next warmup build on it?

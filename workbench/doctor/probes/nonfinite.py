@@ -62,8 +62,8 @@ def on_op(d, func, args, kwargs, out) -> None:
 
 def _split(t: torch.Tensor, real: int, size: int) -> tuple:
     """``(real part, padded part or None)``: along the first dimension of the step's ``size``
-    (the first, or the second of a ``[1, tokens]`` layout); a tensor with no such dimension is all
-    the real rows' (a scale, a reduction over the batch)."""
+    (the first, or the second of a ``[1, tokens]`` layout); a tensor with no such dimension has no
+    rows to split (``on_op`` decides what it counts as)."""
     dim = 0 if t.dim() and t.shape[0] == size else 1 if t.dim() > 1 and t.shape[0] == 1 and t.shape[1] == size \
         else None
     if dim is None:

@@ -31,7 +31,8 @@ def check(doctor, info, func, args, kwargs, source: str) -> None:
         return
     if is_host_sync(func, args) or device_to_host(func, args, kwargs):
         t = args[0] if func.overloadpacket is _VALUE_READ and args else None    # a number read from a tensor
-        finding(doctor, info.name, str(func), source, handed_in([(f, f.f_lineno) for f in user_frames()], t))
+        caller = handed_in([(f, f.f_lineno) for f in user_frames()], t) if t is not None else None
+        finding(doctor, info.name, str(func), source, caller)
         if info.cuda:
             raise host_sync_error(str(func), source, t)
 
