@@ -328,6 +328,39 @@ def test_a_failure_the_workload_catches_itself_is_found_by_diagnose_and_the_fix_
     assert sys.gettrace() is None                     # diagnose left no tracer behind
 
 
+def _scores(q, weights, batch_size, per_request):
+    assert batch_size * per_request == weights.shape[0], "one weight per token"
+    return q[:weights.shape[0]] * weights
+
+
+def _indexer(q, weights, num_tokens, num_reqs):
+    batch_size = num_reqs                               # read from the step's metadata
+    return _scores(q, weights[:num_tokens], batch_size, 1)
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_check_of_a_padded_count_against_real_rows_is_named_where_the_count_was_taken(variant):
+    """An eager piece between replays checks a request count against the rows of its per-token
+    weights. The bug takes the graph's padded size for the count (4 against 3 real rows): the check
+    fails on two plain numbers' worth of evidence, named in the function that took the count (the
+    helper that asserts was handed it); the fix passes the real count."""
+    def workload():
+        m = Mixer()
+        out = m.step()
+        try:
+            _indexer(out, out[:, :1], 3, 4 if variant == "bug" else 3)
+        except AssertionError:
+            pass
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "padded-shape-mismatch" and finding.location.endswith("in _indexer"), finding
+    assert "return _scores(q, weights[:num_tokens], batch_size, 1)" in finding.source, finding
+    assert "`batch_size` = 4 (the graph's padded size)" in finding.tensor and "compared in _scores" in finding.tensor
+
+
 def test_an_error_without_padded_and_real_rows_is_only_the_workloads_error():
     with pytest.raises(ValueError), doctor.watch() as report:
         m = Mixer()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import linecache
+import re
 
 import torch
 
@@ -100,20 +101,62 @@ def _report(doctor, step: PaddedStep, error: BaseException, source: str, what: s
 
 
 def _in_frame(step: PaddedStep, frame, line: int) -> tuple[str, str] | None:
-    """``(source line, the two tensors)`` when a user frame holds a tensor with the replay's padded
-    rows and one with its real rows."""
+    """``(source line, the two quantities)`` when a user frame holds a tensor with the replay's padded
+    rows and one with its real rows; else when the failing line itself names a number equal to the
+    padded size and a tensor (or number) of the real size (a check such as ``assert batch_size * n ==
+    weights.shape[0]`` on a padded request count). A number is named where it entered the
+    computation: the frame that handed it in as an argument is the site (``_handed_in``)."""
     filename = frame.f_code.co_filename
     if filename.startswith(SKIP_DIRS) or filename.startswith("<"):
         return None
     named = [(n, t, _key(t)) for n, t in _named_tensors(frame.f_locals)]
     padded = next(((n, t) for n, t, k in named if _rows(t) == step.size and k in step.keys), None)
     real = next(((n, t) for n, t, k in named if _rows(t) == step.real and k not in step.keys), None)
-    if padded is None or real is None:
-        return None
     code = linecache.getline(filename, line).strip()
-    what = (f"`{padded[0]}` {describe(padded[1])} (the graph's {step.size} rows) and `{real[0]}` "
-            f"{describe(real[1])} ({step.real} real rows)")
-    return f"{short_path(filename)}:{line} in {frame.f_code.co_name}: {code}", what
+    if padded is not None and real is not None:
+        what = (f"`{padded[0]}` {describe(padded[1])} (the graph's {step.size} rows) and `{real[0]}` "
+                f"{describe(real[1])} ({step.real} real rows)")
+        return f"{short_path(filename)}:{line} in {frame.f_code.co_name}: {code}", what
+    on_line = set(re.findall(r"[A-Za-z_]\w*", code)) & frame.f_locals.keys()
+    number = next((n for n in sorted(on_line) if _count(frame.f_locals[n]) == step.size), None)
+    rows = next((n for n in sorted(on_line) if n != number and _count(frame.f_locals[n], rows=True) == step.real),
+                None)
+    if number is None or rows is None:
+        return None
+    what = (f"`{number}` = {step.size} (the graph's padded size) and `{rows}` "
+            f"{_quantity(frame.f_locals[rows])} ({step.real} real rows)")
+    inner = frame.f_code.co_name
+    frame, line = _handed_in(frame, number, step.size)
+    if frame.f_code.co_name != inner:
+        what += f", compared in {inner}"
+    code = linecache.getline(frame.f_code.co_filename, line).strip()
+    return f"{short_path(frame.f_code.co_filename)}:{line} in {frame.f_code.co_name}: {code}", what
+
+
+def _count(value, rows: bool = False) -> int | None:
+    """A number (not a flag), or with ``rows`` a tensor's row count as well."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    return _rows(value) if rows and isinstance(value, torch.Tensor) else None
+
+
+def _quantity(value) -> str:
+    return describe(value) if isinstance(value, torch.Tensor) else f"= {value}"
+
+
+def _handed_in(frame, name: str, value: int) -> tuple:
+    """Walk out from ``frame`` while the number ``name`` is one of its parameters and its caller (user
+    code) holds the same number: the frame where the number is the code's own (read from
+    metadata, computed) is where the padded size was taken for a real one."""
+    while True:
+        code, caller = frame.f_code, frame.f_back
+        if name not in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount] or caller is None \
+                or caller.f_code.co_filename.startswith(SKIP_DIRS):
+            return frame, frame.f_lineno
+        held = next((n for n, v in caller.f_locals.items() if _count(v) == value), None)
+        if held is None:
+            return frame, frame.f_lineno
+        frame, name = caller, held
 
 
 def raised(doctor, error: BaseException, frame) -> bool:
