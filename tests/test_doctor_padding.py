@@ -289,6 +289,12 @@ def indexed(out, lengths):
     return lengths[torch.arange(out.shape[0])]
 
 
+def listed(out, lengths):
+    per_request = lengths.tolist()                     # a host list: one entry per real request
+    del lengths
+    assert len(out) == len(per_request), "one entry per row"
+
+
 def derived_then_asserted(out, lengths):
     scaled = out * 2                                   # derived eagerly: still the graph's 4 rows
     return asserted(scaled, lengths)
@@ -299,6 +305,7 @@ def derived_then_asserted(out, lengths):
     (broadcast, RuntimeError, "return out / lengths[:, None]"),
     (indexed, IndexError, "return lengths[torch.arange(out.shape[0])]"),
     (derived_then_asserted, AssertionError, "assert out.shape[0] == lengths.shape[0]"),
+    (listed, AssertionError, "assert len(out) == len(per_request)"),
 ])
 def test_eager_code_failing_on_padded_and_real_rows_is_padded_shape_mismatch(combine, error, line):
     with pytest.raises(error), doctor.watch() as report:
@@ -358,7 +365,7 @@ def test_a_check_of_a_padded_count_against_real_rows_is_named_where_the_count_wa
     (finding,) = report.findings
     assert finding.kind == "padded-shape-mismatch" and finding.location.endswith("in _indexer"), finding
     assert "return _scores(q, weights[:num_tokens], batch_size, 1)" in finding.source, finding
-    assert "`batch_size` = 4 (the graph's padded size)" in finding.tensor and "compared in _scores" in finding.tensor
+    assert "`batch_size` = 4 (the graph's 4 rows)" in finding.tensor and "compared in _scores" in finding.tensor
 
 
 def test_an_error_without_padded_and_real_rows_is_only_the_workloads_error():

@@ -1,4 +1,5 @@
 """Each CUDA-graph rule the CPU emulation promises, one test (or a few) per rule."""
+import sys
 import gc
 
 import pytest
@@ -510,3 +511,16 @@ def test_constants_made_inside_a_capture_live_as_long_as_the_graph():
     x.fill_(2.0)
     g.replay()
     assert torch.equal(out, step())
+
+
+def _comprehension_code():
+    return [sys._getframe().f_code for _ in range(1)][0]
+
+
+def test_a_comprehension_is_named_by_the_function_it_is_written_in():
+    """Python 3.11 runs a list comprehension in a frame of its own, 3.12 inline: a site names the
+    enclosing function on both."""
+    from workbench.engine.source import function_name, location
+    code = _comprehension_code()
+    assert function_name(code) == "_comprehension_code"
+    assert " in _comprehension_code: return [sys._getframe()" in location(code, code.co_firstlineno)

@@ -25,7 +25,7 @@ import os
 import sys
 import sysconfig
 
-from ..engine.source import SKIP_DIRS, short_path
+from ..engine.source import SKIP_DIRS, function_name, short_path
 from . import failures
 from .rules import shapes, undersized
 from .tensors import first_line
@@ -106,7 +106,7 @@ class _Tracer:
             undersized.failed_host_write(doctor, error, frame)
         description = None                           # not kept, but followed: its callers must not take it for new
         if watched and doctor.graphs and _from_a_check(error, frame):
-            where = f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+            where = f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} in {function_name(frame.f_code)}"
             description = f"{type(error).__name__}: {first_line(error)} (raised at {where}, during {doctor.phase})"
         self.pending[id(frame)] = (key, description)
 

@@ -69,8 +69,23 @@ def location(frame, lineno: int | None = None) -> str:
     text = _LINES.get(key)
     if text is None:
         line = linecache.getline(code.co_filename, lineno).strip()
-        text = _LINES[key] = f"{short_path(code.co_filename)}:{lineno} in {code.co_name}: {line}"
+        text = _LINES[key] = f"{short_path(code.co_filename)}:{lineno} in {function_name(code)}: {line}"
     return text
+
+
+_INLINED = ("<listcomp>", "<dictcomp>", "<setcomp>")
+
+
+def function_name(code) -> str:
+    """The function a code object runs; for a list, dict or set comprehension, the function it is
+    written in: Python 3.12 runs those inline (PEP 709), 3.11 in a frame of their own, and a site
+    must not depend on the interpreter."""
+    if code.co_name not in _INLINED:
+        return code.co_name
+    parts = getattr(code, "co_qualname", code.co_name).split(".")
+    while parts and (parts[-1] in _INLINED or parts[-1] == "<locals>"):
+        parts.pop()
+    return parts[-1] if parts else "<module>"
 
 
 def mine(frame) -> bool:

@@ -22,7 +22,7 @@ import torch
 
 from ...engine.errors import GraphError, IllegalMemoryAccess
 from ...engine.opinfo import describe, op_tensors, storage_key, tensors
-from ...engine.source import SKIP_DIRS, short_path, user_frame
+from ...engine.source import SKIP_DIRS, function_name, location, user_frame
 from .. import explain
 from ..report import Finding
 from ..tensors import first_line
@@ -102,10 +102,11 @@ def _report(doctor, step: PaddedStep, error: BaseException, source: str, what: s
 
 def _in_frame(step: PaddedStep, frame, line: int) -> tuple[str, str] | None:
     """``(source line, the two quantities)`` when a user frame holds a tensor with the replay's padded
-    rows and one with its real rows; else when the failing line itself names a number equal to the
-    padded size and a tensor (or number) of the real size (a check such as ``assert batch_size * n ==
-    weights.shape[0]`` on a padded request count). A number is named where it entered the
-    computation: the frame that handed it in as an argument is the site (``_handed_in``)."""
+    rows and one with its real rows; else when the failing line itself names the padded rows (a
+    number equal to the graph's size, or the replay's tensor) and the real ones (a tensor's rows or a
+    list's length): a check such as ``assert batch_size * n == weights.shape[0]`` on a padded request
+    count. Such a quantity is named where it entered the computation: the frame that handed it in
+    as an argument is the site (``_handed_in``)."""
     filename = frame.f_code.co_filename
     if filename.startswith(SKIP_DIRS) or filename.startswith("<"):
         return None
@@ -116,44 +117,58 @@ def _in_frame(step: PaddedStep, frame, line: int) -> tuple[str, str] | None:
     if padded is not None and real is not None:
         what = (f"`{padded[0]}` {describe(padded[1])} (the graph's {step.size} rows) and `{real[0]}` "
                 f"{describe(real[1])} ({step.real} real rows)")
-        return f"{short_path(filename)}:{line} in {frame.f_code.co_name}: {code}", what
-    on_line = set(re.findall(r"[A-Za-z_]\w*", code)) & frame.f_locals.keys()
-    number = next((n for n in sorted(on_line) if _count(frame.f_locals[n]) == step.size), None)
-    rows = next((n for n in sorted(on_line) if n != number and _count(frame.f_locals[n], rows=True) == step.real),
-                None)
-    if number is None or rows is None:
-        return None
-    what = (f"`{number}` = {step.size} (the graph's padded size) and `{rows}` "
-            f"{_quantity(frame.f_locals[rows])} ({step.real} real rows)")
-    inner = frame.f_code.co_name
-    frame, line = _handed_in(frame, number, step.size)
-    if frame.f_code.co_name != inner:
-        what += f", compared in {inner}"
-    code = linecache.getline(frame.f_code.co_filename, line).strip()
-    return f"{short_path(frame.f_code.co_filename)}:{line} in {frame.f_code.co_name}: {code}", what
+        return location(frame, line), what
+    on_line = sorted(set(re.findall(r"[A-Za-z_]\w*", code)) & frame.f_locals.keys())
+    values = frame.f_locals
+    number = next((n for n in on_line if _padded(step, values[n])), None)
+    rows = next((n for n in on_line if n != number and _size(values[n]) == step.real), None)
+    if number is None or rows is None or all(_size(values[n]) is None for n in (number, rows)):
+        return None                    # (two bare numbers are no evidence: one side must hold rows)
+    what = (f"`{number}` {_quantity(values[number])} (the graph's {step.size} rows) and `{rows}` "
+            f"{_quantity(values[rows])} ({step.real} real rows)")
+    inner = frame.f_code
+    frame, line = _handed_in(frame, number, values[number])
+    if frame.f_code is not inner:
+        what += f", compared in {function_name(inner)}"
+    return location(frame, line), what
 
 
-def _count(value, rows: bool = False) -> int | None:
-    """A number (not a flag), or with ``rows`` a tensor's row count as well."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    return _rows(value) if rows and isinstance(value, torch.Tensor) else None
+def _number(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _size(value) -> int | None:
+    """The rows of a tensor or the length of a list or tuple: what counts a batch."""
+    if isinstance(value, torch.Tensor):
+        return _rows(value)
+    return len(value) if isinstance(value, (list, tuple)) else None
+
+
+def _padded(step: PaddedStep, value) -> bool:
+    """A number equal to the graph's padded size, or the replay's (or a derived) tensor of its rows."""
+    if isinstance(value, torch.Tensor):
+        return _rows(value) == step.size and _key(value) in step.keys
+    return _number(value) == step.size
 
 
 def _quantity(value) -> str:
-    return describe(value) if isinstance(value, torch.Tensor) else f"= {value}"
+    if isinstance(value, torch.Tensor):
+        return describe(value)
+    return f"of length {len(value)}" if isinstance(value, (list, tuple)) else f"= {value}"
 
 
-def _handed_in(frame, name: str, value: int) -> tuple:
-    """Walk out from ``frame`` while the number ``name`` is one of its parameters and its caller (user
-    code) holds the same number: the frame where the number is the code's own (read from
-    metadata, computed) is where the padded size was taken for a real one."""
+def _handed_in(frame, name: str, value) -> tuple:
+    """Walk out from ``frame`` while ``name`` is one of its parameters and its caller (user code)
+    holds the same tensor, or the same number: the frame where the quantity is the code's own
+    (read from metadata, computed, handed out by the replay) is where the padded rows were taken
+    for real ones."""
     while True:
         code, caller = frame.f_code, frame.f_back
         if name not in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount] or caller is None \
                 or caller.f_code.co_filename.startswith(SKIP_DIRS):
             return frame, frame.f_lineno
-        held = next((n for n, v in caller.f_locals.items() if _count(v) == value), None)
+        same = (lambda v: v is value) if isinstance(value, torch.Tensor) else (lambda v: _number(v) == value)
+        held = next((n for n, v in caller.f_locals.items() if same(v)), None)
         if held is None:
             return frame, frame.f_lineno
         frame, name = caller, held
