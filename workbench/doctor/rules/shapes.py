@@ -162,12 +162,12 @@ def _handed_in(frame, name: str, value) -> tuple:
     holds the same tensor, or the same number: the frame where the quantity is the code's own
     (read from metadata, computed, handed out by the replay) is where the padded rows were taken
     for real ones."""
+    same = (lambda v: v is value) if isinstance(value, torch.Tensor) else (lambda v: _number(v) == value)
     while True:
         code, caller = frame.f_code, frame.f_back
         if name not in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount] or caller is None \
                 or caller.f_code.co_filename.startswith(SKIP_DIRS):
             return frame, frame.f_lineno
-        same = (lambda v: v is value) if isinstance(value, torch.Tensor) else (lambda v: _number(v) == value)
         held = next((n for n, v in caller.f_locals.items() if same(v)), None)
         if held is None:
             return frame, frame.f_lineno
