@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -340,9 +341,9 @@ def _scores(q, weights, batch_size, per_request):
     return q[:weights.shape[0]] * weights
 
 
-def _indexer(q, weights, num_tokens, num_reqs):
-    batch_size = num_reqs                               # read from the step's metadata
-    return _scores(q, weights[:num_tokens], batch_size, 1)
+def _indexer(q, weights, metadata):
+    batch_size = metadata.num_reqs                      # read from the step's metadata
+    return _scores(q, weights[:metadata.num_tokens], batch_size, 1)
 
 
 @pytest.mark.parametrize("variant", ["bug", "fix"])
@@ -355,7 +356,7 @@ def test_a_check_of_a_padded_count_against_real_rows_is_named_where_the_count_wa
         m = Mixer()
         out = m.step()
         try:
-            _indexer(out, out[:, :1], 3, 4 if variant == "bug" else 3)
+            _indexer(out, out[:, :1], SimpleNamespace(num_tokens=3, num_reqs=4 if variant == "bug" else 3))
         except AssertionError:
             pass
     report = doctor.diagnose(workload)
@@ -364,7 +365,7 @@ def test_a_check_of_a_padded_count_against_real_rows_is_named_where_the_count_wa
         return
     (finding,) = report.findings
     assert finding.kind == "padded-shape-mismatch" and finding.location.endswith("in _indexer"), finding
-    assert "return _scores(q, weights[:num_tokens], batch_size, 1)" in finding.source, finding
+    assert "return _scores(q, weights[:metadata.num_tokens], batch_size, 1)" in finding.source, finding
     assert "`batch_size` = 4 (the graph's 4 rows)" in finding.tensor and "compared in _scores" in finding.tensor
 
 

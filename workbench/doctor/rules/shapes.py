@@ -22,10 +22,11 @@ import torch
 
 from ...engine.errors import GraphError, IllegalMemoryAccess
 from ...engine.opinfo import describe, op_tensors, storage_key, tensors
-from ...engine.source import SKIP_DIRS, function_name, location, user_frame
+from ...engine.source import SKIP_DIRS, function_name, location, mine, user_frame
 from .. import explain
 from ..report import Finding
 from ..tensors import first_line
+from . import sync
 
 
 @dataclasses.dataclass
@@ -105,13 +106,13 @@ def _in_frame(step: PaddedStep, frame, line: int) -> tuple[str, str] | None:
     rows and one with its real rows; else when the failing line itself names the padded rows (a
     number equal to the graph's size, or the replay's tensor) and the real ones (a tensor's rows or a
     list's length): a check such as ``assert batch_size * n == weights.shape[0]`` on a padded request
-    count. Such a quantity is named where it entered the computation: the frame that handed it in
-    as an argument is the site (``_handed_in``)."""
+    count. Such a number is named where it entered the computation: the frame that handed it in
+    as an argument is the site (``sync.handed_in``, as for a number read from a tensor)."""
     filename = frame.f_code.co_filename
     if filename.startswith(SKIP_DIRS) or filename.startswith("<"):
         return None
     named = [(n, t, _key(t)) for n, t in _named_tensors(frame.f_locals)]
-    padded = next(((n, t) for n, t, k in named if _rows(t) == step.size and k in step.keys), None)
+    padded = next(((n, t) for n, t, k in named if _padded(step, t)), None)
     real = next(((n, t) for n, t, k in named if _rows(t) == step.real and k not in step.keys), None)
     code = linecache.getline(filename, line).strip()
     if padded is not None and real is not None:
@@ -126,11 +127,23 @@ def _in_frame(step: PaddedStep, frame, line: int) -> tuple[str, str] | None:
         return None                    # (two bare numbers are no evidence: one side must hold rows)
     what = (f"`{number}` {_quantity(values[number])} (the graph's {step.size} rows) and `{rows}` "
             f"{_quantity(values[rows])} ({step.real} real rows)")
-    inner = frame.f_code
-    frame, line = _handed_in(frame, number, values[number])
-    if frame.f_code is not inner:
-        what += f", compared in {function_name(inner)}"
-    return location(frame, line), what
+    value = values[number]
+    # A number is named where it was taken for the padded size (the replay's tensor needs no tracing).
+    caller = None if isinstance(value, torch.Tensor) else \
+        sync.handed_in([(frame, line), *_callers(frame)], lambda v: _number(v) == value)
+    if caller is None:
+        return location(frame, line), what
+    return caller, f"{what}, compared in {function_name(frame.f_code)}"
+
+
+def _callers(frame) -> list:
+    """The user's frames that called ``frame``, innermost first, at the lines they are running."""
+    out, frame = [], frame.f_back
+    while frame is not None:
+        if mine(frame):
+            out.append((frame, frame.f_lineno))
+        frame = frame.f_back
+    return out
 
 
 def _number(value) -> int | None:
@@ -155,23 +168,6 @@ def _quantity(value) -> str:
     if isinstance(value, torch.Tensor):
         return describe(value)
     return f"of length {len(value)}" if isinstance(value, (list, tuple)) else f"= {value}"
-
-
-def _handed_in(frame, name: str, value) -> tuple:
-    """Walk out from ``frame`` while ``name`` is one of its parameters and its caller (user code)
-    holds the same tensor, or the same number: the frame where the quantity is the code's own
-    (read from metadata, computed, handed out by the replay) is where the padded rows were taken
-    for real ones."""
-    same = (lambda v: v is value) if isinstance(value, torch.Tensor) else (lambda v: _number(v) == value)
-    while True:
-        code, caller = frame.f_code, frame.f_back
-        if name not in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount] or caller is None \
-                or caller.f_code.co_filename.startswith(SKIP_DIRS):
-            return frame, frame.f_lineno
-        held = next((n for n, v in caller.f_locals.items() if same(v)), None)
-        if held is None:
-            return frame, frame.f_lineno
-        frame, name = caller, held
 
 
 def raised(doctor, error: BaseException, frame) -> bool:

@@ -31,7 +31,7 @@ def check(doctor, info, func, args, kwargs, source: str) -> None:
         return
     if is_host_sync(func, args) or device_to_host(func, args, kwargs):
         t = args[0] if func.overloadpacket is _VALUE_READ and args else None    # a number read from a tensor
-        caller = handed_in([(f, f.f_lineno) for f in user_frames()], t) if t is not None else None
+        caller = handed_in([(f, f.f_lineno) for f in user_frames()], lambda v: v is t) if t is not None else None
         finding(doctor, info.name, str(func), source, caller)
         if info.cuda:
             raise host_sync_error(str(func), source, t)
@@ -45,35 +45,37 @@ def aborted(doctor, graph: str, error) -> None:
             frames.append((tb.tb_frame, tb.tb_lineno))
         tb = tb.tb_next
     t = error.tensor() if error.tensor is not None else None
-    finding(doctor, graph, error.op, error.source or "<unknown>", handed_in(frames[::-1], t))
+    finding(doctor, graph, error.op, error.source or "<unknown>",
+            handed_in(frames[::-1], lambda v: v is t) if t is not None else None)
 
 
-def handed_in(frames: list, t) -> str | None:
+def handed_in(frames: list, same) -> str | None:
     """``frames`` (innermost first, with their lines): the line of the first frame, walking out,
-    that did not receive ``t`` as an argument, when the syncing frame did; else None (as when
-    that frame only closes over ``t``: the captured lambda of a runner)."""
+    that did not receive a value ``same`` accepts (the tensor, a number) as an argument, when the
+    first frame did; else None (as when that frame only closes over it: the captured lambda of a
+    runner). A value the code was handed was chosen by its caller: that is where to look."""
     i = 0
-    while t is not None and i + 1 < len(frames) and _argument(frames[i][0], t):
+    while i + 1 < len(frames) and _argument(frames[i][0], same):
         i += 1
-    if not i or _closed_over(frames[i][0], t):
+    if not i or _closed_over(frames[i][0], same):
         return None                 # (a closure's variable: chosen where the closure was made, not here)
     return location(*frames[i])
 
 
-def _argument(frame, t) -> bool:
-    """Whether ``t`` is one of the frame's parameters (or an element of its ``*args``)."""
+def _argument(frame, same) -> bool:
+    """Whether one of the frame's parameters (or an element of its ``*args``) is the value."""
     code, values = frame.f_code, frame.f_locals
     n = code.co_argcount + code.co_kwonlyargcount
-    if any(values.get(name) is t for name in code.co_varnames[:n]):
+    if any(name in values and same(values[name]) for name in code.co_varnames[:n]):
         return True
     rest = values.get(code.co_varnames[n]) if code.co_flags & inspect.CO_VARARGS else None
-    return isinstance(rest, tuple) and any(x is t for x in rest)
+    return isinstance(rest, tuple) and any(same(x) for x in rest)
 
 
-def _closed_over(frame, t) -> bool:
-    """Whether the frame holds ``t`` only as a variable of an enclosing scope (a lambda's)."""
+def _closed_over(frame, same) -> bool:
+    """Whether the frame holds the value only as a variable of an enclosing scope (a lambda's)."""
     code, values = frame.f_code, frame.f_locals
-    names = [name for name, value in values.items() if value is t]
+    names = [name for name, value in values.items() if same(value)]
     return bool(names) and all(name in code.co_freevars for name in names)
 
 
