@@ -15,6 +15,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from workbench import doctor
 from workbench.engine import GraphRunner, events, graph, graph_pool_handle, new_graph
+from workbench.engine.errors import IllegalMemoryAccess
 
 
 class Manager:
@@ -321,6 +322,78 @@ def test_differential_replay_keeps_alive_nothing_the_program_let_go(differential
         m.replay(4)
     report = doctor.diagnose(workload, differential=differential, padding_probe=False)
     assert [f.kind for f in report.findings] == ["dangling-reference"], report
+
+
+def test_a_capture_keeps_alive_no_local_of_the_code_that_captured_it():
+    """The Python state a capture leaves is read from the frames around it (``captured_state``):
+    reading a frame's locals must not leave the frame holding them, or a tensor released after the
+    capture would stay alive and the graph's dangling read would go unseen."""
+    def workload():
+        x = torch.ones(4)
+        g = new_graph("cpu")
+        with graph(g, name="g"):
+            out = x * 2
+        del x                                    # the graph does not own it: released here
+        events.serve(g, 4, 4, padded={}, outputs=out)
+        with pytest.raises(IllegalMemoryAccess):
+            g.replay()
+    with doctor.watch(differential=1) as report:
+        workload()
+    assert [f.kind for f in report.findings] == ["dangling-reference"], report
+
+
+class SharedBackend:
+    """One attention backend under every size's graph: each capture binds that size's metadata on it
+    (``self.forward_metadata``, as SGLang's backends do); replays refresh the static buffers only.
+    ``temperature`` is a Python float the forward reads, set by the program when it likes."""
+
+    def __init__(self):
+        self.x = torch.zeros(4, 3)
+        self.lens = torch.zeros(4)
+        self.forward_metadata = None
+        self.temperature = 1.0
+
+    def init_forward_metadata_capture_cuda_graph(self, size):
+        self.forward_metadata = (self.lens[:size], size)
+
+    def forward(self):
+        lens, size = self.forward_metadata
+        return self.x[:size] * lens[:, None] / self.temperature
+
+
+@pytest.mark.parametrize("variant", ["fix", "bug"])
+def test_each_graph_eager_form_runs_with_the_python_state_its_capture_left(variant):
+    """Sizes 4 then 2 are captured; the size-2 capture rebinds the metadata after the size-4 one.
+    The eager form of a size-4 replay is the captured callable: it must run with the metadata the
+    size-4 capture left, not the size-2 one (which would disagree with a correct graph). A value the
+    program sets after capturing (``bug``: the temperature) is the step's own: still compared as it is."""
+    def workload():
+        b = SharedBackend()
+        events.static_buffers("backend", {"x": b.x, "lens": b.lens})
+        graphs, pool = {}, graph_pool_handle("cpu")
+        for size in (4, 2):
+            b.init_forward_metadata_capture_cuda_graph(size)
+            with events.warmup():
+                b.forward()
+            graphs[size] = g = new_graph("cpu")
+            with graph(g, pool=pool, name=f"size {size}"):
+                out = b.forward()
+            graphs[size] = (g, out)
+        if variant == "bug":
+            b.temperature = 0.5
+        for step in range(2):
+            b.x.copy_(rows(4, 3, seed=step))
+            b.lens.copy_(torch.arange(1.0, 5.0))
+            g, out = graphs[4]
+            events.serve(g, 4, 4, padded={}, outputs=out, eager=b.forward)
+            g.replay()
+    report = doctor.diagnose(workload)
+    assert "differential replay: 2 replay(s) compared" in " ".join(report.notes), report
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "host-work-frozen" and "self.temperature" in finding.source, finding
 
 
 def test_differential_replay_is_refused_with_a_clear_error_for_a_bad_rate():

@@ -1,4 +1,5 @@
 """Each CUDA-graph rule the CPU emulation promises, one test (or a few) per rule."""
+import contextlib
 import sys
 import gc
 
@@ -524,3 +525,35 @@ def test_a_comprehension_is_named_by_the_function_it_is_written_in():
     code = _comprehension_code()
     assert function_name(code) == "_comprehension_code"
     assert " in _comprehension_code: return [sys._getframe()" in location(code, code.co_firstlineno)
+
+
+def test_capture_end_is_announced_once_the_capture_has_closed():
+    """As on CUDA: an observer's own tensor work at ``capture_end`` is not recorded into the graph,
+    and an observer that raises there leaves no capture open behind it."""
+    from workbench.engine import events, queries
+
+    class Observer:
+        def __init__(self, fail):
+            self.fail, self.open = fail, None
+
+        def capture_end(self, g):
+            self.open = queries.is_capturing()
+            torch.ones(2).add_(1)            # the observer's own work
+            if self.fail:
+                raise RuntimeError("observer failed")
+
+    for fail in (False, True):
+        observer = Observer(fail)
+        events.subscribe(observer)
+        try:
+            g, x = new_graph("cpu"), torch.ones(3)
+            with (pytest.raises(RuntimeError, match="observer failed") if fail else contextlib.nullcontext()):
+                with graph(g):
+                    y = x * 2
+        finally:
+            events.unsubscribe(observer)
+        assert observer.open is False and not queries.is_capturing()
+        assert [op.name for op in g.ops] == ["aten.mul.Tensor"]
+        x.fill_(5.0)
+        g.replay()
+        assert torch.equal(y, torch.full((3,), 10.0))

@@ -28,7 +28,7 @@ from ..engine import memory
 from ..engine.errors import CaptureError
 from ..engine.opinfo import mutable, overwrites, pure_view, storage_key, written_tensors
 from ..engine.source import user_frame
-from .probes import differential, eager_trace, mutation as mutation_probe, padding as padding_probe
+from .probes import captured_state, differential, eager_trace, mutation as mutation_probe, padding as padding_probe
 from .probes.carried import CarriedInputs
 from .probes.startup import Startup
 from .records import Buffer, GraphInfo, Pending
@@ -172,6 +172,7 @@ class Doctor:
         self.warm.capture_end(info)
         if self.every:
             self.carried.capture_end(self, info)
+            captured_state.captured(info)
         derived.captured(self, info)
         unread.capture_end(self, info)
         self.copied.clear()

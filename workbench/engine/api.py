@@ -88,8 +88,8 @@ def graph(g, pool=None, *, name: str | None = None):
             events.capture_abort(g, e)
             g.capture_abort()
             raise
-        events.capture_end(g)
         g.capture_end()
+        events.capture_end(g)       # once the capture has closed, as on CUDA (below)
     elif isinstance(g, torch.cuda.CUDAGraph):
         if torch.cuda.is_current_stream_capturing():
             raise GraphError("A graph capture is already open; captures do not nest.")

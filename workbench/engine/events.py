@@ -8,7 +8,9 @@ engine pays one lookup per event.
 Who calls what, and when (a runner built on the graph manager gets all of this for free):
 
 * the engine itself: ``capture_begin``/``capture_end``/``capture_abort`` (``graph()``) and
-  ``replay_begin``/``replay_end`` (both graph classes).
+  ``replay_begin``/``replay_end`` (both graph classes). ``capture_end`` comes once the capture has
+  closed, on both backends: what an observer does then is not recorded, and an observer that
+  raises leaves no capture open.
 * a runner, **once, before its first warmup**, names what its tensors *mean*:
 
   - ``static_buffers``: inputs it rewrites every step and the graphs read through views: a step

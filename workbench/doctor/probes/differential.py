@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 from ...engine.opinfo import storage_key, tensors
 from ..tensors import (alias, changed, disagrees, first_line, max_abs_diff, real_rows, rng_state, set_rng_state,
                        whole)
-from . import launch, nonfinite, pystate, rootcause, row_writes, unpadded
+from . import captured_state, launch, nonfinite, pystate, rootcause, row_writes, unpadded
 from .eager_trace import EagerRun
 
 TRACE_EVERY = 8         # a graph's compared replays between two whose launch traces are recorded
@@ -239,6 +239,8 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
                                           nonfinite=nonfinite),
                                   "differential")
     got = error = None
+    with _disable_current_modes():
+        given = captured_state.restore(doctor, info)
     try:
         with torch.set_grad_enabled(pending.grad):     # code may branch on it (is_grad_enabled())
             if aside:
@@ -271,6 +273,7 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
                 if key not in pre:                  # (the replay's state, put back above, covers the rest)
                     now[mask] = kept.after[mask]
             set_rng_state(rng_after)
+        captured_state.give_back(given)
         changed = pystate.differ(pending.replayed_host)
         run.rebound = pystate.changes(changed, run.new if run.seen else None)
         run.host = [(entry[0], entry[1], pystate.what_changed(entry)) for entry in changed]

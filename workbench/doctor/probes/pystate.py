@@ -90,10 +90,10 @@ def watched(root: object) -> list:
         elif isinstance(obj, (dict, list, tuple, set)):
             nodes[me][3] = watch and not isinstance(obj, tuple)
             if isinstance(obj, set):            # (a set's members are reached, never found again by a key)
-                stack += [(v, watch, f"{label}[{v!r}]", None, v) for v in obj]
+                stack += [(v, watch, f"{label}[{_key(v)}]", None, v) for v in obj]
                 continue
             items = obj.items() if isinstance(obj, dict) else enumerate(obj)
-            stack += [(v, watch, f"{label}[{k!r}]", me, k) for k, v in items]
+            stack += [(v, watch, f"{label}[{_key(k)}]", me, k) for k, v in items]
         elif isinstance(attrs := getattr(obj, "__dict__", None), dict):
             module = type(obj).__module__
             if module.startswith(_THEIRS) and not isinstance(obj, _STATEFUL) or module.startswith(_RECORDINGS) \
@@ -106,6 +106,12 @@ def watched(root: object) -> list:
             skip = _REGISTRIES if isinstance(obj, torch.nn.Module) else ()
             stack += [(v, mine, f"{type(obj).__name__}.{k}", me, _Attr(k)) for k, v in attrs.items() if k not in skip]
     return _ways(nodes)
+
+
+def _key(key) -> str:
+    """A key in a container's name: a plain value as written; another object by its type (a tensor
+    key's ``repr`` reads its values, a host synchronisation, and a walk may run while a capture ends)."""
+    return repr(key) if isinstance(key, _ATOMS) else f"<{type(key).__name__}>"
 
 
 def _ways(nodes: list) -> list:
@@ -156,6 +162,11 @@ def _found(nodes: list) -> list:
             obj = _MISSING
         out.append(obj)
     return out
+
+
+def reached(containers: list) -> list:
+    """The watched objects and containers of ``watched``, found again now."""
+    return [c for c, (_, _, _, watch) in zip(_found(containers), containers) if watch and c is not _MISSING]
 
 
 def _package(obj) -> str:
