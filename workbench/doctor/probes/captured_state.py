@@ -35,7 +35,8 @@ _GONE = object()
 
 
 def captured(info) -> None:
-    """Keep the attributes as this capture leaves them (at its end: what its Python saw and set)."""
+    """Keep the attributes that hold tensors as this capture leaves them (at its end: what its
+    Python saw and set)."""
     frames = user_frames()[:_FRAMES]
     roots = [_locals(f) for f in frames]
     del frames
@@ -50,7 +51,7 @@ def captured(info) -> None:
         except TypeError:
             continue
         for name, value in attrs.items():
-            if (weak := _weak(value)) is not _GONE:
+            if (weak := _weak(value)) is not _GONE and _tensors_in(weak):
                 kept[(id(obj), name)] = (ref, name, weak)
     del roots, nodes
     info.left = kept
@@ -68,9 +69,9 @@ def _locals(frame) -> dict:
 
 
 def restore(doctor, info) -> list:
-    """Give each attribute that a later capture rebound, and nothing rebound since, the value this
-    graph's capture left; returns what to undo (``give_back``). The later captures are the graphs
-    watched after this one (``doctor.graphs`` keeps them in the order they were captured)."""
+    """Give each attribute holding tensors that a later capture rebound, and nothing rebound since,
+    the value this graph's capture left; returns what to undo (``give_back``). The later captures
+    are the graphs watched after this one (``doctor.graphs`` keeps them in the order they were captured)."""
     later = []
     for other in reversed(doctor.graphs.values()):
         if other is info:
@@ -85,7 +86,7 @@ def restore(doctor, info) -> list:
             continue
         attrs = vars(obj)
         now = attrs[name]
-        if not _tensors_in(weak) or not _same(now, latest) or _same(now, weak) or (value := _strong(weak)) is _GONE:
+        if not _same(now, latest) or _same(now, weak) or (value := _strong(weak)) is _GONE:
             continue
         attrs[name] = value
         undo.append((attrs, name, now, value))
