@@ -378,6 +378,44 @@ def test_an_error_without_padded_and_real_rows_is_only_the_workloads_error():
     assert report.findings == [] and report.errors == ["ValueError: something else"]
 
 
+def _lay_out(offsets_buf, new_lens, real, size, variant):
+    """Per-request position offsets for a step padded to ``size``: the bug sizes the increment by
+    the padded count and fills it from the real requests' lengths."""
+    increment = torch.zeros(size, dtype=torch.int64)
+    if variant == "bug":
+        increment[:] = new_lens - 1
+    else:
+        increment[:real] = new_lens - 1
+    offsets_buf[:size] += increment
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix", "no graph of that size"])
+def test_a_step_laid_out_with_padded_and_real_rows_fails_before_its_replay(variant):
+    """Eager code preparing a padded step combines a tensor of the graph's rows (4, the size it was
+    captured for) with one of the real requests' (3) and fails before any replay:
+    ``padded-shape-mismatch`` at that line. A mismatch of sizes no graph was captured for is the
+    workload's error only."""
+    def workload():
+        pos = torch.zeros(4, dtype=torch.int64)
+        g, out = captured(lambda: pos * 2, {"pos": pos})
+        size = 4 if variant != "no graph of that size" else 5
+        try:
+            _lay_out(torch.zeros(8, dtype=torch.int64), torch.tensor([2, 3, 2]), 3, size,
+                     "fix" if variant == "fix" else "bug")
+        except RuntimeError:
+            assert variant != "fix"
+            return
+        replay(g, out, 3, 4, {"pos": pos})
+    report = doctor.diagnose(workload)
+    if variant != "bug":
+        assert report.findings == [], report
+        assert (variant == "fix") == (report.caught == []), report      # the other raised, and says so
+        return
+    (finding,) = report.findings
+    assert finding.kind == "padded-shape-mismatch" and finding.location.endswith("in _lay_out"), finding
+    assert "increment[:] = new_lens - 1" in finding.source and finding.numbers == {"size": 4, "real": 3}
+
+
 # ------------------------------------------------------------------ the GPU record
 def test_the_zoo_padded_row_bugs_are_found_and_their_fixes_clean_on_the_cpu():
     for name in padding_record.programs():

@@ -265,6 +265,14 @@ def padded_scatter(op: str, index: str, state: str) -> str:
             "share).")
 
 
+def padded_layout_mismatch(graph: str, size: int, real: int) -> str:
+    return (f"{graph} was captured for {size} rows, and eager code preparing a step for it combined a tensor of those "
+            f"{size} rows (padded rows included) with one of {real} rows, sized for the real requests only: the "
+            "shapes disagree and the step fails before its replay -- or, where they happen to broadcast, the "
+            "padded rows get the real rows' values. Size per-request quantities to the padded count, or write "
+            "them into the real rows' slice only.")
+
+
 def padded_shape_mismatch(graph: str, real: int, size: int) -> str:
     return (f"A replay of {graph} served {real} real rows at its captured size {size}, so its outputs have "
             f"{size} rows, padded rows included. Eager code after the replay combined them with tensors built for "

@@ -154,6 +154,7 @@ class GraphInfo:
         self.traced_always = False                  # its eager step wrote outside the kept state: trace each one
         self.padded_compared = 0                    # padded replays compared with an eager step
         self.read_views: dict = {}                  # static input -> views of it the capture read (rules/unread.py)
+        self.rows: frozenset = frozenset()          # ... their rows: the size the graph was captured for
         self.reads: dict = {}                       # ... as masks of the elements the graph reads
         self.derived: list = []                     # storages it reads that set-up code computed from a static input
         self.window: dict | None = None             # static-input elements written since its last replay

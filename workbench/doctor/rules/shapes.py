@@ -179,6 +179,43 @@ def raised(doctor, error: BaseException, frame) -> bool:
     return found is not None
 
 
+def failed_op(doctor, func, args, kwargs, error: BaseException) -> None:
+    """An eager op fails on a shape after the captures: one side has the rows a graph was captured
+    for (its static inputs' views), the other fewer (the real requests). Eager code laying out a
+    padded step (per-request offsets, lengths) sized one tensor by the padded count and the other
+    by the real one, and the step fails before its replay: ``padded-shape-mismatch`` at the op's
+    line. (Data larger than its destination is ``undersized-buffer``'s; this is the other way.) One
+    failure is one finding: an op failure another rule explained already (a write into an announced
+    buffer) is left to it."""
+    if doctor.phase != "eager" or not explainable(error) or not doctor.graphs:
+        return
+    pair = _mismatch(func, args, kwargs)
+    graph = next((i for i in doctor.graphs.values() if pair and pair[0] in i.rows), None)
+    source = user_frame()
+    if graph is None or any(f.op == str(func) and f.source == source for f in doctor.report.findings):
+        return
+    size, real = pair
+    doctor.add(Finding(
+        "padded-shape-mismatch", graph.name, str(func), f"a tensor of {size} rows and one of {real}", source,
+        f"after the captures, {func} failed on a tensor of {size} rows ({graph.name} was captured for {size}) "
+        f"against one of {real} rows: {first_line(error)}", explain.padded_layout_mismatch(graph.name, size, real),
+        {"size": size, "real": real}), ("padded-shape-mismatch", source))
+
+
+def _mismatch(func, args, kwargs) -> tuple[int, int] | None:
+    """``(larger, smaller)``: the first two sizes of one dimension (right-aligned, as broadcasting
+    aligns them) that differ and neither of which is 1, among the op's tensors and an ``expand``'s
+    target sizes."""
+    shapes = [tuple(t.shape) for t in op_tensors(args, kwargs) if t.dim()]
+    if func is torch.ops.aten.expand.default and len(args) > 1:
+        shapes.append(tuple(int(n) for n in args[1]))
+    for a, b in zip(shapes, shapes[1:]):
+        for x, y in zip(reversed(a), reversed(b)):
+            if x != y and 1 not in (x, y) and min(x, y) > 0:
+                return max(x, y), min(x, y)
+    return None
+
+
 def explainable(error: BaseException) -> bool:
     """What a broken shape contract raises; not the engine's own errors (a refused capture, a guarded
     replay, a replay that read released memory), which the other rules explain."""
