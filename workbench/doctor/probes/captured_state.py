@@ -105,7 +105,7 @@ def _weak(value, depth: int = 0):
     an atom as is; a tensor by a weak reference, and a view also by its geometry on its base's
     weak reference (the metadata a capture bound is often a view of a runner's buffer, released
     when the next capture binds its own, while the buffer lives on); an object of the program by a
-    weak reference and its attributes; a tuple by its items. Two levels deep at most."""
+    weak reference and its attributes; a tuple by its items. Three levels deep at most."""
     if isinstance(value, _ATOMS):
         return ("atom", value)
     if depth > 2:
