@@ -186,8 +186,9 @@ def failed_op(doctor, func, args, kwargs, error: BaseException) -> None:
     by the real one, and the step fails before its replay: ``padded-shape-mismatch`` at the op's
     line. (Data larger than its destination is ``undersized-buffer``'s; this is the other way.) One
     failure is one finding: an op failure another rule explained already (a write into an announced
-    buffer) is left to it."""
-    if doctor.phase != "eager" or not explainable(error) or not doctor.graphs:
+    buffer) is left to it, and so is one after a padded replay, which ``raised`` and ``failed`` tie
+    to that replay's tensors."""
+    if doctor.phase != "eager" or not explainable(error) or not doctor.graphs or doctor.padded_step is not None:
         return
     pair = _mismatch(func, args, kwargs)
     graph = next((i for i in doctor.graphs.values() if pair and pair[0] in i.rows), None)
