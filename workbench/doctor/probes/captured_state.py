@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import warnings
 import weakref
 
 import torch
@@ -42,17 +43,19 @@ def captured(info) -> None:
     del frames
     nodes = pystate.watched(roots)
     kept = {}
-    for obj in pystate.reached(nodes):
-        attrs = getattr(obj, "__dict__", None)
-        if not isinstance(attrs, dict) or isinstance(obj, (torch.Tensor, type)):
-            continue
-        try:
-            ref = weakref.ref(obj)
-        except TypeError:
-            continue
-        for name, value in attrs.items():
-            if (weak := _weak(value)) is not _GONE and _tensors_in(weak):
-                kept[(id(obj), name)] = (ref, name, weak)
+    with warnings.catch_warnings():     # (a library's deprecated attribute warns when looked at: not the program's)
+        warnings.simplefilter("ignore")
+        for obj in pystate.reached(nodes):
+            attrs = getattr(obj, "__dict__", None)
+            if not isinstance(attrs, dict) or isinstance(obj, (torch.Tensor, type)):
+                continue
+            try:
+                ref = weakref.ref(obj)
+            except TypeError:
+                continue
+            for name, value in attrs.items():
+                if (weak := _weak(value)) is not _GONE and _tensors_in(weak):
+                    kept[(id(obj), name)] = (ref, name, weak)
     del roots, nodes
     info.left = kept
 
