@@ -34,9 +34,13 @@ def user_frame() -> str:
     return "<unknown>"
 
 
-def user_frames() -> list:
-    """The user's frames on the stack, innermost first (frame objects: hold them only briefly)."""
-    frames, frame = [], sys._getframe(1)
+_CALLER = object()
+
+
+def user_frames(start=_CALLER) -> list:
+    """The user's frames on the stack, innermost first, from ``start`` (the caller's frame by
+    default; None: no frame) outwards (frame objects: hold them only briefly)."""
+    frames, frame = [], sys._getframe(1) if start is _CALLER else start
     while frame is not None:
         if _mine(frame.f_code):
             frames.append(frame)

@@ -22,7 +22,7 @@ import torch
 
 from ...engine.errors import GraphError, IllegalMemoryAccess
 from ...engine.opinfo import describe, op_tensors, storage_key, tensors
-from ...engine.source import SKIP_DIRS, function_name, location, mine, user_frame
+from ...engine.source import SKIP_DIRS, function_name, location, user_frame, user_frames
 from .. import explain
 from ..report import Finding
 from ..tensors import first_line
@@ -130,20 +130,11 @@ def _in_frame(step: PaddedStep, frame, line: int) -> tuple[str, str] | None:
     value = values[number]
     # A number is named where it was taken for the padded size (the replay's tensor needs no tracing).
     caller = None if isinstance(value, torch.Tensor) else \
-        sync.handed_in([(frame, line), *_callers(frame)], lambda v: _number(v) == value)
+        sync.handed_in([(frame, line), *((f, f.f_lineno) for f in user_frames(frame.f_back))],
+                       lambda v: _number(v) == value)
     if caller is None:
         return location(frame, line), what
     return caller, f"{what}, compared in {function_name(frame.f_code)}"
-
-
-def _callers(frame) -> list:
-    """The user's frames that called ``frame``, innermost first, at the lines they are running."""
-    out, frame = [], frame.f_back
-    while frame is not None:
-        if mine(frame):
-            out.append((frame, frame.f_lineno))
-        frame = frame.f_back
-    return out
 
 
 def _number(value) -> int | None:

@@ -61,6 +61,7 @@ def capture_end(doctor, info) -> None:
                                                                              stride)
                 mask |= region(view, whole)
             info.reads[key] = mask
+    # (their rows: the size the graph was captured for, which ``shapes.failed_op`` looks for)
     info.rows = frozenset(shape[0] for views in info.read_views.values() for shape, *_ in views if shape)
     info.read_views = {}
 
