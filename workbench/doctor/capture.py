@@ -69,6 +69,8 @@ def recorded(doctor, func, args, kwargs, run):
             info.created.add(key)
     if not func.is_view:
         doctor.warm.captured_op(info)
+    if doctor.reference is not None and not func.is_view:
+        doctor.reference.captured(doctor, info, func, args, kwargs)
     if not func.is_view or lifted:              # a constant's value is part of the trace
         info.ops.append(Op(str(func), source, frozenset(in_keys), written,
                            frozenset(in_keys - info.created), sig))

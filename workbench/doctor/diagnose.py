@@ -90,10 +90,12 @@ def _explained_by_padding(report: Report, padding) -> None:
     """A real row's static input that a step left unwritten (``stale-input``) because padded rows
     steered what the runner wrote (a metadata builder that skipped the refresh) is the padding's
     consequence: the finding at the same read becomes a note of the padding finding. So is the
-    unpadded step's view of the same padded rows (``probes/unpadded.py``), which localises less."""
+    unpadded step's view of the same padded rows (``probes/unpadded.py``), which localises less, and
+    a difference from the reference run (``probes/reference.py``), which the padded rows explain."""
     for f in [f for f in report.findings if f is not padding and (
             (f.kind == "stale-input" and f.source == padding.source) or
-            (f.kind == "stale-padding" and "output" in f.numbers and "unpadded" in f.numbers))]:
+            (f.kind == "stale-padding" and "output" in f.numbers and "unpadded" in f.numbers) or
+            "reference_call" in f.numbers)]:
         report.findings.remove(f)
         report.notes.append(f"{f.kind} at {f.location} follows from the stale padded rows: {f.evidence}")
 

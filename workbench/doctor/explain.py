@@ -136,6 +136,12 @@ def differential(graph: str, what: str, site: str) -> str:
             f"now. {site}")
 
 
+def reference_run(graph: str, why: str) -> str:
+    return (f"A replay of {graph} gave other results than the same step of the workload run without graphs, and "
+            f"the step's eager form (the captured callable) agrees with the graph: what is wrong is what the "
+            f"capture froze into that callable or what the runner prepares before each replay ({why}).")
+
+
 def handed_on_input(first: str, second: str, graph: str) -> str:
     return (f"The buffer {graph} reads as its static input {first} was handed on as {second} while {graph} still "
             f"reads it: every copy-in for {second} overwrites what {graph} reads, and its replays compute from "

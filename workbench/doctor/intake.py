@@ -29,10 +29,11 @@ from ..engine.errors import CaptureError
 from ..engine.opinfo import mutable, overwrites, pure_view, storage_key, written_tensors
 from ..engine.source import user_frame
 from .probes import captured_state, differential, eager_trace, mutation as mutation_probe, padding as padding_probe
+from .probes.reference import Reference
 from .probes.carried import CarriedInputs
 from .probes.startup import Startup
 from .records import Buffer, GraphInfo, Pending
-from . import capture, failures, summary
+from . import capture, failures, raised, summary
 from .failures import contained
 from .report import Finding, Report
 from .rules import dangling, derived, mutation, overwritten, padded_scatter, shapes, sync, undersized, unread, warmup
@@ -105,6 +106,7 @@ class Doctor:
         self.failure: str | None = None             # the doctor's own error, once it has stopped
         self.failed_ops: dict[int, str] = {}        # id(error) -> what an op of the watched code raised
         self.found: dict[tuple, Finding] = {}        # each hazard once (``add``), by its key
+        self.reference: Reference | None = None     # the workload's run without graphs (probes/reference.py)
 
     # ------------------------------------------------------------------ shared lookups
     def add(self, finding: Finding, key: tuple) -> Finding:
@@ -217,6 +219,8 @@ class Doctor:
                 differential.begin(self, info)
             if info.writes_inputs:
                 mutation.inputs_before(self, info)
+            if self.reference is not None and not self.reference.recording:
+                self.reference.replay_begin(self, info)
         self.phase = "replay"
         # Step aside: a CPU replay runs many ops (a CUDA graph's replay dispatches none).
         if (info is None or not info.cuda) and _get_current_dispatch_mode() is self.mode:
@@ -248,6 +252,8 @@ class Doctor:
         overwritten.replayed(self, info)
         self.pool.replayed(info)
         pending, info.pending = info.pending, None
+        if self.reference is not None and error is None:
+            self.reference.replay_end(self, info, pending)
         if self.pattern is not None:
             padding_probe.record_outputs(self, info, pending)
         shapes.replayed(self, info, pending)
@@ -290,6 +296,18 @@ class Doctor:
     @contained
     def written_metadata(self, owner: str, buffers: dict) -> None:
         self._announce(owner, buffers, "metadata")
+
+    @contained
+    def reference_begin(self) -> None:
+        """Recorded under ``diagnose`` (whose tracer numbers the calls), with differential replay on,
+        before any capture, and not again in its padded-row runs."""
+        if self.every and self.pattern is None and not self.graphs and raised.tracing():
+            self.reference = Reference()
+
+    @contained
+    def reference_end(self) -> None:
+        if self.reference is not None:
+            self.reference.recording = False
 
     @contained
     def warmup_begin(self, real: bool = False) -> None:
@@ -383,6 +401,8 @@ class Doctor:
             return out
         if phase == "capture":
             return capture.recorded(self, func, args, kwargs, run)
+        if self.reference is not None:
+            self.reference.eager_op(self, func, args, kwargs)
         targets = self.targets(func, args, kwargs)
         if targets and self.every and phase == "eager":
             self.carried.wrote(self, func, args, targets)
@@ -447,4 +467,6 @@ class Doctor:
 
     # ------------------------------------------------------------------ the end
     def finish(self) -> Report:
+        if self.reference is not None and self.failure is None:
+            self.reference.conclude(self)
         return summary.finish(self)

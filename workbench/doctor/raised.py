@@ -70,6 +70,8 @@ class _Tracer:
         if self.doctor is None or frame.f_code.co_filename.startswith(SKIP_DIRS) or _stdlib(frame.f_code.co_filename):
             return None
         frame.f_trace_lines = self.doctor.capturing is not None     # the lines a capture runs: doctor/skipped.py
+        if self.doctor.reference is not None:                       # calls numbered: probes/reference.py
+            self.doctor.reference.called(self.doctor, frame)
         return self.local
 
     def local(self, frame, event, arg):
@@ -84,6 +86,8 @@ class _Tracer:
                     info.lines_run.add((frame.f_code, frame.f_lineno))
             elif event == "exception":
                 self._raised(doctor, frame, arg[1])
+            elif event == "return" and (reference := doctor.reference) is not None and reference.recording:
+                reference.returned(frame, arg)
             elif event == "return" and self.pending:
                 entry = self.pending.pop(id(frame), None)
                 if entry is not None and arg is None and _op(frame) not in _RETURNS:    # it left the frame
@@ -129,3 +133,8 @@ def _from_a_check(error: BaseException, frame) -> bool:
 
 _tracer = _Tracer()
 start, stop = _tracer.start, _tracer.stop
+
+
+def tracing() -> bool:
+    """Whether the tracer is on (the workload's calls are seen)."""
+    return _tracer.doctor is not None

@@ -139,6 +139,7 @@ class GraphInfo:
         self.eager_lines: set[str] = set()          # lines run eagerly after that warmup, outside the capture
         self.pieces: list = []                      # later pieces of its step (PIECEWISE), captured after it
         self.called: set = set()                    # functions its captured ops ran in, inside the capture block
+        self.paths: list = []                       # with a reference run: each op's functions, static views read
         self.lines_run: set = set()                 # (function, line) run inside the capture, under diagnose's tracer
         self.writes_inputs = False                  # it writes a static input (rules/mutation.py)
         self.unread_outputs: frozenset | None = None    # storages it created and never reads (differential)

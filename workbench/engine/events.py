@@ -29,6 +29,9 @@ Who calls what, and when (a runner built on the graph manager gets all of this f
 * ``dummy_run()`` around eager code that runs on a capture's dummy batch between its graphs: the
   eager regions of a PIECEWISE capture (attention between the pieces). What it writes into
   persistent state is dummy data, as a warmup's is, and must not land on live rows.
+* ``reference()`` around a run of the same workload without graphs (the eager baseline a test
+  compares the served run with), made **before** the graphs are captured: the doctor compares each
+  replay with the same step of that run.
 * ``serve`` **after** the runner has written this step's inputs (and neutralised whatever padded
   rows it neutralises), **immediately before** ``replay()``, with the padded rows (``padded``) and
   the padded columns (``padded_columns``: a buffer and the width of the step's data in it). The doctor fills only padded rows and
@@ -49,7 +52,7 @@ from typing import Any
 _observers: list[Any] = []
 _EVENTS = ("capture_begin", "capture_end", "capture_abort", "replay_begin", "replay_end", "static_buffers",
            "persistent_state", "shared_outputs", "written_metadata", "warmup_begin", "warmup_end",
-           "dummy_run_begin", "dummy_run_end", "serve", "handed_out", "engine_op")
+           "dummy_run_begin", "dummy_run_end", "reference_begin", "reference_end", "serve", "handed_out", "engine_op")
 # event -> the observers' handlers, in subscription order: looked up once per subscription, not
 # per event (a served step emits four events, and an observer's cost is host time per step).
 _handlers: dict[str, tuple] = {event: () for event in _EVENTS}
@@ -158,6 +161,22 @@ def dummy_run() -> Iterator[None]:
         yield
     finally:
         _emit("dummy_run_end")
+
+
+@contextlib.contextmanager
+def reference() -> Iterator[None]:
+    """A run of the same workload without graphs, before the served run: the same requests, the same
+    model calls, eagerly. Differential replay can only run the captured callable again, which
+    carries what capture decided and reads what the runner's replay path prepared; this run is what
+    the workload gives when neither is involved (see ``doctor/probes/reference.py``)."""
+    if not _observers:
+        yield
+        return
+    _emit("reference_begin")
+    try:
+        yield
+    finally:
+        _emit("reference_end")
 
 
 def serve(graph: Any, real: int, size: int, *, padded: Mapping[str, Any] | None = None,

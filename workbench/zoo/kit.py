@@ -61,10 +61,11 @@ def check_variant(variant: str) -> None:
 
 def compare(program: str, variant: str, device: str, served: Callable[[], Sequence[torch.Tensor]],
             eager: Callable[[], Sequence[torch.Tensor]]) -> Outcome:
-    """Run ``eager()`` (the reference, which must not raise) and then ``served()`` (graphs), and
-    compare their outputs. An exception from ``served`` is the outcome, as a user would see it."""
+    """Run ``eager()`` (the reference, which must not raise; announced as the workload's reference run)
+    and then ``served()`` (graphs), and compare their outputs. An exception from ``served`` is the outcome, as a user would see it."""
     check_variant(variant)
-    reference = [t.detach().to("cpu", torch.float64) for t in eager()]
+    with events.reference():
+        reference = [t.detach().to("cpu", torch.float64) for t in eager()]
     try:
         got = [t.detach().to("cpu", torch.float64) for t in served()]
     except Exception as e:  # noqa: BLE001 - what the graphs raised is the observation

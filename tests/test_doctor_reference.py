@@ -1,0 +1,129 @@
+"""The workload's reference run (``events.reference()``, ``doctor/probes/reference.py``): each replay
+against the same step served without graphs, where the step's eager form (the captured callable)
+agrees with the graph and differential replay cannot tell.
+
+Each workload serves three decode steps twice: first without graphs (announced as the reference),
+then through one graph per size; ``bug`` and ``fix`` differ only in the flawed lines.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from workbench import doctor
+from workbench.engine import events, graph, graph_pool_handle, new_graph
+
+BLOCK, CONTEXT = 2, 8
+LENGTHS = ([3, 5], [4, 6], [5, 7])          # two requests' sequence lengths at each step
+
+
+def _cache() -> torch.Tensor:
+    return torch.randn(2, CONTEXT, 4, generator=torch.Generator().manual_seed(0))
+
+
+def _queries(step: int) -> torch.Tensor:
+    return torch.randn(2, 4, generator=torch.Generator().manual_seed(step + 1))
+
+
+def attend(q, cache, lens, max_len: int):
+    """Blocked attention over each request's first ``lens`` positions; the number of blocks is a
+    host int (``max_len``), as a kernel's launch grid is."""
+    out = torch.zeros_like(q)
+    for b in range(math.ceil(max_len / BLOCK)):
+        pos = b * BLOCK + torch.arange(BLOCK)
+        valid = (pos[None, :] < lens[:, None]).to(q.dtype)
+        out = out + ((cache[:, b * BLOCK:(b + 1) * BLOCK] * valid[..., None]) * q[:, None, :]).sum(1)
+    return out
+
+
+class Runner:
+    """Static ``q`` and ``lens``, one graph of size 2; ``prepare`` is the replay path's copy-in."""
+
+    def __init__(self, cache, variant: str, *, capture_len: int = CONTEXT, lens_offset: int = 0):
+        self.cache, self.variant, self.lens_offset = cache, variant, lens_offset
+        self.q, self.lens = torch.zeros(2, 4), torch.zeros(2, dtype=torch.long)
+        events.static_buffers("runner", {"q": self.q, "lens": self.lens})
+        step = lambda: attend(self.q, self.cache, self.lens, capture_len)  # noqa: E731
+        with events.warmup():
+            step()
+        self.graph = new_graph("cpu")
+        with graph(self.graph, pool=graph_pool_handle("cpu"), name="decode"):
+            self.out = step()
+        self.step = step
+
+    def prepare(self, q, lens):
+        self.q.copy_(q)
+        self.lens.copy_(lens - self.lens_offset)
+
+    def __call__(self, q, lens):
+        self.prepare(q, lens)
+        events.serve(self.graph, 2, 2, padded={}, outputs=self.out, eager=self.step)
+        self.graph.replay()
+        return self.out.clone()
+
+
+def _workload(runner_for, announce: bool = True):
+    def workload():
+        cache = _cache()
+        steps = [(_queries(i), torch.tensor(lens)) for i, lens in enumerate(LENGTHS)]
+        reference_run = lambda: [attend(q, cache, lens, int(lens.max())) for q, lens in steps]  # noqa: E731
+        if announce:
+            with events.reference():
+                expected = reference_run()
+        else:
+            expected = reference_run()
+        runner = runner_for(cache)
+        got = [runner(q, lens) for q, lens in steps]
+        return expected, got
+    return workload
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_replay_path_preparing_an_input_otherwise_is_named_where_it_wrote_it(variant):
+    """``bug``: the replay path writes ``lens - 1`` (a count of accepted tokens where the kernel wants
+    sequence lengths). The captured callable reads the same static buffer, so differential replay
+    agrees with the graph; the reference run gives the attention the real lengths."""
+    workload = _workload(lambda cache: Runner(cache, variant, lens_offset=1 if variant == "bug" else 0))
+    expected, got = workload()
+    assert all(torch.equal(e, g) for e, g in zip(expected, got)) == (variant == "fix")
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "warmup-divergence" and " in prepare: " in finding.source, finding
+    assert finding.tensor.startswith("lens: ") and "reference run" in finding.evidence, finding
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_loop_count_frozen_at_capture_is_named_at_the_frame_that_loops(variant):
+    """``bug``: captured with the dummy batch's length (1: one block); every replay attends over the
+    first block only. ``fix``: captured with the longest context, blocks past a sequence add nothing.
+    The fix's graph launches more work than the reference's steps do, which is no evidence."""
+    workload = _workload(lambda cache: Runner(cache, variant, capture_len=1 if variant == "bug" else CONTEXT))
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "host-work-frozen" and " in attend: " in finding.source, finding
+
+
+def test_without_a_reference_run_the_captured_callable_agrees_with_the_graph():
+    """What the reference adds: the same bug, not announced, gives no finding (differential replay
+    re-runs the captured callable, which reads what the replay path prepared)."""
+    report = doctor.diagnose(_workload(lambda cache: Runner(cache, "bug", lens_offset=1), announce=False))
+    assert report.findings == [] and report.replays == 3, report
+
+
+def test_a_reference_run_is_recorded_only_before_any_capture():
+    """A reference announced after graphs exist describes nothing the doctor can align: ignored."""
+    def workload():
+        cache = _cache()
+        runner = Runner(cache, "bug", lens_offset=1)
+        with events.reference():
+            attend(_queries(0), cache, torch.tensor(LENGTHS[0]), CONTEXT)
+        runner(_queries(0), torch.tensor(LENGTHS[0]))
+    assert doctor.diagnose(workload).findings == []

@@ -1,0 +1,337 @@
+"""The workload's reference run: each replay against the same step run without graphs.
+
+Differential replay re-runs a step's eager form: the captured callable. That callable carries what
+capture decided (a closure over the capture's batch, a launch grid sized from its lengths, the
+branch its metadata chose), and it reads the static buffers the runner's replay path has just
+written: where the runner itself prepares a step wrongly, or the captured closure is what is
+wrong, the eager form agrees with the graph. A workload that also serves its requests without
+graphs (the eager baseline a test compares with) announces that run (``events.reference()``,
+the zoo kit's ``compare`` does); under ``diagnose`` the doctor records it:
+
+* every call of the workload's functions, numbered (``called``, from ``raised``'s tracer), and
+  what each call returned (``returned``);
+* every op with the calls it ran in and, for small tensors, the values it was given.
+
+A graph's *root* is the outermost function of its captured code that the reference also called
+(the model's forward, under the runner's lambda). The k-th step that runs the root in the served
+run -- eagerly, or as a replay of a graph with that root -- is the reference's k-th call of it.
+Where a replay's real rows differ from what that call returned, the doctor looks for why, with
+the same step on both sides:
+
+1. a static input the graph reads holds other values, in its real rows, than the tensor the
+   reference gives the same op (by line and occurrence): the runner prepared the step wrongly --
+   ``warmup-divergence`` at the line that last wrote that buffer;
+2. else the launch traces part (by op and line; shapes differ where rows are padded): the graph
+   replays what Python decided at capture -- a loop run another number of times is
+   ``host-work-frozen`` at the frame that loops, another branch ``warmup-divergence``.
+
+Only a graph no other rule has a finding for gets one (one failure, one finding). A replay whose
+outputs agree with the reference gives none, whatever its trace: a graph that launches more work
+than eager (blocks past a sequence that return early) is a standard fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ...engine.opinfo import describe, mutable, op_tensors, storage_key, tensors, written_tensors
+from ...engine.source import frames_within, location, user_frame, user_frames
+from .. import explain
+from ..records import Op
+from ..report import Finding
+from ..tensors import disagrees, host_only, max_abs_diff, real_rows
+from . import launch
+
+_LIFTS = (torch.ops.aten.lift_fresh, torch.ops.aten.lift_fresh_copy)     # constants made from Python data
+_SMALL = 1 << 16          # elements of an op's input kept as a value (metadata, ids, lengths; not activations)
+_CANDIDATES = 64          # reference calls, nearest the served run's count first, tried for a replay
+_BUDGET = 1 << 24         # elements kept in all (values and returns): past it, the reference keeps no more
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One op of the reference: its trace entry, the calls it ran in (``(code, call number,
+    line)``, outermost first) and the values of its small tensor inputs (None for the others)."""
+
+    op: Op
+    path: tuple
+    values: tuple
+
+
+class Reference:
+    """The reference run as recorded, and each graph's replays aligned with its steps."""
+
+    def __init__(self) -> None:
+        self.recording = True
+        self.numbers = itertools.count()
+        self.call: dict[int, int] = {}            # id(frame) -> the number of its call (a new call renumbers)
+        self.calls: dict = {}                     # code -> its call numbers in the reference, in order
+        self.steps: list[Step] = []
+        self.returned_values: dict[tuple, list] = {}    # (code, call number) -> the tensors it returned
+        self.kept: dict[tuple, tuple] = {}        # (storage, geometry, version) -> (its storage, weakly; value)
+        self.budget = _BUDGET
+        self.served: dict = {}                    # code -> its eager calls in the served run
+        self.replayed: dict = {}                  # code -> replays of graphs rooted there
+        self.roots: dict[int, tuple | None] = {}  # id(GraphInfo) -> (root code, indices of its ops under it)
+        self.at_replay: dict[int, tuple] = {}     # id(GraphInfo) -> (served steps before, static views' values)
+        self.by_call: tuple | None = None         # (code, call number -> its steps), for the last root asked
+        self.writers: dict[int, tuple] = {}       # static input -> (op, line) that last wrote it, in the served run
+        self.found: dict[str, tuple] = {}         # graph name -> (info, kind, op, tensor, source, text, numbers)
+
+    # ------------------------------------------------------------------ recording the reference
+    def called(self, doctor, frame) -> None:
+        """A call of the workload's code (``raised``'s tracer): numbered in the reference, counted
+        in the served run when it is a real step's (not a warmup's, a capture's, nor the doctor's)."""
+        code = frame.f_code
+        if self.recording:
+            number = next(self.numbers)
+            self.call[id(frame)] = number
+            self.calls.setdefault(code, []).append(number)
+        elif doctor.phase == "eager" and not doctor.dummy_run and code in self.calls:
+            self.served[code] = self.served.get(code, 0) + 1
+
+    def returned(self, frame, value) -> None:
+        found = tensors(value) if self.budget > 0 else ()
+        if found and (number := self.call.get(id(frame))) is not None:
+            self.returned_values[(frame.f_code, number)] = [self._keep(t, always=True) for t in found]
+
+    def eager_op(self, doctor, func, args, kwargs) -> None:
+        """An op outside captures: recorded while the reference runs; after it, a write into a
+        static input names the line that prepared it."""
+        if self.recording:
+            self._record(func, args, kwargs)
+        elif doctor.buffers and mutable(func):
+            for t in written_tensors(func, args, kwargs):
+                if (buf := doctor.buffer(key := storage_key(t))) is not None and buf.role == "input":
+                    self.writers[key] = (str(func), user_frame())
+
+    def _record(self, func, args, kwargs) -> None:
+        inputs = op_tensors(args, kwargs)
+        if func.is_view or func.overloadpacket not in _LIFTS and host_only(inputs, cuda=False):
+            return                                # no launch (a view), or host work: in no graph's trace either
+        path = tuple((f.f_code, self.call.get(id(f)), f.f_lineno) for f in reversed(user_frames()))
+        self.steps.append(Step(Op(str(func), location(path[-1][0], path[-1][2]) if path else "<unknown>"),
+                               path, tuple(self._keep(t) for t in inputs)))
+
+    def _keep(self, t: torch.Tensor, always: bool = False) -> torch.Tensor | None:
+        if not isinstance(t, torch.Tensor) or (not always and t.numel() > _SMALL) or t.numel() > self.budget:
+            return None
+        try:
+            key = (storage_key(t), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
+        except (RuntimeError, NotImplementedError):     # no strided storage
+            return None
+        held = self.kept.get(key)
+        if held is None or held[0].expired():    # (a freed storage's identity is reused)
+            with _disable_current_modes():
+                held = self.kept[key] = (StorageWeakRef(t.untyped_storage()), t.detach().clone())
+            self.budget -= t.numel()
+        return held[1]
+
+    # ------------------------------------------------------------------ the served run
+    def captured(self, doctor, info, func, args, kwargs) -> None:
+        """A captured op: the functions it ran in inside the capture, and the static-input views it
+        reads (which are looked at before each replay)."""
+        if func.is_view:
+            return
+        opened = doctor.warm.opened
+        path = tuple(f.f_code for f in reversed(frames_within(opened) or [])) if opened is not None else ()
+        views = []
+        for j, t in enumerate(op_tensors(args, kwargs)):
+            buf = doctor.buffer(key := storage_key(t))
+            if buf is not None and buf.role == "input":
+                views.append((j, buf, key, t.storage_offset(), tuple(t.shape), t.stride()))
+        info.paths.append((len(info.ops), path, tuple(views)))
+
+    def replay_begin(self, doctor, info) -> None:
+        root = self._root(info)
+        if root is None:
+            return
+        code, under = root
+        k = self.served.get(code, 0) + self.replayed.get(code, 0)
+        self.replayed[code] = self.replayed.get(code, 0) + 1
+        if info.name in self.found:
+            return
+        first_write: dict = {}                   # a buffer the graph writes is its input only until then
+        for n, op in enumerate(info.ops):
+            for key in op.writes:
+                first_write.setdefault(key, n)
+        with _disable_current_modes():
+            values = {}
+            for i in under:
+                at = info.paths[i][0]
+                for j, buf, key, offset, shape, stride in info.paths[i][2]:
+                    t = buf.ref()
+                    if t is not None and storage_key(t) == key and first_write.get(key, at) >= at:
+                        values[(i, j)] = (buf, t.as_strided(shape, stride, offset).clone())
+        self.at_replay[id(info)] = (k, values)
+
+    def replay_end(self, doctor, info, pending) -> None:
+        entry = self.at_replay.pop(id(info), None)
+        if entry is None or pending is None or pending.span:
+            return
+        code, under = self.roots[id(info)]
+        k, values = entry
+        ops = [info.ops[info.paths[i][0]] for i in under]
+        with _disable_current_modes():
+            match = self._step(code, k, ops, under, values)
+            if match is None:
+                return
+            number, ref, compared = match
+            got = [real_rows(o, pending.real, pending.size) for o in tensors(pending.outputs)]
+            differs = _differs(got, self.returned_values.get((code, number)))
+            if differs is None:
+                return
+            found = _input(self, compared) or _parting(ops, ref)
+        text = (f"replay {info.replays + 1} of {info.name} ({pending.real} real rows of {pending.size}): output "
+                f"{differs[0]} (real rows) differs by max |diff| = {differs[1]:.3g} from the reference run's same "
+                f"step (call {self.calls[code].index(number) + 1} of {code.co_name})")
+        if found is None:
+            doctor.report.notes.append(f"{text}; neither a static input it reads nor its launch trace differs")
+            return
+        self.found[info.name] = (info, *found, text, {"replay": info.replays + 1, "output": differs[0],
+                                                      "max_abs_diff": differs[1], "reference_call": number})
+
+    def _step(self, code, k: int, ops: list, under: tuple, values: dict) -> tuple | None:
+        """(call number, its ops, its comparisons) of the reference's call of ``code`` that this replay
+        serves: the call whose inputs agree with most of the static inputs the graph reads (the
+        served run's count of steps breaks a tie: a training loop whose warmup was a real step is one
+        ahead), or None when no call agrees with any (nothing ties the replay to a step)."""
+        best, calls = None, self.calls[code]
+        for c, number in sorted(enumerate(calls), key=lambda e: abs(e[0] - k))[:_CANDIDATES]:
+            ref = self._ops_of(code, number)
+            compared = _compare_views(ops, under, ref, values)
+            agree = sum(same for *_, same in compared)
+            if agree and (best is None or agree > best[0]):
+                best = (agree, number, ref, compared)
+        return best[1:] if best is not None else None
+
+    def _ops_of(self, code, number) -> list:
+        if self.by_call is None or self.by_call[0] is not code:
+            grouped: dict = {}
+            for s in self.steps:
+                for c, n, _ in s.path:
+                    if c is code:
+                        grouped.setdefault(n, []).append(s)
+                        break
+            self.by_call = (code, grouped)
+        return self.by_call[1].get(number, [])
+
+    def conclude(self, doctor) -> None:
+        """Findings for the graphs that no other rule found anything in."""
+        for name, (info, kind, op, tensor, source, why, text, numbers) in self.found.items():
+            if any(name in f.graph.split(", ") for f in doctor.report.findings):
+                continue
+            doctor.add(Finding(kind, name, op, tensor, source, f"{text}: {why}",
+                               explain.reference_run(name, why), numbers), (kind, op, source))
+
+    def _root(self, info) -> tuple | None:
+        """(root code, the positions in ``info.paths`` of the ops under it): the function of the
+        captured code that the reference called and that runs the most of its ops (outermost on a tie)."""
+        if id(info) not in self.roots:
+            best = None
+            for depth in range(max((len(p) for _, p, _ in info.paths), default=0)):
+                for code in dict.fromkeys(p[depth] for _, p, _ in info.paths if len(p) > depth):
+                    if code not in self.calls:
+                        continue
+                    under = tuple(i for i, (_, p, _) in enumerate(info.paths) if code in p)
+                    if best is None or len(under) > len(best[1]):
+                        best = (code, under)
+            self.roots[id(info)] = best
+        return self.roots[id(info)]
+
+
+def _differs(got: list, expected: list | None) -> tuple | None:
+    """(output, max |diff|) of the first output that differs from the reference's, or None (also
+    when they cannot be compared: another number of outputs, another shape)."""
+    if expected is None or len(got) != len(expected):
+        return None
+    for i, (g, e) in enumerate(zip(got, expected)):
+        if e is None or g.shape != e.shape or g.dtype != e.dtype:
+            return None
+        if bool(disagrees(g, e).any()):
+            return i, max_abs_diff(g, e)
+    return None
+
+
+def _compare_views(ops: list, under: tuple, ref: list, values: dict) -> list:
+    """Each static-input view the graph reads beside what the reference gives the same op (by op,
+    line and occurrence): ``(op, buffer, the view's real rows, the reference's tensor, equal)``."""
+    seen, out = {}, []
+    for op, i in zip(ops, under):
+        key = (op.name, op.source)
+        n = seen[key] = seen.get(key, -1) + 1
+        other = next(itertools.islice((s for s in ref if (s.op.name, s.op.source) == key), n, None), None)
+        if other is None:
+            continue
+        for j in range(len(other.values)):
+            buf, now = values.get((i, j), (None, None))
+            given = other.values[j]
+            if now is None or given is None or given.dtype != now.dtype:
+                continue
+            if (mine := _rows_like(now, given)) is not None:
+                out.append((op, buf, mine, given, not bool(disagrees(mine, given).any())))
+    return out
+
+
+def _input(reference: Reference, compared: list) -> tuple | None:
+    """The first static input whose real rows differ from what the reference gives the same op."""
+    for op, buf, mine, given, same in compared:
+        if same:
+            continue
+        writer = reference.writers.get(storage_key(buf.ref()), (op.name, op.source))
+        why = (f"{buf.name} holds other values in its real rows than the reference gives {op.name} at "
+               f"{op.source} ({int(disagrees(mine, given).sum())} element(s)); it was last written by "
+               f"{writer[0]} at {writer[1]}: the runner prepares this step's input otherwise than the workload "
+               "computes it without graphs")
+        return "warmup-divergence", writer[0], f"{buf.name}: {describe(mine)}", writer[1], why
+    return None
+
+
+def _rows_like(now: torch.Tensor, given: torch.Tensor) -> torch.Tensor | None:
+    """The graph's view laid out as the reference's tensor: the same shape, or its leading rows where
+    the reference has fewer (a padded step's real rows come first: tokens, requests, offsets)."""
+    if now.shape == given.shape:
+        return now
+    if now.dim() and now.shape[1:] == given.shape[1:] and given.shape[0] <= now.shape[0]:
+        return now[:given.shape[0]]
+    return None
+
+
+def _parting(ops: list, ref: list) -> tuple | None:
+    """Where the graph's trace and the reference step's part, by op and line."""
+    plain = lambda o: Op(o.name, o.source)  # noqa: E731 - shapes and tensors differ with padding
+    graph, eager = [plain(o) for o in ops], [s.op for s in ref]
+    d = launch.compare(graph, eager)
+    if d is None:
+        return None
+    why = f"the launch traces part: {d.text()}"
+    first, more, at = _repeated(d, graph, eager)
+    if at:                                        # the same lines run another number of times: which frame loops
+        a, b = (ref[i].path for i in at)
+        shared = [x for x, y in zip(a, b) if x[:2] == y[:2]]
+        if shared:
+            loop = location(shared[-1][0], shared[-1][2])
+            return ("host-work-frozen", first.name, "-", loop,
+                    f"{why}; the reference runs the same code another number of times ({more} op(s)) at {loop}: a "
+                    "count Python decided at capture is baked into the graph")
+    op = d.eager_op if d.how in ("skipped", "ops") or d.graph_op is None else d.graph_op
+    return "warmup-divergence", op.name, "-", op.source, f"{why}: Python took another path at capture"
+
+
+def _repeated(d, graph: list, eager: list) -> tuple:
+    """(first op one trace has beyond the other, how many, the positions in the reference's trace
+    of the last two runs of that op) where all those ops come from lines the other trace ran too:
+    the same code run another number of times. Also where one trace simply goes on (a loop at the
+    end of the step), which ``launch.repeats`` leaves to differential replay's callers."""
+    if d.how != "length":
+        return (d.eager_op if d.how == "skipped" else d.graph_op), d.inserted, launch.repeats(d, graph, eager)
+    longer, other = (eager, graph) if d.graph_op is None else (graph, eager)
+    ran, tail = {(o.name, o.source) for o in other}, longer[d.index:]
+    if not all((o.name, o.source) in ran for o in tail):
+        return tail[0], len(tail), None
+    seen = [k for k, o in enumerate(eager) if (o.name, o.source) == (tail[0].name, tail[0].source)]
+    return tail[0], len(tail), tuple(seen[-2:]) if len(seen) >= 2 else ()
