@@ -185,12 +185,13 @@ class Reference:
             differs = _differs(got, self.returned_values.get((code, number)))
             if differs is None:
                 return
-            found = _input(self, compared) or _parting(ops, ref)
+            found = _input(self, compared) or _parting(ops, ref, pending.real < pending.size)
         text = (f"replay {info.replays + 1} of {info.name} ({pending.real} real rows of {pending.size}): output "
                 f"{differs[0]} (real rows) differs by max |diff| = {differs[1]:.3g} from the reference run's same "
                 f"step (call {self.calls[code].index(number) + 1} of {code.co_name})")
         if found is None:
-            doctor.report.notes.append(f"{text}; neither a static input it reads nor its launch trace differs")
+            doctor.report.notes.append(f"{text}; neither a static input it reads nor its launch trace (beyond "
+                                       "padded rows) explains it")
             return
         self.found[info.name] = (info, *found, text, {"replay": info.replays + 1, "output": differs[0],
                                                       "max_abs_diff": differs[1], "reference_call": number})
@@ -301,8 +302,9 @@ def _rows_like(now: torch.Tensor, given: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-def _parting(ops: list, ref: list) -> tuple | None:
-    """Where the graph's trace and the reference step's part, by op and line."""
+def _parting(ops: list, ref: list, padded: bool) -> tuple | None:
+    """Where the graph's trace and the reference step's part, by op and line (``padded``: the graph
+    serves padded rows, for which code that loops over rows runs more times than for the real ones)."""
     plain = lambda o: Op(o.name, o.source)  # noqa: E731 - shapes and tensors differ with padding
     graph, eager = [plain(o) for o in ops], [s.op for s in ref]
     d = launch.compare(graph, eager)
@@ -310,6 +312,8 @@ def _parting(ops: list, ref: list) -> tuple | None:
         return None
     why = f"the launch traces part: {d.text()}"
     first, more, at = _repeated(d, graph, eager)
+    if at is not None and padded and (d.how == "extra" or d.how == "length" and d.eager_op is None):
+        return None                               # a loop over rows runs for the padded rows too: no evidence
     if at:                                        # the same lines run another number of times: which frame loops
         a, b = (ref[i].path for i in at)
         shared = [x for x, y in zip(a, b) if x[:2] == y[:2]]
