@@ -2234,3 +2234,101 @@ def test_a_frozen_number_is_named_where_the_step_read_it_from_the_host(fixed):
     assert finding.kind == "host-work-frozen" and finding.op == "aten.mul.Tensor", finding
     assert finding.location.endswith("in step") and "self.launch(self.x[:size], alpha)" in finding.source
     assert "The number comes from" in finding.cause
+
+
+def test_a_graph_the_program_let_go_of_is_not_kept_alive_by_the_doctor():
+    """The eager step's closure holds the runner (and through it the graph) but not the input
+    buffer, which the workload releases first when it returns. The doctor keeps the way to the
+    Python state each eager step reaches, a closure's cell included: until the end of the watch it
+    kept the runner alive, and the graph it no longer belonged to looked like one whose input had gone."""
+    class Runner:
+        def __init__(self, x):
+            self.graphs = {}
+            with events.warmup():
+                self.forward(x)
+            g = new_graph("cpu")
+            with graph(g, name="tiny"):
+                self.out = self.forward(x)
+            self.graphs[4] = g
+
+        def forward(self, x):
+            return x * 2
+
+        def __call__(self, x):
+            g = self.graphs[4]
+            events.serve(g, 4, 4, padded={}, outputs=self.out, eager=lambda: self.forward(x))
+            g.replay()
+            return self.out.clone()
+
+    def workload():
+        x = torch.zeros(4)
+        events.static_buffers("tiny", {"x": x})
+        runner = Runner(x)
+        for step in range(2):
+            x.copy_(torch.arange(4.0) + step)
+            runner(x)
+
+    report = doctor.diagnose(workload)
+    assert report.replays == 2 and report.findings == [], report
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_graph_that_overwrites_an_input_buffer_without_reading_it_keeps_an_output_there(variant):
+    """``scratch`` is announced as a static input and never refreshed by the runner; the graph
+    writes it. ``fix``: from ``x`` alone, the same bytes whatever it held (an output kept in an
+    input buffer: a replay's write is all anyone reads). ``bug``: a running maximum that reads what
+    the buffer held, so a step's result depends on the earlier steps' writes."""
+    x, scratch = torch.zeros(4, 3), torch.zeros(4, 3)
+
+    def forward(size):
+        y = x[:size] * 2
+        scratch[:size].copy_(torch.maximum(scratch[:size], y) if variant == "bug" else y)
+        return scratch[:size] + 1
+
+    def workload():
+        m = Manager(forward, [4], {"x": x, "scratch": scratch})
+        m.capture()
+        for step in range(2):
+            x.copy_(rows(4, 3, seed=step))
+            m.replay(4)
+
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [] and any("an output kept in an input buffer" in n for n in report.notes), report
+        return
+    assert [f.kind for f in report.findings if "scratch" in f.tensor] == ["persistent-mutation"], report
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_capture_s_outputs_taken_for_a_step_s_result(variant):
+    """A runner keyed on the wrong property captures on a real step and, ``bug``, returns what the
+    capture gave: values no kernel computed (the emulation's poison; on a GPU, whatever the memory
+    held). ``fix``: it replays right after capturing. The eager attention between two pieces of a
+    capture also reads a capture's outputs before any replay, and is no finding: what it computes
+    feeds the next piece's capture (a dummy batch)."""
+    x, mid = torch.zeros(4, 3), torch.zeros(4, 3)
+    events.static_buffers("tiny", {"x": x})
+    pool = graph_pool_handle("cpu")
+
+    def step(batch):
+        x.copy_(batch)
+        g1 = new_graph("cpu")
+        with graph(g1, pool=pool, name="piece 0"):
+            h = x * 2
+        mid.copy_(torch.softmax(h, -1))                  # the eager region between the pieces
+        g2 = new_graph("cpu")
+        with graph(g2, pool=pool, name="piece 1"):
+            out = mid + 1
+        if variant == "fix":
+            g1.replay()
+            mid.copy_(torch.softmax(h, -1))
+            g2.replay()
+        return out.clone()
+
+    report = doctor.diagnose(lambda: [step(rows(4, 3, seed=s)) for s in range(2)])
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "warmup-divergence" and finding.graph == "piece 1", finding
+    assert "with graph(g2" in finding.source and "out.clone()" in finding.evidence, finding

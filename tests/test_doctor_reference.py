@@ -38,14 +38,21 @@ def attend(q, cache, lens, max_len: int):
     return out
 
 
+def attend_clamped(q, cache, lens, max_len: int):
+    """Attention over the whole context, each request's length clamped to the batch's longest
+    (a host int: an argument of the kernel, as a graph keeps it)."""
+    valid = (torch.arange(CONTEXT)[None, :] < lens.clamp(max=max_len)[:, None]).to(q.dtype)
+    return ((cache * valid[..., None]) * q[:, None, :]).sum(1)
+
+
 class Runner:
     """Static ``q`` and ``lens``, one graph of size 2; ``prepare`` is the replay path's copy-in."""
 
-    def __init__(self, cache, variant: str, *, capture_len: int = CONTEXT, lens_offset: int = 0):
+    def __init__(self, cache, variant: str, *, capture_len: int = CONTEXT, lens_offset: int = 0, kernel=attend):
         self.cache, self.variant, self.lens_offset = cache, variant, lens_offset
         self.q, self.lens = torch.zeros(2, 4), torch.zeros(2, dtype=torch.long)
         events.static_buffers("runner", {"q": self.q, "lens": self.lens})
-        step = lambda: attend(self.q, self.cache, self.lens, capture_len)  # noqa: E731
+        step = lambda: kernel(self.q, self.cache, self.lens, capture_len)  # noqa: E731
         with events.warmup():
             step()
         self.graph = new_graph("cpu")
@@ -64,11 +71,11 @@ class Runner:
         return self.out.clone()
 
 
-def _workload(runner_for, announce: bool = True):
+def _workload(runner_for, announce: bool = True, kernel=attend):
     def workload():
         cache = _cache()
         steps = [(_queries(i), torch.tensor(lens)) for i, lens in enumerate(LENGTHS)]
-        reference_run = lambda: [attend(q, cache, lens, int(lens.max())) for q, lens in steps]  # noqa: E731
+        reference_run = lambda: [kernel(q, cache, lens, int(lens.max())) for q, lens in steps]  # noqa: E731
         if announce:
             with events.reference():
                 expected = reference_run()
@@ -109,6 +116,23 @@ def test_a_loop_count_frozen_at_capture_is_named_at_the_frame_that_loops(variant
         return
     (finding,) = report.findings
     assert finding.kind == "host-work-frozen" and " in attend: " in finding.source, finding
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_number_frozen_at_capture_is_named_at_the_op_that_keeps_it(variant):
+    """``bug``: the clamp keeps the capture batch's longest length (4) where each reference step
+    passes its own (5 to 7); ``fix``: captured with the whole context, the clamp changes nothing.
+    The launch traces agree op for op: only the number differs."""
+    kernel = attend_clamped
+    workload = _workload(lambda cache: Runner(cache, variant, capture_len=4 if variant == "bug" else CONTEXT,
+                                              kernel=kernel), kernel=kernel)
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "host-work-frozen" and " in attend_clamped: " in finding.source, finding
+    assert "runs with 4 in the graph where the reference step passes" in finding.evidence, finding
 
 
 def test_without_a_reference_run_the_captured_callable_agrees_with_the_graph():

@@ -12,7 +12,7 @@ from ..engine import memory
 from ..engine.opinfo import describe, op_tensors, storage_key, tensors, written_tensors
 from ..engine.source import user_frame
 from .records import External, Op
-from .rules import padded_scatter, sync, undersized, unread
+from .rules import padded_scatter, sync, uncomputed, undersized, unread
 from .tensors import by_value, signature
 
 aten = torch.ops.aten
@@ -59,6 +59,9 @@ def recorded(doctor, func, args, kwargs, run):
                                            (str(func), source))
         elif ext.view_only and not func.is_view:      # name the first op that really reads it
             ext.op, ext.source, ext.tensor, ext.view_only = str(func), source, describe(t), False
+    if doctor.followed:
+        for key in in_keys:
+            uncomputed.capture_reads(doctor, key)
     for key in written:
         if doctor.owner_of(key) is None:
             info.writes.setdefault(key, Op(str(func), source))

@@ -142,6 +142,13 @@ def reference_run(graph: str, why: str) -> str:
             f"capture froze into that callable or what the runner prepares before each replay ({why}).")
 
 
+def uncomputed(graph: str, op: str) -> str:
+    return (f"A capture records kernels and computes nothing that lasts: the outputs of {graph}'s capture are where "
+            f"its replays will write, not results, until it has been replayed once. {op} read them first: the step "
+            "that captured handed on what the capture returned instead of replaying (on a GPU, whatever that memory "
+            "held before). Replay the graph after capturing it, and return what the replay wrote.")
+
+
 def handed_on_input(first: str, second: str, graph: str) -> str:
     return (f"The buffer {graph} reads as its static input {first} was handed on as {second} while {graph} still "
             f"reads it: every copy-in for {second} overwrites what {graph} reads, and its replays compute from "

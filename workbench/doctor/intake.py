@@ -36,7 +36,8 @@ from .records import Buffer, GraphInfo, Pending
 from . import capture, failures, raised, summary
 from .failures import contained
 from .report import Finding, Report
-from .rules import dangling, derived, mutation, overwritten, padded_scatter, shapes, sync, undersized, unread, warmup
+from .rules import (dangling, derived, mutation, overwritten, padded_scatter, shapes, sync, uncomputed, undersized,
+                    unread, warmup)
 from .rules.pool import PoolReads
 from .tensors import first_line
 
@@ -107,6 +108,8 @@ class Doctor:
         self.failed_ops: dict[int, str] = {}        # id(error) -> what an op of the watched code raised
         self.found: dict[tuple, Finding] = {}        # each hazard once (``add``), by its key
         self.reference: Reference | None = None     # the workload's run without graphs (probes/reference.py)
+        self.uncomputed: dict[tuple, GraphInfo] = {}    # pool blocks a capture allocated, no replay wrote yet
+        self.followed: dict = {}                    # ... and those eager code computed from them (rules/uncomputed.py)
 
     # ------------------------------------------------------------------ shared lookups
     def add(self, finding: Finding, key: tuple) -> Finding:
@@ -175,6 +178,7 @@ class Doctor:
         if self.every:
             self.carried.capture_end(self, info)
             captured_state.captured(info)
+            uncomputed.captured(self, info)
         derived.captured(self, info)
         unread.capture_end(self, info)
         self.copied.clear()
@@ -247,6 +251,8 @@ class Doctor:
             self.replay_error = (error, failures.recorded_op(error, info.name))
             failures.replay_failed(self, info, error, self.replay_error[1])
         info.replays += 1
+        if self.uncomputed:
+            uncomputed.replayed(self, info)
         if self.before_replay:
             mutation.inputs_after(self, info)
         overwritten.replayed(self, info)
@@ -450,6 +456,8 @@ class Doctor:
                 out = mutation.eager_write(self, func, args, kwargs, run, targets)
             else:   # a refresh (copy, fill) that no fresh-element tracking or in-place update follows
                 out = undersized.write(self, func, targets, run)
+        if (self.uncomputed or self.followed) and not view and phase == "eager" and not self.dummy_run:
+            uncomputed.eager_op(self, func, args, kwargs, out)
         if self.padded_step is not None and not view:
             shapes.derived(self, func, args, kwargs, out)
         if self.pattern is not None and not view:
@@ -467,6 +475,8 @@ class Doctor:
 
     # ------------------------------------------------------------------ the end
     def finish(self) -> Report:
-        if self.reference is not None and self.failure is None:
-            self.reference.conclude(self)
+        if self.failure is None:
+            uncomputed.finish(self)
+            if self.reference is not None:
+                self.reference.conclude(self)
         return summary.finish(self)

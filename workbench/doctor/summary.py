@@ -40,7 +40,11 @@ def _final_checks(doctor) -> None:
     """Liveness once more (memory released after the last replay), and graphs that write a
     static buffer but were never replayed, so never probed. Where memory a graph reads has gone,
     garbage is collected first (about 0.1 s with torch loaded, so only then): a graph left in a
-    reference cycle whose tensors went already is no longer anyone's graph."""
+    reference cycle whose tensors went already is no longer anyone's graph. The doctor first lets
+    go of the way to the Python state each graph's eager step reaches (``pystate``): a closure's
+    cell it kept would otherwise keep the runner, and its graphs, alive after the program let go."""
+    for info in doctor.graphs.values():
+        info.python = None
     if any(info.ref() is not None and dangling.released_since_watched(info) for info in doctor.graphs.values()):
         gc.collect()
     for info in list(doctor.graphs.values()):

@@ -104,6 +104,17 @@ def pure_view(func) -> bool:
     return bool(func.is_view and not mutable(func))
 
 
+# Ops that read only a tensor's shape, dtype and device, never its values.
+_SHAPE_ONLY = frozenset({aten.empty_like, aten.zeros_like, aten.ones_like, aten.full_like, aten.rand_like,
+                         aten.randn_like, aten.randint_like, aten.new_empty, aten.new_zeros, aten.new_ones,
+                         aten.new_full, aten.new_empty_strided})
+
+
+def shape_only(func) -> bool:
+    """Whether the op reads only its tensors' shapes, dtypes and devices (``zeros_like``), not their values."""
+    return func.overloadpacket in _SHAPE_ONLY
+
+
 def overwrites(func) -> bool:
     """Whether the op writes its destination without reading it (a copy or a fill, not ``+=``)."""
     return func.overloadpacket in _OVERWRITES

@@ -102,7 +102,7 @@ def on_op(doctor, func, args, kwargs, run):
     if i in d.stacks_at:
         _stack(d, i)
     if d.origin_of and i == d.origin_of[0]:
-        d.origin = _origin(*d.origin_of[1:])
+        d.origin = number_origin(*d.origin_of[1:])
     same = i < len(d.graph_ops) and d.graph_ops[i].name == name and d.graph_ops[i].sig == sig
     # The source line costs a walk up the stack: where the op matches the capture's op at the
     # same position, it is taken to be the same line (a divergence is looked up in full).
@@ -143,7 +143,7 @@ def _stack(d: EagerRun, i: int) -> None:
     d.held, d.loop = None, location(shared) if shared is not None else None
 
 
-def _origin(values: tuple, top) -> str | None:
+def number_origin(values: tuple, top) -> str | None:
     """Where the Python numbers an op is given come from (``values``: as the launch signature keeps
     them, floats by their ``repr``): the line of the outermost user frame inside the step (below
     ``top``, the frame that called it) that holds one of them in a variable of its own (not a

@@ -36,15 +36,21 @@ def probe(doctor, info, graph) -> None:
         states = [{key: buf.ref().clone() for key, buf in inputs.items()}]
     replays, doctor.phase = graph.replays, "probe"
     rng = rng_state(info.cuda)              # a replay advances the generator its RNG ops use
+    written = {key: w for key in [*info.writes, *info.created]
+               if (w := whole(info.externals[key].weak) if key in info.externals else _owned(doctor, key)) is not None}
+    after_first: list = []
     try:
         for _ in range(2):
             with _disable_current_modes():
                 for key, buf in inputs.items():        # the runner's refresh, as before this replay
                     if fresh[key] is not None:
                         buf.ref()[fresh[key]] = states[0][key][fresh[key]]
+                if len(states) == 2:                   # the state the second replay starts from
+                    after_first = [w.clone() for w in written.values()]
             graph.replay()
             with _disable_current_modes():
                 states.append({key: buf.ref().clone() for key, buf in inputs.items()})
+        independent = _independent(graph, inputs, states, written, after_first)
     finally:
         doctor.phase = "eager"
         graph.replays = replays
@@ -60,8 +66,49 @@ def probe(doctor, info, graph) -> None:
         b0, b1, b2 = (s[key] for s in states)
         kept = None if fresh[key] is None else ~fresh[key]
         found = _pattern(b0, b1, b2, kept)
-        if found is not None:
+        if found is not None and found[0] == "overwriting" and key in independent:
+            doctor.report.notes.append(f"{info.name} writes every element of the static input {buf.name} it changes "
+                                       "from its other inputs (the same values whatever the buffer held): an output "
+                                       "kept in an input buffer, not a mutation of one")
+        elif found is not None:
             mutation.probed(doctor, info, key, buf, *found, b0)
+
+
+def _owned(doctor, key: int):
+    entry = doctor.owned.get(key)
+    return whole(entry[0]) if entry is not None else None
+
+
+def _independent(graph, inputs: dict, states: list, written: dict, after_first: list) -> set:
+    """The static inputs a replay overwrites from its other inputs alone: replayed once more from
+    the state after the first probe replay with every element of them set to other values, it
+    writes the same bytes into the elements it changed, and everything else it writes is the same
+    too (an output the graph keeps in an input buffer; a write that reads the buffer -- an element
+    copied from another, a running maximum, rows it leaves for later steps to read -- does not)."""
+    b0, b1, b2 = states
+    overwritten = {key: mask for key in inputs if (mask := changed(b0[key], b1[key])).any()
+                   and not changed(b1[key], b2[key]).any()}
+    if not overwritten:
+        return set()
+    with _disable_current_modes():
+        second = {key: w.clone() for key, w in written.items() if key not in overwritten}
+        for w, kept in zip(written.values(), after_first):
+            w.copy_(kept)
+        for key in overwritten:
+            t = inputs[key].ref()
+            t.copy_(_other(t))
+    graph.replay()
+    with _disable_current_modes():
+        same = (all(torch.equal(written[key], w) for key, w in second.items())
+                and all(torch.equal(inputs[key].ref()[mask], b2[key][mask]) for key, mask in overwritten.items()))
+    return set(overwritten) if same else set()
+
+
+def _other(values: torch.Tensor) -> torch.Tensor:
+    """Values that differ from ``values`` everywhere."""
+    if values.dtype == torch.bool:
+        return ~values
+    return values + 1
 
 
 def _pattern(b0: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor, kept: torch.Tensor | None):

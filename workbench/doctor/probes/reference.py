@@ -43,8 +43,9 @@ from ...engine.source import frames_within, location, user_frame, user_frames
 from .. import explain
 from ..records import Op
 from ..report import Finding
-from ..tensors import disagrees, host_only, max_abs_diff, real_rows
+from ..tensors import TensorArg, disagrees, host_only, max_abs_diff, real_rows, signature
 from . import launch
+from .eager_trace import number_origin
 
 _LIFTS = (torch.ops.aten.lift_fresh, torch.ops.aten.lift_fresh_copy)     # constants made from Python data
 _SMALL = 1 << 16          # elements of an op's input kept as a value (metadata, ids, lengths; not activations)
@@ -114,7 +115,8 @@ class Reference:
         if func.is_view or func.overloadpacket not in _LIFTS and host_only(inputs, cuda=False):
             return                                # no launch (a view), or host work: in no graph's trace either
         path = tuple((f.f_code, self.call.get(id(f)), f.f_lineno) for f in reversed(user_frames()))
-        self.steps.append(Step(Op(str(func), location(path[-1][0], path[-1][2]) if path else "<unknown>"),
+        self.steps.append(Step(Op(str(func), location(path[-1][0], path[-1][2]) if path else "<unknown>",
+                                  sig=signature(func, args, kwargs)),
                                path, tuple(self._keep(t) for t in inputs)))
 
     def _keep(self, t: torch.Tensor, always: bool = False) -> torch.Tensor | None:
@@ -144,7 +146,9 @@ class Reference:
             buf = doctor.buffer(key := storage_key(t))
             if buf is not None and buf.role == "input":
                 views.append((j, buf, key, t.storage_offset(), tuple(t.shape), t.stride()))
-        info.paths.append((len(info.ops), path, tuple(views)))
+        numbers = {v for _, v in _numbers(signature(func, args, kwargs))}
+        origins = {v: number_origin((v,), opened) for v in numbers} if opened is not None else {}
+        info.paths.append((len(info.ops), path, tuple(views), origins))
 
     def replay_begin(self, doctor, info) -> None:
         root = self._root(info)
@@ -185,7 +189,8 @@ class Reference:
             differs = _differs(got, self.returned_values.get((code, number)))
             if differs is None:
                 return
-            found = _input(self, compared) or _parting(ops, ref, pending.real < pending.size)
+            found = (_input(self, compared) or _parting(ops, ref, pending.real < pending.size)
+                     or _frozen_number(info, ops, under, ref, pending.size))
         text = (f"replay {info.replays + 1} of {info.name} ({pending.real} real rows of {pending.size}): output "
                 f"{differs[0]} (real rows) differs by max |diff| = {differs[1]:.3g} from the reference run's same "
                 f"step (call {self.calls[code].index(number) + 1} of {code.co_name})")
@@ -234,11 +239,11 @@ class Reference:
         captured code that the reference called and that runs the most of its ops (outermost on a tie)."""
         if id(info) not in self.roots:
             best = None
-            for depth in range(max((len(p) for _, p, _ in info.paths), default=0)):
-                for code in dict.fromkeys(p[depth] for _, p, _ in info.paths if len(p) > depth):
+            for depth in range(max((len(p) for _, p, *_ in info.paths), default=0)):
+                for code in dict.fromkeys(p[depth] for _, p, *_ in info.paths if len(p) > depth):
                     if code not in self.calls:
                         continue
-                    under = tuple(i for i, (_, p, _) in enumerate(info.paths) if code in p)
+                    under = tuple(i for i, (_, p, *_) in enumerate(info.paths) if code in p)
                     if best is None or len(under) > len(best[1]):
                         best = (code, under)
             self.roots[id(info)] = best
@@ -306,7 +311,7 @@ def _parting(ops: list, ref: list, padded: bool) -> tuple | None:
     """Where the graph's trace and the reference step's part, by op and line (``padded``: the graph
     serves padded rows, for which code that loops over rows runs more times than for the real ones)."""
     plain = lambda o: Op(o.name, o.source)  # noqa: E731 - shapes and tensors differ with padding
-    graph, eager = [plain(o) for o in ops], [s.op for s in ref]
+    graph, eager = [plain(o) for o in ops], [plain(s.op) for s in ref]
     d = launch.compare(graph, eager)
     if d is None:
         return None
@@ -339,3 +344,45 @@ def _repeated(d, graph: list, eager: list) -> tuple:
         return tail[0], len(tail), None
     seen = [k for k, o in enumerate(eager) if (o.name, o.source) == (tail[0].name, tail[0].source)]
     return tail[0], len(tail), tuple(seen[-2:]) if len(seen) >= 2 else ()
+
+
+def _numbers(sig: tuple) -> list:
+    """(position, value) of the plain numbers among an op's Python-decided arguments (a keyword
+    argument's too); not shapes (lists), dtypes, or 0, 1 and -1, which any code holds."""
+    out = []
+    for n, a in enumerate(sig):
+        if isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], str) and not isinstance(a, TensorArg):
+            a = a[1]                              # ("scalar", value) of a 0-dim host tensor, or (keyword, value)
+        if isinstance(a, str):
+            try:
+                float(a)
+            except ValueError:
+                continue
+        elif type(a) is not int:
+            continue
+        if a not in (0, 1, -1, "0.0", "1.0", "-1.0"):
+            out.append((n, a))
+    return out
+
+
+def _frozen_number(info, ops: list, under: tuple, ref: list, size: int) -> tuple | None:
+    """The first op (by line and occurrence) that the graph runs with another plain number than the
+    reference step gives it: a value Python computed at capture. A number the padded layout explains
+    (the graph's size, a dimension of the op's own tensors) is no evidence."""
+    seen: dict = {}
+    for op, i in zip(ops, under):
+        key = (op.name, op.source)
+        n = seen[key] = seen.get(key, -1) + 1
+        other = next(itertools.islice((s.op for s in ref if (s.op.name, s.op.source) == key), n, None), None)
+        if other is None or len(other.sig) != len(op.sig):
+            continue
+        dims = {size} | {d for a in op.sig if isinstance(a, TensorArg) for d in a.shape}
+        theirs = dict(_numbers(other.sig))
+        for position, mine in _numbers(op.sig):
+            if position in theirs and theirs[position] != mine and mine not in dims:
+                origin = info.paths[i][3].get(mine) or op.source
+                return ("host-work-frozen", op.name, "-", origin,
+                        f"{op.name} at {op.source} runs with {mine} in the graph where the reference step passes "
+                        f"{theirs[position]}: a number Python computed at capture (held at {origin}) is baked into "
+                        "the graph")
+    return None

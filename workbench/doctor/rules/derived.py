@@ -21,17 +21,13 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ...engine.opinfo import mutable, op_tensors, storage_key, tensors, written_tensors
+from ...engine.opinfo import mutable, op_tensors, shape_only, storage_key, tensors, written_tensors
 from ...engine.source import user_frame
 from .. import explain
 from ..report import Finding
 from ..tensors import changed, whole
 
 aten = torch.ops.aten
-# Ops that read only a tensor's shape, dtype and device, never its values.
-_SHAPE_ONLY = frozenset({aten.empty_like, aten.zeros_like, aten.ones_like, aten.full_like, aten.rand_like,
-                         aten.randn_like, aten.randint_like, aten.new_empty, aten.new_zeros, aten.new_ones,
-                         aten.new_full, aten.new_empty_strided})
 _DEPTH = 8                      # how far back a chain of eager ops is followed
 _KEPT = 50_000                  # storages noted at most (a watch that never replays notes no more)
 
@@ -53,7 +49,7 @@ class Derived:
 
 def record(doctor, func, args, kwargs, out) -> None:
     """Set-up only: what an eager op computed (a new storage, or one it wrote) from which storages."""
-    if func.overloadpacket in _SHAPE_ONLY or len(doctor.computed_from) >= _KEPT:
+    if shape_only(func) or len(doctor.computed_from) >= _KEPT:
         return
     inputs = op_tensors(args, kwargs)
     if not inputs:

@@ -1,0 +1,97 @@
+"""A capture's outputs read as results: values nothing computed.
+
+A capture records kernels and runs none that last (on CUDA the memory of its outputs holds whatever
+it held, on the CPU the emulation's poison): the tensors a captured callable returns are where a
+replay will write, not results. A runner that hands them on as a step's result -- it captured on
+this step's batch (a graph key that missed, a lazy capture) and returned what the capture gave
+instead of replaying -- gives its caller numbers no one computed.
+
+So eager code that reads memory a capture allocated, before any replay wrote it, is followed: what
+it computes from that memory is too (one dummy batch's value flowing on). Where such values feed
+another capture, they were the dummy batch of a capture done in pieces (the eager attention
+between two pieces of a PIECEWISE capture, the backward captured from the forward's outputs):
+nothing to report. Where they never do, the step took the capture's outputs for results:
+``warmup-divergence`` (the step took the capture's path where an eager step computes), named where
+the capture was made. Only under differential replay (``diagnose``): eager ops are then looked at anyway.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ...engine.opinfo import describe, op_tensors, overwrites, shape_only, storage_key, tensors, written_tensors
+from ...engine.source import user_frame
+from .. import explain
+from ..report import Finding
+from .pool import block
+
+_FOLLOWED = 10_000          # storages computed from uncomputed values followed at most
+
+
+@dataclasses.dataclass
+class Read:
+    """The first eager read of a capture's uncomputed outputs."""
+
+    info: object
+    op: str
+    line: str
+    tensor: str
+    captured: bool = False          # what it computed fed a capture: a capture in pieces
+
+
+def captured(doctor, info) -> None:
+    """The pool blocks ``info``'s capture allocated hold nothing computed until a replay writes them
+    (blocks, as the allocator hands them on: a later capture's output may live in this one's)."""
+    for b in info.own_blocks:
+        doctor.uncomputed[b] = info
+
+
+def replayed(doctor, info) -> None:
+    """What a replay wrote holds computed values, in its own blocks and in blocks another capture
+    allocated (a pool's memory handed on, a buffer several graphs share)."""
+    for b in [b for b, owner in doctor.uncomputed.items() if owner is info or b in info.blocks]:
+        del doctor.uncomputed[b]
+
+
+def eager_op(doctor, func, args, kwargs, out) -> None:
+    """An eager op (after it ran): does it compute from uncomputed memory? Then so does what it wrote.
+    (A graph that is gone took its blocks with it: their addresses are anyone's now.)"""
+    if shape_only(func):
+        return
+    read = None
+    for n, t in enumerate(op_tensors(args, kwargs)):
+        if n == 0 and overwrites(func):
+            continue
+        key = storage_key(t)
+        read = doctor.followed.get(key)
+        if read is None and (info := doctor.uncomputed.get(block(t))) is not None and info.ref() is not None:
+            read = doctor.followed[key] = Read(info, str(func), user_frame(), describe(t))
+        if read is not None:
+            break
+    if read is None or len(doctor.followed) >= _FOLLOWED:
+        return
+    for t in [*tensors(out), *written_tensors(func, args, kwargs)]:
+        doctor.followed[storage_key(t)] = read      # what the memory holds now
+
+
+def capture_reads(doctor, key: int) -> None:
+    """A capture reads ``key``: if it holds values computed from uncomputed memory, those were a
+    dummy batch for this capture."""
+    read = doctor.followed.get(key)
+    if read is not None:
+        read.captured = True
+
+
+def finish(doctor) -> None:
+    reported = set()
+    for read in doctor.followed.values():
+        if read.captured or id(read.info) in reported or any(r.captured for r in doctor.followed.values()
+                                                              if r.info is read.info):
+            continue
+        reported.add(id(read.info))
+        info = read.info
+        doctor.add(Finding(
+            "warmup-divergence", info.name, read.op, read.tensor, info.site,
+            f"{read.op} at {read.line} reads a {read.tensor} that the capture of {info.name} created, before any "
+            f"replay of {info.name} wrote it, and what it computes feeds no capture: it is taken for a result",
+            explain.uncomputed(info.name, read.op), {"replays_before_read": 0}),
+            ("warmup-divergence", "uncomputed", info.site))
