@@ -47,8 +47,16 @@ def test_verdicts_name_right_wrong_and_missed():
         trials.program("round4/no_such_program")
 
 
-# Variants that behave alike on both backends but where the doctor answers otherwise, and why (none at present).
-GPU_DIFFERS: dict = {}
+# Variants that behave alike on both backends but where the doctor answers otherwise, and why.
+GPU_DIFFERS: dict = {
+    ("round19/vllm_25513_kv_scale_calc_skipped_by_full_graph", "bug"):
+        "on the CPU the padded rows' cache write also changes elements real rows read (stale-padding, listed "
+        "first); on the H200 it does not, and the same frozen scale (host-work-frozen) is the answer",
+    ("round19/sglang_16974_draft_extend_logprob_tokens_one_per_req", "bug"):
+        "on the CPU the mutation probe sees the graph's write into the logits buffer depend on rows it leaves "
+        "(persistent-mutation); on the H200 the probe reports nothing, and the reference run names the runner's "
+        "token count (warmup-divergence at replay); why the probe parts there is not known yet",
+}
 # Variants whose run on a GPU is not reproducible, and why: not compared.
 GPU_UNSTABLE = {
     ("round7/vllm_43810_padding_slot_wraps_to_last_slot", "bug"):
@@ -59,8 +67,8 @@ GPU_UNSTABLE = {
 
 
 def test_the_gpu_record_says_what_the_cpu_says(answers):
-    """Where a variant behaves on the GPU as on the CPU (same verdict, and no CUDA error ended its
-    context), the doctor names the same kind at the same function."""
+    """Where a variant behaves on the GPU as on the CPU (same verdict, the same error if any, and no
+    CUDA error ended its context), the doctor names the same kind at the same function."""
     rec = trials.load()
     if rec is None:
         pytest.skip("results/gpu/doctor_trials.json not recorded yet (scripts/gpu_session.py OUT doctor_trials)")
@@ -72,8 +80,10 @@ def test_the_gpu_record_says_what_the_cpu_says(answers):
             g = gpu[n][v]
             if (n, v) in GPU_UNSTABLE:
                 continue
-            if g["verdict"] != trials.program(n).run(v, "cpu").verdict or "CUDA" in " ".join(g["error"] or ()):
-                continue
+            cpu = trials.program(n).run(v, "cpu")
+            if g["verdict"] != cpu.verdict or "CUDA" in " ".join(g["error"] or ()) \
+                    or (g["error"] or [None])[0] != (cpu.error or [None])[0]:
+                continue                    # it does not behave alike: another verdict, or another error
             compared += 1
             if (g["kind"], g["site"]) != (answers[n][v]["kind"], answers[n][v]["site"]):
                 differ[(n, v)] = (g, answers[n][v])

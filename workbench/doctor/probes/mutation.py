@@ -80,35 +80,33 @@ def _owned(doctor, key: int):
 
 
 def _independent(graph, inputs: dict, states: list, written: dict, after_first: list) -> set:
-    """The static inputs a replay overwrites from its other inputs alone: replayed once more from
-    the state after the first probe replay with every element of them set to other values, it
-    writes the same bytes into the elements it changed, and everything else it writes is the same
-    too (an output the graph keeps in an input buffer; a write that reads the buffer -- an element
-    copied from another, a running maximum, rows it leaves for later steps to read -- does not)."""
+    """The float static inputs a replay overwrites from its other inputs alone: replayed again from
+    the state after the first probe replay with every element of them moved (up by one, then
+    mirrored: a maximum sees the one, a softmax only the other), it writes the same bytes into the
+    elements it changed, and everything else it writes is the same too (an output the graph keeps
+    in an input buffer; a write that reads the buffer -- an element copied from another, a running
+    maximum, rows it leaves for later steps to read -- does not). Integer buffers are left out:
+    other values there are other indices, which a replay may take out of bounds."""
     b0, b1, b2 = states
-    overwritten = {key: mask for key in inputs if (mask := changed(b0[key], b1[key])).any()
-                   and not changed(b1[key], b2[key]).any()}
+    overwritten = {key: mask for key in inputs if b0[key].dtype.is_floating_point
+                   and (mask := changed(b0[key], b1[key])).any() and not changed(b1[key], b2[key]).any()}
     if not overwritten:
         return set()
     with _disable_current_modes():
         second = {key: w.clone() for key, w in written.items() if key not in overwritten}
-        for w, kept in zip(written.values(), after_first):
-            w.copy_(kept)
-        for key in overwritten:
-            t = inputs[key].ref()
-            t.copy_(_other(t))
-    graph.replay()
-    with _disable_current_modes():
-        same = (all(torch.equal(written[key], w) for key, w in second.items())
-                and all(torch.equal(inputs[key].ref()[mask], b2[key][mask]) for key, mask in overwritten.items()))
-    return set(overwritten) if same else set()
-
-
-def _other(values: torch.Tensor) -> torch.Tensor:
-    """Values that differ from ``values`` everywhere."""
-    if values.dtype == torch.bool:
-        return ~values
-    return values + 1
+    for move in (lambda v: v + 1, lambda v: v * -2 - 1):
+        with _disable_current_modes():
+            for w, kept in zip(written.values(), after_first):
+                w.copy_(kept)
+            for key in overwritten:
+                t = inputs[key].ref()
+                t.copy_(move(t))
+        graph.replay()
+        with _disable_current_modes():
+            if not (all(torch.equal(written[key], w) for key, w in second.items()) and not any(
+                    changed(inputs[key].ref()[mask], b2[key][mask]).any() for key, mask in overwritten.items())):
+                return set()
+    return set(overwritten)
 
 
 def _pattern(b0: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor, kept: torch.Tensor | None):
