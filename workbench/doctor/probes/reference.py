@@ -23,7 +23,10 @@ the same step on both sides:
    ``warmup-divergence`` at the line that last wrote that buffer;
 2. else the launch traces part (by op and line; shapes differ where rows are padded): the graph
    replays what Python decided at capture -- a loop run another number of times is
-   ``host-work-frozen`` at the frame that loops, another branch ``warmup-divergence``.
+   ``host-work-frozen`` at the frame that loops, another branch ``warmup-divergence``;
+3. else an op runs with another plain number than the reference step passes it (not one the
+   padded layout explains): ``host-work-frozen``, at the frame of the captured code that held the
+   number when the capture ran.
 
 Only a graph no other rule has a finding for gets one (one failure, one finding). A replay whose
 outputs agree with the reference gives none, whatever its trace: a graph that launches more work
