@@ -9,7 +9,7 @@ How the evidence is gathered (the same on both backends, so a report means the s
   replay it steps aside, so replays cost almost nothing extra.
 * **Events** from the engine and the runners (``workbench.engine.events``) say what a tensor means
   (static buffer, persistent state, shared output, metadata written on purpose), which rows and
-  columns are padded, and how to run the step eagerly.
+  columns are padded, and how to run the step eagerly (the runners' handlers: ``runner_events.py``).
 * The **rules** (``rules/``, one module per kind) decide; the **probes** (``probes/``) gather
   evidence that needs extra work: mutation replays, padded-row fills, differential replay.
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import sys
 import traceback
-import weakref
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -32,10 +31,11 @@ from .probes import captured_state, differential, eager_trace, mutation as mutat
 from .probes.reference import Reference
 from .probes.carried import CarriedInputs
 from .probes.startup import Startup
-from .records import Buffer, GraphInfo, Pending
-from . import capture, failures, raised, summary
+from .records import Buffer, GraphInfo
+from . import capture, failures, summary
 from .failures import contained
 from .report import Finding, Report
+from .runner_events import RunnerEvents
 from .rules import (dangling, derived, mutation, overwritten, padded_scatter, shapes, sync, uncomputed, undersized,
                     unread, warmup)
 from .rules.pool import PoolReads
@@ -47,7 +47,7 @@ _ASIDE = ("replay", "probe")          # phases in which the dispatch mode is off
 _QUIET = ("probe", "differential")    # phases whose events are the doctor's own doing
 
 
-class Doctor:
+class Doctor(RunnerEvents):
     """The observer behind ``watch()``; subscribed to ``workbench.engine.events``."""
 
     def __init__(self, *, guard: bool = False, pattern: int | None = None, differential: int = 0) -> None:
@@ -275,115 +275,6 @@ class Doctor:
             if error is None:
                 differential.finish(self, *first)
         self.startup.replayed(info)
-
-    # ------------------------------------------------------------------ runner events
-    def _announce(self, owner: str, buffers: dict, role: str) -> None:
-        source = user_frame()
-        for name, t in buffers.items():
-            key = storage_key(t)
-            if (old := self.buffer(key)) is not None and role == old.role == "input" and name != old.name:
-                dangling.handed_on(self, key, old, name, owner, source)
-            self.buffers[key] = Buffer(name, owner, weakref.ref(t), role, source)
-        undersized.announced(self, owner, buffers)
-
-    @contained
-    def static_buffers(self, owner: str, buffers: dict) -> None:
-        self._announce(owner, buffers, "input")
-
-    @contained
-    def persistent_state(self, owner: str, buffers: dict) -> None:
-        self._announce(owner, buffers, "state")
-        mutation.state_announced(self, buffers)
-
-    @contained
-    def shared_outputs(self, owner: str, buffers: dict) -> None:
-        self._announce(owner, buffers, "output")
-
-    @contained
-    def written_metadata(self, owner: str, buffers: dict) -> None:
-        self._announce(owner, buffers, "metadata")
-
-    @contained
-    def reference_begin(self) -> None:
-        """Recorded under ``diagnose`` (whose tracer numbers the calls), with differential replay on,
-        before any capture, and not again in its padded-row runs."""
-        if self.every and self.pattern is None and not self.graphs and raised.tracing():
-            self.reference = Reference()
-
-    @contained
-    def reference_end(self) -> None:
-        if self.reference is not None:
-            self.reference.recording = False
-
-    @contained
-    def warmup_begin(self, real: bool = False) -> None:
-        self.warm.warmup_begin()
-        self.phase, self.real_warmup, self.trained = "warmup", real, False
-        self.report.warmups += 1
-
-    @contained
-    def dummy_run_begin(self) -> None:
-        self.dummy_run = True
-
-    @contained
-    def dummy_run_end(self) -> None:
-        self.dummy_run = False
-        mutation.warmup_wrote_state(self)
-        self.startup.warmup_end()
-
-    @contained
-    def warmup_end(self) -> None:
-        """A warmup that ran a backward pass, or an optimizer step (an update of a tensor that holds a
-        gradient, however the gradient got there), was a training step (PyTorch's whole-network
-        capture warms up with real optimizer steps): its writes are real data, as
-        ``warmup(real=True)``'s."""
-        self.phase = "eager"
-        self.warm.warmup_end()
-        if self.trained:
-            self.warm_saved = {}
-            self.startup.trained()
-        elif not self.real_warmup:
-            mutation.warmup_wrote_state(self)
-        self.startup.warmup_end()
-
-    @contained
-    def serve(self, graph, real: int, size: int, padded: dict, outputs, eager=None, padded_columns=None,
-              pieces=(), unpadded=None) -> None:
-        info = self.info(graph)
-        columns = padded_columns or {}
-        undersized.serve_contract(self, info.name if info else "a graph", real, size, padded, columns)
-        for name, t in padded.items():
-            self._padded(name, t)
-        for name, (t, _) in columns.items():
-            self._padded(name, t)
-        if (padded and real < size) or (columns and any(w < c.shape[1] for c, w in columns.values())):
-            self.padded_steps += 1
-            if self.pattern is not None and real <= size:
-                padding_probe.fill(self, padded, columns, real, size)
-        padding_probe.served(self, real, size, padded, columns)
-        self.served += 1
-        self.no_eager += eager is None
-        sampled = eager is not None and self.every > 0 and (self.served - 1) % self.every == 0
-        if info is not None:
-            span = tuple(i for g in pieces if (i := self.info(g)) is not None)
-            info.pending = Pending(real, size, outputs, padded, eager, columns, sampled, grad=torch.is_grad_enabled(),
-                                   span=span if len(span) == len(pieces) else (), unpadded=unpadded)
-            if sampled and info.pending.span:       # the state before the whole step, eager regions included
-                differential.begin(self, info)
-
-    def _padded(self, name: str, t) -> None:
-        if isinstance(t, torch.Tensor) and (key := storage_key(t)) not in self.buffers:
-            self.buffers[key] = Buffer(name, "serve", weakref.ref(t), "padded")
-
-    @contained
-    def handed_out(self, graph, tensors_out) -> None:
-        info = self.info(graph)
-        if info is None:
-            return
-        self.handed_any = True
-        for t in (tensors_out if isinstance(tensors_out, (tuple, list)) else (tensors_out,)):
-            overwritten.tag(self, t, info)
-        padding_probe.carry(self)
 
     # ------------------------------------------------------------------ the dispatch mode's work
     def targets(self, func, args, kwargs) -> list:

@@ -111,7 +111,7 @@ def finish(doctor, info, pending) -> None:
         return
     divergence = launch.compare(*launch.traces(info, pending, run)) if traced else None
     if what is not None and (at := launch.repeats(divergence, *launch.traces(info, pending, run))) is not None:
-        first = run.ops[divergence.index] if divergence.how == "skipped" else divergence.graph_op
+        first = divergence.first_extra
         divergence.loop = first.source
         if at:                                   # once more, to see which frame runs the loop
             again, _, _ = _eager(doctor, info, pending, replayed, rng_after, traced=True, stacks=at)

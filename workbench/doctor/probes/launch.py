@@ -29,6 +29,17 @@ class Divergence:
     loop: str | None = None     # the line of the frame whose loop ran another number of times (``repeats``)
     origin: str | None = None   # ``arguments``: the line of the outermost frame holding the value (``eager_trace``)
 
+    @property
+    def eager_runs_more(self) -> bool:
+        """The eager step launches ops the graph never recorded (``skipped``, or it goes on after the
+        graph's trace ends), rather than the graph replaying ops the eager step no longer launches."""
+        return self.how == "skipped" or (self.how == "length" and self.graph_op is None)
+
+    @property
+    def first_extra(self):
+        """The first op one trace has beyond the other (``skipped``, ``extra``, ``length``)."""
+        return self.eager_op if self.eager_runs_more else self.graph_op
+
     def tensor_argument(self) -> bool:
         """An ``arguments`` divergence in the geometry of a tensor argument (a view's offset or shape)."""
         return any(isinstance(g, TensorArg) and g != e for g, e in zip(self.graph_op.sig, self.eager_op.sig))
@@ -69,7 +80,7 @@ def compare(graph_ops: list, eager_ops: list) -> Divergence | None:
     if len(graph_ops) != len(eager_ops):
         i = min(len(graph_ops), len(eager_ops))
         return Divergence("length", i, graph_ops[i] if i < len(graph_ops) else None,
-                          eager_ops[i] if i < len(eager_ops) else None)
+                          eager_ops[i] if i < len(eager_ops) else None, inserted=abs(len(graph_ops) - len(eager_ops)))
     return None
 
 
@@ -88,12 +99,13 @@ def _parted(graph_ops: list, eager_ops: list, i: int) -> Divergence:
 
 def repeats(d: Divergence | None, graph_ops: list, eager_ops: list) -> tuple | None:
     """Where the ops one trace has beyond the other all come from lines the other ran too -- the
-    same code run another number of times (a loop whose count Python decided at capture) -- the
-    positions in the eager trace of the last two runs of the first such op, whose stacks tell which
-    frame loops; ``()`` when the eager step ran it once. ``None``: not a repeat."""
-    if d is None or d.how not in ("skipped", "extra"):
+    same code run another number of times (a loop whose count Python decided at capture; at the end
+    of the step, one trace simply goes on) -- the positions in the eager trace of the last two runs
+    of the first such op, whose stacks tell which frame loops; ``()`` when the eager step ran it
+    once. ``None``: not a repeat."""
+    if d is None or d.how not in ("skipped", "extra", "length"):
         return None
-    inserted, other = ((eager_ops, graph_ops) if d.how == "skipped" else (graph_ops, eager_ops))
+    inserted, other = (eager_ops, graph_ops) if d.eager_runs_more else (graph_ops, eager_ops)
     ran = {(op.name, op.source) for op in other}
     if not all((op.name, op.source) in ran for op in inserted[d.index:d.index + d.inserted]):
         return None

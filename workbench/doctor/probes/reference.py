@@ -266,16 +266,25 @@ def _differs(got: list, expected: list | None) -> tuple | None:
     return None
 
 
-def _compare_views(ops: list, under: tuple, ref: list, values: dict) -> list:
-    """Each static-input view the graph reads beside what the reference gives the same op (by op,
-    line and occurrence): ``(op, buffer, the view's real rows, the reference's tensor, equal)``."""
-    seen, out = {}, []
+def _aligned(ops: list, under: tuple, ref: list):
+    """Each graph op (with its position in ``info.paths``) beside the reference step's op at the
+    same op, line and occurrence."""
+    steps: dict = {}
+    for s in ref:
+        steps.setdefault((s.op.name, s.op.source), []).append(s)
+    seen: dict = {}
     for op, i in zip(ops, under):
         key = (op.name, op.source)
         n = seen[key] = seen.get(key, -1) + 1
-        other = next(itertools.islice((s for s in ref if (s.op.name, s.op.source) == key), n, None), None)
-        if other is None:
-            continue
+        if n < len(same := steps.get(key, ())):
+            yield op, i, same[n]
+
+
+def _compare_views(ops: list, under: tuple, ref: list, values: dict) -> list:
+    """Each static-input view the graph reads beside what the reference gives the same op:
+    ``(op, buffer, the view's real rows, the reference's tensor, equal)``."""
+    out = []
+    for op, i, other in _aligned(ops, under, ref):
         for j in range(len(other.values)):
             buf, now = values.get((i, j), (None, None))
             given = other.values[j]
@@ -319,34 +328,19 @@ def _parting(ops: list, ref: list, padded: bool) -> tuple | None:
     if d is None:
         return None
     why = f"the launch traces part: {d.text()}"
-    first, more, at = _repeated(d, graph, eager)
-    if at is not None and padded and (d.how == "extra" or d.how == "length" and d.eager_op is None):
+    at = launch.repeats(d, graph, eager)
+    if at is not None and padded and not d.eager_runs_more:
         return None                               # a loop over rows runs for the padded rows too: no evidence
     if at:                                        # the same lines run another number of times: which frame loops
         a, b = (ref[i].path for i in at)
         shared = [x for x, y in zip(a, b) if x[:2] == y[:2]]
         if shared:
             loop = location(shared[-1][0], shared[-1][2])
-            return ("host-work-frozen", first.name, "-", loop,
-                    f"{why}; the reference runs the same code another number of times ({more} op(s)) at {loop}: a "
-                    "count Python decided at capture is baked into the graph")
+            return ("host-work-frozen", d.first_extra.name, "-", loop,
+                    f"{why}; the reference runs the same code another number of times ({d.inserted} op(s)) at "
+                    f"{loop}: a count Python decided at capture is baked into the graph")
     op = d.eager_op if d.how in ("skipped", "ops") or d.graph_op is None else d.graph_op
     return "warmup-divergence", op.name, "-", op.source, f"{why}: Python took another path at capture"
-
-
-def _repeated(d, graph: list, eager: list) -> tuple:
-    """(first op one trace has beyond the other, how many, the positions in the reference's trace
-    of the last two runs of that op) where all those ops come from lines the other trace ran too:
-    the same code run another number of times. Also where one trace simply goes on (a loop at the
-    end of the step), which ``launch.repeats`` leaves to differential replay's callers."""
-    if d.how != "length":
-        return (d.eager_op if d.how == "skipped" else d.graph_op), d.inserted, launch.repeats(d, graph, eager)
-    longer, other = (eager, graph) if d.graph_op is None else (graph, eager)
-    ran, tail = {(o.name, o.source) for o in other}, longer[d.index:]
-    if not all((o.name, o.source) in ran for o in tail):
-        return tail[0], len(tail), None
-    seen = [k for k, o in enumerate(eager) if (o.name, o.source) == (tail[0].name, tail[0].source)]
-    return tail[0], len(tail), tuple(seen[-2:]) if len(seen) >= 2 else ()
 
 
 def _numbers(sig: tuple) -> list:
@@ -372,12 +366,9 @@ def _frozen_number(info, ops: list, under: tuple, ref: list, size: int) -> tuple
     """The first op (by line and occurrence) that the graph runs with another plain number than the
     reference step gives it: a value Python computed at capture. A number the padded layout explains
     (the graph's size, a dimension of the op's own tensors) is no evidence."""
-    seen: dict = {}
-    for op, i in zip(ops, under):
-        key = (op.name, op.source)
-        n = seen[key] = seen.get(key, -1) + 1
-        other = next(itertools.islice((s.op for s in ref if (s.op.name, s.op.source) == key), n, None), None)
-        if other is None or len(other.sig) != len(op.sig):
+    for op, i, step in _aligned(ops, under, ref):
+        other = step.op
+        if len(other.sig) != len(op.sig):
             continue
         dims = {size} | {d for a in op.sig if isinstance(a, TensorArg) for d in a.shape}
         theirs = dict(_numbers(other.sig))

@@ -51,8 +51,8 @@ def classify(doctor, info, pending, what: tuple, divergence, run, host: tuple | 
 def _parted(doctor, info, d, run) -> tuple:
     site = f"First divergence in the launch traces: {d.text()}."
     if d.loop is not None:                        # the same code, run another number of times
-        op = d.eager_op if d.how == "skipped" else d.graph_op
-        more = "more" if d.how == "skipped" else "fewer"
+        op = d.first_extra
+        more = "more" if d.eager_runs_more else "fewer"
         return ("host-work-frozen", dataclasses.replace(op, source=d.loop), _read_by(doctor, info, op),
                 f"{site} The eager step runs the same code {more} times than the graph recorded ({d.inserted} op(s), "
                 f"all of lines both ran): a count Python decided at capture (a loop over a Python number, a length "

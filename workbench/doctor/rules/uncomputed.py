@@ -82,10 +82,11 @@ def capture_reads(doctor, key: int) -> None:
 
 
 def finish(doctor) -> None:
+    """One finding per capture none of whose followed values fed a capture."""
+    fed = {id(r.info) for r in doctor.followed.values() if r.captured}
     reported = set()
     for read in doctor.followed.values():
-        if read.captured or id(read.info) in reported or any(r.captured for r in doctor.followed.values()
-                                                              if r.info is read.info):
+        if id(read.info) in fed or id(read.info) in reported:
             continue
         reported.add(id(read.info))
         info = read.info

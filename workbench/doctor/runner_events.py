@@ -1,0 +1,130 @@
+"""What the runners announce (``workbench.engine.events``): the meaning of their tensors, warmups,
+dummy runs, the workload's reference run, each served step and the outputs handed out. The
+``Doctor`` takes these handlers from this class; the engine's own events and the dispatch mode's
+work are in ``intake.py``."""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ..engine.opinfo import storage_key
+from ..engine.source import user_frame
+from . import raised
+from .failures import contained
+from .probes import differential, padding as padding_probe
+from .probes.reference import Reference
+from .records import Buffer, Pending
+from .rules import dangling, mutation, overwritten, undersized
+
+
+class RunnerEvents:
+    """The runner events' handlers of ``intake.Doctor`` (whose state they read and write)."""
+
+    def _announce(self, owner: str, buffers: dict, role: str) -> None:
+        source = user_frame()
+        for name, t in buffers.items():
+            key = storage_key(t)
+            if (old := self.buffer(key)) is not None and role == old.role == "input" and name != old.name:
+                dangling.handed_on(self, key, old, name, owner, source)
+            self.buffers[key] = Buffer(name, owner, weakref.ref(t), role, source)
+        undersized.announced(self, owner, buffers)
+
+    @contained
+    def static_buffers(self, owner: str, buffers: dict) -> None:
+        self._announce(owner, buffers, "input")
+
+    @contained
+    def persistent_state(self, owner: str, buffers: dict) -> None:
+        self._announce(owner, buffers, "state")
+        mutation.state_announced(self, buffers)
+
+    @contained
+    def shared_outputs(self, owner: str, buffers: dict) -> None:
+        self._announce(owner, buffers, "output")
+
+    @contained
+    def written_metadata(self, owner: str, buffers: dict) -> None:
+        self._announce(owner, buffers, "metadata")
+
+    @contained
+    def reference_begin(self) -> None:
+        """Recorded under ``diagnose`` (whose tracer numbers the calls), with differential replay on,
+        before any capture, and not again in its padded-row runs."""
+        if self.every and self.pattern is None and not self.graphs and raised.tracing():
+            self.reference = Reference()
+
+    @contained
+    def reference_end(self) -> None:
+        if self.reference is not None:
+            self.reference.recording = False
+
+    @contained
+    def warmup_begin(self, real: bool = False) -> None:
+        self.warm.warmup_begin()
+        self.phase, self.real_warmup, self.trained = "warmup", real, False
+        self.report.warmups += 1
+
+    @contained
+    def dummy_run_begin(self) -> None:
+        self.dummy_run = True
+
+    @contained
+    def dummy_run_end(self) -> None:
+        self.dummy_run = False
+        mutation.warmup_wrote_state(self)
+        self.startup.warmup_end()
+
+    @contained
+    def warmup_end(self) -> None:
+        """A warmup that ran a backward pass, or an optimizer step (an update of a tensor that holds a
+        gradient, however the gradient got there), was a training step (PyTorch's whole-network
+        capture warms up with real optimizer steps): its writes are real data, as
+        ``warmup(real=True)``'s."""
+        self.phase = "eager"
+        self.warm.warmup_end()
+        if self.trained:
+            self.warm_saved = {}
+            self.startup.trained()
+        elif not self.real_warmup:
+            mutation.warmup_wrote_state(self)
+        self.startup.warmup_end()
+
+    @contained
+    def serve(self, graph, real: int, size: int, padded: dict, outputs, eager=None, padded_columns=None,
+              pieces=(), unpadded=None) -> None:
+        info = self.info(graph)
+        columns = padded_columns or {}
+        undersized.serve_contract(self, info.name if info else "a graph", real, size, padded, columns)
+        for name, t in padded.items():
+            self._padded(name, t)
+        for name, (t, _) in columns.items():
+            self._padded(name, t)
+        if (padded and real < size) or (columns and any(w < c.shape[1] for c, w in columns.values())):
+            self.padded_steps += 1
+            if self.pattern is not None and real <= size:
+                padding_probe.fill(self, padded, columns, real, size)
+        padding_probe.served(self, real, size, padded, columns)
+        self.served += 1
+        self.no_eager += eager is None
+        sampled = eager is not None and self.every > 0 and (self.served - 1) % self.every == 0
+        if info is not None:
+            span = tuple(i for g in pieces if (i := self.info(g)) is not None)
+            info.pending = Pending(real, size, outputs, padded, eager, columns, sampled, grad=torch.is_grad_enabled(),
+                                   span=span if len(span) == len(pieces) else (), unpadded=unpadded)
+            if sampled and info.pending.span:       # the state before the whole step, eager regions included
+                differential.begin(self, info)
+
+    def _padded(self, name: str, t) -> None:
+        if isinstance(t, torch.Tensor) and (key := storage_key(t)) not in self.buffers:
+            self.buffers[key] = Buffer(name, "serve", weakref.ref(t), "padded")
+
+    @contained
+    def handed_out(self, graph, tensors_out) -> None:
+        info = self.info(graph)
+        if info is None:
+            return
+        self.handed_any = True
+        for t in (tensors_out if isinstance(tensors_out, (tuple, list)) else (tensors_out,)):
+            overwritten.tag(self, t, info)
+        padding_probe.carry(self)
