@@ -412,6 +412,60 @@ def test_a_dangling_reference_is_named_where_the_capture_took_its_address():
     assert finding.location == where(Residual.zero_residual, "return self.buf[:x.numel()].view_as(x)")
 
 
+def test_a_dangling_reference_also_names_the_line_that_released_it():
+    x, model = torch.ones(2, 3), Residual()
+    with doctor.watch() as report:
+        model.forward(torch.ones(2, 3))
+        g = new_graph("cpu")
+        with graph(g):
+            model.forward(x)
+        model.forward(torch.ones(4, 3))
+        with pytest.raises(IllegalMemoryAccess):
+            g.replay()
+    (finding,) = report.findings
+    released = where(Residual.zero_residual, "self.buf = torch.zeros(x.numel())")
+    assert f"released at {released}" in finding.evidence and f"released it at {released}" in finding.cause
+    assert finding.location == where(Residual.zero_residual, "return self.buf[:x.numel()].view_as(x)")
+
+
+class Scratch:
+    """A capture's scratch kept only by a local of the function that captures: it goes when that
+    function returns."""
+
+    def capture(self, x):
+        w = torch.randn(3, 3)
+        self.g = new_graph("cpu")
+        with graph(self.g):
+            self.out = x @ w
+        return self.g
+
+
+def test_memory_released_with_a_functions_locals_is_named_at_that_function_under_diagnose():
+    def workload():
+        x = torch.ones(2, 3)
+        g = Scratch().capture(x)
+        g.replay()
+
+    report = doctor.diagnose(workload)
+    finding = next(f for f in report.findings if f.kind == "dangling-reference")
+    assert f"released at {where(Scratch.capture, 'return self.g')}" in finding.evidence
+
+
+def test_memory_released_by_the_garbage_collector_names_no_line():
+    x = torch.ones(2, 3)
+    with doctor.watch() as report:
+        w = gathered_weight()
+        cycle = {"w": w}
+        cycle["self"] = cycle
+        g, out = capture_matmul(x, w)
+        del w, cycle
+        gc.collect()                                # the cycle's release is the collector's, not a line's
+        with pytest.raises(IllegalMemoryAccess):
+            g.replay()
+    (finding,) = report.findings
+    assert "released at" not in finding.evidence and "released it after capture" in finding.cause
+
+
 def test_guard_stops_the_replay_before_it_reads_released_memory():
     x = torch.ones(2, 3)
     with doctor.watch(guard=True) as report:

@@ -151,3 +151,110 @@ def test_a_reference_run_is_recorded_only_before_any_capture():
             attend(_queries(0), cache, torch.tensor(LENGTHS[0]), CONTEXT)
         runner(_queries(0), torch.tensor(LENGTHS[0]))
     assert doctor.diagnose(workload).findings == []
+
+
+def layer(x, weight):
+    return torch.tanh(x @ weight)
+
+
+class ShapeKeyedGraphs:
+    """One graph per input shape (``bug``), or per shape and weight (``fix``): the weight is not a
+    static input, the capture binds it."""
+
+    def __init__(self, variant: str):
+        self.variant, self.graphs = variant, {}
+
+    def __call__(self, x, weight):
+        key = tuple(x.shape) if self.variant == "bug" else (tuple(x.shape), id(weight))
+        if key not in self.graphs:
+            static = x.clone()
+            events.static_buffers("graphs", {f"x{len(self.graphs)}": static})
+            step = lambda: layer(static, weight)  # noqa: E731
+            with events.warmup():
+                step()
+            g = new_graph("cpu")
+            with graph(g, name=f"layer {len(self.graphs)}"):
+                out = step()
+            self.graphs[key] = (g, static, out, step)
+        g, static, out, step = self.graphs[key]
+        static.copy_(x)
+        events.serve(g, x.shape[0], x.shape[0], padded={}, outputs=out, eager=step)
+        g.replay()
+        return out.clone()
+
+
+def _layers(run_layer, prepare=lambda weights: None):
+    def workload():
+        gen = torch.Generator().manual_seed(0)
+        weights = [torch.randn(4, 4, generator=gen) for _ in range(3)]
+        x = torch.randn(2, 4, generator=gen)
+
+        def model(call):
+            h = x
+            for w in weights:
+                h = call(h, w)
+            return h
+
+        with events.reference():
+            expected = model(layer)
+        prepare(weights)
+        runner = run_layer()
+        return expected, [model(runner) for _ in range(2)]
+    return workload
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_graph_replayed_for_a_tensor_it_was_not_captured_with_is_named_where_it_is_replayed(variant):
+    """``bug``: layers of one shape share the first layer's graph, which reads the first layer's
+    weight. Its eager form is the captured closure (the same weight): differential replay agrees
+    with the graph; the reference run's same step reads the layer's own weight."""
+    workload = _layers(lambda: ShapeKeyedGraphs(variant))
+    expected, got = workload()
+    assert all(torch.equal(expected, g) for g in got) == (variant == "fix")
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "warmup-divergence" and " in __call__: g.replay()" in finding.source, finding
+    assert "nothing wrote it since the capture bound it" in finding.evidence, finding
+
+
+def requantize(weights):
+    """Round each weight to a coarse grid in place: the served run does it, the reference does not."""
+    for w in weights:
+        w.copy_((w * 4).round() / 4)
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_tensor_the_graph_reads_rewritten_after_capture_is_named_where_it_was_written(variant):
+    """Graphs keyed per weight (correctly). ``bug``: between its two passes the served run rounds
+    the weights in place, which the run without graphs never does: the graph reads what that write
+    left, and the finding names the write, not the replay."""
+    def workload():
+        gen = torch.Generator().manual_seed(0)
+        weights = [torch.randn(4, 4, generator=gen) for _ in range(3)]
+        x = torch.randn(2, 4, generator=gen)
+
+        def model(call):
+            h = x
+            for w in weights:
+                h = call(h, w)
+            return h
+
+        with events.reference():
+            expected = [model(layer) for _ in range(2)]
+        runner = ShapeKeyedGraphs("fix")
+        got = [model(runner)]
+        if variant == "bug":
+            requantize(weights)
+        return expected, got + [model(runner)]
+    expected, got = workload()
+    assert all(torch.equal(e, g) for e, g in zip(expected, got)) == (variant == "fix")
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "warmup-divergence" and " in requantize: " in finding.source, finding
+    assert "last written by aten.copy_" in finding.evidence, finding

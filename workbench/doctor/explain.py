@@ -55,9 +55,10 @@ def overflow(name: str, data: tuple, buffer: tuple) -> str:
             "copy fails, or with a clamped slice would drop the rows that do not fit.")
 
 
-def dangling(tensor: str, op: str, origin: str) -> str:
+def dangling(tensor: str, op: str, origin: str, released: str | None = None) -> str:
+    let_go = f" at {released}" if released else " after capture"
     return (f"The graph reads the {tensor} tensor through {op} but does not own it: it was created {origin} "
-            "and its last owner released it after capture. A graph keeps only the address: a replay reads "
+            f"and its last owner released it{let_go}. A graph keeps only the address: a replay reads "
             "freed memory (an illegal memory access, or another tensor's data once the allocator reuses "
             "the block).")
 

@@ -167,6 +167,7 @@ class Doctor(RunnerEvents):
             self.warm.hand_on(info)
             return
         self.pool.settle(info)
+        info.liveness.watch(info.externals)        # from now: a release is seen where it happens
         self.graph_writes.update(info.writes)
         self.graph_reads.update(info.externals)
         for key in info.writes:

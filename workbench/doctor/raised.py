@@ -13,6 +13,9 @@ After a padded replay it also hands each frame to ``rules/shapes.py``, which may
 to the padded rows; an item assignment that failed (into a NumPy staging array, which dispatches
 no op) goes to ``rules/undersized.py``'s write contract.
 
+The tracer also keeps the last user function that returned (``returned``), without holding its
+frame: memory released as a function's locals go is released in that function (``released_at``).
+
 Line events are off outside captures: the cost is one Python call per user function call, only
 under ``diagnose`` (``watch()`` alone does not trace). Inside a capture, the functions it calls
 report each line they run (``GraphInfo.lines_run``): which code the capture passed over is then
@@ -21,11 +24,12 @@ known exactly (``skipped.py``). Another tracer (a debugger, coverage) is left al
 from __future__ import annotations
 
 import dis
+import gc
 import os
 import sys
 import sysconfig
 
-from ..engine.source import SKIP_DIRS, function_name, short_path
+from ..engine.source import SKIP_DIRS, function_name, location, mine, short_path
 from . import failures
 from .rules import shapes, undersized
 from .tensors import first_line
@@ -39,6 +43,8 @@ _RETURNS = {dis.opmap[name] for name in ("RETURN_VALUE", "RETURN_CONST", "YIELD_
 _STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
 _PACKAGES = ("site-packages", "dist-packages")
 _STORE = dis.opmap["STORE_SUBSCR"]
+_CACHE = dis.opmap.get("CACHE", -1)
+_CALLS = {dis.opmap[name] for name in ("CALL", "PRECALL", "CALL_FUNCTION_EX", "CALL_KW") if name in dis.opmap}
 
 
 class _Tracer:
@@ -47,6 +53,9 @@ class _Tracer:
         self.pending: dict[int, tuple] = {}   # id(frame) -> (error key, description or None) raised there
         self.leaving: tuple | None = None     # the key of the last error seen leaving its frame
         self.explained: set[tuple] = set()    # errors tied to a padded replay's rows
+        # (code, its last line, id of its caller's frame, the caller's line) of the last user function that
+        # returned, until the next call: frames are not held (a frame keeps its locals alive)
+        self.returned: tuple | None = None
 
     def start(self, doctor) -> None:
         if self.doctor is None and sys.gettrace() is not None:
@@ -64,11 +73,13 @@ class _Tracer:
             self.doctor, self.leaving = None, None
             self.pending.clear()
             self.explained.clear()
+            self.returned = None
             sys.settrace(None)
 
     def call(self, frame, event, arg):
         if self.doctor is None or frame.f_code.co_filename.startswith(SKIP_DIRS) or _stdlib(frame.f_code.co_filename):
             return None
+        self.returned = None
         frame.f_trace_lines = self.doctor.capturing is not None     # the lines a capture runs: doctor/skipped.py
         if self.doctor.reference is not None:                       # calls numbered: probes/reference.py
             self.doctor.reference.called(self.doctor, frame)
@@ -81,6 +92,9 @@ class _Tracer:
         if doctor.failure is not None:
             return self.local
         try:
+            if event == "return":
+                caller = frame.f_back
+                self.returned = (frame.f_code, frame.f_lineno, id(caller), caller.f_lineno if caller else None)
             if event == "line":
                 if (info := doctor.capturing) is not None:
                     info.lines_run.add((frame.f_code, frame.f_lineno))
@@ -124,6 +138,15 @@ def _op(frame) -> int | None:
     return code[frame.f_lasti] if 0 <= frame.f_lasti < len(code) else None
 
 
+def _instruction(frame) -> int | None:
+    """The instruction a frame is running: ``_op``'s, before the inline caches that follow it
+    (where a frame waiting on a call points on 3.11)."""
+    code, at = frame.f_code.co_code, frame.f_lasti
+    while 0 < at < len(code) and code[at] == _CACHE:
+        at -= 2
+    return code[at] if 0 <= at < len(code) else None
+
+
 def _from_a_check(error: BaseException, frame) -> bool:
     """A broken contract that a library checked (or the workload asserted), not a deliberate raise."""
     if not shapes.explainable(error):
@@ -133,6 +156,36 @@ def _from_a_check(error: BaseException, frame) -> bool:
 
 _tracer = _Tracer()
 start, stop = _tracer.start, _tracer.stop
+_collecting = False
+
+
+def _collector(phase: str, _info: dict) -> None:
+    global _collecting
+    _collecting = phase == "start"
+
+
+gc.callbacks.append(_collector)
+
+
+def released_at() -> str | None:
+    """Where the workload lets go of memory, asked by a callback as it goes: the line of the
+    innermost frame of the workload's own code (a library's frames, ``nn.Module.__setattr__``'s
+    say, are how that line did it). Where that line is the call of a function that has just
+    returned (seen by the tracer, under ``diagnose``), the memory went with that function's locals:
+    its return line. None while the garbage collector runs: whatever started it did not let go."""
+    if _collecting:
+        return None
+    frame, raw = sys._getframe(1), None
+    while frame is not None and not (mine(frame) and not _stdlib(frame.f_code.co_filename)):
+        if raw is None and not frame.f_code.co_filename.startswith(SKIP_DIRS[1:]):
+            raw = frame                              # the innermost frame that is not the doctor's
+        frame = frame.f_back
+    if frame is None:
+        return None
+    last, raw = _tracer.returned, raw or frame
+    if last is not None and last[2] == id(raw) and last[3] == raw.f_lineno and _instruction(raw) in _CALLS:
+        return location(last[0], last[1])
+    return location(frame)
 
 
 def tracing() -> bool:

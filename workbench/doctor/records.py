@@ -3,12 +3,14 @@ trace and the eager step's), referenced storages, announced buffers, pending rep
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..engine.source import user_frame
+from .raised import released_at
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,14 +95,17 @@ class Liveness:
 
     Checked before every replay, and a graph may reference every weight of a model: a callback on
     each storage's Python object (which torch frees with the storage) makes the check O(1); only
-    where torch does not keep those objects is each storage asked (one C call each)."""
+    where torch does not keep those objects is each storage asked (one C call each). The callback
+    runs as the storage goes, so it also sees where the workload let it go (``released_at``): what
+    a finding tells besides the op that reads the address."""
 
-    __slots__ = ("refs", "cdatas", "released", "__weakref__")
+    __slots__ = ("refs", "cdatas", "released", "where", "__weakref__")
 
     def __init__(self) -> None:
         self.refs: list[weakref.ref] = []
         self.cdatas: tuple[int, ...] = ()
         self.released = False
+        self.where: dict[int, str] = {}     # storage (cdata) -> the line that released it, where known
 
     def watch(self, externals: dict) -> None:
         """Follow the externals added since the last call (a graph's externals are only ever added)."""
@@ -113,10 +118,12 @@ class Liveness:
             if storage is None:
                 self.released = True
             else:
-                self.refs.append(weakref.ref(storage, self._gone))
+                self.refs.append(weakref.ref(storage, functools.partial(self._gone, ext.weak.cdata)))
 
-    def _gone(self, _ref) -> None:
+    def _gone(self, cdata: int, _ref) -> None:
         self.released = True
+        if (where := released_at()) is not None:
+            self.where[cdata] = where
 
     def any_released(self) -> bool:
         return self.released if _PRESERVED else any(map(torch.UntypedStorage._expired, self.cdatas))

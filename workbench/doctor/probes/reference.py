@@ -26,7 +26,13 @@ the same step on both sides:
    ``host-work-frozen`` at the frame that loops, another branch ``warmup-divergence``;
 3. else an op runs with another plain number than the reference step passes it (not one the
    padded layout explains): ``host-work-frozen``, at the frame of the captured code that held the
-   number when the capture ran.
+   number when the capture ran;
+4. else a tensor the graph only reads, which it neither owns nor is given as a static input (a
+   parameter, a table), holds other values than the reference gives the same op: the capture
+   bound that tensor, and this step's eager form reads another -- ``warmup-divergence``, at the
+   line that last wrote it after the capture if eager code did (the runner prepared it otherwise),
+   else at the line that replayed the graph for this step (it serves inputs the graph was not
+   captured with: a graph keyed on the wrong property of its inputs).
 
 Only a graph no other rule has a finding for gets one (one failure, one finding). A replay whose
 outputs agree with the reference gives none, whatever its trace: a graph that launches more work
@@ -46,7 +52,7 @@ from ...engine.source import frames_within, location, user_frame, user_frames
 from .. import explain
 from ..records import Op
 from ..report import Finding
-from ..tensors import TensorArg, disagrees, host_only, max_abs_diff, real_rows, signature
+from ..tensors import TensorArg, disagrees, host_only, max_abs_diff, real_rows, signature, whole
 from . import launch
 from .eager_trace import number_origin
 
@@ -108,9 +114,10 @@ class Reference:
         static input names the line that prepared it."""
         if self.recording:
             self._record(func, args, kwargs)
-        elif doctor.buffers and mutable(func):
+        elif (doctor.buffers or doctor.graph_reads) and mutable(func):
             for t in written_tensors(func, args, kwargs):
-                if (buf := doctor.buffer(key := storage_key(t))) is not None and buf.role == "input":
+                buf = doctor.buffer(key := storage_key(t))
+                if buf is not None and buf.role == "input" or buf is None and key in doctor.graph_reads:
                     self.writers[key] = (str(func), user_frame())
 
     def _record(self, func, args, kwargs) -> None:
@@ -149,9 +156,14 @@ class Reference:
             buf = doctor.buffer(key := storage_key(t))
             if buf is not None and buf.role == "input":
                 views.append((j, buf, key, t.storage_offset(), tuple(t.shape), t.stride()))
+        bound = []                               # small tensors it only references: (position, storage, geometry)
+        for j, t in enumerate(op_tensors(args, kwargs)):
+            key = storage_key(t)
+            if key in info.externals and doctor.buffer(key) is None and t.numel() <= _SMALL:
+                bound.append((j, key, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype))
         numbers = {v for _, v in _numbers(signature(func, args, kwargs))}
         origins = {v: number_origin((v,), opened) for v in numbers} if opened is not None else {}
-        info.paths.append((len(info.ops), path, tuple(views), origins))
+        info.paths.append((len(info.ops), path, tuple(views), origins, tuple(bound)))
 
     def replay_begin(self, doctor, info) -> None:
         root = self._root(info)
@@ -174,14 +186,14 @@ class Reference:
                     t = buf.ref()
                     if t is not None and storage_key(t) == key and first_write.get(key, at) >= at:
                         values[(i, j)] = (buf, t.as_strided(shape, stride, offset).clone())
-        self.at_replay[id(info)] = (k, values)
+        self.at_replay[id(info)] = (k, values, user_frame())
 
     def replay_end(self, doctor, info, pending) -> None:
         entry = self.at_replay.pop(id(info), None)
         if entry is None or pending is None or pending.span:
             return
         code, under = self.roots[id(info)]
-        k, values = entry
+        k, values, replayed_at = entry
         ops = [info.ops[info.paths[i][0]] for i in under]
         with _disable_current_modes():
             match = self._step(code, k, ops, under, values)
@@ -193,7 +205,8 @@ class Reference:
             if differs is None:
                 return
             found = (_input(self, compared) or _parting(ops, ref, pending.real < pending.size)
-                     or _frozen_number(info, ops, under, ref, pending.size))
+                     or _frozen_number(info, ops, under, ref, pending.size)
+                     or _bound(self, doctor, info, ops, under, ref, replayed_at))
         text = (f"replay {info.replays + 1} of {info.name} ({pending.real} real rows of {pending.size}): output "
                 f"{differs[0]} (real rows) differs by max |diff| = {differs[1]:.3g} from the reference run's same "
                 f"step (call {self.calls[code].index(number) + 1} of {code.co_name})")
@@ -379,4 +392,33 @@ def _frozen_number(info, ops: list, under: tuple, ref: list, size: int) -> tuple
                         f"{op.name} at {op.source} runs with {mine} in the graph where the reference step passes "
                         f"{theirs[position]}: a number Python computed at capture (held at {origin}) is baked into "
                         "the graph")
+    return None
+
+
+def _bound(reference: Reference, doctor, info, ops: list, under: tuple, ref: list, replayed_at: str) -> tuple | None:
+    """The first tensor the graph only reads (no graph writes it; not announced) that holds other
+    values than the reference gives the same op: the graph reads what its capture bound, this
+    step's eager form reads something else."""
+    for op, i, step in _aligned(ops, under, ref):
+        for j, key, offset, shape, stride, dtype in info.paths[i][4]:
+            given = step.values[j] if j < len(step.values) else None
+            ext = info.externals.get(key)
+            if given is None or given.dtype != dtype or ext is None or key in doctor.graph_writes:
+                continue
+            flat = whole(ext.weak, dtype)
+            if flat is None:
+                continue                          # released: the dangling-reference rule's
+            mine = _rows_like(flat.as_strided(shape, stride, offset), given)
+            if mine is None or not bool(disagrees(mine, given).any()):
+                continue
+            differ = f"{ext.tensor} read by {op.name} at {op.source} holds other values than the reference gives " \
+                     f"that op ({int(disagrees(mine, given).sum())} element(s))"
+            if (writer := reference.writers.get(key)) is not None:
+                return ("warmup-divergence", writer[0], f"{ext.tensor}", writer[1],
+                        f"{differ}; it was last written by {writer[0]} at {writer[1]}: the runner prepares what the "
+                        "graph reads otherwise than the workload computes it without graphs")
+            return ("warmup-divergence", op.name, f"{ext.tensor}", replayed_at,
+                    f"{differ}, and nothing wrote it since the capture bound it: the graph is replayed (at "
+                    f"{replayed_at}) for a step whose eager form reads another tensor there -- inputs it was not "
+                    "captured with")
     return None

@@ -72,11 +72,13 @@ def _released(doctor, info, before_replay: bool) -> None:
         ext.reported = True
         origin = ext.origin or "before watch() (its creation was not seen)"
         op, source = ext.touched_at       # where the capture took its address, as a faulting replay names it
+        released = info.liveness.where.get(ext.weak.cdata)     # and the line that let it go, where seen
+        let_go = f"; it was released at {released}" if released else ""
         finding = doctor.add(Finding(
             "dangling-reference", info.name, op, ext.tensor, source,
             f"{_when(info, before_replay)}: the {ext.tensor} storage the graph reads has no owner left; it was "
-            f"created {origin}", explain.dangling(ext.tensor, op, origin), {"replays_before": info.replays}),
-            ("dangling-reference", op, source))
+            f"created {origin}{let_go}", explain.dangling(ext.tensor, op, origin, released),
+            {"replays_before": info.replays}), ("dangling-reference", op, source))
         _stop(doctor, finding, before_replay)
 
 
