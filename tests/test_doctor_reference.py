@@ -7,6 +7,7 @@ then through one graph per size; ``bug`` and ``fix`` differ only in the flawed l
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -258,3 +259,127 @@ def test_a_tensor_the_graph_reads_rewritten_after_capture_is_named_where_it_was_
     (finding,) = report.findings
     assert finding.kind == "warmup-divergence" and " in requantize: " in finding.source, finding
     assert "last written by aten.copy_" in finding.evidence, finding
+
+
+def score(q, table):
+    return (q * table).sum(-1)
+
+
+class CarriedTable:
+    """Each request's table row is written once, when it joins, and read by every later step: carried
+    across steps on purpose (announced as a static input all the same, as runners do). ``bug``: the
+    row of the second request is never written; ``late``: rows are written at the first step only (a
+    request that replaces another later keeps the old one's row)."""
+
+    def __init__(self, variant: str):
+        self.variant, self.called = variant, False
+        self.q, self.table = torch.zeros(2, 4), torch.zeros(2, 4)
+        events.static_buffers("runner", {"q": self.q, "table": self.table})
+        self.step = lambda: score(self.q, self.table)  # noqa: E731
+        with events.warmup():
+            self.step()
+        self.graph = new_graph("cpu")
+        with graph(self.graph, name="decode"):
+            self.out = self.step()
+
+    def __call__(self, q, joined: dict):
+        for row, table_row in joined.items():
+            if self.variant == "fix" or self.variant == "bug" and row == 0 or self.variant == "late" and not self.called:
+                self.table[row].copy_(table_row)
+        self.called = True
+        self.q.copy_(q)
+        events.serve(self.graph, 2, 2, padded={}, outputs=self.out, eager=self.step)
+        self.graph.replay()
+        return self.out.clone()
+
+
+def _carried(variant: str, announce: bool = True):
+    def workload():
+        gen = torch.Generator().manual_seed(3)
+        rows = {0: torch.randn(4, generator=gen), 1: torch.randn(4, generator=gen)}
+        replaced = {1: torch.randn(4, generator=gen)}            # the second request replaced at step 2
+        steps = [(torch.randn(2, 4, generator=gen), rows if i == 0 else replaced if i == 2 else {}) for i in range(4)]
+        tables = [torch.stack([rows[0], rows[1] if i < 2 else replaced[1]]) for i in range(4)]
+        ctx = events.reference() if announce else contextlib.nullcontext()
+        with ctx:
+            expected = [score(q, table) for (q, _), table in zip(steps, tables)]
+        runner = CarriedTable(variant)
+        return expected, [runner(q, joined) for q, joined in steps]
+    return workload
+
+
+@pytest.mark.parametrize("announce", [True, False])
+def test_memory_carried_on_purpose_is_no_evidence_when_replays_give_the_reference_runs_answers(announce):
+    """The counterfactual probes (a static input's carried elements, the state before the warmups,
+    put back) show a dependency the workload means to have: with the run without graphs announced,
+    replays that give its answers are not reported; without it, the carried rows are."""
+    workload = _carried("fix", announce)
+    expected, got = workload()
+    assert all(torch.equal(e, g) for e, g in zip(expected, got))
+    report = doctor.diagnose(workload)
+    if announce:
+        assert report.findings == [], report
+        assert any("every replay gave the reference run's answers: not reported" in n for n in report.notes), report
+    else:
+        assert [f.kind for f in report.findings] == ["stale-input"], report
+
+
+def test_what_a_replay_that_agreed_was_found_to_depend_on_is_reported_once_a_replay_does_not():
+    """``late``: the first two replays give the reference run's answers while the carried rows are
+    still right (the dependency found then is held); the third reads the replaced request's old
+    row, and the held finding is reported: the carried rows, from the second replay (the first that
+    carried any)."""
+    workload = _carried("late")
+    expected, got = workload()
+    assert [torch.equal(e, g) for e, g in zip(expected, got)] == [True, True, False, False]
+    report = doctor.diagnose(workload)
+    assert [f.kind for f in report.findings] == ["stale-input"], report
+    assert report.findings[0].tensor.startswith("table"), report
+    assert report.findings[0].evidence.startswith("sampled replay 2 "), report.findings[0]   # (held since then)
+
+
+def test_a_carried_row_never_written_is_still_found_with_the_reference_run():
+    workload = _carried("bug")
+    expected, got = workload()
+    assert not torch.equal(expected[0], got[0])
+    report = doctor.diagnose(workload)
+    assert report.findings and report.findings[0].tensor.startswith("table"), report
+
+
+class StaleEagerForm:
+    """A correct graph whose announced eager form is not the step: it closes over the capture's
+    query (as a captured callable closes over the capture's Python data) instead of reading ``q``."""
+
+    def __init__(self, table):
+        self.q, self.table = torch.zeros(2, 4), table
+        events.static_buffers("runner", {"q": self.q})
+        first = torch.ones(2, 4)
+        self.q.copy_(first)
+        with events.warmup():
+            score(self.q, self.table)
+        self.graph = new_graph("cpu")
+        with graph(self.graph, name="decode"):
+            self.out = score(self.q, self.table)
+        self.eager = lambda: score(first, self.table)  # noqa: E731
+
+    def __call__(self, q):
+        self.q.copy_(q)
+        events.serve(self.graph, 2, 2, padded={}, outputs=self.out, eager=self.eager)
+        self.graph.replay()
+        return self.out.clone()
+
+
+@pytest.mark.parametrize("announce", [True, False])
+def test_an_eager_form_that_is_not_the_step_is_no_evidence_against_replays_that_give_the_reference(announce):
+    def workload():
+        gen = torch.Generator().manual_seed(5)
+        table = torch.randn(2, 4, generator=gen)
+        qs = [torch.randn(2, 4, generator=gen) for _ in range(3)]
+        with events.reference() if announce else contextlib.nullcontext():
+            expected = [score(q, table) for q in qs]
+        runner = StaleEagerForm(table)
+        return expected, [runner(q) for q in qs]
+    expected, got = workload()
+    assert all(torch.equal(e, g) for e, g in zip(expected, got))
+    report = doctor.diagnose(workload)
+    assert (report.findings == []) == announce, report

@@ -108,12 +108,16 @@ class Doctor(RunnerEvents):
         self.failed_ops: dict[int, str] = {}        # id(error) -> what an op of the watched code raised
         self.found: dict[tuple, Finding] = {}        # each hazard once (``add``), by its key
         self.reference: Reference | None = None     # the workload's run without graphs (probes/reference.py)
+        self.holding: list | None = None            # where ``add`` puts findings while they are held
         self.uncomputed: dict[tuple, GraphInfo] = {}    # pool blocks a capture allocated, no replay wrote yet
         self.followed: dict = {}                    # ... and those eager code computed from them (rules/uncomputed.py)
 
     # ------------------------------------------------------------------ shared lookups
     def add(self, finding: Finding, key: tuple) -> Finding:
         """Record a finding once; the same hazard in another graph adds that graph's name."""
+        if self.holding is not None:           # a probe's finding held until a replay disagrees (differential)
+            self.holding.append((finding, key))
+            return finding
         known = self.found.get(key)
         if known is None:
             self.found[key] = finding

@@ -73,6 +73,7 @@ class Pending:
     unpadded: object = None             # the step on its real rows alone (probes/unpadded.py)
     host: list = dataclasses.field(default_factory=list)       # Python containers' contents before the step
     replayed_host: list = dataclasses.field(default_factory=list)   # ... and after the replay (pystate.keep)
+    agreed: bool = False                # its real rows equal the reference run's same step (probes/reference.py)
 
 
 def _objects_live_with_storages() -> bool:
@@ -157,6 +158,8 @@ class GraphInfo:
         self.python: list | None = None            # Python containers its eager step reaches (probes/pystate.py)
         self.left: dict | None = None               # attributes as its capture left them (probes/captured_state.py)
         self.startup_checked = False                # compared once from the state before the warmups
+        self.held: list = []                        # (finding, key) of probes on replays that gave the reference
+                                                    # run's answers: reported once one does not (differential)
         self.compared = 0                           # replays compared with an eager step
         self.disagreed = False                      # ... and one of them gave other results
         self.traced_always = False                  # its eager step wrote outside the kept state: trace each one

@@ -23,7 +23,9 @@ The step is run eagerly once more with those elements put back to their capture-
 (values the captured code ran on, so valid indices stay valid): real-row outputs or state that
 change depend on what an earlier step left.
 Memory the runner carries over on purpose (a block table updated in place) is persistent state:
-announce it with ``events.persistent_state`` and it is not a static input.
+announce it with ``events.persistent_state`` and it is not a static input. Where the workload
+announces its run without graphs (``probes/reference.py``), a replay that gives what that run gives
+at the same step is not probed: the dependency is the workload's own.
 """
 from __future__ import annotations
 

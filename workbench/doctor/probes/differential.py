@@ -27,6 +27,13 @@ replay left in memory the graph owns and never reads (a ``.grad`` that capture f
 step accumulates where the graph assigns). Where the traces part because the eager step runs the same
 lines another number of times, the step is run once more to find the frame that loops
 (``launch.repeats``). A padded replay that raises is tried on its real rows alone (``failed``).
+
+Where the workload announced its run without graphs (``probes/reference.py``) and a replay gives
+what that run gives at the same step, two kinds of difference are held, not reported: an output
+that differs from the eager form's (the eager form, a captured callable, is then not that step),
+and what the step would give from other starting memory (the carried elements of static inputs,
+the state before the warmups: the workload may build on it on purpose). They are reported once a
+replay of that graph gives another answer than the run without graphs, and noted otherwise.
 """
 from __future__ import annotations
 
@@ -137,8 +144,14 @@ def finish(doctor, info, pending) -> None:
         if note not in doctor.report.notes:
             doctor.report.notes.append(note)
     elif what is not None:
-        rootcause.classify(doctor, info, pending, what, divergence, run,
-                           _host_work(doctor, info, pending, replayed, rng_after, run))
+        # An output that differs from the eager form's while it is what the workload's run without graphs
+        # gives at the same step: the eager form (the captured callable) is not that step. Held, as below.
+        doctor.holding = info.held if pending.agreed and "output" in what[1] else None
+        try:
+            rootcause.classify(doctor, info, pending, what, divergence, run,
+                               _host_work(doctor, info, pending, replayed, rng_after, run))
+        finally:
+            doctor.holding = None
     elif changed:
         rootcause.rebound(doctor, info, pending, changed, run)
     elif run.settings and (host := _host_work(doctor, info, pending, replayed, rng_after, run,
@@ -148,23 +161,36 @@ def finish(doctor, info, pending) -> None:
         if divergence is not None:
             doctor.report.notes.append(f"differential replay of {info.name}: launch traces differ ("
                                        f"{divergence.text()}) but outputs and state agree on the sampled steps")
-        carried = pending.carried
-        # All inputs put back at once first: one eager run for the common case where none matters.
-        if len(carried) == 1 or (carried and _carried_over(doctor, info, pending, replayed, rng_after, graph_out,
-                                                          carried) is not None):
-            for key, one in carried.items():
-                if (what := _carried_over(doctor, info, pending, replayed, rng_after, graph_out, {key: one})):
-                    rootcause.carried(doctor, info, pending, what, info.externals[key], one)
-                    break
-        if not info.startup_checked:
-            info.startup_checked = True
-            _from_before_warmups(doctor, info, pending, replayed, rng_after, graph_out)
+        # What the step would give from other starting memory (the static inputs' carried elements, the
+        # state before the warmups) is held while the replay gives what the workload's run without graphs
+        # gives at the same step (that run may build on the same memory): reported once a replay does not.
+        doctor.holding = info.held if pending.agreed else None
+        try:
+            _from_other_memory(doctor, info, pending, replayed, rng_after, graph_out)
+        finally:
+            doctor.holding = None
         if not padded:
             unpadded.owned_by_full_step(doctor, pending, replayed)
         elif sampled and pending.unpadded is not None:
             unpadded.check(doctor, info, pending, replayed, graph_out,
                            lambda step: _eager(doctor, info, pending, replayed, rng_after, step=step))
     row_writes.replays_wrote(doctor, pending, replayed)
+
+
+def _from_other_memory(doctor, info, pending, replayed: dict, rng_after, graph_out) -> None:
+    """The step from other starting memory: the static inputs' elements it did not write put back
+    (``carried``), and once per graph the state before the warmups (``startup``)."""
+    carried = pending.carried
+    # All inputs put back at once first: one eager run for the common case where none matters.
+    if len(carried) == 1 or (carried and _carried_over(doctor, info, pending, replayed, rng_after, graph_out,
+                                                      carried) is not None):
+        for key, one in carried.items():
+            if (what := _carried_over(doctor, info, pending, replayed, rng_after, graph_out, {key: one})):
+                rootcause.carried(doctor, info, pending, what, info.externals[key], one)
+                break
+    if not info.startup_checked:
+        info.startup_checked = True
+        _from_before_warmups(doctor, info, pending, replayed, rng_after, graph_out)
 
 
 def failed(doctor, info, pending, error: BaseException) -> None:

@@ -196,14 +196,19 @@ class Reference:
         k, values, replayed_at = entry
         ops = [info.ops[info.paths[i][0]] for i in under]
         with _disable_current_modes():
-            match = self._step(code, k, ops, under, values)
+            got = [real_rows(o, pending.real, pending.size) for o in tensors(pending.outputs)]
+            match = self._step(code, k, ops, under, values, got)
             if match is None:
                 return
             number, ref, compared = match
-            got = [real_rows(o, pending.real, pending.size) for o in tensors(pending.outputs)]
             differs = _differs(got, self.returned_values.get((code, number)))
             if differs is None:
+                pending.agreed = _agrees(got, self.returned_values.get((code, number)))
                 return
+        for finding, key in info.held:             # what earlier replays' probes found, now borne out
+            doctor.add(finding, key)
+        info.held.clear()
+        with _disable_current_modes():
             found = (_input(self, compared) or _parting(ops, ref, pending.real < pending.size)
                      or _frozen_number(info, ops, under, ref, pending.size)
                      or _bound(self, doctor, info, ops, under, ref, replayed_at))
@@ -217,19 +222,23 @@ class Reference:
         self.found[info.name] = (info, *found, text, {"replay": info.replays + 1, "output": differs[0],
                                                       "max_abs_diff": differs[1], "reference_call": number})
 
-    def _step(self, code, k: int, ops: list, under: tuple, values: dict) -> tuple | None:
+    def _step(self, code, k: int, ops: list, under: tuple, values: dict, got: list) -> tuple | None:
         """(call number, its ops, its comparisons) of the reference's call of ``code`` that this replay
         serves: the call whose inputs agree with most of the static inputs the graph reads (the
         served run's count of steps breaks a tie: a training loop whose warmup was a real step is one
-        ahead), or None when no call agrees with any (nothing ties the replay to a step)."""
-        best, calls = None, self.calls[code]
+        ahead), or None when no call agrees with any (nothing ties the replay to a step). Among the
+        calls that agree as much, one that returned what the replay gives is that step, whatever
+        the count says (``agreed``)."""
+        best, calls = [], self.calls[code]
         for c, number in sorted(enumerate(calls), key=lambda e: abs(e[0] - k))[:_CANDIDATES]:
             ref = self._ops_of(code, number)
             compared = _compare_views(ops, under, ref, values)
             agree = sum(same for *_, same in compared)
-            if agree and (best is None or agree > best[0]):
-                best = (agree, number, ref, compared)
-        return best[1:] if best is not None else None
+            if agree and (not best or agree >= best[0][0]):
+                best = [b for b in best if b[0] == agree] + [(agree, number, ref, compared)]
+        if not best:
+            return None
+        return next((b[1:] for b in best if _agrees(got, self.returned_values.get((code, b[1])))), best[0][1:])
 
     def _ops_of(self, code, number) -> list:
         if self.by_call is None or self.by_call[0] is not code:
@@ -244,6 +253,12 @@ class Reference:
 
     def conclude(self, doctor) -> None:
         """Findings for the graphs that no other rule found anything in."""
+        for info in doctor.graphs.values():
+            if info.held:
+                doctor.report.notes.append(
+                    f"differential replay of {info.name}: {len(info.held)} probe(s) found its replays depend on "
+                    f"memory an earlier step or a warmup left ({info.held[0][0].kind} at {info.held[0][0].location}), "
+                    "but every replay gave the reference run's answers: not reported")
         for name, (info, kind, op, tensor, source, why, text, numbers) in self.found.items():
             if any(name in f.graph.split(", ") for f in doctor.report.findings):
                 continue
@@ -277,6 +292,13 @@ def _differs(got: list, expected: list | None) -> tuple | None:
         if bool(disagrees(g, e).any()):
             return i, max_abs_diff(g, e)
     return None
+
+
+def _agrees(got: list, expected: list | None) -> bool:
+    """Whether the replay's real rows are what the reference's step returned (comparable, and equal)."""
+    return expected is not None and len(got) == len(expected) and all(
+        e is not None and g.shape == e.shape and g.dtype == e.dtype for g, e in zip(got, expected)) \
+        and _differs(got, expected) is None
 
 
 def _aligned(ops: list, under: tuple, ref: list):
