@@ -383,3 +383,24 @@ def test_an_eager_form_that_is_not_the_step_is_no_evidence_against_replays_that_
     assert all(torch.equal(e, g) for e, g in zip(expected, got))
     report = doctor.diagnose(workload)
     assert (report.findings == []) == announce, report
+
+
+def test_a_replay_that_differs_from_the_reference_for_no_cause_found_is_in_the_headline():
+    """The shape-keyed graphs again, with weights too large for the reference run to keep their
+    values: the doctor sees the replays give other results than the run without graphs and cannot
+    say why. The report is not clean, and says so in its first line."""
+    def workload():
+        gen = torch.Generator().manual_seed(0)
+        weights = [torch.randn(4, 20_000, generator=gen) * 0.01 for _ in range(2)]
+        x = torch.randn(2, 4, generator=gen)
+        with events.reference():
+            expected = [layer(x, w) for w in weights]
+        runner = ShapeKeyedGraphs("bug")
+        return expected, [runner(x, w) for w in weights]
+    expected, got = workload()
+    assert not torch.equal(expected[1], got[1])
+    report = doctor.diagnose(workload)
+    assert report.findings == [] and not report.clean, report
+    assert len(report.unexplained) == 1 and "call 2 of layer" in report.unexplained[0], report
+    assert "1 replay(s) gave other results than the workload's run without graphs" in report.headline()
+    assert "differs from the run without graphs: replay 2 of layer 0" in str(report)

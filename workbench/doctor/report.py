@@ -113,6 +113,9 @@ class Report:
     errors: list[str] = dataclasses.field(default_factory=list)
     caught: list[str] = dataclasses.field(default_factory=list)    # op failures the watched code caught
     notes: list[str] = dataclasses.field(default_factory=list)
+    # replays whose real rows differ from the workload's run without graphs (``events.reference()``) in
+    # graphs no finding names: something is wrong that the doctor could not place
+    unexplained: list[str] = dataclasses.field(default_factory=list)
     failure: str | None = None
     seconds: float = 0.0
 
@@ -128,7 +131,7 @@ class Report:
     def clean(self) -> bool:
         """No finding, the workload ran to its end and the doctor watched all of it."""
         return (not self.findings and not self.errors and not self.caught and self.failure is None
-                and self.captures > 0)
+                and not self.unexplained and self.captures > 0)
 
     def of(self, kind: str) -> list[Finding]:
         if kind not in KINDS:
@@ -145,6 +148,9 @@ class Report:
         else:
             line = (f"Graph doctor: {self.captures} capture(s), {self.warmups} warmup run(s), {self.replays} "
                     f"replay(s) watched: {n} finding{'s' if n != 1 else ''}.")
+        if self.unexplained:
+            line += (f" {len(self.unexplained)} replay(s) gave other results than the workload's run without graphs, "
+                     "in graphs no finding names: see below.")
         if self.caught and not self.errors:
             line += f" An op failed inside the workload, which caught the error: {self.caught[0]}"
         if self.failure is not None:
@@ -162,6 +168,7 @@ class Report:
         lines += [f"not checked: {k} ({why})" for k, why in self.skipped.items()]
         lines += [f"the watched code raised: {e}" for e in self.errors]
         lines += [f"an op failed and the watched code caught it: {e}" for e in self.caught]
+        lines += [f"differs from the run without graphs: {u}" for u in self.unexplained]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -183,6 +190,7 @@ class Report:
         extra += "".join(f"<li>the watched code raised: <code>{_e(x)}</code></li>" for x in self.errors)
         extra += "".join(f"<li>an op failed and the watched code caught it: <code>{_e(x)}</code></li>"
                          for x in self.caught)
+        extra += "".join(f"<li>differs from the run without graphs: {_code(u)}</li>" for u in self.unexplained)
         extra += "".join(f"<li>{_code(n)}</li>" for n in self.notes)
         return (f"<div style='max-width:900px'><p><b>{_e(self.headline())}</b></p>{table}"
                 f"<ul style='font-size:12px'>{extra}</ul></div>")

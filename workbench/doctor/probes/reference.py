@@ -91,6 +91,7 @@ class Reference:
         self.by_call: tuple | None = None         # (code, call number -> its steps), for the last root asked
         self.writers: dict[int, tuple] = {}       # static input -> (op, line) that last wrote it, in the served run
         self.found: dict[str, tuple] = {}         # graph name -> (info, kind, op, tensor, source, text, numbers)
+        self.unexplained: list[tuple] = []        # (graph name, text) of replays that differ, no cause found
 
     # ------------------------------------------------------------------ recording the reference
     def called(self, doctor, frame) -> None:
@@ -197,7 +198,7 @@ class Reference:
         ops = [info.ops[info.paths[i][0]] for i in under]
         with _disable_current_modes():
             got = [real_rows(o, pending.real, pending.size) for o in tensors(pending.outputs)]
-            match = self._step(code, k, ops, under, values, got)
+            match = self._step(code, k, ops, under, values)
             if match is None:
                 return
             number, ref, compared = match
@@ -212,33 +213,30 @@ class Reference:
             found = (_input(self, compared) or _parting(ops, ref, pending.real < pending.size)
                      or _frozen_number(info, ops, under, ref, pending.size)
                      or _bound(self, doctor, info, ops, under, ref, replayed_at))
-        text = (f"replay {info.replays + 1} of {info.name} ({pending.real} real rows of {pending.size}): output "
+        text = (f"replay {info.replays} of {info.name} ({pending.real} real rows of {pending.size}): output "
                 f"{differs[0]} (real rows) differs by max |diff| = {differs[1]:.3g} from the reference run's same "
                 f"step (call {self.calls[code].index(number) + 1} of {code.co_name})")
         if found is None:
-            doctor.report.notes.append(f"{text}; neither a static input it reads nor its launch trace (beyond "
-                                       "padded rows) explains it")
+            self.unexplained.append((info.name, f"{text}; neither a static input it reads, its launch trace (beyond "
+                                                "padded rows), a number nor a tensor it only reads explains it"))
             return
-        self.found[info.name] = (info, *found, text, {"replay": info.replays + 1, "output": differs[0],
+        self.found[info.name] = (info, *found, text, {"replay": info.replays, "output": differs[0],
                                                       "max_abs_diff": differs[1], "reference_call": number})
 
-    def _step(self, code, k: int, ops: list, under: tuple, values: dict, got: list) -> tuple | None:
+    def _step(self, code, k: int, ops: list, under: tuple, values: dict) -> tuple | None:
         """(call number, its ops, its comparisons) of the reference's call of ``code`` that this replay
         serves: the call whose inputs agree with most of the static inputs the graph reads (the
         served run's count of steps breaks a tie: a training loop whose warmup was a real step is one
-        ahead), or None when no call agrees with any (nothing ties the replay to a step). Among the
-        calls that agree as much, one that returned what the replay gives is that step, whatever
-        the count says (``agreed``)."""
-        best, calls = [], self.calls[code]
+        ahead), or None when no call agrees with any (nothing ties the replay to a step). What the
+        replay gives is not asked: a graph replayed for the wrong step gives another step's answer."""
+        best, calls = None, self.calls[code]
         for c, number in sorted(enumerate(calls), key=lambda e: abs(e[0] - k))[:_CANDIDATES]:
             ref = self._ops_of(code, number)
             compared = _compare_views(ops, under, ref, values)
             agree = sum(same for *_, same in compared)
-            if agree and (not best or agree >= best[0][0]):
-                best = [b for b in best if b[0] == agree] + [(agree, number, ref, compared)]
-        if not best:
-            return None
-        return next((b[1:] for b in best if _agrees(got, self.returned_values.get((code, b[1])))), best[0][1:])
+            if agree and (best is None or agree > best[0]):
+                best = (agree, number, ref, compared)
+        return best[1:] if best is not None else None
 
     def _ops_of(self, code, number) -> list:
         if self.by_call is None or self.by_call[0] is not code:
@@ -252,7 +250,8 @@ class Reference:
         return self.by_call[1].get(number, [])
 
     def conclude(self, doctor) -> None:
-        """Findings for the graphs that no other rule found anything in."""
+        """Findings for the graphs that no other rule found anything in; the replays that differ from
+        the reference with no finding for their graph are the report's ``unexplained``."""
         for info in doctor.graphs.values():
             if info.held:
                 doctor.report.notes.append(
@@ -264,6 +263,8 @@ class Reference:
                 continue
             doctor.add(Finding(kind, name, op, tensor, source, f"{text}: {why}",
                                explain.reference_run(name, why), numbers), (kind, op, source))
+        found = {g for f in doctor.report.findings for g in f.graph.split(", ")}
+        doctor.report.unexplained += [text for name, text in self.unexplained if name not in found]
 
     def _root(self, info) -> tuple | None:
         """(root code, the positions in ``info.paths`` of the ops under it): the function of the
