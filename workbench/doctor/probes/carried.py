@@ -24,8 +24,9 @@ The step is run eagerly once more with those elements put back to their capture-
 change depend on what an earlier step left.
 Memory the runner carries over on purpose (a block table updated in place) is persistent state:
 announce it with ``events.persistent_state`` and it is not a static input. Where the workload
-announces its run without graphs (``probes/reference.py``), a replay that gives what that run gives
-at the same step is not probed: the dependency is the workload's own.
+announces its run without graphs (``probes/reference.py``), what is found on a replay that gives
+what that run gives at the same step is held (``differential``): the dependency may be the
+workload's own, and is reported once a replay of that graph gives another answer.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ lines another number of times, the step is run once more to find the frame that 
 (``launch.repeats``). A padded replay that raises is tried on its real rows alone (``failed``).
 
 Where the workload announced its run without graphs (``probes/reference.py``) and a replay gives
-what that run gives at the same step, two kinds of difference are held, not reported: an output
+what that run gives at the same step, two kinds of finding are held, not reported: an output
 that differs from the eager form's (the eager form, a captured callable, is then not that step),
 and what the step would give from other starting memory (the carried elements of static inputs,
 the state before the warmups: the workload may build on it on purpose). They are reported once a

@@ -197,11 +197,11 @@ class Reference:
         k, values, replayed_at = entry
         ops = [info.ops[info.paths[i][0]] for i in under]
         with _disable_current_modes():
-            got = [real_rows(o, pending.real, pending.size) for o in tensors(pending.outputs)]
             match = self._step(code, k, ops, under, values)
             if match is None:
                 return
             number, ref, compared = match
+            got = [real_rows(o, pending.real, pending.size) for o in tensors(pending.outputs)]
             differs = _differs(got, self.returned_values.get((code, number)))
             if differs is None:
                 pending.agreed = _agrees(got, self.returned_values.get((code, number)))
@@ -254,10 +254,11 @@ class Reference:
         the reference with no finding for their graph are the report's ``unexplained``."""
         for info in doctor.graphs.values():
             if info.held:
+                first = info.held[0][0]
                 doctor.report.notes.append(
-                    f"differential replay of {info.name}: {len(info.held)} probe(s) found its replays depend on "
-                    f"memory an earlier step or a warmup left ({info.held[0][0].kind} at {info.held[0][0].location}), "
-                    "but every replay gave the reference run's answers: not reported")
+                    f"differential replay of {info.name}: {len(info.held)} finding(s) held ({first.kind} at "
+                    f"{first.location}: {first.evidence}), but every replay gave the reference run's answers: the "
+                    "eager form is not the step, or the memory it depends on is the workload's own: not reported")
         for name, (info, kind, op, tensor, source, why, text, numbers) in self.found.items():
             if any(name in f.graph.split(", ") for f in doctor.report.findings):
                 continue

@@ -11,10 +11,10 @@ it, and a second copy after the warmup, and notes which elements eager code or a
 after it. At a graph's first sampled differential replay, the elements the warmups changed and
 nothing has rewritten since are put back as they were before the warmups, and the step is run eagerly from there: an answer that differs from the replay's is a
 real step depending on what dummy batches wrote. Lazy initialisation the eager step redoes gives
-the same answer, and so do writes into memory no real step reads (a scratch slot). Nor is a
-replay probed that gives what the workload's announced run without graphs gives at the same step
-(``probes/reference.py``): a warmup that was a real step (a training loop's first) wrote what that
-run writes too.
+the same answer, and so do writes into memory no real step reads (a scratch slot). What is
+found on a replay that gives what the workload's announced run without graphs gives at the same
+step (``probes/reference.py``) is held until a replay of that graph does not (``differential``): a
+warmup that was a real step (a training loop's first) wrote what that run writes too.
 """
 from __future__ import annotations
 
