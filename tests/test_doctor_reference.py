@@ -404,3 +404,51 @@ def test_a_replay_that_differs_from_the_reference_for_no_cause_found_is_in_the_h
     assert len(report.unexplained) == 1 and "call 2 of layer" in report.unexplained[0], report
     assert "1 replay(s) gave other results than the workload's run without graphs" in report.headline()
     assert "differs from the run without graphs: replay 2 of layer 0" in str(report)
+
+
+class Lazy:
+    scale = None
+
+
+def scaled_score(holder, q, table):
+    """A scale made lazily by the first call: a capture after a warmup skips that line."""
+    if holder.scale is None:
+        holder.scale = table.abs().sum(0)
+    return score(q, table) * holder.scale.sum()
+
+
+class LazyScale(StaleEagerForm):
+    """``StaleEagerForm`` with the lazy scale: the warmup makes it, the capture skips that line, and
+    the replays read the scale made."""
+
+    def __init__(self, table):
+        self.q, self.table, holder = torch.zeros(2, 4), table, Lazy()
+        events.static_buffers("runner", {"q": self.q})
+        first = torch.ones(2, 4)
+        self.q.copy_(first)
+        with events.warmup():
+            scaled_score(holder, self.q, self.table)
+        self.graph = new_graph("cpu")
+        with graph(self.graph, name="decode"):
+            self.out = scaled_score(holder, self.q, self.table)
+        self.eager = lambda: scaled_score(holder, first, self.table)  # noqa: E731
+
+
+def test_work_a_capture_skipped_is_no_finding_when_every_replay_gives_the_reference():
+    """The capture skips the warmup's lazy line, which changes no result; the announced eager form
+    (closed over the capture's query) differs from each replay, which gives the reference's answer:
+    the skipped work is noted, not reported, as when differential replay agrees."""
+    def workload():
+        gen = torch.Generator().manual_seed(6)
+        table = torch.randn(2, 4, generator=gen)
+        qs = [torch.randn(2, 4, generator=gen) for _ in range(3)]
+        with events.reference():
+            holder = Lazy()
+            expected = [scaled_score(holder, q, table) for q in qs]
+        runner = LazyScale(table)
+        return expected, [runner(q) for q in qs]
+    expected, got = workload()
+    assert all(torch.equal(e, g) for e, g in zip(expected, got))
+    report = doctor.diagnose(workload)
+    assert report.findings == [], report
+    assert any("so it changes no result" in n for n in report.notes), report

@@ -135,7 +135,7 @@ def finish(doctor, info, pending) -> None:
                              nonfinite=(pending.real, pending.size))
         nonfinite.report(doctor, info, pending, again)
     info.compared += 1
-    info.disagreed |= (what is not None or bool(changed)) and not pending.span
+    info.disagreed |= (what is not None or bool(changed)) and not pending.span and not pending.agreed
     if what is not None and run.read_outputs:
         note = (f"differential replay of {info.name}: the eager step reads what the previous replay left in memory "
                 f"the graph owns and never reads ({run.read_outputs[0]}: a binding such as a parameter's .grad, which "

@@ -104,8 +104,9 @@ def check(doctor, info) -> None:
     the dummy batch, a backward captured as another graph) is the runner's, not the step's.
 
     The skipped work is a finding, unless differential replay compared this graph's replays with
-    eager steps and every one agreed: then the capture skipped work that changes no result (a check
-    a library makes only outside a capture, say), and it is a note."""
+    eager steps and every one agreed, or gave what the workload's run without graphs gives at the same
+    step (``probes/reference.py``: the eager form is then not the step): then the capture skipped work
+    that changes no result (a check a library makes only outside a capture, say), and it is a note."""
     if info.warmup is None:
         return
     step = (info, *info.pieces)
