@@ -2332,3 +2332,33 @@ def test_a_capture_s_outputs_taken_for_a_step_s_result(variant):
     (finding,) = report.findings
     assert finding.kind == "warmup-divergence" and finding.graph == "piece 1", finding
     assert "with graph(g2" in finding.source and "out.clone()" in finding.evidence, finding
+
+
+def test_what_a_capture_in_pieces_writes_into_state_from_its_dummy_batch_is_no_live_data():
+    """Two captures in pieces, the larger first; the eager region between a capture's pieces updates
+    the recurrent state's dummy slot from the first piece's output, which no kernel computed yet. The
+    next capture's warmup then writes that slot: dummy data over dummy data, not a warmup over a
+    request's state."""
+    def workload():
+        state = torch.zeros(3, 4)                  # slot 0: the dummy batch's
+        events.persistent_state("pool", {"state": state})
+        x = torch.zeros(8, 4)
+        events.static_buffers("runner", {"x": x})
+        pool = graph_pool_handle("cpu")
+
+        def capture(size):
+            with events.warmup():
+                state[0].copy_((x[:size] * 2).sum(0))
+            g1 = new_graph("cpu")
+            with graph(g1, pool=pool, name=f"piece 0 of {size}"):
+                h = x[:size] * 2
+            state[0].copy_(h.sum(0))                # the eager region: from the piece's uncomputed output
+            g2 = new_graph("cpu")
+            with graph(g2, pool=pool, name=f"piece 1 of {size}"):
+                out = state[0] + 1
+            return g1, g2, out
+
+        return [capture(size) for size in (8, 4)]
+
+    report = doctor.diagnose(workload)
+    assert report.findings == [], report

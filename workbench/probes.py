@@ -248,6 +248,43 @@ def probe_batch_norm_stats(device: str) -> dict:
     return {"mean_after_capture": after_capture, "mean_after_replay": [round(v, 4) for v in _values(mean)]}
 
 
+MASK_ASSIGN = ("python_number", "host_tensor", "device_value", "masked_read", "tensor_made_on_device")
+
+
+def probe_mask_assign(device: str) -> dict:
+    """Boolean-mask indexing inside a capture: ``x[mask] = 0`` with one value held on the host
+    fills through ``masked_fill_`` (no count of the mask's elements: recorded), a device value or a
+    masked read needs ``nonzero`` (a sync: refused); and a tensor made from Python data on the device
+    inside the capture. Whether each raises (on CUDA, each in a child: a refused sync ends the
+    capture)."""
+    if device == "cuda":
+        return {s: run_in_child(_mask_assign, device, s, timeout=300).raise_if_failed()
+                for s in MASK_ASSIGN}
+    return {s: _mask_assign(device, s) for s in MASK_ASSIGN}
+
+
+def _mask_assign(device: str, scenario: str) -> bool:
+    x = torch.arange(8.0, device=device).reshape(4, 2)
+    mask = torch.tensor([True, False, True, False], device=device)
+    g = new_graph(device)
+    try:
+        with graph(g):
+            y = x * 1
+            if scenario == "python_number":
+                y[mask] = 0
+            elif scenario == "host_tensor":
+                y[mask] = torch.tensor(0.0)
+            elif scenario == "device_value":
+                y[mask] = y.max()
+            elif scenario == "masked_read":
+                y = y[mask] * 1
+            else:
+                y = y + torch.tensor([1.0, 2.0], device=device)
+        return False
+    except Exception:  # noqa: BLE001 - CUDA raises a RuntimeError, the CPU a CaptureError
+        return True
+
+
 PROBES = {
     "increment": probe_increment,
     "frozen_python": probe_frozen_python,
@@ -265,6 +302,7 @@ PROBES = {
     "op_trace": probe_op_trace,
     "batch_norm_stats": probe_batch_norm_stats,
     "pool_handle_reuse": probe_pool_handle_reuse,
+    "mask_assign": probe_mask_assign,
 }
 
 

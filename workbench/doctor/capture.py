@@ -39,6 +39,7 @@ def recorded(doctor, func, args, kwargs, run):
         for t in inputs:                          # a constant of the captured code: the graph keeps it
             doctor.owned[storage_key(t)] = (StorageWeakRef(t.untyped_storage()), info)
             info.created.add(storage_key(t))
+            info.constants.add(storage_key(t))
     constant = func is not _COPY
     for t in inputs:
         if constant and by_value(t, info.cuda):

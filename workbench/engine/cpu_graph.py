@@ -67,7 +67,8 @@ HOST_SYNC_METHODS = frozenset({
     "__bool__", "__int__", "__float__",
 })
 _VALUE_READS = frozenset({"item", "__int__", "__float__", "__bool__"})     # aten._local_scalar_dense
-_INDEX_OPS = frozenset({aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_})
+_PUTS = frozenset({aten.index_put, aten.index_put_, aten._index_put_impl_})
+_INDEX_OPS = _PUTS | {aten.index}
 _LIFTS = frozenset({aten.lift_fresh, aten.lift_fresh_copy})
 _DETACHES = frozenset({aten.detach, aten.detach_})
 # Ops that only allocate: a CUDA capture records no kernel for them, so replay runs nothing and the
@@ -76,11 +77,15 @@ ALLOCATIONS = frozenset({aten.empty, aten.empty_like, aten.new_empty, aten.empty
                          aten.new_empty_strided})
 
 
-def is_host_sync(func, args) -> bool:
+def is_host_sync(func, args, host_value=None) -> bool:
     """Whether an aten op needs the device's data on the host (its output shape or value depends
-    on it): a CUDA graph cannot record it."""
+    on it): a CUDA graph cannot record it. ``host_value(t)``: whether a tensor is host data (a
+    Python number lifted in the captured code); on CUDA, a tensor on another device than the one
+    it is written into is."""
     packet = func.overloadpacket
-    return packet in HOST_SYNC_OPS or (packet in _INDEX_OPS and _has_mask_index(args))
+    if packet in HOST_SYNC_OPS:
+        return True
+    return packet in _INDEX_OPS and _has_mask_index(args) and not _masked_fill(func, args, host_value)
 
 
 def host_sync_error(op: str, source: str, tensor=None) -> CaptureError:
@@ -190,7 +195,7 @@ class CPUGraph:
         tensors = [t for t in _flat(args, kwargs) if isinstance(t, torch.Tensor)]
         if tensors and all(self._is_host(t) for t in tensors):
             return self._run_on_host(func, args, kwargs)
-        if is_host_sync(func, args):
+        if is_host_sync(func, args, lambda t: storage_key(t) in self._lifted or self._is_host(t)):
             raise host_sync_error(str(func), user_frame())
         pool = self._pool
         packet = func.overloadpacket
@@ -442,6 +447,21 @@ def _flat(args, kwargs):
             yield from value
         else:
             yield value
+
+
+def _masked_fill(func, args, host_value) -> bool:
+    """``x[mask] = value`` with one mask (the other indices None) and one value element held on the
+    host: PyTorch's ``index_put_`` fills through ``masked_fill_`` then (``canDispatchToMaskedFill``),
+    which needs no count of the mask's elements -- no sync, and a CUDA graph records it."""
+    if func.overloadpacket not in _PUTS or len(args) < 3 or (len(args) > 3 and args[3]):
+        return False                               # (accumulate takes the sorting path)
+    self, indices, value = args[0], args[1], args[2]
+    masks = [i for i in indices or () if i is not None]
+    if len(masks) != 1 or masks[0].dtype not in (torch.bool, torch.uint8) or masks[0].device != self.device:
+        return False
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        return False
+    return value.device != self.device or (host_value is not None and bool(host_value(value)))
 
 
 def _has_mask_index(args) -> bool:

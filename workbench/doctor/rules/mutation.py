@@ -226,6 +226,19 @@ def held_live(doctor, key: int, values: torch.Tensor, view=None, buffer=None) ->
     return changed(initial, values) & changed(announced, values)
 
 
+def dummy_written(doctor, key: int, view: torch.Tensor) -> None:
+    """Eager code wrote into persistent state a value computed from a capture's dummy batch (its
+    uncomputed outputs flowing on: the eager pieces of a capture done in pieces): what ``view`` now
+    holds is dummy data, as a warmup's writes are, not a request's."""
+    buf = doctor.buffer(key)
+    buffer = buf.ref() if buf is not None else None
+    if buffer is None or key not in doctor.initial:
+        return
+    with _disable_current_modes():
+        covered = region(view, buffer)
+        doctor.initial[key][covered] = buffer.detach()[covered]
+
+
 def warmup_wrote_state(doctor) -> None:
     """At the end of a warmup: rows of persistent state that held live data (changed since the
     announcement by anything but a warmup) and that the warmup changed."""

@@ -14,7 +14,7 @@ import inspect
 import torch
 
 from ...engine.cpu_graph import host_sync_error, is_host_sync
-from ...engine.opinfo import tensors
+from ...engine.opinfo import storage_key, tensors
 from ...engine.source import location, mine, user_frames
 from .. import explain
 from ..report import Finding
@@ -29,7 +29,7 @@ def check(doctor, info, func, args, kwargs, source: str) -> None:
     host memory (host tensors; beside a CUDA graph, the CPU's) reads no device: no sync."""
     if host_only(list(tensors(args)), info.cuda):
         return
-    if is_host_sync(func, args) or device_to_host(func, args, kwargs):
+    if is_host_sync(func, args, lambda t: storage_key(t) in info.constants) or device_to_host(func, args, kwargs):
         t = args[0] if func.overloadpacket is _VALUE_READ and args else None    # a number read from a tensor
         caller = handed_in([(f, f.f_lineno) for f in user_frames()], lambda v: v is t) if t is not None else None
         finding(doctor, info.name, str(func), source, caller)

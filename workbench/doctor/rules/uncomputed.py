@@ -10,7 +10,8 @@ So eager code that reads memory a capture allocated, before any replay wrote it,
 it computes from that memory is too (one dummy batch's value flowing on). Where such values feed
 another capture, they were the dummy batch of a capture done in pieces (the eager attention
 between two pieces of a PIECEWISE capture, the backward captured from the forward's outputs):
-nothing to report. Where they never do, the step took the capture's outputs for results:
+nothing to report (and what they write into persistent state is dummy data, as a warmup's writes
+are: ``rules/mutation.py``). Where they never do, the step took the capture's outputs for results:
 ``warmup-divergence`` (the step took the capture's path where an eager step computes), named where
 the capture was made. Only under differential replay (``diagnose``): eager ops are then looked at anyway.
 """
@@ -22,6 +23,7 @@ from ...engine.opinfo import describe, op_tensors, overwrites, shape_only, stora
 from ...engine.source import user_frame
 from .. import explain
 from ..report import Finding
+from . import mutation
 from .pool import block
 
 _FOLLOWED = 10_000          # storages computed from uncomputed values followed at most
@@ -71,6 +73,9 @@ def eager_op(doctor, func, args, kwargs, out) -> None:
         return
     for t in [*tensors(out), *written_tensors(func, args, kwargs)]:
         doctor.followed[storage_key(t)] = read      # what the memory holds now
+    for t in written_tensors(func, args, kwargs):
+        if (key := storage_key(t)) in doctor.initial:
+            mutation.dummy_written(doctor, key, t)  # a dummy batch's value in persistent state: not live data
 
 
 def capture_reads(doctor, key: int) -> None:
