@@ -24,7 +24,9 @@ What a CUDA graph is, reduced to the rules that cause bugs in serving stacks:
   allocator handing the block on; graphs that referenced one address share one retained block).
 * **No host synchronisation inside capture.** ``.item()``, ``.cpu()``, ``nonzero``, printing values
   and boolean-mask indexing of device memory raise ``CaptureError`` naming the op and the user's
-  source line.
+  source line -- except a mask filled with one host value (``x[mask] = 0``), which PyTorch runs as
+  ``masked_fill_`` -- and so does a list of Python numbers made into a tensor on the device (a
+  pageable copy, which a capturing stream refuses); engine probe ``mask_assign``.
 * **Host memory is not the device's.** Plain CPU tensors are device memory; host memory is what
   ``host(t, device)`` returns and what ops on host memory return (``host`` says why a subclass, and
   what it costs). Inside a capture, work on host memory runs once and is not recorded, ``.item()``
@@ -96,12 +98,32 @@ def host_sync_error(op: str, source: str, tensor=None) -> CaptureError:
         op=op, source=source, tensor=tensor)
 
 
+# Python data made into a tensor: on the host unless a device is named. On CUDA, naming the device
+# inside a capture copies a list from pageable host memory, which a capturing stream refuses (engine
+# probe ``mask_assign``, "tensor_made_on_device"); without one it is a host constant the graph keeps.
+_FROM_PYTHON = frozenset({torch.tensor, torch.as_tensor, torch.asarray})
+
+
 class _HostSyncGuard(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
         if name in HOST_SYNC_METHODS and not (args and type(args[0]) is HostTensor):
             raise host_sync_error(f"Tensor.{name}()", user_frame(), args[0] if args and name in _VALUE_READS else None)
+        if func in _FROM_PYTHON and (kwargs or {}).get("device") is not None and _copies_python_data(args):
+            raise CaptureError(
+                f"torch.{name}(..., device=...) inside graph capture copies Python data from pageable host "
+                f"memory to the device, which a capturing stream refuses (cudaErrorStreamCaptureUnsupported)."
+                f"\n  at {user_frame()}\nMake the tensor before the captured region, or on the host (no device) "
+                "and let the graph keep it as a constant.", op=f"torch.{name}", source=user_frame())
         return func(*args, **(kwargs or {}))
+
+
+def _copies_python_data(args) -> bool:
+    """Whether ``torch.tensor``'s data is a non-empty sequence of Python numbers (what the H200 refuses;
+    an empty list copies nothing, and transformers' caches start so inside captures). A single number
+    was not measured there and is left to the recorder, as before; a tensor is a device copy."""
+    data = args[0] if args else None
+    return isinstance(data, (list, tuple)) and len(data) > 0 and not any(isinstance(d, torch.Tensor) for d in data)
 
 
 class _Recorder(TorchDispatchMode):
