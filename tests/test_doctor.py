@@ -397,7 +397,7 @@ class Residual:
         return torch.relu(x + self.zero_residual(x))
 
 
-def test_a_dangling_reference_is_named_where_the_capture_took_its_address():
+def test_a_dangling_reference_is_named_where_the_capture_took_its_address_and_says_where_it_went():
     x, model = torch.ones(2, 3), Residual()
     with doctor.watch() as report:
         model.forward(torch.ones(2, 3))
@@ -410,22 +410,8 @@ def test_a_dangling_reference_is_named_where_the_capture_took_its_address():
     (finding,) = report.findings
     assert finding.kind == "dangling-reference" and finding.op == "aten.slice.Tensor"
     assert finding.location == where(Residual.zero_residual, "return self.buf[:x.numel()].view_as(x)")
-
-
-def test_a_dangling_reference_also_names_the_line_that_released_it():
-    x, model = torch.ones(2, 3), Residual()
-    with doctor.watch() as report:
-        model.forward(torch.ones(2, 3))
-        g = new_graph("cpu")
-        with graph(g):
-            model.forward(x)
-        model.forward(torch.ones(4, 3))
-        with pytest.raises(IllegalMemoryAccess):
-            g.replay()
-    (finding,) = report.findings
-    released = where(Residual.zero_residual, "self.buf = torch.zeros(x.numel())")
+    released = where(Residual.zero_residual, "self.buf = torch.zeros(x.numel())")    # and where it went
     assert f"released at {released}" in finding.evidence and f"released it at {released}" in finding.cause
-    assert finding.location == where(Residual.zero_residual, "return self.buf[:x.numel()].view_as(x)")
 
 
 class Scratch:

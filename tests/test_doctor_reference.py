@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+from test_doctor_setup_and_warmups import only_finding
 from workbench import doctor
 from workbench.engine import events, graph, graph_pool_handle, new_graph
 
@@ -88,19 +89,23 @@ def _workload(runner_for, announce: bool = True, kernel=attend):
     return workload
 
 
+def _finding(workload, variant: str):
+    """The workload's bug misbehaves and its fix gives the reference's answers; under the doctor the
+    fix's report is empty, and the bug's one finding is returned (None for the fix)."""
+    expected, got = workload()
+    assert all(torch.equal(e, g) for e, g in zip(expected, got)) == (variant == "fix")
+    return only_finding(workload, variant)
+
+
 @pytest.mark.parametrize("variant", ["bug", "fix"])
 def test_a_replay_path_preparing_an_input_otherwise_is_named_where_it_wrote_it(variant):
     """``bug``: the replay path writes ``lens - 1`` (a count of accepted tokens where the kernel wants
     sequence lengths). The captured callable reads the same static buffer, so differential replay
     agrees with the graph; the reference run gives the attention the real lengths."""
     workload = _workload(lambda cache: Runner(cache, variant, lens_offset=1 if variant == "bug" else 0))
-    expected, got = workload()
-    assert all(torch.equal(e, g) for e, g in zip(expected, got)) == (variant == "fix")
-    report = doctor.diagnose(workload)
-    if variant == "fix":
-        assert report.findings == [], report
+    finding = _finding(workload, variant)
+    if finding is None:
         return
-    (finding,) = report.findings
     assert finding.kind == "warmup-divergence" and " in prepare: " in finding.source, finding
     assert finding.tensor.startswith("lens: ") and "reference run" in finding.evidence, finding
 
@@ -184,7 +189,9 @@ class ShapeKeyedGraphs:
         return out.clone()
 
 
-def _layers(run_layer, prepare=lambda weights: None):
+def _layers(run_layer, between=lambda weights: None):
+    """Three layers of one shape, run twice through ``run_layer()``'s graphs (``between`` the two
+    passes, on the weights) and twice without graphs (announced as the reference)."""
     def workload():
         gen = torch.Generator().manual_seed(0)
         weights = [torch.randn(4, 4, generator=gen) for _ in range(3)]
@@ -197,10 +204,11 @@ def _layers(run_layer, prepare=lambda weights: None):
             return h
 
         with events.reference():
-            expected = model(layer)
-        prepare(weights)
+            expected = [model(layer) for _ in range(2)]
         runner = run_layer()
-        return expected, [model(runner) for _ in range(2)]
+        got = [model(runner)]
+        between(weights)
+        return expected, got + [model(runner)]
     return workload
 
 
@@ -210,13 +218,9 @@ def test_a_graph_replayed_for_a_tensor_it_was_not_captured_with_is_named_where_i
     weight. Its eager form is the captured closure (the same weight): differential replay agrees
     with the graph; the reference run's same step reads the layer's own weight."""
     workload = _layers(lambda: ShapeKeyedGraphs(variant))
-    expected, got = workload()
-    assert all(torch.equal(expected, g) for g in got) == (variant == "fix")
-    report = doctor.diagnose(workload)
-    if variant == "fix":
-        assert report.findings == [], report
+    finding = _finding(workload, variant)
+    if finding is None:
         return
-    (finding,) = report.findings
     assert finding.kind == "warmup-divergence" and " in __call__: g.replay()" in finding.source, finding
     assert "nothing wrote it since the capture bound it" in finding.evidence, finding
 
@@ -232,31 +236,10 @@ def test_a_tensor_the_graph_reads_rewritten_after_capture_is_named_where_it_was_
     """Graphs keyed per weight (correctly). ``bug``: between its two passes the served run rounds
     the weights in place, which the run without graphs never does: the graph reads what that write
     left, and the finding names the write, not the replay."""
-    def workload():
-        gen = torch.Generator().manual_seed(0)
-        weights = [torch.randn(4, 4, generator=gen) for _ in range(3)]
-        x = torch.randn(2, 4, generator=gen)
-
-        def model(call):
-            h = x
-            for w in weights:
-                h = call(h, w)
-            return h
-
-        with events.reference():
-            expected = [model(layer) for _ in range(2)]
-        runner = ShapeKeyedGraphs("fix")
-        got = [model(runner)]
-        if variant == "bug":
-            requantize(weights)
-        return expected, got + [model(runner)]
-    expected, got = workload()
-    assert all(torch.equal(e, g) for e, g in zip(expected, got)) == (variant == "fix")
-    report = doctor.diagnose(workload)
-    if variant == "fix":
-        assert report.findings == [], report
+    workload = _layers(lambda: ShapeKeyedGraphs("fix"), requantize if variant == "bug" else lambda weights: None)
+    finding = _finding(workload, variant)
+    if finding is None:
         return
-    (finding,) = report.findings
     assert finding.kind == "warmup-divergence" and " in requantize: " in finding.source, finding
     assert "last written by aten.copy_" in finding.evidence, finding
 
