@@ -2362,3 +2362,31 @@ def test_what_a_capture_in_pieces_writes_into_state_from_its_dummy_batch_is_no_l
 
     report = doctor.diagnose(workload)
     assert report.findings == [], report
+
+
+def test_a_capture_s_outputs_a_dummy_run_drops_are_nobody_s_result():
+    """A runner's capture loop runs each size once on a dummy batch through the path that captures,
+    which hands back what the capture returned, and drops it (vLLM's ``capture_model``); the real
+    steps replay. Nothing was taken for a result."""
+    def workload():
+        x = torch.zeros(4, 3)
+        events.static_buffers("tiny", {"x": x})
+        graphs = {}
+
+        def step(batch):
+            x.copy_(batch)
+            if "g" not in graphs:
+                g = new_graph("cpu")
+                with graph(g, name="decode"):
+                    out = torch.tanh(x * 2)
+                graphs["g"] = (g, out)
+                return out.clone()                     # the capturing call's answer: uncomputed
+            g, out = graphs["g"]
+            g.replay()
+            return out.clone()
+
+        step(torch.zeros(4, 3))                         # the capture loop's dummy batch: dropped
+        return [step(rows(4, 3, seed=s)) for s in range(2)]
+
+    report = doctor.diagnose(workload)
+    assert report.findings == [], report

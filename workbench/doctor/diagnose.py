@@ -18,6 +18,7 @@ from ..engine import GraphRunner
 from .intake import Doctor
 from .probes.padding import Plan
 from .report import Report
+from .rules import uncomputed
 from .rules.padding import compare_runs, crashed_only_as_left
 from . import raised
 from .session import watching
@@ -135,7 +136,7 @@ def _run(workload: Callable[[], Any], doctor: Doctor) -> tuple[Report, Doctor]:
     try:
         with watching(doctor):
             raised.start(doctor)
-            workload()
+            uncomputed.returned(doctor, workload())     # what a workload returns is its result
     except _Misuse:
         raise
     except Exception:  # noqa: BLE001, S110 - watching() lists what the workload raised in the report

@@ -13,11 +13,16 @@ between two pieces of a PIECEWISE capture, the backward captured from the forwar
 nothing to report (and what they write into persistent state is dummy data, as a warmup's writes
 are: ``rules/mutation.py``). Where they never do, the step took the capture's outputs for results:
 ``warmup-divergence`` (the step took the capture's path where an eager step computes), named where
-the capture was made. Only under differential replay (``diagnose``): eager ops are then looked at anyway.
+the capture was made -- if the workload went on with them: a value computed from them read again
+by eager code, held at the end, or returned by the workload. A runner's capture loop that runs each
+size once on a dummy batch and drops what the capturing call handed back took nothing for a result.
+Only under differential replay (``diagnose``): eager ops are then looked at anyway.
 """
 from __future__ import annotations
 
 import dataclasses
+
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ...engine.opinfo import describe, op_tensors, overwrites, shape_only, storage_key, tensors, written_tensors
 from ...engine.source import user_frame
@@ -38,6 +43,9 @@ class Read:
     line: str
     tensor: str
     captured: bool = False          # what it computed fed a capture: a capture in pieces
+    read: int = 0                   # the capture's output storage it read
+    used: bool = False              # what it computed was read again by eager code: the step went on with it
+    made: dict = dataclasses.field(default_factory=dict)    # storage -> weak reference: what it computed
 
 
 def captured(doctor, info) -> None:
@@ -52,6 +60,9 @@ def replayed(doctor, info) -> None:
     allocated (a pool's memory handed on, a buffer several graphs share)."""
     for b in [b for b, owner in doctor.uncomputed.items() if owner is info or b in info.blocks]:
         del doctor.uncomputed[b]
+    for key in [k for k, r in doctor.followed.items() if k == r.read and r.info is info]:
+        del doctor.followed[key]                    # its outputs are computed now: reading them is no use of
+                                                    # what the capture left (what was computed from it still is)
 
 
 def eager_op(doctor, func, args, kwargs, out) -> None:
@@ -64,34 +75,59 @@ def eager_op(doctor, func, args, kwargs, out) -> None:
         if n == 0 and overwrites(func):
             continue
         key = storage_key(t)
-        read = doctor.followed.get(key)
-        if read is None and (info := doctor.uncomputed.get(block(t))) is not None and info.ref() is not None:
-            read = doctor.followed[key] = Read(info, str(func), user_frame(), describe(t))
+        read = _followed(doctor, key)
+        if read is not None:
+            read.used |= key != read.read                    # a value computed from them, read again
+        elif (info := doctor.uncomputed.get(block(t))) is not None and info.ref() is not None:
+            read = doctor.followed[key] = Read(info, str(func), user_frame(), describe(t), read=key)
         if read is not None:
             break
     if read is None or len(doctor.followed) >= _FOLLOWED:
         return
     for t in [*tensors(out), *written_tensors(func, args, kwargs)]:
-        doctor.followed[storage_key(t)] = read      # what the memory holds now
+        doctor.followed[key := storage_key(t)] = read    # what the memory holds now
+        read.made[key] = StorageWeakRef(t.untyped_storage())
     for t in written_tensors(func, args, kwargs):
         if (key := storage_key(t)) in doctor.initial:
             mutation.dummy_written(doctor, key, t)  # a dummy batch's value in persistent state: not live data
 
 
+def _followed(doctor, key: int) -> Read | None:
+    """The read a storage's values come from, while that storage lives (an address is reused: a
+    tensor made later in the same memory holds other values)."""
+    read = doctor.followed.get(key)
+    if read is not None and (w := read.made.get(key)) is not None and w.expired():
+        del doctor.followed[key]
+        return None
+    return read
+
+
+def returned(doctor, value) -> None:
+    """What the workload returned (``diagnose``): its tensors are results, used."""
+    if doctor.followed:
+        for t in tensors(value):
+            if (read := _followed(doctor, storage_key(t))) is not None:
+                read.used = True
+
+
 def capture_reads(doctor, key: int) -> None:
     """A capture reads ``key``: if it holds values computed from uncomputed memory, those were a
     dummy batch for this capture."""
-    read = doctor.followed.get(key)
+    read = _followed(doctor, key)
     if read is not None:
         read.captured = True
 
 
 def finish(doctor) -> None:
-    """One finding per capture none of whose followed values fed a capture."""
+    """One finding per capture none of whose followed values fed a capture, and some of which the
+    workload went on with: read again, still held at its end, or returned by it. A dummy run's
+    output that is computed and dropped (a runner's capture loop) is nobody's result."""
     fed = {id(r.info) for r in doctor.followed.values() if r.captured}
     reported = set()
     for read in doctor.followed.values():
         if id(read.info) in fed or id(read.info) in reported:
+            continue
+        if not read.used and all(w.expired() for w in read.made.values()):
             continue
         reported.add(id(read.info))
         info = read.info
