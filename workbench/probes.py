@@ -248,14 +248,15 @@ def probe_batch_norm_stats(device: str) -> dict:
     return {"mean_after_capture": after_capture, "mean_after_replay": [round(v, 4) for v in _values(mean)]}
 
 
-MASK_ASSIGN = ("python_number", "host_tensor", "device_value", "masked_read", "tensor_made_on_device")
+MASK_ASSIGN = ("python_number", "host_tensor", "device_value", "masked_read", "tensor_made_on_device",
+               "number_made_on_device")
 
 
 def probe_mask_assign(device: str) -> dict:
     """Boolean-mask indexing inside a capture: ``x[mask] = 0`` with one value held on the host
     fills through ``masked_fill_`` (no count of the mask's elements: recorded), a device value or a
-    masked read needs ``nonzero`` (a sync: refused); and a tensor made from Python data on the device
-    inside the capture. Whether each raises (on CUDA, each in a child: a refused sync ends the
+    masked read needs ``nonzero`` (a sync: refused); and a tensor made from Python data (a list, one
+    number) on the device inside the capture. Whether each raises (on CUDA, each in a child: a refused sync ends the
     capture)."""
     if device == "cuda":
         return {s: run_in_child(_mask_assign, device, s, timeout=300).raise_if_failed()
@@ -278,8 +279,10 @@ def _mask_assign(device: str, scenario: str) -> bool:
                 y[mask] = y.max()
             elif scenario == "masked_read":
                 y = y[mask] * 1
-            else:
+            elif scenario == "tensor_made_on_device":
                 y = y + torch.tensor([1.0, 2.0], device=device)
+            else:
+                y = y + torch.tensor(1.0, device=device)
         return False
     except Exception:  # noqa: BLE001 - CUDA raises a RuntimeError, the CPU a CaptureError
         return True

@@ -25,8 +25,8 @@ What a CUDA graph is, reduced to the rules that cause bugs in serving stacks:
 * **No host synchronisation inside capture.** ``.item()``, ``.cpu()``, ``nonzero``, printing values
   and boolean-mask indexing of device memory raise ``CaptureError`` naming the op and the user's
   source line -- except a mask filled with one host value (``x[mask] = 0``), which PyTorch runs as
-  ``masked_fill_`` -- and so does a list of Python numbers made into a tensor on the device (a
-  pageable copy, which a capturing stream refuses); engine probe ``mask_assign``.
+  ``masked_fill_`` -- and so does Python data (a number, a list) made into a tensor on the device
+  (a pageable copy, which a capturing stream refuses); engine probe ``mask_assign``.
 * **Host memory is not the device's.** Plain CPU tensors are device memory; host memory is what
   ``host(t, device)`` returns and what ops on host memory return (``host`` says why a subclass, and
   what it costs). Inside a capture, work on host memory runs once and is not recorded, ``.item()``
@@ -99,8 +99,8 @@ def host_sync_error(op: str, source: str, tensor=None) -> CaptureError:
 
 
 # Python data made into a tensor: on the host unless a device is named. On CUDA, naming the device
-# inside a capture copies a list from pageable host memory, which a capturing stream refuses (engine
-# probe ``mask_assign``, "tensor_made_on_device"); without one it is a host constant the graph keeps.
+# inside a capture copies it from pageable host memory, which a capturing stream refuses (engine
+# probe ``mask_assign``: a list, one number); without one it is a host constant the graph keeps.
 _FROM_PYTHON = frozenset({torch.tensor, torch.as_tensor, torch.asarray})
 
 
@@ -119,10 +119,12 @@ class _HostSyncGuard(TorchFunctionMode):
 
 
 def _copies_python_data(args) -> bool:
-    """Whether ``torch.tensor``'s data is a non-empty sequence of Python numbers (what the H200 refuses;
-    an empty list copies nothing, and transformers' caches start so inside captures). A single number
-    was not measured there and is left to the recorder, as before; a tensor is a device copy."""
+    """Whether ``torch.tensor``'s data is Python's to copy: a number, or a non-empty sequence of them
+    (the H200 refuses both; an empty list copies nothing, and transformers' caches start so inside
+    captures). A tensor, or a list of them, is a copy on the device."""
     data = args[0] if args else None
+    if isinstance(data, (bool, int, float)):
+        return True
     return isinstance(data, (list, tuple)) and len(data) > 0 and not any(isinstance(d, torch.Tensor) for d in data)
 
 
