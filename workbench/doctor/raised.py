@@ -167,23 +167,23 @@ def _collector(phase: str, _info: dict) -> None:
 gc.callbacks.append(_collector)
 
 
-def released_at() -> str | None:
-    """Where the workload lets go of memory, asked by a callback as it goes: the line of the
-    innermost frame of the workload's own code (a library's frames, ``nn.Module.__setattr__``'s
-    say, are how that line did it). Where that line is the call of a function that has just
-    returned (seen by the tracer, under ``diagnose``), the memory went with that function's locals:
-    its return line. None while the garbage collector runs: whatever started it did not let go."""
+def released_at(running) -> str | None:
+    """Where the workload let go of memory, asked by a callback as it goes (``running``: the frame
+    that was running then): the line of the innermost frame of the workload's own code (a
+    library's frames, ``nn.Module.__setattr__``'s say, are how that line did it). Where the running
+    frame waits on a call of a function that has just returned (seen by the tracer, under
+    ``diagnose``), the memory went with that function's locals: its return line. None while the
+    garbage collector runs: whatever started it did not let go."""
     if _collecting:
         return None
-    frame, raw = sys._getframe(1), None
+    frame = running
     while frame is not None and not (mine(frame) and not _stdlib(frame.f_code.co_filename)):
-        if raw is None and not frame.f_code.co_filename.startswith(SKIP_DIRS[1:]):
-            raw = frame                              # the innermost frame that is not the doctor's
         frame = frame.f_back
     if frame is None:
         return None
-    last, raw = _tracer.returned, raw or frame
-    if last is not None and last[2] == id(raw) and last[3] == raw.f_lineno and _instruction(raw) in _CALLS:
+    last = _tracer.returned
+    if last is not None and last[2] == id(running) and last[3] == running.f_lineno \
+            and _instruction(running) in _CALLS:
         return location(last[0], last[1])
     return location(frame)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import weakref
 
 import torch
@@ -123,7 +124,7 @@ class Liveness:
 
     def _gone(self, cdata: int, _ref) -> None:
         self.released = True
-        if (where := released_at()) is not None:
+        if (where := released_at(sys._getframe(1))) is not None:     # (called from C, in that frame)
             self.where[cdata] = where
 
     def any_released(self) -> bool:

@@ -26,7 +26,7 @@ What a CUDA graph is, reduced to the rules that cause bugs in serving stacks:
   and boolean-mask indexing of device memory raise ``CaptureError`` naming the op and the user's
   source line -- except a mask filled with one host value (``x[mask] = 0``), which PyTorch runs as
   ``masked_fill_`` -- and so does Python data (a number, a list) made into a tensor on the device
-  (a pageable copy, which a capturing stream refuses); engine probe ``mask_assign``.
+  (a pageable copy, which a capturing stream refuses); ``host_sync.py`` has the rules.
 * **Host memory is not the device's.** Plain CPU tensors are device memory; host memory is what
   ``host(t, device)`` returns and what ops on host memory return (``host`` says why a subclass, and
   what it costs). Inside a capture, work on host memory runs once and is not recorded, ``.item()``
@@ -40,12 +40,12 @@ from __future__ import annotations
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from . import events, memory, queries
-from .errors import CaptureError, GraphError, IllegalMemoryAccess
+from .errors import GraphError, IllegalMemoryAccess
 from .host import HostTensor
+from .host_sync import HostSyncGuard, host_sync_error, is_host_sync
 from .pool import Pool
 from .queries import is_capturing
 from .opinfo import describe, storage_key, written_tensors
@@ -58,74 +58,12 @@ __all__ = ["CPUGraph", "ExternalRef", "Pool", "RecordedOp", "describe", "host_sy
 aten = torch.ops.aten
 queries.install()
 
-# Ops whose result the host must wait for (the data decides a shape or a Python value).
-HOST_SYNC_OPS = frozenset({
-    aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten.equal, aten.is_nonzero,
-    aten._unique, aten._unique2, aten.unique_dim, aten.unique_consecutive,
-})
-# Tensor methods that read values on the host before any aten op would show it.
-HOST_SYNC_METHODS = frozenset({
-    "item", "tolist", "numpy", "cpu", "__repr__", "__str__", "__format__",
-    "__bool__", "__int__", "__float__",
-})
-_VALUE_READS = frozenset({"item", "__int__", "__float__", "__bool__"})     # aten._local_scalar_dense
-_PUTS = frozenset({aten.index_put, aten.index_put_, aten._index_put_impl_})
-_INDEX_OPS = _PUTS | {aten.index}
 _LIFTS = frozenset({aten.lift_fresh, aten.lift_fresh_copy})
 _DETACHES = frozenset({aten.detach, aten.detach_})
 # Ops that only allocate: a CUDA capture records no kernel for them, so replay runs nothing and the
 # memory keeps whatever was last written there (until the first write, the capture's poison).
 ALLOCATIONS = frozenset({aten.empty, aten.empty_like, aten.new_empty, aten.empty_strided,
                          aten.new_empty_strided})
-
-
-def is_host_sync(func, args, host_value=None) -> bool:
-    """Whether an aten op needs the device's data on the host (its output shape or value depends
-    on it): a CUDA graph cannot record it. ``host_value(t)``: whether a tensor is host data (a
-    Python number lifted in the captured code); on CUDA, a tensor on another device than the one
-    it is written into is."""
-    packet = func.overloadpacket
-    if packet in HOST_SYNC_OPS:
-        return True
-    return packet in _INDEX_OPS and _has_mask_index(args) and not _masked_fill(func, args, host_value)
-
-
-def host_sync_error(op: str, source: str, tensor=None) -> CaptureError:
-    return CaptureError(
-        f"{op} inside graph capture needs the device's values on the host (a host synchronisation), "
-        f"which a CUDA graph cannot wait for (cudaErrorStreamCaptureUnsupported).\n  at {source}\n"
-        "Move it before or after the captured region, or keep it on the device (e.g. torch.where).",
-        op=op, source=source, tensor=tensor)
-
-
-# Python data made into a tensor: on the host unless a device is named. On CUDA, naming the device
-# inside a capture copies it from pageable host memory, which a capturing stream refuses (engine
-# probe ``mask_assign``: a list, one number); without one it is a host constant the graph keeps.
-_FROM_PYTHON = frozenset({torch.tensor, torch.as_tensor, torch.asarray})
-
-
-class _HostSyncGuard(TorchFunctionMode):
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in HOST_SYNC_METHODS and not (args and type(args[0]) is HostTensor):
-            raise host_sync_error(f"Tensor.{name}()", user_frame(), args[0] if args and name in _VALUE_READS else None)
-        if func in _FROM_PYTHON and (kwargs or {}).get("device") is not None and _copies_python_data(args):
-            raise CaptureError(
-                f"torch.{name}(..., device=...) inside graph capture copies Python data from pageable host "
-                f"memory to the device, which a capturing stream refuses (cudaErrorStreamCaptureUnsupported)."
-                f"\n  at {user_frame()}\nMake the tensor before the captured region, or on the host (no device) "
-                "and let the graph keep it as a constant.", op=f"torch.{name}", source=user_frame())
-        return func(*args, **(kwargs or {}))
-
-
-def _copies_python_data(args) -> bool:
-    """Whether ``torch.tensor``'s data is Python's to copy: a number, or a non-empty sequence of them
-    (the H200 refuses both; an empty list copies nothing, and transformers' caches start so inside
-    captures). A tensor, or a list of them, is a copy on the device."""
-    data = args[0] if args else None
-    if isinstance(data, (bool, int, float)):
-        return True
-    return isinstance(data, (list, tuple)) and len(data) > 0 and not any(isinstance(d, torch.Tensor) for d in data)
 
 
 class _Recorder(TorchDispatchMode):
@@ -177,7 +115,7 @@ class CPUGraph:
         self._ref = self._pool._enter(self)      # the pool forgets a dropped graph
         self._state = "capturing"
         queries.set_capturing(self)
-        self._modes = (_HostSyncGuard(), _Recorder(self))
+        self._modes = (HostSyncGuard(), _Recorder(self))
         for mode in self._modes:
             mode.__enter__()
 
@@ -471,23 +409,3 @@ def _flat(args, kwargs):
             yield from value
         else:
             yield value
-
-
-def _masked_fill(func, args, host_value) -> bool:
-    """``x[mask] = value`` with one mask (the other indices None) and one value element held on the
-    host: PyTorch's ``index_put_`` fills through ``masked_fill_`` then (``canDispatchToMaskedFill``),
-    which needs no count of the mask's elements -- no sync, and a CUDA graph records it."""
-    if func.overloadpacket not in _PUTS or len(args) < 3 or (len(args) > 3 and args[3]):
-        return False                               # (accumulate takes the sorting path)
-    self, indices, value = args[0], args[1], args[2]
-    masks = [i for i in indices or () if i is not None]
-    if len(masks) != 1 or masks[0].dtype not in (torch.bool, torch.uint8) or masks[0].device != self.device:
-        return False
-    if not isinstance(value, torch.Tensor) or value.numel() != 1:
-        return False
-    return value.device != self.device or (host_value is not None and bool(host_value(value)))
-
-
-def _has_mask_index(args) -> bool:
-    indices = args[1] if len(args) > 1 else ()
-    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())

@@ -37,6 +37,7 @@ replay of that graph gives another answer than the run without graphs, and noted
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -146,12 +147,9 @@ def finish(doctor, info, pending) -> None:
     elif what is not None:
         # An output that differs from the eager form's while it is what the workload's run without graphs
         # gives at the same step: the eager form (the captured callable) is not that step. Held, as below.
-        doctor.holding = info.held if pending.agreed and "output" in what[1] else None
-        try:
+        with _held(doctor, info, pending.agreed and "output" in what[1]):
             rootcause.classify(doctor, info, pending, what, divergence, run,
                                _host_work(doctor, info, pending, replayed, rng_after, run))
-        finally:
-            doctor.holding = None
     elif changed:
         rootcause.rebound(doctor, info, pending, changed, run)
     elif run.settings and (host := _host_work(doctor, info, pending, replayed, rng_after, run,
@@ -164,17 +162,25 @@ def finish(doctor, info, pending) -> None:
         # What the step would give from other starting memory (the static inputs' carried elements, the
         # state before the warmups) is held while the replay gives what the workload's run without graphs
         # gives at the same step (that run may build on the same memory): reported once a replay does not.
-        doctor.holding = info.held if pending.agreed else None
-        try:
+        with _held(doctor, info, pending.agreed):
             _from_other_memory(doctor, info, pending, replayed, rng_after, graph_out)
-        finally:
-            doctor.holding = None
         if not padded:
             unpadded.owned_by_full_step(doctor, pending, replayed)
         elif sampled and pending.unpadded is not None:
             unpadded.check(doctor, info, pending, replayed, graph_out,
                            lambda step: _eager(doctor, info, pending, replayed, rng_after, step=step))
     row_writes.replays_wrote(doctor, pending, replayed)
+
+
+@contextlib.contextmanager
+def _held(doctor, info, hold: bool):
+    """While ``hold``, what ``doctor.add`` is given goes to ``info.held`` (``probes/reference.py``
+    reports it once a replay of that graph gives another answer than the run without graphs)."""
+    doctor.holding = info.held if hold else None
+    try:
+        yield
+    finally:
+        doctor.holding = None
 
 
 def _from_other_memory(doctor, info, pending, replayed: dict, rng_after, graph_out) -> None:

@@ -202,9 +202,10 @@ class Reference:
                 return
             number, ref, compared = match
             got = [real_rows(o, pending.real, pending.size) for o in tensors(pending.outputs)]
-            differs = _differs(got, self.returned_values.get((code, number)))
+            expected = self.returned_values.get((code, number))
+            differs = _differs(got, expected)
             if differs is None:
-                pending.agreed = _agrees(got, self.returned_values.get((code, number)))
+                pending.agreed = _comparable(got, expected)
                 return
         for finding, key in info.held:             # what earlier replays' probes found, now borne out
             doctor.add(finding, key)
@@ -283,24 +284,22 @@ class Reference:
         return self.roots[id(info)]
 
 
+def _comparable(got: list, expected: list | None) -> bool:
+    """Whether the replay's real rows and the reference's return can be compared: as many outputs,
+    each of the same shape and dtype."""
+    return expected is not None and len(got) == len(expected) and all(
+        e is not None and g.shape == e.shape and g.dtype == e.dtype for g, e in zip(got, expected))
+
+
 def _differs(got: list, expected: list | None) -> tuple | None:
     """(output, max |diff|) of the first output that differs from the reference's, or None (also
-    when they cannot be compared: another number of outputs, another shape)."""
-    if expected is None or len(got) != len(expected):
+    when they cannot be compared)."""
+    if not _comparable(got, expected):
         return None
     for i, (g, e) in enumerate(zip(got, expected)):
-        if e is None or g.shape != e.shape or g.dtype != e.dtype:
-            return None
         if bool(disagrees(g, e).any()):
             return i, max_abs_diff(g, e)
     return None
-
-
-def _agrees(got: list, expected: list | None) -> bool:
-    """Whether the replay's real rows are what the reference's step returned (comparable, and equal)."""
-    return expected is not None and len(got) == len(expected) and all(
-        e is not None and g.shape == e.shape and g.dtype == e.dtype for g, e in zip(got, expected)) \
-        and _differs(got, expected) is None
 
 
 def _aligned(ops: list, under: tuple, ref: list):

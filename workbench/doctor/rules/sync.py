@@ -13,7 +13,7 @@ import inspect
 
 import torch
 
-from ...engine.cpu_graph import host_sync_error, is_host_sync
+from ...engine.host_sync import host_sync_error, is_host_sync
 from ...engine.opinfo import storage_key, tensors
 from ...engine.source import location, mine, user_frames
 from .. import explain
