@@ -435,3 +435,108 @@ def test_work_a_capture_skipped_is_no_finding_when_every_replay_gives_the_refere
     report = doctor.diagnose(workload)
     assert report.findings == [], report
     assert any("so it changes no result" in n for n in report.notes), report
+
+
+# ------------------------------------------------------------------ PIECEWISE steps
+class Backend:
+    """Attention-like work between two pieces: each request's tokens attend to its own cached
+    tokens, through host metadata (``lens``, ``slots``) the runner sets before each step. It writes
+    the step's keys into ``cache`` at ``slots``; the capture's dummy batch sets one request of all the
+    tokens at slots from 0, which hold the first request's cached keys."""
+
+    def __init__(self, cache):
+        self.cache, self.lens, self.slots = cache, None, None
+
+    def set(self, lens, slots):
+        self.lens, self.slots = list(lens), slots
+
+    def attend(self, h):
+        n = sum(self.lens)
+        self.cache[self.slots[:n]] = h[:n]
+        out, start = torch.zeros_like(h), 0
+        for length in self.lens:
+            out[start:start + length] = self.cache[:start + length].mean(0)
+            start += length
+        return out
+
+
+class Piecewise:
+    """The step captured PIECEWISE: a linear piece, the backend eagerly, another piece. The captured
+    callable sets the dummy batch's metadata, as a capture function does: its eager form is not the
+    step. ``bug``: the replay path sets the metadata only for the first step it serves."""
+
+    def __init__(self, backend, w, variant: str, state: bool = True):
+        from workbench.engine import GraphManager
+        self.backend, self.w, self.variant, self.served = backend, w, variant, 0
+        self.x, self.dummy_slots = torch.zeros(4, 3), torch.arange(4)
+        self.m = GraphManager(self.forward, [4], mode="PIECEWISE", static_buffers={"x": self.x}, name="pcg")
+        self.attend = self.m.eager(backend.attend)
+        if state:
+            events.persistent_state("backend", {"cache": backend.cache})
+        start = backend.cache.clone()
+        self.m.capture()
+        backend.cache.copy_(start)                           # what the dummy batches wrote is discarded
+
+    def forward(self, size):
+        self.backend.set([size], self.dummy_slots[:size])     # the dummy batch: one request
+        return model_step(self.x[:size], self.w, self.attend)
+
+    def __call__(self, x, lens, slots):
+        if self.variant == "fix" or self.served == 0:
+            self.backend.set(lens, slots)
+        self.served += 1
+        self.x[:x.shape[0]] = x
+        return self.m.replay(4, x.shape[0]).clone()
+
+
+def model_step(x, w, attend):
+    h = torch.tanh(x @ w)
+    return (h + attend(h)) @ w
+
+
+def _piecewise_workload(variant: str, announce: bool, got: list, state: bool = True):
+    def workload():
+        gen = torch.Generator().manual_seed(7)
+        w = torch.randn(3, 3, generator=gen)
+        steps = [(torch.randn(4, 3, generator=gen), [2, 2], torch.tensor([2, 3, 6, 7])),
+                 (torch.randn(3, 3, generator=gen), [2, 1], torch.tensor([4, 5, 8, 0])),
+                 (torch.randn(4, 3, generator=gen), [2, 2], torch.tensor([9, 10, 11, 12]))]
+        start = torch.randn(16, 3, generator=gen)
+        with events.reference() if announce else contextlib.nullcontext():
+            backend = Backend(start.clone())
+            expected = []
+            for x, lens, slots in steps:
+                backend.set(lens, slots)
+                expected.append(model_step(x, w, backend.attend))
+        runner = Piecewise(Backend(start.clone()), w, variant, state)
+        got[:] = [runner(*s) for s in steps]
+        return expected, got
+    return workload
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_piecewise_step_is_compared_with_the_reference_as_one_step(variant):
+    """Each PIECEWISE step is aligned with the reference's same step (by what its first piece reads)
+    and compared after its last piece: the fix's replays give the reference's answers, so what its
+    eager form (the capture's dummy metadata) gives is held, not reported; the bug's stale metadata
+    gives other answers, and the findings are reported. Without the reference run the fix's eager form
+    is all the doctor has, and it is reported."""
+    got: list = []
+    expected, _ = _piecewise_workload(variant, True, got)()
+    assert all(torch.equal(e, g) for e, g in zip(expected, got)) == (variant == "fix")
+    for announce in (True, False):
+        report = doctor.diagnose(_piecewise_workload(variant, announce, got))
+        assert (report.findings == []) == (variant == "fix" and announce), report
+        if variant == "fix" and announce:
+            assert any("finding(s) held" in n and "piece 0" in n for n in report.notes), report.notes
+
+
+def test_differential_replay_leaves_no_trace_of_an_eager_form_that_writes_other_memory():
+    """The fix's eager form writes the backend's cache at the dummy batch's slots, where the first
+    request's keys are: differential replay runs it several times a sampled step (traced or not), and
+    must put that memory back each time, or the next step reads what the doctor wrote. The cache is
+    not announced: what the doctor keeps of it is what it saw the eager form write."""
+    got: list = []
+    expected, _ = _piecewise_workload("fix", False, got, state=False)()
+    doctor.diagnose(_piecewise_workload("fix", False, got, state=False), differential=1)
+    assert len(got) == 3 and all(torch.equal(e, g) for e, g in zip(expected, got))

@@ -265,7 +265,9 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
         set_rng_state(pending.rng)
     if pending.span:                            # (else each run ends where the step began: see below)
         pystate.put_back(pending.host)
-    aside = not traced and _get_current_dispatch_mode() is doctor.mode
+    # Untraced, the doctor's mode steps aside -- unless this eager form is known to write memory the
+    # replay does not (``extra``, kept and put back only by the mode): the run must leave no trace.
+    aside = not traced and not info.traced_always and _get_current_dispatch_mode() is doctor.mode
     doctor.diff, doctor.phase = (EagerRun(set(pre), launch.graph_ops(info, pending), traced, not aside, rows,
                                           _unread_outputs(info, pending), stacks_at=stacks, origin_of=origin_of,
                                           nonfinite=nonfinite),

@@ -34,6 +34,10 @@ the same step on both sides:
    else at the line that replayed the graph for this step (it serves inputs the graph was not
    captured with: a graph keyed on the wrong property of its inputs).
 
+A PIECEWISE step (several graphs, eager code between them) is one call of the root: its inputs are
+those its first piece reads, its outputs what the runner hands out after the last, and only the
+first cause (a static input) is looked for (the other pieces' ops are not beside the first's).
+
 Only a graph no other rule has a finding for gets one (one failure, one finding). A replay whose
 outputs agree with the reference gives none, whatever its trace: a graph that launches more work
 than eager (blocks past a sequence that return early) is a standard fix.
@@ -92,6 +96,7 @@ class Reference:
         self.writers: dict[int, tuple] = {}       # static input -> (op, line) that last wrote it, in the served run
         self.found: dict[str, tuple] = {}         # graph name -> (info, kind, op, tensor, source, text, numbers)
         self.unexplained: list[tuple] = []        # (graph name, text) of replays that differ, no cause found
+        self.span: tuple | None = None            # (Pending, first piece) of the PIECEWISE step being replayed
 
     # ------------------------------------------------------------------ recording the reference
     def called(self, doctor, frame) -> None:
@@ -167,7 +172,11 @@ class Reference:
         info.paths.append((len(info.ops), path, tuple(views), origins, tuple(bound)))
 
     def replay_begin(self, doctor, info) -> None:
+        pending = info.pending
+        if self.span is not None and (pending is None or not pending.span) and info in self.span[0].span:
+            return                               # a later piece of a PIECEWISE step: counted at its first
         root = self._root(info)
+        self.span = (pending, info) if pending is not None and pending.span else None
         if root is None:
             return
         code, under = root
@@ -190,8 +199,13 @@ class Reference:
         self.at_replay[id(info)] = (k, values, user_frame())
 
     def replay_end(self, doctor, info, pending) -> None:
+        if self.span is not None:                # a PIECEWISE step: compared once its last piece has run
+            if info is not self.span[0].span[-1]:
+                return
+            pending, info = self.span
+            self.span = None
         entry = self.at_replay.pop(id(info), None)
-        if entry is None or pending is None or pending.span:
+        if entry is None or pending is None:
             return
         code, under = self.roots[id(info)]
         k, values, replayed_at = entry
@@ -210,10 +224,10 @@ class Reference:
         for finding, key in info.held:             # what earlier replays' probes found, now borne out
             doctor.add(finding, key)
         info.held.clear()
-        with _disable_current_modes():
-            found = (_input(self, compared) or _parting(ops, ref, pending.real < pending.size)
-                     or _frozen_number(info, ops, under, ref, pending.size)
-                     or _bound(self, doctor, info, ops, under, ref, replayed_at))
+        with _disable_current_modes():           # a PIECEWISE step's other pieces are not in ``ops``: no trace
+            found = _input(self, compared) or (None if pending.span else (
+                _parting(ops, ref, pending.real < pending.size) or _frozen_number(info, ops, under, ref, pending.size)
+                or _bound(self, doctor, info, ops, under, ref, replayed_at)))
         text = (f"replay {info.replays} of {info.name} ({pending.real} real rows of {pending.size}): output "
                 f"{differs[0]} (real rows) differs by max |diff| = {differs[1]:.3g} from the reference run's same "
                 f"step (call {self.calls[code].index(number) + 1} of {code.co_name})")
@@ -286,9 +300,10 @@ class Reference:
 
 def _comparable(got: list, expected: list | None) -> bool:
     """Whether the replay's real rows and the reference's return can be compared: as many outputs,
-    each of the same shape and dtype."""
+    each of the same dtype and laid out alike (``_rows_like``: a runner that pads a step itself
+    announces its padded rows as real, and they come after the real ones)."""
     return expected is not None and len(got) == len(expected) and all(
-        e is not None and g.shape == e.shape and g.dtype == e.dtype for g, e in zip(got, expected))
+        e is not None and g.dtype == e.dtype and _rows_like(g, e) is not None for g, e in zip(got, expected))
 
 
 def _differs(got: list, expected: list | None) -> tuple | None:
@@ -297,7 +312,7 @@ def _differs(got: list, expected: list | None) -> tuple | None:
     if not _comparable(got, expected):
         return None
     for i, (g, e) in enumerate(zip(got, expected)):
-        if bool(disagrees(g, e).any()):
+        if bool(disagrees(g := _rows_like(g, e), e).any()):
             return i, max_abs_diff(g, e)
     return None
 
