@@ -110,6 +110,28 @@ def test_a_replay_path_preparing_an_input_otherwise_is_named_where_it_wrote_it(v
     assert finding.tensor.startswith("lens: ") and "reference run" in finding.evidence, finding
 
 
+class OmittingRunner(Runner):
+    """``bug``: the replay path writes ``q`` only; ``lens`` keeps what it held at the capture (the
+    dummy batch's lengths, zero), an input every replay omits."""
+
+    def prepare(self, q, lens):
+        self.q.copy_(q)
+        if self.variant == "fix":
+            self.lens.copy_(lens)
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_an_input_the_replay_path_never_writes_is_stale_input_at_the_op_that_reads_it(variant):
+    """The static input differs from the reference, as above, but no step wrote those elements: the
+    graph reads what was left there (no step ever wrote it, so the carried-input probe, which puts
+    back what earlier steps wrote, has nothing to put back)."""
+    finding = _finding(_workload(lambda cache: OmittingRunner(cache, variant)), variant)
+    if finding is None:
+        return
+    assert finding.kind == "stale-input" and " in attend: " in finding.source, finding
+    assert finding.tensor.startswith("lens: ") and "this step wrote none of them" in finding.evidence, finding
+
+
 @pytest.mark.parametrize("variant", ["bug", "fix"])
 def test_a_loop_count_frozen_at_capture_is_named_at_the_frame_that_loops(variant):
     """``bug``: captured with the dummy batch's length (1: one block); every replay attends over the

@@ -20,7 +20,8 @@ the same step on both sides:
 
 1. a static input the graph reads holds other values, in its real rows, than the tensor the
    reference gives the same op (by line and occurrence): the runner prepared the step wrongly --
-   ``warmup-divergence`` at the line that last wrote that buffer;
+   ``warmup-divergence`` at the line that last wrote that buffer; or, where this step wrote none of
+   the elements that differ, it omitted them -- ``stale-input`` at the op that reads them;
 2. else the launch traces part (by op and line; shapes differ where rows are padded): the graph
    replays what Python decided at capture -- a loop run another number of times is
    ``host-work-frozen`` at the frame that loops, another branch ``warmup-divergence``;
@@ -56,7 +57,7 @@ from ...engine.source import frames_within, location, user_frame, user_frames
 from .. import explain
 from ..records import Op
 from ..report import Finding
-from ..tensors import TensorArg, disagrees, host_only, max_abs_diff, real_rows, signature, whole
+from ..tensors import TensorArg, disagrees, host_only, max_abs_diff, onto, real_rows, signature, whole
 from . import launch
 from .eager_trace import number_origin
 
@@ -195,7 +196,7 @@ class Reference:
                 for j, buf, key, offset, shape, stride in info.paths[i][2]:
                     t = buf.ref()
                     if t is not None and storage_key(t) == key and first_write.get(key, at) >= at:
-                        values[(i, j)] = (buf, t.as_strided(shape, stride, offset).clone())
+                        values[(i, j)] = (buf, t.as_strided(shape, stride, offset).clone(), (shape, stride, offset))
         self.at_replay[id(info)] = (k, values, user_frame())
 
     def replay_end(self, doctor, info, pending) -> None:
@@ -225,7 +226,7 @@ class Reference:
             doctor.add(finding, key)
         info.held.clear()
         with _disable_current_modes():           # a PIECEWISE step's other pieces are not in ``ops``: no trace
-            found = _input(self, compared) or (None if pending.span else (
+            found = _input(self, info, compared) or (None if pending.span else (
                 _parting(ops, ref, pending.real < pending.size) or _frozen_number(info, ops, under, ref, pending.size)
                 or _bound(self, doctor, info, ops, under, ref, replayed_at)))
         text = (f"replay {info.replays} of {info.name} ({pending.real} real rows of {pending.size}): output "
@@ -248,7 +249,7 @@ class Reference:
         for c, number in sorted(enumerate(calls), key=lambda e: abs(e[0] - k))[:_CANDIDATES]:
             ref = self._ops_of(code, number)
             compared = _compare_views(ops, under, ref, values)
-            agree = sum(same for *_, same in compared)
+            agree = sum(same for _, _, _, _, same, _ in compared)
             if agree and (best is None or agree > best[0]):
                 best = (agree, number, ref, compared)
         return best[1:] if best is not None else None
@@ -333,29 +334,49 @@ def _aligned(ops: list, under: tuple, ref: list):
 
 def _compare_views(ops: list, under: tuple, ref: list, values: dict) -> list:
     """Each static-input view the graph reads beside what the reference gives the same op:
-    ``(op, buffer, the view's real rows, the reference's tensor, equal)``."""
+    ``(op, buffer, the view's real rows, the reference's tensor, equal, the view's geometry)``."""
     out = []
     for op, i, other in _aligned(ops, under, ref):
         for j in range(len(other.values)):
-            buf, now = values.get((i, j), (None, None))
+            buf, now, geometry = values.get((i, j), (None, None, None))
             given = other.values[j]
             if now is None or given is None or given.dtype != now.dtype:
                 continue
             if (mine := _rows_like(now, given)) is not None:
-                out.append((op, buf, mine, given, not bool(disagrees(mine, given).any())))
+                out.append((op, buf, mine, given, not bool(disagrees(mine, given).any()), geometry))
     return out
 
 
-def _input(reference: Reference, compared: list) -> tuple | None:
-    """The first static input whose real rows differ from what the reference gives the same op."""
-    for op, buf, mine, given, same in compared:
+def _input(reference: Reference, info, compared: list) -> tuple | None:
+    """The first static input whose real rows differ from what the reference gives the same op.
+    Where the step wrote none of the elements that differ (``info.step``, the writes since the
+    graph's previous replay that differential replay notes), the graph read what an earlier step
+    left there: ``stale-input``, at the op that reads it. Else the runner wrote this step's input
+    otherwise than the workload computes it: ``warmup-divergence``, at the line that wrote it."""
+    for op, buf, mine, given, same, (shape, stride, offset) in compared:
         if same:
             continue
-        writer = reference.writers.get(storage_key(buf.ref()), (op.name, op.source))
+        differ = disagrees(mine, given)
+        count = f"{int(differ.sum())} element(s)"
+        whole_buf = buf.ref()
+        written = info.step.get(storage_key(whole_buf)) if info.step is not None else None
+        if info.step is not None and (written is None or written.shape == whole_buf.shape):
+            view = whole_buf.as_strided(shape, stride, offset)
+            mask = torch.zeros(view.shape, dtype=torch.bool, device=view.device)
+            if differ.dim():                      # (the view's leading rows: ``_rows_like``)
+                mask[:differ.shape[0]] = differ
+            else:
+                mask |= differ
+            at_buffer = onto(mask, view, whole_buf)
+            if written is None or not bool((at_buffer & written.to(at_buffer.device)).any()):
+                why = (f"{buf.name} holds other values in its real rows than the reference gives {op.name} at "
+                       f"{op.source} ({count}), and this step wrote none of them: the graph reads what an earlier "
+                       "step left there (an input the step omitted, a refresh skipped)")
+                return "stale-input", op.name, f"{buf.name}: {describe(mine)}", op.source, why
+        writer = reference.writers.get(storage_key(whole_buf), (op.name, op.source))
         why = (f"{buf.name} holds other values in its real rows than the reference gives {op.name} at "
-               f"{op.source} ({int(disagrees(mine, given).sum())} element(s)); it was last written by "
-               f"{writer[0]} at {writer[1]}: the runner prepares this step's input otherwise than the workload "
-               "computes it without graphs")
+               f"{op.source} ({count}); it was last written by {writer[0]} at {writer[1]}: the runner prepares "
+               "this step's input otherwise than the workload computes it without graphs")
         return "warmup-divergence", writer[0], f"{buf.name}: {describe(mine)}", writer[1], why
     return None
 
