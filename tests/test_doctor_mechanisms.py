@@ -1323,6 +1323,36 @@ def test_a_write_that_does_not_fit_an_unannounced_buffer_is_an_undersized_buffer
     assert "destination of shape (3,)" in finding.evidence and "during eager" in finding.evidence
 
 
+@pytest.mark.parametrize("variant", ["bug", "fix", "rows"])
+def test_a_warmup_writing_data_of_another_width_into_a_buffer_is_an_undersized_buffer(variant):
+    """The captured step copies its logits into a logits buffer shared by the runner's graphs, sized
+    for the full vocabulary; the bug's draft head has a reduced one, and the warmup's copy fails: the
+    buffer's shape contract, broken before any graph exists. Rows that differ (a real-row count
+    against a padded one) are not this kind."""
+    def workload():
+        vocab, hot = 6, 3
+        logits_buffer = torch.zeros(4, vocab)
+        x, head = torch.zeros(4, 2), torch.ones(2, hot if variant == "bug" else vocab)
+
+        def step(size):
+            logits = x[:size if variant != "rows" else size - 1] @ head
+            logits_buffer[:size].copy_(logits)
+            return logits_buffer[:size]
+
+        m = Manager(step, [4], {"x": x})
+        try:
+            m.capture()
+        except RuntimeError:
+            pass
+    report = doctor.diagnose(workload)
+    if variant != "bug":
+        assert report.of("undersized-buffer") == [], report
+        return
+    (finding,) = report.of("undersized-buffer")
+    assert "logits_buffer[:size].copy_(logits)" in finding.source and "another width" in finding.evidence, finding
+    assert "during warmup" in finding.evidence, finding
+
+
 @pytest.mark.parametrize("announced", [True, False])
 @pytest.mark.parametrize("variant", ["bug", "fix", "smaller"])
 def test_an_item_assignment_whose_data_does_not_fit_is_an_undersized_buffer(variant, announced):
@@ -2390,3 +2420,26 @@ def test_a_capture_s_outputs_a_dummy_run_drops_are_nobody_s_result():
 
     report = doctor.diagnose(workload)
     assert report.findings == [], report
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_buffer_asked_for_with_a_negative_size_is_an_undersized_buffer(variant):
+    """The runner sizes a graph's input buffer from the span of the batch's view, ``(rows - 1) *
+    stride + width``: for a batch of no rows the span is negative and the allocation fails (the
+    start-up loop catches it). The fix sizes it from the shape."""
+    def workload():
+        hidden = torch.zeros(4, 8)
+        for rows in (2, 0):
+            x = hidden[:rows, :3]
+            needed = (x.shape[0] - 1) * x.stride(0) + x.shape[1] if variant == "bug" else x.numel()
+            try:
+                buf = torch.empty(needed)
+            except RuntimeError:
+                continue
+            Manager(lambda size: buf * 2, [1], {"buf": buf}).capture()
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.of("undersized-buffer") == [], report
+        return
+    (finding,) = report.of("undersized-buffer")
+    assert "buf = torch.empty(needed)" in finding.source and "negative size" in finding.evidence, finding

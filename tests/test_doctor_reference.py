@@ -407,7 +407,7 @@ def test_a_replay_that_differs_from_the_reference_for_no_cause_found_is_in_the_h
     report = doctor.diagnose(workload)
     assert report.findings == [] and not report.clean, report
     assert len(report.unexplained) == 1 and "call 2 of layer" in report.unexplained[0], report
-    assert "1 replay(s) gave other results than the workload's run without graphs" in report.headline()
+    assert "1 result(s) differ from the workload's run without graphs, and no finding" in report.headline()
     assert "differs from the run without graphs: replay 2 of layer 0" in str(report)
 
 
@@ -562,3 +562,155 @@ def test_differential_replay_leaves_no_trace_of_an_eager_form_that_writes_other_
     expected, _ = _piecewise_workload("fix", False, got, state=False)()
     doctor.diagnose(_piecewise_workload("fix", False, got, state=False), differential=1)
     assert len(got) == 3 and all(torch.equal(e, g) for e, g in zip(expected, got))
+
+
+# ------------------------------------------------------------------ the workload's own verdict
+def accumulate(x, acc, first: bool):
+    """One micro-batch: its gradient overwrites ``acc`` (the first of an iteration) or adds to it."""
+    g = x.sum(0)
+    if first:
+        acc.copy_(g)
+    else:
+        acc.add_(g)
+    return (g * 2)[None]
+
+
+class FirstMicrobatch:
+    """Each micro-batch adds its gradient into ``acc`` (announced state); the first of an iteration
+    overwrites it instead, as a flag in Python says. The runner resets the flag before capturing,
+    so the graph always overwrites; the captured callable, run again later, adds (its eager form is
+    not the step where ``acc`` is concerned)."""
+
+    def __init__(self):
+        self.x, self.acc, self.first = torch.zeros(2, 4), torch.zeros(4), True
+        events.static_buffers("mb", {"x": self.x})
+        events.persistent_state("mb", {"acc": self.acc})
+        with events.warmup():
+            self.step()
+        self.first = True
+        self.graph = new_graph("cpu")
+        with graph(self.graph, name="microbatch"):
+            self.out = self.step()
+
+    def step(self):
+        out = accumulate(self.x, self.acc, self.first)
+        self.first = False
+        return out
+
+    def __call__(self, x):
+        self.x.copy_(x)
+        events.serve(self.graph, 1, 1, outputs=self.out, eager=self.step)
+        self.graph.replay()
+        return self.out.clone()
+
+
+def _microbatches(compare_acc: bool, say: bool | None):
+    """Two iterations of two micro-batches. The workload compares each step's output and, with
+    ``compare_acc``, the gradient accumulated at the end of each iteration (the bug's: only the last
+    micro-batch's). ``say``: whether it hands its comparison to the doctor (``events.results``)."""
+    def workload():
+        gen = torch.Generator().manual_seed(8)
+        batches = [[torch.randn(2, 4, generator=gen) for _ in range(2)] for _ in range(2)]
+        with events.reference():
+            expected, acc = [], torch.zeros(4)
+            for iteration in batches:
+                expected += [accumulate(x, acc, n == 0) for n, x in enumerate(iteration)]
+                expected += [acc.clone()] if compare_acc else []
+        runner, got = FirstMicrobatch(), []
+        for iteration in batches:
+            for x in iteration:
+                got.append(runner(x))
+            got += [runner.acc.clone()] if compare_acc else []
+        if say:
+            events.results(expected, got)
+        return expected, got
+    return workload
+
+
+@pytest.mark.parametrize("say", [True, False])
+@pytest.mark.parametrize("compare_acc", [True, False])
+def test_state_the_eager_form_writes_otherwise_is_judged_by_the_workloads_own_results(compare_acc, say):
+    """Every replay gives the run without graphs' output, so the difference in ``acc`` between the
+    replay and the eager form is held. The workload's own comparison decides: its results differ
+    (the accumulated gradient) -- reported, with that in the evidence; they agree (it compares no
+    gradient) -- a note. A workload that says nothing gets the finding, as state is not what the
+    replays' outputs show."""
+    expected, got = _microbatches(compare_acc, say)()
+    assert all(torch.equal(e, g) for e, g in zip(expected, got)) == (not compare_acc)
+    report = doctor.diagnose(_microbatches(compare_acc, say))
+    if say and not compare_acc:
+        assert report.findings == [] and report.clean, report
+        assert any("and so did the workload's results" in n for n in report.notes), report.notes
+        return
+    (finding,) = report.findings
+    assert finding.kind == "warmup-divergence" and "acc.copy_(g)" in finding.source, finding
+    assert ("but the workload's result 2 differs" in finding.evidence) == bool(say and compare_acc), finding
+
+
+def test_results_that_differ_with_no_finding_are_in_the_headline():
+    """The workload says its results differ from the run without graphs, and nothing the doctor
+    looks at explains it: the report is not clean, and says so."""
+    def workload():
+        x = torch.ones(2)
+        with events.reference():
+            expected = [x * 2]
+        events.results(expected, [x * 3])
+    report = doctor.diagnose(workload)
+    assert report.findings == [] and not report.clean, report
+    assert "the workload's result 0 differs from its run without graphs'" in report.unexplained[0]
+
+
+# ------------------------------------------------------------------ fewer outputs handed out than returned
+def decay(step: int) -> float:
+    """The loss exponent of a training step, computed on the host."""
+    return 2.0 - step / 4
+
+
+def loss_terms(x, exponent):
+    terms = x.abs() ** exponent
+    return terms.sum(), terms
+
+
+class DecayedLoss:
+    """The captured step returns the loss and its per-element terms; the runner hands out the loss
+    only. ``bug``: the exponent is the capture step's, passed straight from ``decay`` to the kernel
+    (a number baked into the graph); ``fix``: it is a tensor the runner refreshes every step."""
+
+    def __init__(self, variant: str):
+        self.variant, self.x, self.exponent = variant, torch.zeros(3), torch.zeros(())
+        events.static_buffers("trainer", {"x": self.x, "exponent": self.exponent})
+        step = 0
+        self.exponent.fill_(decay(step))
+        if variant == "bug":
+            self.step_fn = lambda: loss_terms(self.x, decay(step))  # noqa: E731
+        else:
+            self.step_fn = lambda: loss_terms(self.x, self.exponent)  # noqa: E731
+        with events.warmup():
+            self.step_fn()
+        self.graph = new_graph("cpu")
+        with graph(self.graph, name="train"):
+            self.loss, self.terms = self.step_fn()
+
+    def __call__(self, step, x):
+        self.x.copy_(x)
+        self.exponent.fill_(decay(step))
+        events.serve(self.graph, 1, 1, outputs=self.loss, eager=self.step_fn)
+        self.graph.replay()
+        return self.loss.clone()
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_runner_handing_out_one_of_the_outputs_is_compared_on_that_one(variant):
+    """The eager form returns two outputs where the replay announces one: each comparison takes the
+    announced one from what the step returns (the first of its shape and dtype), so the fix is
+    clean; the bug's exponent, computed by ``decay`` and never held in a variable, is named there."""
+    def workload():
+        xs = [torch.tensor([1.5, 2.0, 3.0]) * (k + 1) for k in range(3)]
+        with events.reference():
+            expected = [loss_terms(x, decay(k))[0] for k, x in enumerate(xs)]
+        runner = DecayedLoss(variant)
+        return expected, [runner(k, x) for k, x in enumerate(xs)]
+    finding = _finding(workload, variant)
+    if finding is None:
+        return
+    assert finding.kind == "host-work-frozen" and " in decay: " in finding.source, finding

@@ -312,3 +312,65 @@ def test_a_graph_left_in_a_reference_cycle_is_nobody_s_at_the_end_of_watch():
             gc.enable()
         assert [f.kind for f in report.findings] == (["dangling-reference"] if keep else []), report
         del kept
+
+
+# ------------------------------------------------------------------ attributes a program sets on a tensor
+class AttachedGrad:
+    """The step attaches its gradient to the weight as a Python attribute (``w.grad_ref``), which the
+    optimizer reads after the step; ``zero_grad`` runs before every step. ``bug``: ``zero_grad`` drops
+    the attribute, and the attachment is host work in the captured step, which a replay never
+    repeats: the optimizer finds nothing to apply. ``fix``: ``zero_grad`` zeroes the gradient and
+    keeps the binding."""
+
+    def __init__(self, fixed: bool):
+        self.fixed = fixed
+        self.x, self.w, self.grad = torch.zeros(2, 4), torch.eye(4), torch.zeros(4, 4)
+
+    def forward(self, size):
+        x = self.x[:size]
+        self.grad.copy_(x.t() @ x)
+        self.attach()
+        return x @ self.w
+
+    def attach(self):
+        """Host work alone: no op runs here, so only the lines a capture ran say it ran there."""
+        self.w.grad_ref = self.grad
+
+    def zero_grad(self):
+        if self.fixed:
+            self.grad.zero_()
+        else:
+            self.w.grad_ref = None
+
+    def step(self):
+        if (g := getattr(self.w, "grad_ref", None)) is not None:
+            self.w.sub_(0.01 * g)
+
+
+def test_an_attribute_set_on_a_tensor_by_the_captured_step_is_host_work_frozen():
+    """Attributes a program sets on tensors (a parameter's gradient, as Megatron and TE attach them)
+    are host state the eager step changes: watched, and put back after each eager run, or the
+    doctor itself would hand the optimizer what the replay never set."""
+    for fixed in (False, True):
+        weights: list = []
+
+        def workload():
+            model = AttachedGrad(fixed)
+            m = Manager(model.forward, [2], {"x": model.x}, state={"grad": model.grad})
+            m.capture()
+            for step in range(3):
+                model.zero_grad()
+                model.x.copy_(rows(2, seed=step))
+                m.replay(2)
+                model.step()
+            weights.append(model.w.clone())
+        workload()
+        report = doctor.diagnose(workload)
+        assert all(torch.equal(weights[0], w) for w in weights), "the doctor changed what the workload computes"
+        assert torch.equal(weights[0], torch.eye(4)) != fixed           # the bug's optimizer never steps
+        if fixed:
+            assert report.findings == [], report
+            continue
+        (finding,) = report.findings
+        assert finding.kind == "host-work-frozen" and finding.tensor == "Tensor.grad_ref", finding
+        assert " in attach: self.w.grad_ref = self.grad" in finding.source, finding

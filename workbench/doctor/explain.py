@@ -106,6 +106,12 @@ def failed_write(name: str, error: str) -> str:
             "than this data.")
 
 
+def negative_size(error: str) -> str:
+    return (f"A tensor was asked for with a negative size ({error}): the computation that sizes this buffer "
+            "gives a negative number for some input it meets (an empty input, a length that went below zero). "
+            "Size each buffer from what it must hold, and check a computed count before allocating with it.")
+
+
 def unfit_write(error: str) -> str:
     return (f"A write failed because its data does not fit its destination: {error}. The buffer was sized (at "
             "start-up, or by a warmup or capture's dummy batch) for less than what this step writes into it; "

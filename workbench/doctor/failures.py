@@ -49,6 +49,7 @@ def op_failed(doctor, func, args, kwargs, error: BaseException) -> None:
     try:
         undersized.failed_write(doctor, func, args, kwargs, error)
         undersized.failed_read(doctor, func, args, kwargs, error)
+        undersized.failed_allocation(doctor, func, args, kwargs, error)
         shapes.failed_op(doctor, func, args, kwargs, error)
         if doctor.phase in ("warmup", "capture"):
             lookups.failed_lookup(doctor, func, args, error)

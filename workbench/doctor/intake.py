@@ -87,6 +87,7 @@ class Doctor(RunnerEvents):
         self.graph_writes: set[int] = set()         # external storages some graph writes
         self.graph_reads: set[int] = set()          # ... or reads (of graphs captured while watched)
         self.touched: dict[int, str] = {}           # of those, written outside graphs since: -> source line
+        self.empty_inputs: list = []                # (finding, key) of empty capture inputs, until data is served
         self.handed: dict[int, tuple] = {}          # rules.overwritten
         self.generation: dict[tuple, int] = {}      # memory block -> replays that wrote it (handed-out ones)
         self.writers: dict[tuple, tuple] = {}       # memory block -> (graph, its replay) that wrote it last
@@ -171,6 +172,7 @@ class Doctor(RunnerEvents):
             self.warm.hand_on(info)
             return
         self.pool.settle(info)
+        undersized.captured(self, info)
         info.liveness.watch(info.externals)        # from now: a release is seen where it happens
         self.graph_writes.update(info.writes)
         self.graph_reads.update(info.externals)

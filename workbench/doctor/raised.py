@@ -95,6 +95,9 @@ class _Tracer:
             if event == "return":
                 caller = frame.f_back
                 self.returned = (frame.f_code, frame.f_lineno, id(caller), caller.f_lineno if caller else None)
+                if (info := doctor.capturing) is not None and type(arg) in (int, float) and arg not in (0, 1, -1):
+                    # where a number the capture may bake in was computed (kept as launch signatures keep it)
+                    info.returned_numbers.setdefault(repr(arg) if type(arg) is float else arg, location(frame))
             if event == "line":
                 if (info := doctor.capturing) is not None:
                     info.lines_run.add((frame.f_code, frame.f_lineno))

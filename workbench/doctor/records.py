@@ -151,6 +151,7 @@ class GraphInfo:
         self.called: set = set()                    # functions its captured ops ran in, inside the capture block
         self.paths: list = []                       # with a reference run: each op's functions, static views read
         self.lines_run: set = set()                 # (function, line) run inside the capture, under diagnose's tracer
+        self.returned_numbers: dict = {}            # a Python number a function returned inside it -> that return
         self.writes_inputs = False                  # it writes a static input (rules/mutation.py)
         self.unread_outputs: frozenset | None = None    # storages it created and never reads (differential)
         self.replays = 0
@@ -161,6 +162,7 @@ class GraphInfo:
         self.left: dict | None = None               # attributes as its capture left them (probes/captured_state.py)
         self.startup_checked = False                # compared once from the state before the warmups
         self.held: list = []                        # (finding, key) of probes on replays that gave the reference
+        self.held_state: list = []                  # ... of state the eager form writes otherwise (reference.py)
                                                     # run's answers: reported once one does not (differential)
         self.compared = 0                           # replays compared with an eager step
         self.disagreed = False                      # ... and one of them gave other results

@@ -114,7 +114,8 @@ class Report:
     caught: list[str] = dataclasses.field(default_factory=list)    # op failures the watched code caught
     notes: list[str] = dataclasses.field(default_factory=list)
     # replays whose real rows differ from the workload's run without graphs (``events.reference()``) in
-    # graphs no finding names: something is wrong that the doctor could not place
+    # graphs no finding names, and the workload's own results where they differ and nothing was found
+    # (``events.results``): something is wrong that the doctor could not place
     unexplained: list[str] = dataclasses.field(default_factory=list)
     failure: str | None = None
     seconds: float = 0.0
@@ -149,8 +150,8 @@ class Report:
             line = (f"Graph doctor: {self.captures} capture(s), {self.warmups} warmup run(s), {self.replays} "
                     f"replay(s) watched: {n} finding{'s' if n != 1 else ''}.")
         if self.unexplained:
-            line += (f" {len(self.unexplained)} replay(s) gave other results than the workload's run without graphs, "
-                     "in graphs no finding names: see below.")
+            line += (f" {len(self.unexplained)} result(s) differ from the workload's run without graphs, and no "
+                     "finding explains them: see below.")
         if self.caught and not self.errors:
             line += f" An op failed inside the workload, which caught the error: {self.caught[0]}"
         if self.failure is not None:

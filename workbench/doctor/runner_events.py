@@ -60,6 +60,11 @@ class RunnerEvents:
             self.reference.recording = False
 
     @contained
+    def results(self, reference: list, served: list) -> None:
+        if self.reference is not None and not self.reference.recording:
+            self.reference.results(reference, served)
+
+    @contained
     def warmup_begin(self, real: bool = False) -> None:
         self.warm.warmup_begin()
         self.phase, self.real_warmup, self.trained = "warmup", real, False
@@ -96,6 +101,7 @@ class RunnerEvents:
         info = self.info(graph)
         columns = padded_columns or {}
         undersized.serve_contract(self, info.name if info else "a graph", real, size, padded, columns)
+        undersized.served_data(self, info, real)
         for name, t in padded.items():
             self._padded(name, t)
         for name, (t, _) in columns.items():

@@ -208,3 +208,16 @@ def broadcasts(src: torch.Tensor, dst: torch.Tensor) -> bool:
         return torch.broadcast_shapes(src.shape, dst.shape) == dst.shape
     except RuntimeError:
         return False
+
+
+def announced_of(announced: list, returned: list) -> list | None:
+    """The tensors among what a step returned that its announced outputs are, where a runner hands
+    out fewer than the step returns (the loss, not the per-term losses beside it): in order, each
+    the next of the same shape and dtype; None where they cannot all be found."""
+    out, rest = [], iter(returned)
+    for a in announced:
+        r = next((r for r in rest if r is not None and r.shape == a.shape and r.dtype == a.dtype), None)
+        if r is None:
+            return None
+        out.append(r)
+    return out

@@ -32,6 +32,8 @@ Who calls what, and when (a runner built on the graph manager gets all of this f
 * ``reference()`` around a run of the same workload without graphs (the eager baseline a test
   compares the served run with), made **before** the graphs are captured: the doctor compares each
   replay with the same step of that run.
+* ``results`` once the served run is done, with its results beside the reference run's: the
+  workload's own verdict (``doctor/probes/reference.py``).
 * ``serve`` **after** the runner has written this step's inputs (and neutralised whatever padded
   rows it neutralises), **immediately before** ``replay()``, with the padded rows (``padded``) and
   the padded columns (``padded_columns``: a buffer and the width of the step's data in it). The doctor fills only padded rows and
@@ -46,13 +48,14 @@ through a dispatch mode, without the mode's cost on every step.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 _observers: list[Any] = []
 _EVENTS = ("capture_begin", "capture_end", "capture_abort", "replay_begin", "replay_end", "static_buffers",
            "persistent_state", "shared_outputs", "written_metadata", "warmup_begin", "warmup_end",
-           "dummy_run_begin", "dummy_run_end", "reference_begin", "reference_end", "serve", "handed_out", "engine_op")
+           "dummy_run_begin", "dummy_run_end", "reference_begin", "reference_end", "results", "serve", "handed_out",
+           "engine_op")
 # event -> the observers' handlers, in subscription order: looked up once per subscription, not
 # per event (a served step emits four events, and an observer's cost is host time per step).
 _handlers: dict[str, tuple] = {event: () for event in _EVENTS}
@@ -177,6 +180,15 @@ def reference() -> Iterator[None]:
         yield
     finally:
         _emit("reference_end")
+
+
+def results(reference: Sequence[Any], served: Sequence[Any]) -> None:
+    """The workload's own end-to-end comparison, once both runs are done: what its reference run
+    (``reference()``) gave and what the served run gave, the same outputs in the same order (a test
+    that asserts the two agree has both at hand). What the doctor found on replays that each gave the
+    reference's answer is borne out when these differ, and stays a note when they agree."""
+    if _observers:
+        _emit("results", list(reference), list(served))
 
 
 def serve(graph: Any, real: int, size: int, *, padded: Mapping[str, Any] | None = None,

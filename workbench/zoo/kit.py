@@ -71,6 +71,7 @@ def compare(program: str, variant: str, device: str, served: Callable[[], Sequen
     except Exception as e:  # noqa: BLE001 - what the graphs raised is the observation
         text = str(e).strip().splitlines()
         return Outcome(program, variant, device, [], reference, None, (type(e).__name__, text[0] if text else ""))
+    events.results(reference, got)
     if len(got) != len(reference) or any(g.shape != r.shape for g, r in zip(got, reference)):
         shapes = ([tuple(t.shape) for t in got], [tuple(t.shape) for t in reference])
         return Outcome(program, variant, device, got, reference, math.inf,

@@ -45,7 +45,7 @@ from torch._C import _pop_torch_dispatch_stack, _push_on_torch_dispatch_stack
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
 from ...engine.opinfo import storage_key, tensors
-from ..tensors import (alias, changed, disagrees, first_line, max_abs_diff, real_rows, rng_state, set_rng_state,
+from ..tensors import (alias, announced_of, changed, disagrees, first_line, max_abs_diff, real_rows, rng_state, set_rng_state,
                        whole)
 from . import captured_state, launch, nonfinite, pystate, rootcause, row_writes, unpadded
 from .eager_trace import EagerRun
@@ -147,7 +147,9 @@ def finish(doctor, info, pending) -> None:
     elif what is not None:
         # An output that differs from the eager form's while it is what the workload's run without graphs
         # gives at the same step: the eager form (the captured callable) is not that step. Held, as below.
-        with _held(doctor, info, pending.agreed and "output" in what[1]):
+        # State it writes otherwise is held apart: the replay's outputs do not show what state holds, so
+        # that is reported unless the workload says its results agree (``reference.conclude``).
+        with _held(doctor, (info.held if "output" in what[1] else info.held_state) if pending.agreed else None):
             rootcause.classify(doctor, info, pending, what, divergence, run,
                                _host_work(doctor, info, pending, replayed, rng_after, run))
     elif changed:
@@ -162,7 +164,7 @@ def finish(doctor, info, pending) -> None:
         # What the step would give from other starting memory (the static inputs' carried elements, the
         # state before the warmups) is held while the replay gives what the workload's run without graphs
         # gives at the same step (that run may build on the same memory): reported once a replay does not.
-        with _held(doctor, info, pending.agreed):
+        with _held(doctor, info.held if pending.agreed else None):
             _from_other_memory(doctor, info, pending, replayed, rng_after, graph_out)
         if not padded:
             unpadded.owned_by_full_step(doctor, pending, replayed)
@@ -173,10 +175,11 @@ def finish(doctor, info, pending) -> None:
 
 
 @contextlib.contextmanager
-def _held(doctor, info, hold: bool):
-    """While ``hold``, what ``doctor.add`` is given goes to ``info.held`` (``probes/reference.py``
-    reports it once a replay of that graph gives another answer than the run without graphs)."""
-    doctor.holding = info.held if hold else None
+def _held(doctor, into: list | None):
+    """What ``doctor.add`` is given goes to ``into`` (a graph's ``held`` or ``held_state``), when
+    given one: ``probes/reference.py`` reports it once a replay of that graph gives another answer
+    than the run without graphs."""
+    doctor.holding = into
     try:
         yield
     finally:
@@ -224,16 +227,18 @@ def _host_work(doctor, info, pending, replayed: dict, rng_after, run, only: set 
     """(container's name, what changed, where) for the first Python container the eager step
     changed and the replay left alone (a queue drained, a counter moved), found by running the
     step once more, traced (``only``: among the containers of these ids, changed by a function the
-    capture also ran in: host work a path outside the capture does for itself, such as growing a
-    cache only eager code uses, is not the graph's)."""
+    capture also ran in -- that ran an op there, or, under ``diagnose``'s tracer, any line: host
+    work a path outside the capture does for itself, such as growing a cache only eager code uses,
+    is not the graph's)."""
     for container, label, change in run.host:
         if only is not None and id(container) not in only:
             continue
         kept = next((entry for entry in pending.host if entry[0] is container), None)
         if kept is not None:
             again, _, _ = _eager(doctor, info, pending, replayed, rng_after, host=kept)
-            if again.host_line is not None and (only is None or any(again.host_code in p.called
-                                                                    for p in pending.span or (info,))):
+            if again.host_line is not None and (only is None or any(
+                    again.host_code in p.called or any(code is again.host_code for code, _ in p.lines_run)
+                    for p in pending.span or (info,))):
                 return label, change, again.host_line
     return None
 
@@ -401,7 +406,7 @@ def _rows(out, real: int, size: int) -> list | None:
 def _compare(graph_out, eager_out, replayed, eager_state, extra, pre) -> tuple | None:
     """(what differs, numbers) -- outputs first, then state -- or None when all agree."""
     if graph_out is not None and eager_out is not None:
-        if len(graph_out) != len(eager_out):
+        if len(graph_out) != len(eager_out) and (eager_out := announced_of(graph_out, eager_out)) is None:
             return f"the replay has {len(graph_out)} outputs, the eager step {len(eager_out)}", {}, None
         for i, (g, e) in enumerate(zip(graph_out, eager_out)):
             if g.shape != e.shape or bool(disagrees(g, e).any()):

@@ -16,7 +16,8 @@ replay, and put back (``put_back``) before and after each eager run: one level e
 nested containers since each of them is kept too. Keys a run adds stay (a cache it filled).
 
 Reachable means through closures, bound methods, ``functools.partial``, object ``__dict__``
-entries, dicts, lists and tuples (an ``nn.Module``'s submodules and buffers included), up to
+entries (a tensor's too: attributes a program sets on a parameter), dicts, lists and tuples (an
+``nn.Module``'s submodules and buffers included), up to
 ``_MAX_OBJECTS`` objects, found once per graph. The engine's own objects are walked through (a
 graph manager leads to the model) but not watched: their bookkeeping is not the step's.
 """
@@ -70,7 +71,8 @@ def watched(root: object) -> list:
         if near:
             ours.add(_package(obj))
         # (reached first through the engine's objects, unwatched, and then from the step's: watched)
-        if (was := seen.get(id(obj))) is not None and was >= watch or isinstance(obj, (*_ATOMS, *_OPAQUE)):
+        if (was := seen.get(id(obj))) is not None and was >= watch or isinstance(obj, _ATOMS) \
+                or isinstance(obj, _OPAQUE) and not (isinstance(obj, torch.Tensor) and obj.__dict__):
             continue
         seen[id(obj)] = watch
         me = len(nodes)
@@ -95,14 +97,17 @@ def watched(root: object) -> list:
             items = obj.items() if isinstance(obj, dict) else enumerate(obj)
             stack += [(v, watch, f"{label}[{_key(k)}]", me, k) for k, v in items]
         elif isinstance(attrs := getattr(obj, "__dict__", None), dict):
-            module = type(obj).__module__
-            if module.startswith(_THEIRS) and not isinstance(obj, _STATEFUL) or module.startswith(_RECORDINGS) \
-                    or module.partition(".")[0] in sys.stdlib_module_names:
+            module, tensor = type(obj).__module__, isinstance(obj, torch.Tensor)
+            if not tensor and (module.startswith(_THEIRS) and not isinstance(obj, _STATEFUL)
+                               or module.startswith(_RECORDINGS) or module.partition(".")[0] in sys.stdlib_module_names):
                 continue                # a library's own object (an op overload, a logger), a graph's recording
-            mine = not module.startswith(_INFRA)
+            # A tensor is watched for the attributes the program set on it (a parameter's main_grad, the
+            # gradient an optimizer reads from it), never walked into.
+            mine = tensor or not module.startswith(_INFRA)
             if mine:
                 nodes[me][2], nodes[me][3] = type(obj).__name__, True
-                far += [(f, True, f.__name__, None, f) for f in _methods(type(obj))]
+                if not tensor:
+                    far += [(f, True, f.__name__, None, f) for f in _methods(type(obj))]
             skip = _REGISTRIES if isinstance(obj, torch.nn.Module) else ()
             stack += [(v, mine, f"{type(obj).__name__}.{k}", me, _Attr(k)) for k, v in attrs.items() if k not in skip]
     return _ways(nodes)
@@ -319,10 +324,11 @@ def settings(entries: list) -> list[tuple]:
     where it left one). That is host work the graph does not repeat: a replay leaves what capture
     set, and code outside the graph that changed it since (a tracker cleared after each step) is
     never undone. A fresh object bound in place of another (new metadata each step) is the step's
-    own bookkeeping; tensors are ``changes``'."""
+    own bookkeeping; a tensor bound in place of another is ``changes``'; a tensor binding cleared
+    (memory let go once used) is neither."""
     return [(c, f"{label}[{key!r}]" if isinstance(c, dict) else f"{label}.{key}", old, new)
             for c, label, key, old, new in _rebinds(entries)
-            if not isinstance(old, torch.Tensor) and not isinstance(new, torch.Tensor) and _set(old, new)]
+            if not isinstance(old, torch.Tensor) and _set(old, new)]
 
 
 def _set(old, new) -> bool:

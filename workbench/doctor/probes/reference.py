@@ -57,7 +57,7 @@ from ...engine.source import frames_within, location, user_frame, user_frames
 from .. import explain
 from ..records import Op
 from ..report import Finding
-from ..tensors import TensorArg, disagrees, host_only, max_abs_diff, onto, real_rows, signature, whole
+from ..tensors import TensorArg, announced_of, disagrees, host_only, max_abs_diff, onto, real_rows, signature, whole
 from . import launch
 from .eager_trace import number_origin
 
@@ -97,6 +97,7 @@ class Reference:
         self.writers: dict[int, tuple] = {}       # static input -> (op, line) that last wrote it, in the served run
         self.found: dict[str, tuple] = {}         # graph name -> (info, kind, op, tensor, source, text, numbers)
         self.unexplained: list[tuple] = []        # (graph name, text) of replays that differ, no cause found
+        self.verdict: tuple | None = None         # the workload's own: None (not said), () (agrees), (result, diff)
         self.span: tuple | None = None            # (Pending, first piece) of the PIECEWISE step being replayed
 
     # ------------------------------------------------------------------ recording the reference
@@ -169,7 +170,10 @@ class Reference:
             if key in info.externals and doctor.buffer(key) is None and t.numel() <= _SMALL:
                 bound.append((j, key, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype))
         numbers = {v for _, v in _numbers(signature(func, args, kwargs))}
-        origins = {v: number_origin((v,), opened) for v in numbers} if opened is not None else {}
+        # Where each number came from: a variable of the captured code that held it, else the function
+        # that computed it and returned it (passed on directly, never held).
+        origins = {v: number_origin((v,), opened) or info.returned_numbers.get(v)
+                   for v in numbers} if opened is not None else {}
         info.paths.append((len(info.ops), path, tuple(views), origins, tuple(bound)))
 
     def replay_begin(self, doctor, info) -> None:
@@ -218,13 +222,13 @@ class Reference:
             number, ref, compared = match
             got = [real_rows(o, pending.real, pending.size) for o in tensors(pending.outputs)]
             expected = self.returned_values.get((code, number))
+            if expected is not None and len(expected) > len(got):
+                expected = announced_of(got, expected)
             differs = _differs(got, expected)
             if differs is None:
                 pending.agreed = _comparable(got, expected)
                 return
-        for finding, key in info.held:             # what earlier replays' probes found, now borne out
-            doctor.add(finding, key)
-        info.held.clear()
+        _release(doctor, info)                     # what earlier replays' probes found, now borne out
         with _disable_current_modes():           # a PIECEWISE step's other pieces are not in ``ops``: no trace
             found = _input(self, info, compared) or (None if pending.span else (
                 _parting(ops, ref, pending.real < pending.size) or _frozen_number(info, ops, under, ref, pending.size)
@@ -265,16 +269,46 @@ class Reference:
             self.by_call = (code, grouped)
         return self.by_call[1].get(number, [])
 
+    def results(self, reference: list, served: list) -> None:
+        """The workload's verdict (``events.results``): its first result that differs from the
+        reference run's, as (index, max |diff|), or () when all agree."""
+        if len(reference) != len(served):
+            self.verdict = (len(served), float("inf"))
+            return
+        with _disable_current_modes():
+            for i, (e, g) in enumerate(zip(reference, served)):
+                if not (isinstance(e, torch.Tensor) and isinstance(g, torch.Tensor)):
+                    continue
+                if e.shape != g.shape:
+                    self.verdict = (i, float("inf"))
+                    return
+                if bool(disagrees(g.cpu(), e.cpu()).any()):
+                    self.verdict = (i, max_abs_diff(g.cpu().double(), e.cpu().double()))
+                    return
+        self.verdict = ()
+
     def conclude(self, doctor) -> None:
         """Findings for the graphs that no other rule found anything in; the replays that differ from
-        the reference with no finding for their graph are the report's ``unexplained``."""
+        the reference with no finding for their graph are the report's ``unexplained``. Held findings
+        are reported where the workload's results differ from its reference run's (it said so:
+        ``events.results``); held state differences also where it did not say."""
         for info in doctor.graphs.values():
-            if info.held:
-                first = info.held[0][0]
+            if self.verdict:
+                i, diff = self.verdict
+                _release(doctor, info, f"; every replay gave the run without graphs' answers, but the workload's "
+                                       f"result {i} differs from that run's (max |diff| = {diff:.3g})")
+            elif self.verdict is None:
+                for finding, key in info.held_state:
+                    doctor.add(finding, key)
+                info.held_state.clear()
+            held = info.held + info.held_state
+            if held:
+                first = held[0][0]
                 doctor.report.notes.append(
-                    f"differential replay of {info.name}: {len(info.held)} finding(s) held ({first.kind} at "
-                    f"{first.location}: {first.evidence}), but every replay gave the reference run's answers: the "
-                    "eager form is not the step, or the memory it depends on is the workload's own: not reported")
+                    f"differential replay of {info.name}: {len(held)} finding(s) held ({first.kind} at "
+                    f"{first.location}: {first.evidence}), but every replay gave the reference run's answers"
+                    + (" and so did the workload's results" if self.verdict == () else "") + ": the eager form "
+                    "is not the step, or the memory it depends on is the workload's own: not reported")
         for name, (info, kind, op, tensor, source, why, text, numbers) in self.found.items():
             if any(name in f.graph.split(", ") for f in doctor.report.findings):
                 continue
@@ -282,6 +316,10 @@ class Reference:
                                explain.reference_run(name, why), numbers), (kind, op, source))
         found = {g for f in doctor.report.findings for g in f.graph.split(", ")}
         doctor.report.unexplained += [text for name, text in self.unexplained if name not in found]
+        if self.verdict and not doctor.report.findings and not doctor.report.unexplained:
+            i, diff = self.verdict
+            doctor.report.unexplained.append(f"the workload's result {i} differs from its run without graphs' (max "
+                                             f"|diff| = {diff:.3g}), and no finding explains it")
 
     def _root(self, info) -> tuple | None:
         """(root code, the positions in ``info.paths`` of the ops under it): the function of the
@@ -297,6 +335,14 @@ class Reference:
                         best = (code, under)
             self.roots[id(info)] = best
         return self.roots[id(info)]
+
+
+def _release(doctor, info, why: str = "") -> None:
+    """Report what a graph's probes found and held (``why``: added to each finding's evidence)."""
+    for finding, key in info.held + info.held_state:
+        doctor.add(dataclasses.replace(finding, evidence=finding.evidence + why) if why else finding, key)
+    info.held.clear()
+    info.held_state.clear()
 
 
 def _comparable(got: list, expected: list | None) -> bool:

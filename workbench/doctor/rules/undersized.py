@@ -33,7 +33,10 @@ _OPEN_END = 2 ** 62          # ``x[a:]`` slices up to sys.maxsize
 
 def announced(doctor, owner: str, buffers: dict) -> None:
     """One finding per announcement: the inputs of one capture are sized by one computation, so
-    several empty ones share one cause. It points at the first; the evidence lists them all."""
+    several empty ones share one cause. It points at the first; the evidence lists them all. It is
+    kept until a graph captured on them (the next capture: they are its inputs) or reading one is
+    served a step with real rows (``served_data``): a graph captured for no data and replayed for
+    no data (an expert no token was routed to) is consistent."""
     empty = {name: t for name, t in buffers.items() if 0 in t.shape}
     if not empty:
         return
@@ -43,10 +46,26 @@ def announced(doctor, owner: str, buffers: dict) -> None:
                          for n, x in empty.items())
     if len(empty) > 1:
         evidence = f"{len(empty)} of {len(buffers)} capture inputs are empty: {evidence}"
-    doctor.add(Finding(
+    doctor.empty_inputs.append(({storage_key(x) for x in empty.values()}, set(), Finding(
         "undersized-buffer", f"capture inputs of {owner}", op, f"{name}: {describe(t)}", source, evidence,
         explain.zero_sized(name, tuple(t.shape)), {"shape": list(t.shape), "empty_inputs": list(empty)}),
-        ("undersized-buffer", owner, name))
+        ("undersized-buffer", owner, name)))
+
+
+def captured(doctor, info) -> None:
+    """A capture ended: empty inputs announced since the last one are its inputs (the captured code
+    may take another path for them and read none)."""
+    for _, graphs, *_ in doctor.empty_inputs:
+        if not graphs:
+            graphs.add(id(info))
+
+
+def served_data(doctor, info, real: int) -> None:
+    """A step with real rows is served by a graph captured on empty inputs, or reading one: a finding."""
+    if real > 0 and doctor.empty_inputs and info is not None:
+        for entry in [e for e in doctor.empty_inputs if id(info) in e[1] or e[0] & info.externals.keys()]:
+            doctor.add(*entry[2:])
+            doctor.empty_inputs.remove(entry)
 
 
 def where(doctor) -> str:
@@ -172,9 +191,11 @@ def write(doctor, func, targets: list, run):
 
 def failed_write(doctor, func, args, kwargs, error: BaseException) -> None:
     """A write by the watched code (eager, warmup or capture) failed because its data does not fit
-    its destination: larger than it in some dimension, or indexed past its end. Writes into
-    announced buffers are ``write``'s; a destination of any other size problem (smaller data that
-    does not broadcast) is not this kind."""
+    its destination: larger than it in some dimension, or indexed past its end; or, in a warmup or
+    a capture (which write the buffers replays will use), as many rows as the destination but
+    another width (logits of a reduced vocabulary into a buffer sized for the full one). Writes
+    into announced buffers are ``write``'s; smaller data in the rows (a real-row count against a
+    padded one) is not this kind."""
     written = written_tensors(func, args, kwargs)
     if not written or doctor.buffer(storage_key(written[0])) is not None:
         return
@@ -184,6 +205,9 @@ def failed_write(doctor, func, args, kwargs, error: BaseException) -> None:
     elif isinstance(src, torch.Tensor) and src.dim() <= dst.dim() and any(
             s > d for s, d in zip(reversed(src.shape), reversed(dst.shape))):
         what = f"data of shape {tuple(src.shape)}"
+    elif isinstance(src, torch.Tensor) and doctor.phase in ("warmup", "capture") and src.dim() == dst.dim() > 1 \
+            and src.shape[0] == dst.shape[0] and src.shape[1:] != dst.shape[1:]:
+        what = f"data of shape {tuple(src.shape)} (the rows the destination has, another width)"
     else:
         return
     source = user_frame()
@@ -195,6 +219,19 @@ def failed_write(doctor, func, args, kwargs, error: BaseException) -> None:
         f"(its storage holds {dst.untyped_storage().nbytes() // dst.element_size()} elements{origin}) and failed: "
         f"{first_line(error)}", explain.unfit_write(first_line(error)), {"destination_shape": list(dst.shape)}),
         ("undersized-buffer", "write", source))
+
+
+def failed_allocation(doctor, func, args, kwargs, error: BaseException) -> None:
+    """An op that makes a tensor failed on the size it was given: a negative dimension. The size of
+    a buffer was computed wrongly (a storage span of an empty view, a count that went below zero);
+    the buffer a graph reads, or a step writes, is sized where this line asks for it."""
+    if "negative dimension" not in first_line(error) or written_tensors(func, args, kwargs):
+        return
+    source = user_frame()
+    doctor.add(Finding(
+        "undersized-buffer", where(doctor), str(func), "-", source,
+        f"during {where(doctor)}, {func} was asked for a tensor of a negative size and failed: {first_line(error)}",
+        explain.negative_size(first_line(error)), {}), ("undersized-buffer", "allocation", source))
 
 
 _SHAPE_ERROR = re.compile(r"shape|size|dimension", re.IGNORECASE)
