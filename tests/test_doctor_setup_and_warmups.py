@@ -207,6 +207,25 @@ def test_an_op_failure_the_workload_catches_is_in_the_headline():
     assert "which caught the error: IndexError" in report.headline()
 
 
+def test_a_check_that_fails_in_the_first_warmup_and_is_caught_is_in_the_headline():
+    """A start-up loop warms up each capture size and skips the sizes whose warmup fails: a failed
+    assertion in the first warmup, before any graph exists, is still the workload's failure."""
+    def store(size):
+        assert size <= 4, f"batch of {size} does not fit the buffers"
+        return torch.zeros(size)
+
+    def workload():
+        for size in (8, 2):
+            try:
+                with events.warmup():
+                    store(size) + 1
+            except AssertionError:
+                continue
+    report = doctor.diagnose(workload)
+    assert len(report.caught) == 1 and report.caught[0].startswith("AssertionError: batch of 8"), report.caught
+    assert "during warmup" in report.caught[0]
+
+
 @pytest.mark.parametrize("variant", ["bug", "fix", "kept for eager code"])
 def test_a_step_that_copies_more_than_its_graph_reads(variant):
     """A bucket's graph captured on the first batch's width (bug) reads three of the four tokens a

@@ -126,7 +126,7 @@ class _Tracer:
         if watched and _op(frame) == _STORE:
             undersized.failed_host_write(doctor, error, frame)
         description = None                           # not kept, but followed: its callers must not take it for new
-        if watched and doctor.graphs and _from_a_check(error, frame):
+        if watched and (doctor.graphs or doctor.phase != "eager") and _from_a_check(error, frame):
             where = f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} in {function_name(frame.f_code)}"
             description = f"{type(error).__name__}: {first_line(error)} (raised at {where}, during {doctor.phase})"
         self.pending[id(frame)] = (key, description)
