@@ -16,7 +16,7 @@ A graph's *root* is the outermost function of its captured code that the referen
 (the model's forward, under the runner's lambda). The k-th step that runs the root in the served
 run -- eagerly, or as a replay of a graph with that root -- is the reference's k-th call of it.
 Where a replay's real rows differ from what that call returned, the doctor looks for why, with
-the same step on both sides:
+the same step on both sides (``reference_causes.py``):
 
 1. a static input the graph reads holds other values, in its real rows, than the tensor the
    reference gives the same op (by line and occurrence): the runner prepared the step wrongly --
@@ -52,14 +52,14 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ...engine.opinfo import describe, mutable, op_tensors, storage_key, tensors, written_tensors
+from ...engine.opinfo import mutable, op_tensors, storage_key, tensors, written_tensors
 from ...engine.source import frames_within, location, user_frame, user_frames
 from .. import explain
 from ..records import Op
 from ..report import Finding
-from ..tensors import TensorArg, announced_of, disagrees, host_only, max_abs_diff, onto, real_rows, signature, whole
-from . import launch
+from ..tensors import announced_of, disagrees, host_only, max_abs_diff, real_rows, signature
 from .eager_trace import number_origin
+from .reference_causes import bound, compare_views, frozen_number, numbers, parting, rows_like, static_input
 
 _LIFTS = (torch.ops.aten.lift_fresh, torch.ops.aten.lift_fresh_copy)     # constants made from Python data
 _SMALL = 1 << 16          # elements of an op's input kept as a value (metadata, ids, lengths; not activations)
@@ -169,11 +169,11 @@ class Reference:
             key = storage_key(t)
             if key in info.externals and doctor.buffer(key) is None and t.numel() <= _SMALL:
                 bound.append((j, key, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype))
-        numbers = {v for _, v in _numbers(signature(func, args, kwargs))}
+        plain = {v for _, v in numbers(signature(func, args, kwargs))}
         # Where each number came from: a variable of the captured code that held it, else the function
         # that computed it and returned it (passed on directly, never held).
         origins = {v: number_origin((v,), opened) or info.returned_numbers.get(v)
-                   for v in numbers} if opened is not None else {}
+                   for v in plain} if opened is not None else {}
         info.paths.append((len(info.ops), path, tuple(views), origins, tuple(bound)))
 
     def replay_begin(self, doctor, info) -> None:
@@ -230,9 +230,9 @@ class Reference:
                 return
         _release(doctor, info)                     # what earlier replays' probes found, now borne out
         with _disable_current_modes():           # a PIECEWISE step's other pieces are not in ``ops``: no trace
-            found = _input(self, info, compared) or (None if pending.span else (
-                _parting(ops, ref, pending.real < pending.size) or _frozen_number(info, ops, under, ref, pending.size)
-                or _bound(self, doctor, info, ops, under, ref, replayed_at)))
+            found = static_input(self.writers, info, compared) or (None if pending.span else (
+                parting(ops, ref, pending.real < pending.size) or frozen_number(info, ops, under, ref, pending.size)
+                or bound(self.writers, doctor, info, ops, under, ref, replayed_at)))
         text = (f"replay {info.replays} of {info.name} ({pending.real} real rows of {pending.size}): output "
                 f"{differs[0]} (real rows) differs by max |diff| = {differs[1]:.3g} from the reference run's same "
                 f"step (call {self.calls[code].index(number) + 1} of {code.co_name})")
@@ -252,7 +252,7 @@ class Reference:
         best, calls = None, self.calls[code]
         for c, number in sorted(enumerate(calls), key=lambda e: abs(e[0] - k))[:_CANDIDATES]:
             ref = self._ops_of(code, number)
-            compared = _compare_views(ops, under, ref, values)
+            compared = compare_views(ops, under, ref, values)
             agree = sum(same for _, _, _, _, same, _ in compared)
             if agree and (best is None or agree > best[0]):
                 best = (agree, number, ref, compared)
@@ -347,10 +347,10 @@ def _release(doctor, info, why: str = "") -> None:
 
 def _comparable(got: list, expected: list | None) -> bool:
     """Whether the replay's real rows and the reference's return can be compared: as many outputs,
-    each of the same dtype and laid out alike (``_rows_like``: a runner that pads a step itself
+    each of the same dtype and laid out alike (``rows_like``: a runner that pads a step itself
     announces its padded rows as real, and they come after the real ones)."""
     return expected is not None and len(got) == len(expected) and all(
-        e is not None and g.dtype == e.dtype and _rows_like(g, e) is not None for g, e in zip(got, expected))
+        e is not None and g.dtype == e.dtype and rows_like(g, e) is not None for g, e in zip(got, expected))
 
 
 def _differs(got: list, expected: list | None) -> tuple | None:
@@ -359,171 +359,6 @@ def _differs(got: list, expected: list | None) -> tuple | None:
     if not _comparable(got, expected):
         return None
     for i, (g, e) in enumerate(zip(got, expected)):
-        if bool(disagrees(g := _rows_like(g, e), e).any()):
+        if bool(disagrees(g := rows_like(g, e), e).any()):
             return i, max_abs_diff(g, e)
-    return None
-
-
-def _aligned(ops: list, under: tuple, ref: list):
-    """Each graph op (with its position in ``info.paths``) beside the reference step's op at the
-    same op, line and occurrence."""
-    steps: dict = {}
-    for s in ref:
-        steps.setdefault((s.op.name, s.op.source), []).append(s)
-    seen: dict = {}
-    for op, i in zip(ops, under):
-        key = (op.name, op.source)
-        n = seen[key] = seen.get(key, -1) + 1
-        if n < len(same := steps.get(key, ())):
-            yield op, i, same[n]
-
-
-def _compare_views(ops: list, under: tuple, ref: list, values: dict) -> list:
-    """Each static-input view the graph reads beside what the reference gives the same op:
-    ``(op, buffer, the view's real rows, the reference's tensor, equal, the view's geometry)``."""
-    out = []
-    for op, i, other in _aligned(ops, under, ref):
-        for j in range(len(other.values)):
-            buf, now, geometry = values.get((i, j), (None, None, None))
-            given = other.values[j]
-            if now is None or given is None or given.dtype != now.dtype:
-                continue
-            if (mine := _rows_like(now, given)) is not None:
-                out.append((op, buf, mine, given, not bool(disagrees(mine, given).any()), geometry))
-    return out
-
-
-def _input(reference: Reference, info, compared: list) -> tuple | None:
-    """The first static input whose real rows differ from what the reference gives the same op.
-    Where the step wrote none of the elements that differ (``info.step``, the writes since the
-    graph's previous replay that differential replay notes), the graph read what an earlier step
-    left there: ``stale-input``, at the op that reads it. Else the runner wrote this step's input
-    otherwise than the workload computes it: ``warmup-divergence``, at the line that wrote it."""
-    for op, buf, mine, given, same, (shape, stride, offset) in compared:
-        if same:
-            continue
-        differ = disagrees(mine, given)
-        count = f"{int(differ.sum())} element(s)"
-        whole_buf = buf.ref()
-        written = info.step.get(storage_key(whole_buf)) if info.step is not None else None
-        if info.step is not None and (written is None or written.shape == whole_buf.shape):
-            view = whole_buf.as_strided(shape, stride, offset)
-            mask = torch.zeros(view.shape, dtype=torch.bool, device=view.device)
-            if differ.dim():                      # (the view's leading rows: ``_rows_like``)
-                mask[:differ.shape[0]] = differ
-            else:
-                mask |= differ
-            at_buffer = onto(mask, view, whole_buf)
-            if written is None or not bool((at_buffer & written.to(at_buffer.device)).any()):
-                why = (f"{buf.name} holds other values in its real rows than the reference gives {op.name} at "
-                       f"{op.source} ({count}), and this step wrote none of them: the graph reads what an earlier "
-                       "step left there (an input the step omitted, a refresh skipped)")
-                return "stale-input", op.name, f"{buf.name}: {describe(mine)}", op.source, why
-        writer = reference.writers.get(storage_key(whole_buf), (op.name, op.source))
-        why = (f"{buf.name} holds other values in its real rows than the reference gives {op.name} at "
-               f"{op.source} ({count}); it was last written by {writer[0]} at {writer[1]}: the runner prepares "
-               "this step's input otherwise than the workload computes it without graphs")
-        return "warmup-divergence", writer[0], f"{buf.name}: {describe(mine)}", writer[1], why
-    return None
-
-
-def _rows_like(now: torch.Tensor, given: torch.Tensor) -> torch.Tensor | None:
-    """The graph's view laid out as the reference's tensor: the same shape, or its leading rows where
-    the reference has fewer (a padded step's real rows come first: tokens, requests, offsets)."""
-    if now.shape == given.shape:
-        return now
-    if now.dim() and now.shape[1:] == given.shape[1:] and given.shape[0] <= now.shape[0]:
-        return now[:given.shape[0]]
-    return None
-
-
-def _parting(ops: list, ref: list, padded: bool) -> tuple | None:
-    """Where the graph's trace and the reference step's part, by op and line (``padded``: the graph
-    serves padded rows, for which code that loops over rows runs more times than for the real ones)."""
-    plain = lambda o: Op(o.name, o.source)  # noqa: E731 - shapes and tensors differ with padding
-    graph, eager = [plain(o) for o in ops], [plain(s.op) for s in ref]
-    d = launch.compare(graph, eager)
-    if d is None:
-        return None
-    why = f"the launch traces part: {d.text()}"
-    at = launch.repeats(d, graph, eager)
-    if at is not None and padded and not d.eager_runs_more:
-        return None                               # a loop over rows runs for the padded rows too: no evidence
-    if at:                                        # the same lines run another number of times: which frame loops
-        a, b = (ref[i].path for i in at)
-        shared = [x for x, y in zip(a, b) if x[:2] == y[:2]]
-        if shared:
-            loop = location(shared[-1][0], shared[-1][2])
-            return ("host-work-frozen", d.first_extra.name, "-", loop,
-                    f"{why}; the reference runs the same code another number of times ({d.inserted} op(s)) at "
-                    f"{loop}: a count Python decided at capture is baked into the graph")
-    op = d.eager_op if d.how in ("skipped", "ops") or d.graph_op is None else d.graph_op
-    return "warmup-divergence", op.name, "-", op.source, f"{why}: Python took another path at capture"
-
-
-def _numbers(sig: tuple) -> list:
-    """(position, value) of the plain numbers among an op's Python-decided arguments (a keyword
-    argument's too); not shapes (lists), dtypes, or 0, 1 and -1, which any code holds."""
-    out = []
-    for n, a in enumerate(sig):
-        if isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], str) and not isinstance(a, TensorArg):
-            a = a[1]                              # ("scalar", value) of a 0-dim host tensor, or (keyword, value)
-        if isinstance(a, str):
-            try:
-                float(a)
-            except ValueError:
-                continue
-        elif type(a) is not int:
-            continue
-        if a not in (0, 1, -1, "0.0", "1.0", "-1.0"):
-            out.append((n, a))
-    return out
-
-
-def _frozen_number(info, ops: list, under: tuple, ref: list, size: int) -> tuple | None:
-    """The first op (by line and occurrence) that the graph runs with another plain number than the
-    reference step gives it: a value Python computed at capture. A number the padded layout explains
-    (the graph's size, a dimension of the op's own tensors) is no evidence."""
-    for op, i, step in _aligned(ops, under, ref):
-        other = step.op
-        if len(other.sig) != len(op.sig):
-            continue
-        dims = {size} | {d for a in op.sig if isinstance(a, TensorArg) for d in a.shape}
-        theirs = dict(_numbers(other.sig))
-        for position, mine in _numbers(op.sig):
-            if position in theirs and theirs[position] != mine and mine not in dims:
-                origin = info.paths[i][3].get(mine) or op.source
-                return ("host-work-frozen", op.name, "-", origin,
-                        f"{op.name} at {op.source} runs with {mine} in the graph where the reference step passes "
-                        f"{theirs[position]}: a number Python computed at capture (held at {origin}) is baked into "
-                        "the graph")
-    return None
-
-
-def _bound(reference: Reference, doctor, info, ops: list, under: tuple, ref: list, replayed_at: str) -> tuple | None:
-    """The first tensor the graph only reads (no graph writes it; not announced) that holds other
-    values than the reference gives the same op: the graph reads what its capture bound, this
-    step's eager form reads something else."""
-    for op, i, step in _aligned(ops, under, ref):
-        for j, key, offset, shape, stride, dtype in info.paths[i][4]:
-            given = step.values[j] if j < len(step.values) else None
-            ext = info.externals.get(key)
-            if given is None or given.dtype != dtype or ext is None or key in doctor.graph_writes:
-                continue
-            flat = whole(ext.weak, dtype)
-            if flat is None:
-                continue                          # released: the dangling-reference rule's
-            mine = _rows_like(flat.as_strided(shape, stride, offset), given)
-            if mine is None or not bool(disagrees(mine, given).any()):
-                continue
-            differ = f"{ext.tensor} read by {op.name} at {op.source} holds other values than the reference gives " \
-                     f"that op ({int(disagrees(mine, given).sum())} element(s))"
-            if (writer := reference.writers.get(key)) is not None:
-                return ("warmup-divergence", writer[0], f"{ext.tensor}", writer[1],
-                        f"{differ}; it was last written by {writer[0]} at {writer[1]}: the runner prepares what the "
-                        "graph reads otherwise than the workload computes it without graphs")
-            return ("warmup-divergence", op.name, f"{ext.tensor}", replayed_at,
-                    f"{differ}, and nothing wrote it since the capture bound it: the graph is replayed (at "
-                    f"{replayed_at}) for a step whose eager form reads another tensor there -- inputs it was not "
-                    "captured with")
     return None

@@ -1,0 +1,179 @@
+"""Why a replay differs from the reference run's same step (``probes/reference.py``): the graph's
+ops are set beside the reference step's by op, line and occurrence, and four causes are looked for,
+in order -- a static input holding other values (``static_input``), a launch trace that parts
+(``parting``), a number baked into the graph (``frozen_number``), a tensor the graph only reads
+holding other values (``bound``). Each returns ``(kind, op, tensor, source, why)`` or None."""
+from __future__ import annotations
+
+import torch
+
+from ...engine.opinfo import describe, storage_key
+from ...engine.source import location
+from ..records import Op
+from ..tensors import TensorArg, disagrees, onto, whole
+from . import launch
+
+
+def aligned(ops: list, under: tuple, ref: list):
+    """Each graph op (with its position in ``info.paths``) beside the reference step's op at the
+    same op, line and occurrence."""
+    steps: dict = {}
+    for s in ref:
+        steps.setdefault((s.op.name, s.op.source), []).append(s)
+    seen: dict = {}
+    for op, i in zip(ops, under):
+        key = (op.name, op.source)
+        n = seen[key] = seen.get(key, -1) + 1
+        if n < len(same := steps.get(key, ())):
+            yield op, i, same[n]
+
+
+def compare_views(ops: list, under: tuple, ref: list, values: dict) -> list:
+    """Each static-input view the graph reads beside what the reference gives the same op:
+    ``(op, buffer, the view's real rows, the reference's tensor, equal, the view's geometry)``."""
+    out = []
+    for op, i, other in aligned(ops, under, ref):
+        for j in range(len(other.values)):
+            buf, now, geometry = values.get((i, j), (None, None, None))
+            given = other.values[j]
+            if now is None or given is None or given.dtype != now.dtype:
+                continue
+            if (mine := rows_like(now, given)) is not None:
+                out.append((op, buf, mine, given, not bool(disagrees(mine, given).any()), geometry))
+    return out
+
+
+def static_input(writers: dict, info, compared: list) -> tuple | None:
+    """The first static input whose real rows differ from what the reference gives the same op.
+    Where the step wrote none of the elements that differ (``info.step``, the writes since the
+    graph's previous replay that differential replay notes), the graph read what an earlier step
+    left there: ``stale-input``, at the op that reads it. Else the runner wrote this step's input
+    otherwise than the workload computes it: ``warmup-divergence``, at the line that wrote it."""
+    for op, buf, mine, given, same, (shape, stride, offset) in compared:
+        if same:
+            continue
+        differ = disagrees(mine, given)
+        count = f"{int(differ.sum())} element(s)"
+        whole_buf = buf.ref()
+        written = info.step.get(storage_key(whole_buf)) if info.step is not None else None
+        if info.step is not None and (written is None or written.shape == whole_buf.shape):
+            view = whole_buf.as_strided(shape, stride, offset)
+            mask = torch.zeros(view.shape, dtype=torch.bool, device=view.device)
+            if differ.dim():                      # (the view's leading rows: ``rows_like``)
+                mask[:differ.shape[0]] = differ
+            else:
+                mask |= differ
+            at_buffer = onto(mask, view, whole_buf)
+            if written is None or not bool((at_buffer & written.to(at_buffer.device)).any()):
+                why = (f"{buf.name} holds other values in its real rows than the reference gives {op.name} at "
+                       f"{op.source} ({count}), and this step wrote none of them: the graph reads what an earlier "
+                       "step left there (an input the step omitted, a refresh skipped)")
+                return "stale-input", op.name, f"{buf.name}: {describe(mine)}", op.source, why
+        writer = writers.get(storage_key(whole_buf), (op.name, op.source))
+        why = (f"{buf.name} holds other values in its real rows than the reference gives {op.name} at "
+               f"{op.source} ({count}); it was last written by {writer[0]} at {writer[1]}: the runner prepares "
+               "this step's input otherwise than the workload computes it without graphs")
+        return "warmup-divergence", writer[0], f"{buf.name}: {describe(mine)}", writer[1], why
+    return None
+
+
+def rows_like(now: torch.Tensor, given: torch.Tensor) -> torch.Tensor | None:
+    """The graph's view laid out as the reference's tensor: the same shape, or its leading rows where
+    the reference has fewer (a padded step's real rows come first: tokens, requests, offsets)."""
+    if now.shape == given.shape:
+        return now
+    if now.dim() and now.shape[1:] == given.shape[1:] and given.shape[0] <= now.shape[0]:
+        return now[:given.shape[0]]
+    return None
+
+
+def parting(ops: list, ref: list, padded: bool) -> tuple | None:
+    """Where the graph's trace and the reference step's part, by op and line (``padded``: the graph
+    serves padded rows, for which code that loops over rows runs more times than for the real ones)."""
+    plain = lambda o: Op(o.name, o.source)  # noqa: E731 - shapes and tensors differ with padding
+    graph, eager = [plain(o) for o in ops], [plain(s.op) for s in ref]
+    d = launch.compare(graph, eager)
+    if d is None:
+        return None
+    why = f"the launch traces part: {d.text()}"
+    at = launch.repeats(d, graph, eager)
+    if at is not None and padded and not d.eager_runs_more:
+        return None                               # a loop over rows runs for the padded rows too: no evidence
+    if at:                                        # the same lines run another number of times: which frame loops
+        a, b = (ref[i].path for i in at)
+        shared = [x for x, y in zip(a, b) if x[:2] == y[:2]]
+        if shared:
+            loop = location(shared[-1][0], shared[-1][2])
+            return ("host-work-frozen", d.first_extra.name, "-", loop,
+                    f"{why}; the reference runs the same code another number of times ({d.inserted} op(s)) at "
+                    f"{loop}: a count Python decided at capture is baked into the graph")
+    op = d.eager_op if d.how in ("skipped", "ops") or d.graph_op is None else d.graph_op
+    return "warmup-divergence", op.name, "-", op.source, f"{why}: Python took another path at capture"
+
+
+def numbers(sig: tuple) -> list:
+    """(position, value) of the plain numbers among an op's Python-decided arguments (a keyword
+    argument's too); not shapes (lists), dtypes, or 0, 1 and -1, which any code holds."""
+    out = []
+    for n, a in enumerate(sig):
+        if isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], str) and not isinstance(a, TensorArg):
+            a = a[1]                              # ("scalar", value) of a 0-dim host tensor, or (keyword, value)
+        if isinstance(a, str):
+            try:
+                float(a)
+            except ValueError:
+                continue
+        elif type(a) is not int:
+            continue
+        if a not in (0, 1, -1, "0.0", "1.0", "-1.0"):
+            out.append((n, a))
+    return out
+
+
+def frozen_number(info, ops: list, under: tuple, ref: list, size: int) -> tuple | None:
+    """The first op (by line and occurrence) that the graph runs with another plain number than the
+    reference step gives it: a value Python computed at capture. A number the padded layout explains
+    (the graph's size, a dimension of the op's own tensors) is no evidence."""
+    for op, i, step in aligned(ops, under, ref):
+        other = step.op
+        if len(other.sig) != len(op.sig):
+            continue
+        dims = {size} | {d for a in op.sig if isinstance(a, TensorArg) for d in a.shape}
+        theirs = dict(numbers(other.sig))
+        for position, mine in numbers(op.sig):
+            if position in theirs and theirs[position] != mine and mine not in dims:
+                origin = info.paths[i][3].get(mine) or op.source
+                return ("host-work-frozen", op.name, "-", origin,
+                        f"{op.name} at {op.source} runs with {mine} in the graph where the reference step passes "
+                        f"{theirs[position]}: a number Python computed at capture (held at {origin}) is baked into "
+                        "the graph")
+    return None
+
+
+def bound(writers: dict, doctor, info, ops: list, under: tuple, ref: list, replayed_at: str) -> tuple | None:
+    """The first tensor the graph only reads (no graph writes it; not announced) that holds other
+    values than the reference gives the same op: the graph reads what its capture bound, this
+    step's eager form reads something else."""
+    for op, i, step in aligned(ops, under, ref):
+        for j, key, offset, shape, stride, dtype in info.paths[i][4]:
+            given = step.values[j] if j < len(step.values) else None
+            ext = info.externals.get(key)
+            if given is None or given.dtype != dtype or ext is None or key in doctor.graph_writes:
+                continue
+            flat = whole(ext.weak, dtype)
+            if flat is None:
+                continue                          # released: the dangling-reference rule's
+            mine = rows_like(flat.as_strided(shape, stride, offset), given)
+            if mine is None or not bool(disagrees(mine, given).any()):
+                continue
+            differ = f"{ext.tensor} read by {op.name} at {op.source} holds other values than the reference gives " \
+                     f"that op ({int(disagrees(mine, given).sum())} element(s))"
+            if (writer := writers.get(key)) is not None:
+                return ("warmup-divergence", writer[0], f"{ext.tensor}", writer[1],
+                        f"{differ}; it was last written by {writer[0]} at {writer[1]}: the runner prepares what the "
+                        "graph reads otherwise than the workload computes it without graphs")
+            return ("warmup-divergence", op.name, f"{ext.tensor}", replayed_at,
+                    f"{differ}, and nothing wrote it since the capture bound it: the graph is replayed (at "
+                    f"{replayed_at}) for a step whose eager form reads another tensor there -- inputs it was not "
+                    "captured with")
+    return None
