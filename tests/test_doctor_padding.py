@@ -224,7 +224,7 @@ def state_update(form):
                          + [("index_put_", "slot -1")])
 def test_a_padded_row_naming_a_real_rows_state_slot(form, padding):
     """Slots 0..3 hold requests, slot 4 is the null slot (-1 addresses it as well, where the op
-    takes negative indices)."""
+    takes negative indices). The requests go on to a second step, where they read their slots."""
     state = torch.zeros(5, 3)
     index = torch.zeros(4, dtype=torch.int64)
     x = torch.zeros(4, 3)
@@ -236,6 +236,9 @@ def test_a_padded_row_naming_a_real_rows_state_slot(form, padding):
         index[3] = {"a real slot": 0, "the null slot": 4, "slot -1": -1}[padding]
         x.copy_(torch.ones(4, 3))
         replay(g, out, 3, 4, {})                       # the runner wrote every padded row itself
+        assert report.findings == []                   # (nobody has read slot 0 since)
+        index[3] = 4
+        replay(g, out, 3, 4, {})
     if padding != "a real slot":
         assert report.findings == []
         return
@@ -244,6 +247,23 @@ def test_a_padded_row_naming_a_real_rows_state_slot(form, padding):
     assert finding.location.endswith("in update") and finding.tensor == "index: int64[4]"
     assert finding.numbers == {"replay": 1, "real": 3, "size": 4, "padded_row": 3, "real_row": 1,
                                "slot": (0, 0) if form == "scatter_add_" else 0}   # scatter: an element
+
+
+def test_a_dummy_batch_whose_real_row_writes_the_null_slot_is_no_finding():
+    """An idle rank's dummy batch is served with one row counted as real, and every row of it names
+    the null slot (4): the padded rows share that slot with the real row, but no request lives in it,
+    and the next steps' requests never name it."""
+    state = torch.zeros(5, 3)
+    index = torch.zeros(4, dtype=torch.int64)
+    x = torch.ones(4, 3)
+    update = state_update("index_add_")
+    with doctor.watch() as report:
+        g, out = captured(lambda: update(state, index, x), {"index": index, "x": x})
+        events.persistent_state("Runner", {"state": state})
+        for real, slots in ((3, [2, 0, 1, 4]), (1, [4, 4, 4, 4]), (3, [2, 0, 1, 4]), (4, [2, 0, 1, 3])):
+            index.copy_(torch.tensor(slots))
+            replay(g, out, real, 4, {})
+    assert report.findings == [], report
 
 
 def test_indices_computed_inside_the_graph_and_scatters_into_its_own_tensors_are_not_checked():

@@ -180,3 +180,4 @@ class GraphInfo:
         self.expects: dict[tuple, tuple] = {}       # blocks read from another capture -> that producer
         self.scatters: list = []                    # captured writes into state through an index (rules/padded_scatter.py)
         self.live_slots: dict = {}                  # scatter -> slots real rows wrote
+        self.shared_slots: dict = {}                # scatter -> (slots a padded row shared, finding, key)

@@ -8,8 +8,12 @@ index, and that request's state got two updates per step). No fill of the padded
 when the runner writes them itself, so it is a contract, checked before every padded replay on
 both backends from the capture's record and the index values: padded rows may share a null slot
 among themselves, never a slot a real row names -- in this step, or in an earlier one (the state of
-a request parked for this step, which the padded row would update behind its back). Only indices the graph reads from memory it does
-not own have values before the replay; an index computed inside the graph is not checked.
+a request parked for this step, which the padded row would update behind its back). The finding
+is made once a later step's real rows name that slot again: a request lives on in it, with an
+update it never asked for. A slot no later request names held nothing anyone reads (an idle rank's
+dummy batch, whose one row counts as real, writes the null slot its padded rows write). Only
+indices the graph reads from memory it does not own have values before the replay; an index
+computed inside the graph is not checked.
 """
 from __future__ import annotations
 
@@ -112,6 +116,10 @@ def _check(doctor, info, n: int, scatter: Scatter, real: int, size: int) -> None
     real_slots = slots[:real].reshape(-1)
     earlier = info.live_slots.get(n, real_slots[:0])
     info.live_slots[n] = torch.unique(torch.cat([earlier, real_slots]))
+    suspect = info.shared_slots.get(n)
+    if suspect is not None and bool(torch.isin(real_slots, suspect[0]).any()):
+        doctor.add(*suspect[1:])                  # a request lives on in the slot a padded row wrote
+        del info.shared_slots[n]
     if real >= size:
         return
     now, before = torch.isin(slots[real:], real_slots), torch.isin(slots[real:], earlier)
@@ -128,12 +136,14 @@ def _check(doctor, info, n: int, scatter: Scatter, real: int, size: int) -> None
         whose = f"as real row {numbers['real_row']} does"
     else:
         whose = "which real rows of an earlier replay wrote (a request not in this batch holds it)"
-    doctor.add(Finding(
+    finding = Finding(
         "stale-padding", info.name, scatter.op, f"{padded_by.name}: {describe(padded_by.ref())}", scatter.source,
         f"before replay {numbers['replay']} of {info.name} ({real} real rows of {size}): padded row {row} of the "
         f"index names slot {where} of {scatter.state}, {whose}, so {scatter.op} writes that slot for a padded row",
-        explain.padded_scatter(scatter.op, padded_by.name, scatter.state), numbers),
-        ("stale-padding", scatter.op, scatter.source, padded_by.name))
+        explain.padded_scatter(scatter.op, padded_by.name, scatter.state), numbers)
+    if n not in info.shared_slots:            # reported once a later step's real rows name that slot again
+        info.shared_slots[n] = (slots[real:][shared].unique(), finding,
+                                ("stale-padding", scatter.op, scatter.source, padded_by.name))
 
 
 def _slots(scatter: Scatter, values: list[torch.Tensor]) -> torch.Tensor | None:
