@@ -110,6 +110,36 @@ def test_a_replay_path_preparing_an_input_otherwise_is_named_where_it_wrote_it(v
     assert finding.tensor.startswith("lens: ") and "reference run" in finding.evidence, finding
 
 
+class ReplaysItsCapture(Runner):
+    """Captures on a dummy batch whose lengths are the first step's (its queries are not), and
+    replays the graph once right after capturing it, on that batch (LightLLM's ``capture_decode``
+    returns that replay's output): a replay of no step of the reference."""
+
+    def __init__(self, cache, variant: str):
+        self.cache, self.variant, self.lens_offset = cache, variant, 1 if variant == "bug" else 0
+        self.q, self.lens = torch.ones(2, 4), torch.tensor(LENGTHS[0])
+        events.static_buffers("runner", {"q": self.q, "lens": self.lens})
+        self.step = lambda: attend(self.q, self.cache, self.lens, CONTEXT)  # noqa: E731
+        with events.warmup():
+            self.step()
+        self.graph = new_graph("cpu")
+        with graph(self.graph, name="decode"):
+            self.out = self.step()
+        events.serve(self.graph, 2, 2, padded={}, outputs=self.out, eager=self.step)
+        self.graph.replay()
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_replay_of_the_capture_batch_is_no_step_of_the_reference(variant):
+    """That first replay, with nothing written since the capture, is not aligned with a step of the
+    reference (one whose length happened to match would make a finding on the fix); the steps after
+    it are, and the bug's wrongly prepared lengths are found as before."""
+    finding = _finding(_workload(lambda cache: ReplaysItsCapture(cache, variant)), variant)
+    if finding is None:
+        return
+    assert finding.kind == "warmup-divergence" and " in prepare: " in finding.source, finding
+
+
 class OmittingRunner(Runner):
     """``bug``: the replay path writes ``q`` only; ``lens`` keeps what it held at the capture (the
     dummy batch's lengths, zero), an input every replay omits."""

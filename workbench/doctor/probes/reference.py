@@ -187,7 +187,7 @@ class Reference:
         code, under = root
         k = self.served.get(code, 0) + self.replayed.get(code, 0)
         self.replayed[code] = self.replayed.get(code, 0) + 1
-        if info.name in self.found:
+        if info.name in self.found or _capture_batch(info):
             return
         first_write: dict = {}                   # a buffer the graph writes is its input only until then
         for n, op in enumerate(info.ops):
@@ -335,6 +335,16 @@ class Reference:
                         best = (code, under)
             self.roots[id(info)] = best
         return self.roots[id(info)]
+
+
+def _capture_batch(info) -> bool:
+    """Whether this is a graph's first replay with nothing written into its static inputs since the
+    capture (differential replay notes the writes, ``info.step``): the capture's own dummy batch
+    replayed, which is no step of the reference."""
+    if info.replays or info.step is None:
+        return False
+    with _disable_current_modes():
+        return not any(bool(mask.any()) for key, mask in info.step.items() if key in info.externals)
 
 
 def _release(doctor, info, why: str = "") -> None:

@@ -82,7 +82,7 @@ def rows_like(now: torch.Tensor, given: torch.Tensor) -> torch.Tensor | None:
     the reference has fewer (a padded step's real rows come first: tokens, requests, offsets)."""
     if now.shape == given.shape:
         return now
-    if now.dim() and now.shape[1:] == given.shape[1:] and given.shape[0] <= now.shape[0]:
+    if now.dim() and now.dim() == given.dim() and now.shape[1:] == given.shape[1:] and given.shape[0] <= now.shape[0]:
         return now[:given.shape[0]]
     return None
 
