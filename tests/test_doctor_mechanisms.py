@@ -2443,3 +2443,25 @@ def test_a_buffer_asked_for_with_a_negative_size_is_an_undersized_buffer(variant
         return
     (finding,) = report.of("undersized-buffer")
     assert "buf = torch.empty(needed)" in finding.source and "negative size" in finding.evidence, finding
+
+
+def test_an_output_the_graph_only_allocates_is_not_compared(monkeypatch):
+    """The captured step hands out a buffer it allocates and never writes (an attention output that
+    an eager region fills after the replay, as a PIECEWISE backend's ``torch.empty_like(q)``): what
+    that memory holds is no result, in the replay or in the eager form, and is not compared. Eager
+    allocations are left unfilled here, as on CUDA (``doctor/uninit.py`` fills them with NaN on a
+    machine without it, which an eager NaN's rule then ignores)."""
+    import contextlib
+    from workbench.doctor import session
+    monkeypatch.setattr(session, "filled", contextlib.nullcontext)
+
+    def workload():
+        x = torch.zeros(4, 3)
+        m = Manager(lambda size: (x[:size] * 2, torch.empty_like(x[:size])), [4], {"x": x})
+        m.capture()
+        for step in range(3):
+            x.copy_(rows(4, width=3, seed=step))
+            h, out = m.replay(4)
+            out.copy_(h + 1)
+    report = doctor.diagnose(workload)
+    assert report.findings == [], report

@@ -9,6 +9,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..engine import memory
+from ..engine.cpu_graph import ALLOCATIONS
 from ..engine.opinfo import describe, op_tensors, storage_key, tensors, written_tensors
 from ..engine.source import user_frame
 from .records import External, Op
@@ -66,11 +67,14 @@ def recorded(doctor, func, args, kwargs, run):
     for key in written:
         if doctor.owner_of(key) is None:
             info.writes.setdefault(key, Op(str(func), source))
+    info.unwritten -= written
     for o in tensors(out):
         key = storage_key(o)
         if key not in in_keys and doctor.owner_of(key) is None:
             doctor.owned[key] = (StorageWeakRef(o.untyped_storage()), info)
             info.created.add(key)
+            if func.overloadpacket in ALLOCATIONS:
+                info.unwritten.add(key)
     if not func.is_view:
         doctor.warm.captured_op(info)
     if doctor.reference is not None and not func.is_view:

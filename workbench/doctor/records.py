@@ -142,6 +142,7 @@ class GraphInfo:
         self.liveness = Liveness()                  # of the externals, for the check before each replay
         self.writes: dict[int, Op] = {}             # external storage -> first op writing it
         self.created: set[int] = set()              # storages this capture created
+        self.unwritten: set[int] = set()            # ... by an allocation alone, and written by no op of it since
         self.constants: set[int] = set()            # ... of those, Python data lifted in it (host values on CUDA)
         self.foreign: dict[int, tuple] = {}         # storage of another graph's pool -> (graph, op, source, tensor)
         self.owners: tuple[int, tuple] = (0, ())    # rules.dangling's cache: (len(foreign), their graphs)

@@ -216,6 +216,9 @@ def announced_of(announced: list, returned: list) -> list | None:
     the next of the same shape and dtype; None where they cannot all be found."""
     out, rest = [], iter(returned)
     for a in announced:
+        if a is None:                     # an output not compared (``unwritten``)
+            out.append(None)
+            continue
         r = next((r for r in rest if r is not None and r.shape == a.shape and r.dtype == a.dtype), None)
         if r is None:
             return None

@@ -31,7 +31,8 @@ def outputs_hit(graph_out) -> bool:
     """Whether the replay's real-row outputs hold a non-finite value (the doctor's own arithmetic:
     not ops of the watched code)."""
     with _disable_current_modes():
-        return any(o.is_floating_point() and not bool(torch.isfinite(o).all()) for o in graph_out or ())
+        return any(o is not None and o.is_floating_point() and not bool(torch.isfinite(o).all())
+                   for o in graph_out or ())
 
 
 def on_op(d, func, args, kwargs, out) -> None:

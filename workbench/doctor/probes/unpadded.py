@@ -45,7 +45,7 @@ def check(doctor, info, pending, replayed: dict, graph_out, run_eager) -> None:
     out, state, _ = got
     with _disable_current_modes():
         for i, (g, e) in enumerate(zip(graph_out or (), out or ())):
-            if g.shape == e.shape and g.dim() and bool(disagrees(g, e).any()):
+            if g is not None and g.shape == e.shape and g.dim() and bool(disagrees(g, e).any()):
                 _output(doctor, info, pending, i, max_abs_diff(g, e))
                 return
         for key, (_, label, before) in pending.pre.items():
