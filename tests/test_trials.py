@@ -60,10 +60,6 @@ GPU_DIFFERS: dict = {
         "on the H200 the pinned staging block the captured copy reads is seen handed on (dangling-reference at "
         "pack_vecs, the author's kind); on the CPU, where host and device memory are one, differential replay "
         "names the allocator's host bookkeeping instead (host-work-frozen at process_events); not traced yet",
-    ("round22/sglang_27343_pcg_fa_skip_kv_cache_padded_q_real_cu_seqlens", "fix"):
-        "on the H200 both variants equal eager (the attention output's unwritten rows hold finite bytes, not the "
-        "emulation's NaN), and the fix gets warmup-divergence at qkv, where the captured piece allocates that "
-        "output with torch.empty_like: a finding on a fix on the GPU only, not traced yet; the CPU is clean",
 }
 # Variants whose run on a GPU is not reproducible, and why: not compared.
 GPU_UNSTABLE = {
