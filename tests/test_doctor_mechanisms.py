@@ -2465,3 +2465,24 @@ def test_an_output_the_graph_only_allocates_is_not_compared(monkeypatch):
             out.copy_(h + 1)
     report = doctor.diagnose(workload)
     assert report.findings == [], report
+
+
+def test_an_eager_step_returning_fewer_outputs_than_the_replay_hands_out_is_a_finding():
+    """The capture's step returned two outputs, which the runner hands out; the eager step now takes
+    another path and returns one: the counts are compared, and the difference is the finding."""
+    def workload():
+        x, extra = torch.zeros(4, 3), [True]
+
+        def step(size):
+            h = x[:size] * 2
+            return (h, h + 1) if extra[0] else (h,)
+
+        m = Manager(step, [4], {"x": x})
+        m.capture()
+        extra[0] = False
+        for seed in range(2):
+            x.copy_(rows(4, width=3, seed=seed))
+            m.replay(4)
+    report = doctor.diagnose(workload)
+    assert report.failure is None, report.failure
+    assert any("the replay has 2 outputs, the eager step 1" in f.evidence for f in report.findings), report

@@ -86,7 +86,7 @@ def finish(doctor, info, pending) -> None:
     pre = pending.pre
     with _disable_current_modes():
         replayed = {key: w.clone() for key, (w, _, _) in pre.items()}
-        graph_out = _unwritten_blank(info, pending, _rows(pending.outputs, pending.real, pending.size))
+        graph_out = _without_unwritten(info, pending, _rows(pending.outputs, pending.real, pending.size))
         rng_after = rng_state(info.cuda)
     _replayed_host(info, pending)
     padded = pending.real < pending.size
@@ -403,7 +403,7 @@ def _rows(out, real: int, size: int) -> list | None:
     return [real_rows(o, real, size).detach().clone() for o in tensors(out)]
 
 
-def _unwritten_blank(info, pending, rows: list | None) -> list | None:
+def _without_unwritten(info, pending, rows: list | None) -> list | None:
     """The replay's outputs, with None for those the step's graphs only allocate and no op of theirs
     writes (an attention output a later eager region fills): memory that holds no result, in the
     replay or in the eager run, and is not compared."""
@@ -416,8 +416,10 @@ def _unwritten_blank(info, pending, rows: list | None) -> list | None:
 def _compare(graph_out, eager_out, replayed, eager_state, extra, pre) -> tuple | None:
     """(what differs, numbers) -- outputs first, then state -- or None when all agree."""
     if graph_out is not None and eager_out is not None:
-        if len(graph_out) != len(eager_out) and (eager_out := announced_of(graph_out, eager_out)) is None:
-            return f"the replay has {len(graph_out)} outputs, the eager step {len(eager_out)}", {}, None
+        if len(graph_out) != len(eager_out):
+            if (handed := announced_of(graph_out, eager_out)) is None:
+                return f"the replay has {len(graph_out)} outputs, the eager step {len(eager_out)}", {}, None
+            eager_out = handed
         for i, (g, e) in enumerate(zip(graph_out, eager_out)):
             if g is None:
                 continue
