@@ -266,6 +266,23 @@ def test_a_dummy_batch_whose_real_row_writes_the_null_slot_is_no_finding():
     assert report.findings == [], report
 
 
+def test_a_shared_slot_is_reported_when_its_request_goes_on_though_an_earlier_one_did_not():
+    """Step 1's padded row shares slot 3 with a request that then finishes; step 2's shares slot 0 with
+    one that goes on to step 3: each shared slot waits for its own request, and the second is found."""
+    state = torch.zeros(5, 3)
+    index = torch.zeros(4, dtype=torch.int64)
+    x = torch.ones(4, 3)
+    update = state_update("index_add_")
+    with doctor.watch() as report:
+        g, out = captured(lambda: update(state, index, x), {"index": index, "x": x})
+        events.persistent_state("Runner", {"state": state})
+        for real, slots in ((3, [3, 1, 2, 3]), (3, [0, 1, 2, 0]), (3, [0, 1, 2, 4])):
+            index.copy_(torch.tensor(slots))
+            replay(g, out, real, 4, {})
+    (finding,) = report.findings
+    assert finding.kind == "stale-padding" and finding.numbers["slot"] == 0 and finding.numbers["replay"] == 2
+
+
 def test_indices_computed_inside_the_graph_and_scatters_into_its_own_tensors_are_not_checked():
     """Only indices read from memory the graph does not own have values before a replay, and only
     writes into memory it does not own are state: neither case gives a finding here."""

@@ -163,8 +163,8 @@ class GraphInfo:
         self.left: dict | None = None               # attributes as its capture left them (probes/captured_state.py)
         self.startup_checked = False                # compared once from the state before the warmups
         self.held: list = []                        # (finding, key) of probes on replays that gave the reference
-        self.held_state: list = []                  # ... of state the eager form writes otherwise (reference.py)
                                                     # run's answers: reported once one does not (differential)
+        self.held_state: list = []                  # ... of state the eager form writes otherwise (reference.py)
         self.compared = 0                           # replays compared with an eager step
         self.disagreed = False                      # ... and one of them gave other results
         self.traced_always = False                  # its eager step wrote outside the kept state: trace each one
@@ -181,4 +181,4 @@ class GraphInfo:
         self.expects: dict[tuple, tuple] = {}       # blocks read from another capture -> that producer
         self.scatters: list = []                    # captured writes into state through an index (rules/padded_scatter.py)
         self.live_slots: dict = {}                  # scatter -> slots real rows wrote
-        self.shared_slots: dict = {}                # scatter -> (slots a padded row shared, finding, key)
+        self.shared_slots: dict = {}                # scatter -> {slot a padded row shared: (finding, key)}

@@ -32,7 +32,9 @@ Where the workload announced its run without graphs (``probes/reference.py``) an
 what that run gives at the same step, two kinds of finding are held, not reported: an output
 that differs from the eager form's (the eager form, a captured callable, is then not that step),
 and what the step would give from other starting memory (the carried elements of static inputs,
-the state before the warmups: the workload may build on it on purpose). They are reported once a
+the state before the warmups: the workload may build on it on purpose). So is state the eager form
+writes otherwise, apart (the replay's outputs do not show it): reported at the end unless the
+workload says its results agree (``events.results``). They are reported once a
 replay of that graph gives another answer than the run without graphs, and noted otherwise.
 """
 from __future__ import annotations
@@ -45,8 +47,8 @@ from torch._C import _pop_torch_dispatch_stack, _push_on_torch_dispatch_stack
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
 from ...engine.opinfo import storage_key, tensors
-from ..tensors import (alias, announced_of, changed, disagrees, first_line, max_abs_diff, real_rows, rng_state, set_rng_state,
-                       whole)
+from ..tensors import (alias, announced_of, changed, disagrees, first_line, max_abs_diff, real_rows, rng_state,
+                       set_rng_state, whole)
 from . import captured_state, launch, nonfinite, pystate, rootcause, row_writes, unpadded
 from .eager_trace import EagerRun
 

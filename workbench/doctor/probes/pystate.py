@@ -99,7 +99,8 @@ def watched(root: object) -> list:
         elif isinstance(attrs := getattr(obj, "__dict__", None), dict):
             module, tensor = type(obj).__module__, isinstance(obj, torch.Tensor)
             if not tensor and (module.startswith(_THEIRS) and not isinstance(obj, _STATEFUL)
-                               or module.startswith(_RECORDINGS) or module.partition(".")[0] in sys.stdlib_module_names):
+                               or module.startswith(_RECORDINGS)
+                               or module.partition(".")[0] in sys.stdlib_module_names):
                 continue                # a library's own object (an op overload, a logger), a graph's recording
             # A tensor is watched for the attributes the program set on it (a parameter's main_grad, the
             # gradient an optimizer reads from it), never walked into.

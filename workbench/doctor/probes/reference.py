@@ -228,7 +228,7 @@ class Reference:
             if differs is None:
                 pending.agreed = _comparable(got, expected)
                 return
-        _release(doctor, info)                     # what earlier replays' probes found, now borne out
+        _release(doctor, info.held, info.held_state)   # what earlier replays' probes found, now borne out
         with _disable_current_modes():           # a PIECEWISE step's other pieces are not in ``ops``: no trace
             found = static_input(self.writers, info, compared) or (None if pending.span else (
                 parting(ops, ref, pending.real < pending.size) or frozen_number(info, ops, under, ref, pending.size)
@@ -295,12 +295,11 @@ class Reference:
         for info in doctor.graphs.values():
             if self.verdict:
                 i, diff = self.verdict
-                _release(doctor, info, f"; every replay gave the run without graphs' answers, but the workload's "
-                                       f"result {i} differs from that run's (max |diff| = {diff:.3g})")
+                _release(doctor, info.held, info.held_state,
+                         why=f"; every replay gave the run without graphs' answers, but the workload's result {i} "
+                         f"differs from that run's (max |diff| = {diff:.3g})")
             elif self.verdict is None:
-                for finding, key in info.held_state:
-                    doctor.add(finding, key)
-                info.held_state.clear()
+                _release(doctor, info.held_state)
             held = info.held + info.held_state
             if held:
                 first = held[0][0]
@@ -347,12 +346,13 @@ def _capture_batch(info) -> bool:
         return not any(bool(mask.any()) for key, mask in info.step.items() if key in info.externals)
 
 
-def _release(doctor, info, why: str = "") -> None:
-    """Report what a graph's probes found and held (``why``: added to each finding's evidence)."""
-    for finding, key in info.held + info.held_state:
-        doctor.add(dataclasses.replace(finding, evidence=finding.evidence + why) if why else finding, key)
-    info.held.clear()
-    info.held_state.clear()
+def _release(doctor, *held: list, why: str = "") -> None:
+    """Report the findings in a graph's ``held`` lists (``why``: added to each one's evidence), and
+    empty them."""
+    for findings in held:
+        for finding, key in findings:
+            doctor.add(dataclasses.replace(finding, evidence=finding.evidence + why) if why else finding, key)
+        findings.clear()
 
 
 def _comparable(got: list, expected: list | None) -> bool:

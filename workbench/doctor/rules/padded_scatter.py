@@ -116,10 +116,10 @@ def _check(doctor, info, n: int, scatter: Scatter, real: int, size: int) -> None
     real_slots = slots[:real].reshape(-1)
     earlier = info.live_slots.get(n, real_slots[:0])
     info.live_slots[n] = torch.unique(torch.cat([earlier, real_slots]))
-    suspect = info.shared_slots.get(n)
-    if suspect is not None and bool(torch.isin(real_slots, suspect[0]).any()):
-        doctor.add(*suspect[1:])                  # a request lives on in the slot a padded row wrote
-        del info.shared_slots[n]
+    suspects = info.shared_slots.get(n, {})
+    if lives := next((suspects[s] for s in real_slots.tolist() if s in suspects), None):
+        doctor.add(*lives)                        # a request lives on in the slot a padded row wrote
+        suspects.clear()
     if real >= size:
         return
     now, before = torch.isin(slots[real:], real_slots), torch.isin(slots[real:], earlier)
@@ -141,9 +141,9 @@ def _check(doctor, info, n: int, scatter: Scatter, real: int, size: int) -> None
         f"before replay {numbers['replay']} of {info.name} ({real} real rows of {size}): padded row {row} of the "
         f"index names slot {where} of {scatter.state}, {whose}, so {scatter.op} writes that slot for a padded row",
         explain.padded_scatter(scatter.op, padded_by.name, scatter.state), numbers)
-    if n not in info.shared_slots:            # reported once a later step's real rows name that slot again
-        info.shared_slots[n] = (slots[real:][shared].unique(), finding,
-                                ("stale-padding", scatter.op, scatter.source, padded_by.name))
+    suspects = info.shared_slots.setdefault(n, {})     # reported once a later step's real rows name one again
+    for s in slots[real:][shared].unique().tolist():
+        suspects.setdefault(s, (finding, ("stale-padding", scatter.op, scatter.source, padded_by.name)))
 
 
 def _slots(scatter: Scatter, values: list[torch.Tensor]) -> torch.Tensor | None:
