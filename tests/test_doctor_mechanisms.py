@@ -1691,7 +1691,7 @@ def _metadata_step(lengths, how):
 def test_an_error_a_library_check_raised_before_dispatch_and_the_workload_caught_is_reported():
     report = doctor.diagnose(_metadata_step([2, 2, 2], "escapes"))
     assert len(report.caught) == 1 and report.caught[0].startswith("RuntimeError: repeats must have the same size")
-    assert "in build" in report.caught[0] and "caught the error" in report.headline()
+    assert "in build" in report.caught[0] and "raised inside the workload and caught" in report.headline()
     assert not report.clean
 
 
@@ -1699,6 +1699,43 @@ def test_an_error_a_library_check_raised_before_dispatch_and_the_workload_caught
 def test_errors_caught_where_raised_or_raised_on_purpose_are_not_reported(how):
     report = doctor.diagnose(_metadata_step([2, 2, 2], how))
     assert report.caught == [] and report.findings == [], report
+
+
+def _allocating_step(workspace: int):
+    """Graphs captured, then a step whose planner asks a fixed workspace for more than it holds; the
+    allocator refuses with a ``raise`` two calls down, and the zoo's ``compare`` (a harness, not the
+    workload's code) catches what the served run raises."""
+    from workbench.zoo.kit import compare
+
+    buf = torch.zeros(workspace)
+
+    def aligned_alloc(n):
+        if n > buf.numel():
+            raise RuntimeError(f"Failed to allocate {n} elements from a workspace of {buf.numel()}")
+        return buf[:n]
+
+    def plan(n):
+        return aligned_alloc(n)
+
+    def served():
+        x = torch.zeros(4, 4)
+        m = Manager(lambda size: x[:size] * 2, [4], {"x": x})
+        m.capture()
+        x.copy_(rows(4))
+        m.replay(4)
+        return [plan(8).clone()]
+
+    return lambda: compare("allocating", "bug", "cpu", served, lambda: [torch.zeros(8)])
+
+
+@pytest.mark.parametrize("workspace", [4, 8])
+def test_a_raise_a_harness_caught_outside_the_workloads_code_is_reported(workspace):
+    report = doctor.diagnose(_allocating_step(workspace))
+    if workspace == 8:
+        assert report.caught == [] and report.findings == [], report
+        return
+    assert len(report.caught) == 1 and report.caught[0].startswith("RuntimeError: Failed to allocate 8"), report
+    assert "in aligned_alloc" in report.caught[0] and not report.clean
 
 
 def test_errors_the_standard_library_raises_and_catches_itself_are_not_reported():

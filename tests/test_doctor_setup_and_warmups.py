@@ -204,7 +204,7 @@ def test_an_op_failure_the_workload_catches_is_in_the_headline():
     assert report.errors == [] and not report.clean
     assert len(report.caught) == 1 and report.caught[0].startswith("IndexError")
     assert "during eager" in report.caught[0] and "torch.arange(3)[torch.tensor([5])]" in report.caught[0]
-    assert "which caught the error: IndexError" in report.headline()
+    assert "raised inside the workload and caught: IndexError" in report.headline()
 
 
 def test_a_check_that_fails_in_the_first_warmup_and_is_caught_is_in_the_headline():

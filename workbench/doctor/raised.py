@@ -6,9 +6,12 @@ mode (``failures.op_failed``), but many errors are raised before any op reaches 
 op's argument check (``repeat_interleave`` with mismatched sizes), a tensor's ``__index__``, an
 ``assert`` of the workload. Unseen, such a run reads "0 findings". The tracer sees each error in
 the first user frame it passes through and keeps, once graphs exist, those that came from a call
-into a library (torch's checks) or from an ``assert`` and then left that frame: not those of a
-``raise`` statement, which code uses on purpose, nor those the same function caught (a probe
-such as ``try: torch.xpu.is_current_stream_capturing() except Exception: return False``).
+into a library (torch's checks) or from an ``assert`` and then left that frame, not those the same
+function caught (a probe such as ``try: torch.xpu.is_current_stream_capturing() except Exception:
+return False``). An error of a ``raise`` statement is raised on purpose, for the workload's own
+code to catch: it is kept only if code that is not the workload's caught it (a harness around the
+step, such as the zoo's ``compare``): it left two or more of the workload's frames, then a library's,
+and never reached the workload's frame above.
 After a padded replay it also hands each frame to ``rules/shapes.py``, which may tie the error
 to the padded rows; an item assignment that failed (into a NumPy staging array, which dispatches
 no op) goes to ``rules/undersized.py``'s write contract.
@@ -52,6 +55,9 @@ class _Tracer:
         self.doctor = None
         self.pending: dict[int, tuple] = {}   # id(frame) -> (error key, description or None) raised there
         self.leaving: tuple | None = None     # the key of the last error seen leaving its frame
+        # id(frame) -> (error key, description, frames it left, through a library) of a ``raise`` on its
+        # way up: expected in that frame; one that went through a library and never comes is kept
+        self.followed: dict[int, tuple] = {}
         self.explained: set[tuple] = set()    # errors tied to a padded replay's rows
         # (code, its last line, id of its caller's frame, the caller's line) of the last user function that
         # returned, until the next call: frames are not held (a frame keeps its locals alive)
@@ -72,6 +78,7 @@ class _Tracer:
         if self.doctor is not None:
             self.doctor, self.leaving = None, None
             self.pending.clear()
+            self.followed.clear()
             self.explained.clear()
             self.returned = None
             sys.settrace(None)
@@ -105,12 +112,16 @@ class _Tracer:
                 self._raised(doctor, frame, arg[1])
             elif event == "return" and (reference := doctor.reference) is not None and reference.recording:
                 reference.returned(frame, arg)
-            elif event == "return" and self.pending:
+            elif event == "return" and (self.pending or self.followed):
+                if (lost := self.followed.pop(id(frame), None)) is not None and lost[3]:    # a library caught it
+                    failures.keep(doctor, lost[0][0], lambda: lost[1])
                 entry = self.pending.pop(id(frame), None)
                 if entry is not None and arg is None and _op(frame) not in _RETURNS:    # it left the frame
-                    self.leaving = entry[0]
-                    if entry[1] is not None:      # kept like an op failure: a run that caught it is not clean
-                        failures.keep(doctor, entry[0][0], lambda: entry[1])
+                    self.leaving, description, deliberate = entry
+                    if description is not None:   # kept like an op failure: a run that caught it is not clean
+                        failures.keep(doctor, entry[0][0], lambda: description)
+                    elif deliberate is not None:
+                        self._follow(frame.f_back, entry[0], *deliberate)
         except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
             doctor.fail(e, "watching an error raised in the workload")
         return self.local
@@ -120,16 +131,30 @@ class _Tracer:
         if doctor.padded_step is not None and doctor.pattern is None and key not in self.explained:
             if shapes.raised(doctor, error, frame):
                 self.explained.add(key)
-        if key == self.leaving:
-            return                                   # on its way out of the frame that raised it
+        if key == self.leaving:                      # on its way out of the frame that raised it
+            if (came := self.followed.pop(id(frame), None)) is not None and came[0] == key:
+                self.pending[id(frame)] = (key, None, came[1:3])      # it reached this frame: followed on
+            return
         watched = doctor.phase in ("eager", "warmup", "capture")
         if watched and _op(frame) == _STORE:
             undersized.failed_host_write(doctor, error, frame)
-        description = None                           # not kept, but followed: its callers must not take it for new
-        if watched and (doctor.graphs or doctor.phase != "eager") and _from_a_check(error, frame):
+        description = deliberate = None              # not kept, but followed: its callers must not take it for new
+        if watched and (doctor.graphs or doctor.phase != "eager") and shapes.explainable(error):
             where = f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} in {function_name(frame.f_code)}"
-            description = f"{type(error).__name__}: {first_line(error)} (raised at {where}, during {doctor.phase})"
-        self.pending[id(frame)] = (key, description)
+            text = f"{type(error).__name__}: {first_line(error)} (raised at {where}, during {doctor.phase})"
+            description, deliberate = (text, None) if _from_a_check(error, frame) else (None, (text, 0))
+        self.pending[id(frame)] = (key, description, deliberate)
+
+    def _follow(self, caller, key, text: str, left: int) -> None:
+        """A ``raise`` has left ``left + 1`` frames of the workload's: it is expected in the caller, or,
+        where the caller is a library's, in the workload's frame above it. The library may never let
+        it get there (it caught it): kept then, if it had left two frames of the workload's at least;
+        one frame is a protocol (``__getitem__``'s ``IndexError`` ends an iteration)."""
+        through = False
+        while caller is not None and not (mine(caller) and not _stdlib(caller.f_code.co_filename)):
+            caller, through = caller.f_back, True
+        if caller is not None and (left >= 1 or not through):
+            self.followed[id(caller)] = (key, text, left + 1, through)
 
 
 def _stdlib(filename: str) -> bool:

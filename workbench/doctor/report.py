@@ -153,7 +153,7 @@ class Report:
             line += (f" {len(self.unexplained)} result(s) differ from the workload's run without graphs, and no "
                      "finding explains them: see below.")
         if self.caught and not self.errors:
-            line += f" An op failed inside the workload, which caught the error: {self.caught[0]}"
+            line += f" An error was raised inside the workload and caught: {self.caught[0]}"
         if self.failure is not None:
             line += f" The doctor stopped early on an error of its own; what came after was not checked: {self.failure}"
         return line
@@ -168,7 +168,7 @@ class Report:
         lines += [f"not checked: {k} ({why})" for k, why in self.not_checked.items()]
         lines += [f"not checked: {k} ({why})" for k, why in self.skipped.items()]
         lines += [f"the watched code raised: {e}" for e in self.errors]
-        lines += [f"an op failed and the watched code caught it: {e}" for e in self.caught]
+        lines += [f"the watched code raised and caught: {e}" for e in self.caught]
         lines += [f"differs from the run without graphs: {u}" for u in self.unexplained]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -189,7 +189,7 @@ class Report:
         extra = "".join(f"<li>not checked: <b>{_e(k)}</b> ({_code(w)})</li>"
                         for k, w in (*self.not_checked.items(), *self.skipped.items()))
         extra += "".join(f"<li>the watched code raised: <code>{_e(x)}</code></li>" for x in self.errors)
-        extra += "".join(f"<li>an op failed and the watched code caught it: <code>{_e(x)}</code></li>"
+        extra += "".join(f"<li>the watched code raised and caught: <code>{_e(x)}</code></li>"
                          for x in self.caught)
         extra += "".join(f"<li>differs from the run without graphs: {_code(u)}</li>" for u in self.unexplained)
         extra += "".join(f"<li>{_code(n)}</li>" for n in self.notes)
