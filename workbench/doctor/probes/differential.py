@@ -154,11 +154,13 @@ def finish(doctor, info, pending) -> None:
         with _held(doctor, (info.held if "output" in what[1] else info.held_state) if pending.agreed else None):
             rootcause.classify(doctor, info, pending, what, divergence, run,
                                _host_work(doctor, info, pending, replayed, rng_after, run))
-    elif changed:
-        rootcause.rebound(doctor, info, pending, changed, run)
+    elif changed:       # host state the eager step leaves otherwise: held like state, as above
+        with _held(doctor, info.held_state if pending.agreed else None):
+            rootcause.rebound(doctor, info, pending, changed, run)
     elif run.settings and (host := _host_work(doctor, info, pending, replayed, rng_after, run,
                                               {id(c) for c, *_ in run.settings})) is not None:
-        rootcause.host_set(doctor, info, pending, run.settings, host)
+        with _held(doctor, info.held_state if pending.agreed else None):
+            rootcause.host_set(doctor, info, pending, run.settings, host)
     else:
         if divergence is not None:
             doctor.report.notes.append(f"differential replay of {info.name}: launch traces differ ("

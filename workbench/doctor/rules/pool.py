@@ -55,7 +55,8 @@ class PoolReads:
             if b in info.blocks or b not in self.allocated:
                 continue                            # written by this capture first, or not pool memory
             producer = self.producer.get(b)
-            if producer is not None and producer[0] is not info:
+            # (a producer that is gone took its memory with it: what lies at its address now is another's)
+            if producer is not None and producer[0] is not info and producer[0].ref() is not None:
                 info.expects.setdefault(b, producer)
                 self.expected.add(b)
         inputs = {t.untyped_storage()._cdata for t in op_tensors(args, kwargs)}
