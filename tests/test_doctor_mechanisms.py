@@ -1569,6 +1569,25 @@ def test_an_output_whose_block_a_later_capture_was_given_is_overwritten_by_its_r
         assert finding.numbers["overwritten_by"] == "size 2" and "previous.sum()" in finding.source, finding
 
 
+@pytest.mark.parametrize("alive", [True, False])
+def test_a_block_whose_producing_graph_is_gone_is_no_other_graphs_output(alive):
+    """A capture reads a block another capture wrote: that graph's output, expected there at every
+    replay. Once the producing graph is gone (a graph captured to measure memory, then dropped), its
+    memory went with it: what a later capture reads at that address is another tensor."""
+    from workbench.doctor.records import GraphInfo, Op
+    from workbench.doctor.rules.pool import PoolReads, block
+
+    t, reads = torch.zeros(4), PoolReads()
+    first = new_graph("cpu")
+    producer, reader = GraphInfo(first, "first"), GraphInfo(new_graph("cpu"), "second")
+    reads.allocated.add(block(t))
+    reads.producer[block(t)] = (producer, Op("aten.add.Tensor", "here"), "float32[4]")
+    if not alive:
+        del first
+    reads.captured(reader, torch.ops.aten.mul.Tensor, (t, t), {}, torch.zeros(4), Op("aten.mul.Tensor", "there"))
+    assert (block(t) in reader.expects) == alive, reader.expects
+
+
 # ------------------------------------------------------------------ one line, two consumers' data
 @pytest.mark.parametrize("variant", ["bug", "fix", "patch"])
 def test_a_line_that_overwrites_its_own_data_before_the_replay_is_persistent_mutation(variant):

@@ -744,3 +744,142 @@ def test_a_runner_handing_out_one_of_the_outputs_is_compared_on_that_one(variant
     if finding is None:
         return
     assert finding.kind == "host-work-frozen" and " in decay: " in finding.source, finding
+
+
+# ------------------------------------------------------------------ lines only the run without graphs ran
+def logits_step(h, w, return_logprob: bool):
+    """A decode step's logits, and their log-softmax when the step asks for it."""
+    logits = h @ w
+    if return_logprob:
+        logprobs = torch.log_softmax(logits, -1)
+        return logits, logprobs
+    return logits, None
+
+
+class LogitsRunner:
+    """One graph, captured on a batch that asks for no logprobs. ``bug``: a step that asks for
+    them is refused (the graph cannot give them); ``fix``: they are computed eagerly after the
+    replay."""
+
+    def __init__(self, w, variant: str):
+        self.w, self.variant, self.h = w, variant, torch.zeros(2, 4)
+        events.static_buffers("runner", {"h": self.h})
+        step = lambda: logits_step(self.h, self.w, False)[0]  # noqa: E731
+        with events.warmup():
+            step()
+        self.graph = new_graph("cpu")
+        with graph(self.graph, name="decode"):
+            self.out = step()
+
+    def __call__(self, h, return_logprob: bool):
+        if self.variant == "bug":
+            assert not return_logprob, "this graph gives no logprobs"
+        self.h.copy_(h)
+        self.graph.replay()
+        logits = self.out.clone()
+        return logits, torch.log_softmax(logits, -1) if return_logprob else None
+
+
+def _logprob_steps(variant: str, runner=LogitsRunner):
+    """Three decode steps, the last two asking for logprobs, through the zoo's ``compare`` (which
+    announces the run without graphs and catches what the served run raises)."""
+    from workbench.zoo.kit import compare
+
+    w = torch.randn(4, 6, generator=torch.Generator().manual_seed(3))
+    hs = [torch.randn(2, 4, generator=torch.Generator().manual_seed(10 + i)) for i in range(3)]
+    asks = [False, True, True]
+
+    def outputs(step):
+        outs = []
+        for h, ask in zip(hs, asks):
+            logits, logprobs = step(h, ask)
+            outs += [logits] + ([logprobs] if ask else [])
+        return outs
+
+    def served():
+        return outputs(runner(w, variant))
+
+    return lambda: compare("logprobs", variant, "cpu", served, lambda: outputs(lambda h, ask: logits_step(h, w, ask)))
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_path_only_the_run_without_graphs_took_is_named_where_the_capture_did_not_take_it(variant):
+    """The served run fails at the second step; nothing else explains it. The run without graphs ran
+    the logprob lines of ``logits_step`` by then, and the served run never did (its capture took the
+    other path): ``warmup-divergence`` at the first of them. The fix serves them eagerly: clean."""
+    report = doctor.diagnose(_logprob_steps(variant))
+    if variant == "fix":
+        assert report.findings == [] and report.caught == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "warmup-divergence", finding
+    assert finding.location.endswith("in logits_step") and "torch.log_softmax(logits, -1)" in finding.source, finding
+    assert "the served run failed" in finding.evidence and "2 line(s) of logits_step" in finding.evidence, finding
+
+
+def test_lines_past_where_the_served_run_stopped_are_not_compared():
+    """A served run that fails at its first step, for another reason, reached no step that asks for
+    logprobs: the run without graphs' later lines are not compared, and no path is named."""
+    class Refusing(LogitsRunner):
+        def __call__(self, h, return_logprob: bool):
+            raise ValueError("no free KV blocks")
+
+    report = doctor.diagnose(_logprob_steps("fix", Refusing))
+    assert report.findings == [] and report.caught[0].startswith("ValueError: no free KV blocks"), report
+
+
+# ------------------------------------------------------------------ host state judged by the workload's results
+def decayed_sum(w, x):
+    w.mul_(0.9).add_(x * 0.1)
+    return w.sum()[None]
+
+
+class CountedStep:
+    """A training step that counts itself in Python (``self.steps += 1``, as an LR scheduler's
+    ``last_epoch``) and keeps everything it computes on the device: the replays never move the
+    count, and nothing the workload computes reads it."""
+
+    def __init__(self):
+        self.x, self.w, self.steps = torch.zeros(4), torch.ones(4), 0
+        events.static_buffers("trainer", {"x": self.x})
+        events.persistent_state("trainer", {"w": self.w})
+        with events.warmup():
+            self.step()
+        self.graph = new_graph("cpu")
+        with graph(self.graph, name="train"):
+            self.out = self.step()
+        self.w.fill_(1.0)                     # the warmup's update undone
+
+    def step(self):
+        self.steps += 1
+        return decayed_sum(self.w, self.x)
+
+    def __call__(self, x):
+        self.x.copy_(x)
+        events.serve(self.graph, 1, 1, outputs=self.out, eager=self.step)
+        self.graph.replay()
+        return self.out.clone()
+
+
+@pytest.mark.parametrize("say", [True, False])
+def test_a_count_in_python_the_replays_leave_is_judged_by_the_workloads_own_results(say):
+    """Every replay gives the run without graphs' output and the workload's results agree: the count
+    the eager step moves and the replays leave is held, then noted, not reported. A workload that
+    says nothing about its results still gets the finding (what Python state holds is not in the
+    replays' outputs)."""
+    def workload():
+        xs = [torch.full((4,), float(i)) for i in range(3)]
+        with events.reference():
+            w = torch.ones(4)
+            ref = [decayed_sum(w, x).clone() for x in xs]
+        runner = CountedStep()
+        got = [runner(x) for x in xs]
+        if say:
+            events.results(ref, got)
+    report = doctor.diagnose(workload)
+    if say:
+        assert report.findings == [], report
+        assert any("CountedStep.steps" in n and "and so did the workload's results" in n for n in report.notes), report
+    else:
+        (finding,) = report.findings
+        assert finding.kind == "host-work-frozen" and "CountedStep.steps" in finding.evidence, finding

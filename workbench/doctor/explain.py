@@ -299,3 +299,10 @@ def padded_shape_mismatch(graph: str, real: int, size: int) -> str:
             f"the {real} real rows (per-request indices, lengths or parameters): the shapes disagree, and the code "
             "asserts, fails to broadcast or indexes out of range -- or, where the shapes happen to broadcast, "
             "computes with the padded rows.")
+
+
+def capture_path(function: str, graph: str) -> str:
+    return (f"{graph}'s capture ran {function} once and took one path through it; its replays repeat that path, "
+            f"whatever a later step asks. The run without graphs took another path through {function} (the lines "
+            "named), which no replay can take: capture every path a served step may need (a graph per case, keyed "
+            "on what decides the branch), or run such steps eagerly.")

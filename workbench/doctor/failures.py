@@ -8,6 +8,7 @@ drops the batch), is kept too: a report must not read "0 findings" over an index
 from __future__ import annotations
 
 import functools
+import sys
 
 from ..engine.errors import CaptureError
 from ..engine.source import user_frame
@@ -68,17 +69,32 @@ def replay_failed(doctor, info, error: BaseException, where: str) -> None:
         doctor.fail(e, "explaining the failure of a replay")
 
 
-def keep(doctor, error_id: int, describe_error) -> None:
+def keep(doctor, error_id: int, describe_error, codes: tuple | None = None) -> None:
     """List an error the watched code raised (``describe_error()`` says what and where) among those
-    the report shows if the workload catches it; the first ``_KEPT`` of a watch are kept."""
+    the report shows if the workload catches it; the first ``_KEPT`` of a watch are kept. ``codes``:
+    the functions it was raised under (else those running now), which it cut short (``coverage``)."""
     if len(doctor.failed_ops) < _KEPT and error_id not in doctor.failed_ops:
         doctor.failed_ops[error_id] = describe_error()
+        doctor.failed_codes.update(codes if codes is not None else stack_codes(sys._getframe(1)))
+
+
+def stack_codes(frame) -> tuple:
+    """The functions of a frame and of those it was called from."""
+    out = []
+    while frame is not None:
+        out.append(frame.f_code)
+        frame = frame.f_back
+    return tuple(out)
 
 
 def describe(doctor, error: BaseException) -> str:
     """The workload's error for the report, tied to the recorded op when a replay raised it; no
     longer a caught one."""
     doctor.failed_ops.pop(id(error), None)
+    tb = error.__traceback__
+    while tb is not None:
+        doctor.failed_codes.add(tb.tb_frame.f_code)
+        tb = tb.tb_next
     text = f"{type(error).__name__}: {first_line(error)}"
     if doctor.replay_error is not None and doctor.replay_error[0] is error:
         text += f" ({doctor.replay_error[1]})"

@@ -107,6 +107,7 @@ class Doctor(RunnerEvents):
         self.stepped_aside = False                  # our mode is off the stack for this replay
         self.failure: str | None = None             # the doctor's own error, once it has stopped
         self.failed_ops: dict[int, str] = {}        # id(error) -> what an op of the watched code raised
+        self.failed_codes: set = set()              # the functions those errors were raised under
         self.found: dict[tuple, Finding] = {}        # each hazard once (``add``), by its key
         self.reference: Reference | None = None     # the workload's run without graphs (probes/reference.py)
         self.holding: list | None = None            # where ``add`` puts findings while they are held
@@ -187,6 +188,8 @@ class Doctor(RunnerEvents):
             captured_state.captured(info)
             uncomputed.captured(self, info)
         derived.captured(self, info)
+        if self.reference is not None:
+            self.reference.coverage.captured(info)
         unread.capture_end(self, info)
         self.copied.clear()
         self.copied_lines.clear()

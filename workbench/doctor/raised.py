@@ -88,8 +88,9 @@ class _Tracer:
             return None
         self.returned = None
         frame.f_trace_lines = self.doctor.capturing is not None     # the lines a capture runs: doctor/skipped.py
-        if self.doctor.reference is not None:                       # calls numbered: probes/reference.py
-            self.doctor.reference.called(self.doctor, frame)
+        if (reference := self.doctor.reference) is not None:        # calls numbered: probes/reference.py
+            reference.called(self.doctor, frame)
+            frame.f_trace_lines |= reference.coverage.wanted(frame.f_code, reference.recording)
         return self.local
 
     def local(self, frame, event, arg):
@@ -108,18 +109,21 @@ class _Tracer:
             if event == "line":
                 if (info := doctor.capturing) is not None:
                     info.lines_run.add((frame.f_code, frame.f_lineno))
+                elif (reference := doctor.reference) is not None:     # probes/coverage.py
+                    reference.coverage.line(doctor, frame.f_code, frame.f_lineno, reference.number,
+                                            reference.recording)
             elif event == "exception":
                 self._raised(doctor, frame, arg[1])
             elif event == "return" and (reference := doctor.reference) is not None and reference.recording:
                 reference.returned(frame, arg)
             elif event == "return" and (self.pending or self.followed):
                 if (lost := self.followed.pop(id(frame), None)) is not None and lost[3]:    # a library caught it
-                    failures.keep(doctor, lost[0][0], lambda: lost[1])
+                    failures.keep(doctor, lost[0][0], lambda: lost[1][0], lost[1][1])
                 entry = self.pending.pop(id(frame), None)
                 if entry is not None and arg is None and _op(frame) not in _RETURNS:    # it left the frame
                     self.leaving, description, deliberate = entry
                     if description is not None:   # kept like an op failure: a run that caught it is not clean
-                        failures.keep(doctor, entry[0][0], lambda: description)
+                        failures.keep(doctor, entry[0][0], lambda: description[0], description[1])
                     elif deliberate is not None:
                         self._follow(frame.f_back, entry[0], *deliberate)
         except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
@@ -141,11 +145,12 @@ class _Tracer:
         description = deliberate = None              # not kept, but followed: its callers must not take it for new
         if watched and (doctor.graphs or doctor.phase != "eager") and shapes.explainable(error):
             where = f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} in {function_name(frame.f_code)}"
-            text = f"{type(error).__name__}: {first_line(error)} (raised at {where}, during {doctor.phase})"
+            text = (f"{type(error).__name__}: {first_line(error)} (raised at {where}, during {doctor.phase})",
+                    failures.stack_codes(frame))
             description, deliberate = (text, None) if _from_a_check(error, frame) else (None, (text, 0))
         self.pending[id(frame)] = (key, description, deliberate)
 
-    def _follow(self, caller, key, text: str, left: int) -> None:
+    def _follow(self, caller, key, text: tuple, left: int) -> None:
         """A ``raise`` has left ``left + 1`` frames of the workload's: it is expected in the caller, or,
         where the caller is a library's, in the workload's frame above it. The library may never let
         it get there (it caught it): kept then, if it had left two frames of the workload's at least;

@@ -58,6 +58,7 @@ from .. import explain
 from ..records import Op
 from ..report import Finding
 from ..tensors import announced_of, disagrees, host_only, max_abs_diff, real_rows, signature
+from .coverage import Coverage
 from .eager_trace import number_origin
 from .reference_causes import bound, compare_views, frozen_number, numbers, parting, rows_like, static_input
 
@@ -99,6 +100,8 @@ class Reference:
         self.unexplained: list[tuple] = []        # (graph name, text) of replays that differ, no cause found
         self.verdict: tuple | None = None         # the workload's own: None (not said), () (agrees), (result, diff)
         self.span: tuple | None = None            # (Pending, first piece) of the PIECEWISE step being replayed
+        self.number = 0                           # the last call number given
+        self.coverage = Coverage()                # the lines each run ran (``coverage.py``)
 
     # ------------------------------------------------------------------ recording the reference
     def called(self, doctor, frame) -> None:
@@ -106,7 +109,7 @@ class Reference:
         in the served run when it is a real step's (not a warmup's, a capture's, nor the doctor's)."""
         code = frame.f_code
         if self.recording:
-            number = next(self.numbers)
+            number = self.number = next(self.numbers)
             self.call[id(frame)] = number
             self.calls.setdefault(code, []).append(number)
         elif doctor.phase == "eager" and not doctor.dummy_run and code in self.calls:
@@ -180,7 +183,7 @@ class Reference:
         pending = info.pending
         if self.span is not None and (pending is None or not pending.span) and info in self.span[0].span:
             return                               # a later piece of a PIECEWISE step: counted at its first
-        root = self._root(info)
+        root = self.root(info)
         self.span = (pending, info) if pending is not None and pending.span else None
         if root is None:
             return
@@ -313,6 +316,9 @@ class Reference:
                 continue
             doctor.add(Finding(kind, name, op, tensor, source, f"{text}: {why}",
                                explain.reference_run(name, why), numbers), (kind, op, source))
+        failed = bool(doctor.failed_ops or doctor.report.errors)
+        if not doctor.report.findings and (failed or self.verdict or self.unexplained):
+            self.coverage.parted(doctor, self, failed)
         found = {g for f in doctor.report.findings for g in f.graph.split(", ")}
         doctor.report.unexplained += [text for name, text in self.unexplained if name not in found]
         if self.verdict and not doctor.report.findings and not doctor.report.unexplained:
@@ -320,7 +326,7 @@ class Reference:
             doctor.report.unexplained.append(f"the workload's result {i} differs from its run without graphs' (max "
                                              f"|diff| = {diff:.3g}), and no finding explains it")
 
-    def _root(self, info) -> tuple | None:
+    def root(self, info) -> tuple | None:
         """(root code, the positions in ``info.paths`` of the ops under it): the function of the
         captured code that the reference called and that runs the most of its ops (outermost on a tie)."""
         if id(info) not in self.roots:

@@ -1,0 +1,81 @@
+"""Lines the run without graphs ran and the served run never did: a branch only the capture decided.
+
+A capture runs the step's Python once, and its replays repeat what that run decided: a branch the
+capture did not take (``if return_logprob:``) is never taken by a replay, whatever a later step
+asks, and a runner that knows it may refuse such steps outright. Where the served run fails, or
+its results differ from the workload's run without graphs (``probes/reference.py``), and no other
+finding explains it, this compares the two runs line by line: in the functions some capture ran,
+a line the reference run ran -- up to the step at which the served run stopped -- and the served
+run never ran (in a capture, or in its own eager code) is where the two runs parted. The first
+such line, in the reference's order, is reported as ``warmup-divergence``.
+
+Lines are seen by ``raised``'s tracer (under ``diagnose``): every line of the workload's code
+while the reference is recorded, and after it the lines of the functions some capture ran, outside
+the doctor's own runs and the warmups.
+"""
+from __future__ import annotations
+
+from ...engine.source import function_name, location
+from .. import explain
+from ..report import Finding
+
+
+class Coverage:
+    """The reference run's lines, with the call number at which each first ran, and the served
+    run's lines in the functions its captures ran."""
+
+    def __init__(self) -> None:
+        self.first: dict[tuple, int] = {}      # (code, line) -> the reference's call number when first run
+        self.codes: set = set()                # functions a capture ran lines of
+        self.served: set = set()               # (code, line) the served run ran eagerly, in those functions
+
+    def wanted(self, code, recording: bool) -> bool:
+        """Whether a call of ``code`` reports its lines."""
+        return recording or code in self.codes
+
+    def line(self, doctor, code, line: int, number: int, recording: bool) -> None:
+        if recording:
+            self.first.setdefault((code, line), number)
+        elif doctor.phase == "eager" and code in self.codes:
+            self.served.add((code, line))
+
+    def captured(self, info) -> None:
+        self.codes.update(code for code, _ in info.lines_run)
+
+    def parted(self, doctor, reference, failed: bool) -> None:
+        """Report where the served run first left the reference's lines (see the module's docstring)."""
+        graphs = [info for info in doctor.graphs.values() if info.lines_run]
+        ran = set(self.served).union(*(info.lines_run for info in graphs))
+        limit = _progress(reference, graphs, failed)
+        # (a function the failure was raised under was cut short there: lines it did not reach are no path)
+        left = {(code, line): n for (code, line), n in self.first.items()
+                if n < limit and code in self.codes and (code, line) not in ran
+                and not (failed and code in doctor.failed_codes)}
+        if not left:
+            return
+        _, code, line = min((n, code, line) for (code, line), n in left.items())
+        lines = sorted(ln for c, ln in left if c is code)
+        names = [info.name for info in graphs if any(c is code for c, _ in info.lines_run)]
+        where, function = location(code, line), function_name(code)
+        outcome = "the served run failed" if failed else "the served run's results differ from that run's"
+        evidence = (f"{outcome}; the run without graphs ran {len(lines)} line(s) of {function} (lines "
+                    f"{', '.join(map(str, lines[:6]))}{', ...' if len(lines) > 6 else ''}) that the served run "
+                    f"never ran, while {', '.join(names)} captured {function} on another path")
+        doctor.add(Finding("warmup-divergence", ", ".join(names), "-", "-", where, evidence,
+                           explain.capture_path(function, names[0]), {"lines": len(lines)}),
+                   ("warmup-divergence", "coverage", where))
+
+
+def _progress(reference, graphs, failed: bool) -> float:
+    """The reference's call number at which the step after the served run's last began (the
+    served run reached that step if it failed in it): lines first run later are not compared."""
+    limit = -1.0
+    for info in graphs:
+        root = reference.root(info)
+        if root is None:
+            return float("inf")
+        calls = reference.calls.get(root[0], [])
+        reached = reference.served.get(root[0], 0) + reference.replayed.get(root[0], 0) + failed
+        limit = max(limit, calls[reached] if reached < len(calls) else float("inf"))
+    return limit if limit >= 0 else float("inf")
+
