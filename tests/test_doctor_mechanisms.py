@@ -15,7 +15,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from workbench import doctor
 from workbench.engine import GraphRunner, events, graph, graph_pool_handle, new_graph
-from workbench.engine.errors import IllegalMemoryAccess
+from workbench.engine.errors import GraphError, IllegalMemoryAccess
 
 
 class Manager:
@@ -1586,6 +1586,46 @@ def test_a_block_whose_producing_graph_is_gone_is_no_other_graphs_output(alive):
         del first
     reads.captured(reader, torch.ops.aten.mul.Tensor, (t, t), {}, torch.zeros(4), Op("aten.mul.Tensor", "there"))
     assert (block(t) in reader.expects) == alive, reader.expects
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_pool_handle_kept_past_its_graphs_is_a_dangling_reference_where_it_was_made(variant):
+    """Two engines one after the other. The first captures into a pool handle cached at class scope,
+    resets its graphs at shutdown and keeps its last output; the second is handed the same handle,
+    and its capture is refused (CUDA's allocator: ``use_count > 0``). The finding names the line that
+    made the handle. Each engine taking a fresh handle is clean."""
+    class Backend:
+        handle = None
+
+    def engine(x):
+        pool = Backend.handle if variant == "bug" else graph_pool_handle("cpu")
+        if pool is None:
+            pool = Backend.handle = graph_pool_handle("cpu")
+        with events.warmup():
+            x * 2
+        g = new_graph("cpu")
+        with graph(g, pool=pool, name="decode"):
+            out = x * 2
+        g.replay()
+        return g, out
+
+    def workload():
+        x = torch.ones(4)
+        g, kept = engine(x)
+        g.reset()                                   # the first engine shuts down; its last output is kept
+        try:
+            engine(x)
+        except GraphError:
+            pass
+        return kept
+
+    report = doctor.diagnose(workload, padding_probe=False)
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "dangling-reference" and "Backend.handle = graph_pool_handle" in finding.source, finding
+    assert "was refused" in finding.evidence, finding
 
 
 # ------------------------------------------------------------------ one line, two consumers' data

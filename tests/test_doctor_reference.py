@@ -162,6 +162,23 @@ def test_an_input_the_replay_path_never_writes_is_stale_input_at_the_op_that_rea
     assert finding.tensor.startswith("lens: ") and "this step wrote none of them" in finding.evidence, finding
 
 
+def weighted(q, cache, lens, max_len: int):
+    """Each query scaled by its request's length: one op reads both static inputs."""
+    return q * lens[:, None]
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_an_input_skipped_beside_one_the_step_refreshed_is_named_where_that_one_was_refreshed(variant):
+    """The op that reads the omitted ``lens`` also reads ``q``, which the replay path refreshed this
+    step: the refresh that skipped ``lens`` is that one (``prepare``'s copy into ``q``)."""
+    finding = _finding(_workload(lambda cache: OmittingRunner(cache, variant, kernel=weighted), kernel=weighted),
+                       variant)
+    if finding is None:
+        return
+    assert finding.kind == "stale-input" and "self.q.copy_(q)" in finding.source, finding
+    assert "refreshed q, which the same op reads" in finding.evidence, finding
+
+
 @pytest.mark.parametrize("variant", ["bug", "fix"])
 def test_a_loop_count_frozen_at_capture_is_named_at_the_frame_that_loops(variant):
     """``bug``: captured with the dummy batch's length (1: one block); every replay attends over the
@@ -883,3 +900,57 @@ def test_a_count_in_python_the_replays_leave_is_judged_by_the_workloads_own_resu
     else:
         (finding,) = report.findings
         assert finding.kind == "host-work-frozen" and "CountedStep.steps" in finding.evidence, finding
+
+
+# ------------------------------------------------------------------ a capture's window of a static buffer
+def paged(q, pages, table):
+    """Attention of each request over the pages its block table row lists (as wide as the table)."""
+    keys = pages[table].flatten(1, 2)                           # [requests, columns * BLOCK, 4]
+    return torch.softmax(keys @ q[:, :, None], 1).mul(keys).sum(1)
+
+
+class PagedRunner:
+    """A static block table as wide as the longest context. ``bug``: the capture reads the window
+    of it that the dummy batch needs (one column, its sequences being one token long), and every
+    replay fills only that window; ``fix``: the full width."""
+
+    def __init__(self, pages, variant: str):
+        self.pages, self.q = pages, torch.zeros(2, 4)
+        self.table_buffer = torch.zeros(2, CONTEXT // BLOCK, dtype=torch.long)
+        events.static_buffers("runner", {"q": self.q, "table": self.table_buffer})
+        width = 1 if variant == "bug" else CONTEXT // BLOCK
+        self.table = self.table_buffer[:, :width]
+        step = lambda: paged(self.q, self.pages, self.table)  # noqa: E731
+        with events.warmup():
+            step()
+        self.graph = new_graph("cpu")
+        with graph(self.graph, name="decode"):
+            self.out = step()
+
+    def __call__(self, q, table):
+        self.q.copy_(q)
+        self.table.copy_(table[:, :self.table.shape[1]])       # what fits the window
+        events.serve(self.graph, 2, 2, outputs=self.out, eager=lambda: paged(self.q, self.pages, self.table))
+        self.graph.replay()
+        return self.out.clone()
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_capture_window_narrower_than_the_steps_data_is_undersized_where_it_was_taken(variant):
+    """The reference gives the attention a block table four columns wide; the graph reads a view of
+    the static table one column wide: ``undersized-buffer`` at the line that took the view."""
+    def workload():
+        pages = torch.randn(8, BLOCK, 4, generator=torch.Generator().manual_seed(5))
+        tables = [torch.tensor([[1, 2, 3, 0], [4, 5, 6, 0]]), torch.tensor([[1, 2, 7, 3], [4, 5, 6, 2]])]
+        with events.reference():
+            expected = [paged(_queries(i), pages, t) for i, t in enumerate(tables)]
+        runner = PagedRunner(pages, variant)
+        got = [runner(_queries(i), t) for i, t in enumerate(tables)]
+        events.results(expected, got)
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [] and report.clean, report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "undersized-buffer" and "self.table = self.table_buffer[:, :width]" in finding.source, finding
+    assert "1 against 4 in dimension 1" in finding.evidence, finding

@@ -306,3 +306,12 @@ def capture_path(function: str, graph: str) -> str:
             f"whatever a later step asks. The run without graphs took another path through {function} (the lines "
             "named), which no replay can take: capture every path a served step may need (a graph per case, keyed "
             "on what decides the branch), or run such steps eagerly.")
+
+
+def stale_pool(graph: str, first: str) -> str:
+    return (f"A graph pool lives while a graph captured into it does. {first} and the others captured into this pool "
+            f"were reset or dropped while memory of the pool is still held (an output kept), so the pool is waiting "
+            f"to be freed, and the handle the program kept now names a released pool: the capture of {graph} into it "
+            "is refused (on CUDA, the caching allocator's INTERNAL ASSERT use_count > 0). Take a fresh "
+            "graph_pool_handle() for a new set of graphs, or keep the handle with the graphs that use it (not at "
+            "class or module scope), and let go of the old outputs.")

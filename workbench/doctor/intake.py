@@ -108,6 +108,7 @@ class Doctor(RunnerEvents):
         self.failure: str | None = None             # the doctor's own error, once it has stopped
         self.failed_ops: dict[int, str] = {}        # id(error) -> what an op of the watched code raised
         self.failed_codes: set = set()              # the functions those errors were raised under
+        self.pools: dict = {}                       # pool key -> (line that made the handle, graphs captured into it)
         self.found: dict[tuple, Finding] = {}        # each hazard once (``add``), by its key
         self.reference: Reference | None = None     # the workload's run without graphs (probes/reference.py)
         self.holding: list | None = None            # where ``add`` puts findings while they are held
@@ -154,8 +155,18 @@ class Doctor(RunnerEvents):
 
     # ------------------------------------------------------------------ engine events
     @contained
+    def pool_made(self, pool) -> None:
+        self.pools[dangling.pool_key(pool)] = (user_frame(), [])
+
+    @contained
+    def capture_refused(self, graph, pool, name: str | None, error: BaseException) -> None:
+        dangling.refused(self, pool, name or f"graph #{len(self.graphs) + 1}", error)
+
+    @contained
     def capture_begin(self, graph, name: str | None) -> None:
         info = GraphInfo(graph, name or f"graph #{len(self.graphs) + 1}")
+        if (made := self.pools.get(dangling.pool_key(dangling.pool_of(graph)))) is not None:
+            made[1].append(info.name)
         self.warm.capture_begin(info)
         self.graphs[id(graph)] = info
         self.capturing = info
@@ -305,6 +316,8 @@ class Doctor(RunnerEvents):
             out = run()
             if self.handed and isinstance(out, torch.Tensor):
                 overwritten.tag_view(self, args[0], out)
+            if self.reference is not None and not self.report.replays and isinstance(out, torch.Tensor):
+                self.reference.view_made(out)           # set-up: where the views a capture reads were taken
             return out
         if phase == "capture":
             return capture.recorded(self, func, args, kwargs, run)

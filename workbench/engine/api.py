@@ -72,7 +72,9 @@ def new_graph(device: str | torch.device = "cpu", *, on_freed: str = "raise"):
 def graph_pool_handle(device: str | torch.device = "cpu"):
     """A pool that several graphs can share (``torch.cuda.graph_pool_handle`` on CUDA)."""
     dev = resolve_device(device)
-    return torch.cuda.graph_pool_handle() if dev.type == "cuda" else Pool()
+    pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else Pool()
+    events.pool_made(pool)
+    return pool
 
 
 @contextlib.contextmanager
@@ -80,7 +82,11 @@ def graph(g, pool=None, *, name: str | None = None):
     """Capture the block into ``g``: ``torch.cuda.graph`` on CUDA, ``CPUGraph`` capture on the CPU.
     ``name`` (e.g. ``"size 8"``) labels the graph in the doctor's reports."""
     if isinstance(g, CPUGraph):
-        g.capture_begin(pool)
+        try:
+            g.capture_begin(pool)
+        except GraphError as e:
+            events.capture_refused(g, pool, name, e)
+            raise
         events.capture_begin(g, name)
         try:
             yield g
@@ -102,14 +108,19 @@ def graph(g, pool=None, *, name: str | None = None):
         # capture_end is announced once the capture has closed: an observer's own tensor work there
         # (a copy of what the graph read) must run now, not be recorded into the graph.
         collecting = gc.isenabled()
+        begun = False
         try:
             with torch.cuda.graph(g, pool=pool):
                 gc.disable()
+                begun = True
                 events.capture_begin(g, name)
                 yield g
             events.capture_end(g)
         except BaseException as e:
-            events.capture_abort(g, e)
+            if begun:
+                events.capture_abort(g, e)
+            else:                       # entering the capture failed: the allocator refused the pool
+                events.capture_refused(g, pool, name, e)
             raise
         finally:
             if collecting:

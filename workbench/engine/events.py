@@ -7,8 +7,9 @@ engine pays one lookup per event.
 
 Who calls what, and when (a runner built on the graph manager gets all of this for free):
 
-* the engine itself: ``capture_begin``/``capture_end``/``capture_abort`` (``graph()``) and
-  ``replay_begin``/``replay_end`` (both graph classes). ``capture_end`` comes once the capture has
+* the engine itself: ``capture_begin``/``capture_end``/``capture_abort`` (``graph()``),
+  ``capture_refused`` (a capture that could not begin: its pool handle refused),
+  ``pool_made`` (``graph_pool_handle()``) and ``replay_begin``/``replay_end`` (both graph classes). ``capture_end`` comes once the capture has
   closed, on both backends: what an observer does then is not recorded, and an observer that
   raises leaves no capture open.
 * a runner, **once, before its first warmup**, names what its tensors *mean*:
@@ -52,7 +53,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 _observers: list[Any] = []
-_EVENTS = ("capture_begin", "capture_end", "capture_abort", "replay_begin", "replay_end", "static_buffers",
+_EVENTS = ("capture_begin", "capture_end", "capture_abort", "capture_refused", "pool_made", "replay_begin", "replay_end", "static_buffers",
            "persistent_state", "shared_outputs", "written_metadata", "warmup_begin", "warmup_end",
            "dummy_run_begin", "dummy_run_end", "reference_begin", "reference_end", "results", "serve", "handed_out",
            "engine_op")
@@ -95,6 +96,16 @@ def capture_end(graph: Any) -> None:
 def capture_abort(graph: Any, error: BaseException) -> None:
     if _observers:
         _emit("capture_abort", graph, error)
+
+
+def capture_refused(graph: Any, pool: Any, name: str | None, error: BaseException) -> None:
+    if _observers:
+        _emit("capture_refused", graph, pool, name, error)
+
+
+def pool_made(pool: Any) -> None:
+    if _observers:
+        _emit("pool_made", pool)
 
 
 def replay_begin(graph: Any) -> None:

@@ -60,12 +60,14 @@ from ..report import Finding
 from ..tensors import announced_of, disagrees, host_only, max_abs_diff, real_rows, signature
 from .coverage import Coverage
 from .eager_trace import number_origin
-from .reference_causes import bound, compare_views, frozen_number, numbers, parting, rows_like, static_input
+from .reference_causes import (bound, compare_views, frozen_number, narrower, numbers, parting, rows_like,
+                               static_input)
 
 _LIFTS = (torch.ops.aten.lift_fresh, torch.ops.aten.lift_fresh_copy)     # constants made from Python data
 _SMALL = 1 << 16          # elements of an op's input kept as a value (metadata, ids, lengths; not activations)
 _CANDIDATES = 64          # reference calls, nearest the served run's count first, tried for a replay
 _BUDGET = 1 << 24         # elements kept in all (values and returns): past it, the reference keeps no more
+_VIEWS = 1 << 14          # views' lines kept in set-up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +103,7 @@ class Reference:
         self.verdict: tuple | None = None         # the workload's own: None (not said), () (agrees), (result, diff)
         self.span: tuple | None = None            # (Pending, first piece) of the PIECEWISE step being replayed
         self.number = 0                           # the last call number given
+        self.views: dict[tuple, str] = {}         # (storage, offset, shape, stride) -> the line that took the view
         self.coverage = Coverage()                # the lines each run ran (``coverage.py``)
 
     # ------------------------------------------------------------------ recording the reference
@@ -155,6 +158,12 @@ class Reference:
         return held[1]
 
     # ------------------------------------------------------------------ the served run
+    def view_made(self, view: torch.Tensor) -> None:
+        """Eager code took a view before the first replay: where, by its geometry (``narrower``)."""
+        if not self.recording and len(self.views) < _VIEWS:
+            self.views.setdefault((storage_key(view), view.storage_offset(), tuple(view.shape), view.stride()),
+                                  user_frame())
+
     def captured(self, doctor, info, func, args, kwargs) -> None:
         """A captured op: the functions it ran in inside the capture, and the static-input views it
         reads (which are looked at before each replay)."""
@@ -233,7 +242,8 @@ class Reference:
                 return
         _release(doctor, info.held, info.held_state)   # what earlier replays' probes found, now borne out
         with _disable_current_modes():           # a PIECEWISE step's other pieces are not in ``ops``: no trace
-            found = static_input(self.writers, info, compared) or (None if pending.span else (
+            found = static_input(self.writers, info, compared) or narrower(ops, under, ref, values, self.views) or (
+                None if pending.span else (
                 parting(ops, ref, pending.real < pending.size) or frozen_number(info, ops, under, ref, pending.size)
                 or bound(self.writers, doctor, info, ops, under, ref, replayed_at)))
         text = (f"replay {info.replays} of {info.name} ({pending.real} real rows of {pending.size}): output "

@@ -65,15 +65,56 @@ def static_input(writers: dict, info, compared: list) -> tuple | None:
                 mask |= differ
             at_buffer = onto(mask, view, whole_buf)
             if written is None or not bool((at_buffer & written.to(at_buffer.device)).any()):
+                refresh = _refreshed_beside(writers, info, compared, op, buf)
                 why = (f"{buf.name} holds other values in its real rows than the reference gives {op.name} at "
                        f"{op.source} ({count}), and this step wrote none of them: the graph reads what an earlier "
-                       "step left there (an input the step omitted, a refresh skipped)")
-                return "stale-input", op.name, f"{buf.name}: {describe(mine)}", op.source, why
+                       "step left there (an input the step omitted, a refresh skipped)"
+                       + (f"; {refresh[1]} refreshed {refresh[0]}, which the same op reads, at {refresh[2]}"
+                          if refresh else ""))
+                return "stale-input", op.name, f"{buf.name}: {describe(mine)}", refresh[2] if refresh else op.source, why
         writer = writers.get(storage_key(whole_buf), (op.name, op.source))
         why = (f"{buf.name} holds other values in its real rows than the reference gives {op.name} at "
                f"{op.source} ({count}); it was last written by {writer[0]} at {writer[1]}: the runner prepares "
                "this step's input otherwise than the workload computes it without graphs")
         return "warmup-divergence", writer[0], f"{buf.name}: {describe(mine)}", writer[1], why
+    return None
+
+
+def narrower(ops: list, under: tuple, ref: list, values: dict, views: dict) -> tuple | None:
+    """The first static-input view the graph reads that is narrower, in a dimension other than its
+    rows, than the tensor the reference gives the same op: the capture cut its window of the buffer
+    to what its own batch needed (a block table as wide as the dummy sequences), and a step with
+    more columns does not fit -- ``undersized-buffer``, at the line that took the view (``views``:
+    where eager code took each view of a static input), else at the op."""
+    for op, i, other in aligned(ops, under, ref):
+        for j in range(len(other.values)):
+            buf, now, geometry = values.get((i, j), (None, None, None))
+            given = other.values[j]
+            if now is None or given is None or now.dim() < 2 or now.dim() != given.dim():
+                continue
+            cut = next((d for d in range(1, now.dim()) if now.shape[d] < given.shape[d]), None)
+            if cut is None or (whole_buf := buf.ref()) is None:
+                continue
+            shape, stride, offset = geometry
+            made = views.get((storage_key(whole_buf), offset, tuple(shape), tuple(stride)))
+            why = (f"the graph reads {buf.name} through a view {describe(now)} where the reference gives {op.name} at "
+                   f"{op.source} a tensor {describe(given)}: {now.shape[cut]} against {given.shape[cut]} in dimension "
+                   f"{cut}" + (f"; the view was taken at {made}" if made else "") + ": the capture's window of the "
+                   "buffer is narrower than this step's data")
+            return "undersized-buffer", op.name, f"{buf.name}: {describe(now)}", made or op.source, why
+    return None
+
+
+def _refreshed_beside(writers: dict, info, compared: list, op, stale) -> tuple | None:
+    """(buffer, op, line) of another static input the same op reads that this step wrote: where the
+    step refreshed what that op reads, and skipped ``stale`` (a builder copying one of two tables).
+    None where the op reads no other input written this step."""
+    for other, buf, *_ in compared:
+        if other is not op or buf is stale or (whole_buf := buf.ref()) is None:
+            continue
+        key = storage_key(whole_buf)
+        if info.step is not None and key in info.step and (writer := writers.get(key)) is not None:
+            return buf.name, writer[0], writer[1]
     return None
 
 

@@ -9,6 +9,7 @@ from .. import explain
 from ...engine.errors import GraphError
 from ...engine.opinfo import describe
 from ..report import Finding
+from ..tensors import first_line
 
 
 class DanglingReferenceError(GraphError):
@@ -33,6 +34,33 @@ def handed_on(doctor, key: int, old, name: str, owner: str, source: str) -> None
         f"{old.name} (announced by {old.owner}, read by {', '.join(readers)}) is announced again as {name} by "
         f"{owner} at {source}: one buffer, two static inputs", explain.handed_on_input(old.name, name, readers[0]),
         {"readers": len(readers)}), ("dangling-reference", "static_buffers", old.name, name))
+
+
+def pool_key(pool) -> object:
+    """A pool handle as a key: CUDA's is a tuple of ids, the CPU engine's an object."""
+    return pool if isinstance(pool, tuple) or pool is None else id(pool)
+
+
+def pool_of(graph) -> object:
+    """The pool a graph is being captured into (``graph.pool()`` on CUDA)."""
+    return graph._pool if hasattr(graph, "_pool") else graph.pool()
+
+
+def refused(doctor, pool, name: str, error: BaseException) -> None:
+    """A capture could not begin. Into a pool whose handle the program kept after the graphs
+    captured into it were reset or dropped while memory of the pool is still held, CUDA's allocator
+    refuses it (``use_count > 0``): the handle outlived its pool, and the finding names the line that
+    made it (a handle cached at class scope, handed to the next engine)."""
+    made = doctor.pools.get(pool_key(pool)) if pool is not None else None
+    what = f"{type(error).__name__}: {first_line(error)}"
+    if made is None or not made[1]:
+        doctor.report.notes.append(f"the capture of {name} could not begin: {what}")
+        return
+    site, graphs = made
+    doctor.add(Finding(
+        "dangling-reference", name, "graph_pool_handle", "graph pool", site,
+        f"the capture of {name} into the pool that {', '.join(graphs)} were captured into was refused ({what})",
+        explain.stale_pool(name, graphs[0]), {"graphs": len(graphs)}), ("dangling-reference", "pool", site))
 
 
 def check(doctor, info, *, before_replay: bool) -> None:
