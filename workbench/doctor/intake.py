@@ -159,14 +159,18 @@ class Doctor(RunnerEvents):
         self.pools[dangling.pool_key(pool)] = (user_frame(), [])
 
     @contained
+    def pool_used(self, graph, pool) -> None:
+        info = self.graphs.get(id(graph))
+        if info is not None and (made := self.pools.get(dangling.pool_key(pool))) is not None:
+            made[1].append(info.name)
+
+    @contained
     def capture_refused(self, graph, pool, name: str | None, error: BaseException) -> None:
         dangling.refused(self, pool, name or f"graph #{len(self.graphs) + 1}", error)
 
     @contained
     def capture_begin(self, graph, name: str | None) -> None:
         info = GraphInfo(graph, name or f"graph #{len(self.graphs) + 1}")
-        if (made := self.pools.get(dangling.pool_key(dangling.pool_of(graph)))) is not None:
-            made[1].append(info.name)
         self.warm.capture_begin(info)
         self.graphs[id(graph)] = info
         self.capturing = info

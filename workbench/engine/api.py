@@ -88,6 +88,7 @@ def graph(g, pool=None, *, name: str | None = None):
             events.capture_refused(g, pool, name, e)
             raise
         events.capture_begin(g, name)
+        events.pool_used(g, pool)
         try:
             yield g
         except BaseException as e:
@@ -114,6 +115,7 @@ def graph(g, pool=None, *, name: str | None = None):
                 gc.disable()
                 begun = True
                 events.capture_begin(g, name)
+                events.pool_used(g, pool)
                 yield g
             events.capture_end(g)
         except BaseException as e:

@@ -9,7 +9,7 @@ Who calls what, and when (a runner built on the graph manager gets all of this f
 
 * the engine itself: ``capture_begin``/``capture_end``/``capture_abort`` (``graph()``),
   ``capture_refused`` (a capture that could not begin: its pool handle refused),
-  ``pool_made`` (``graph_pool_handle()``) and ``replay_begin``/``replay_end`` (both graph classes). ``capture_end`` comes once the capture has
+  ``pool_made`` (``graph_pool_handle()``), ``pool_used`` (the pool a capture that began was given) and ``replay_begin``/``replay_end`` (both graph classes). ``capture_end`` comes once the capture has
   closed, on both backends: what an observer does then is not recorded, and an observer that
   raises leaves no capture open.
 * a runner, **once, before its first warmup**, names what its tensors *mean*:
@@ -53,7 +53,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 _observers: list[Any] = []
-_EVENTS = ("capture_begin", "capture_end", "capture_abort", "capture_refused", "pool_made", "replay_begin", "replay_end", "static_buffers",
+_EVENTS = ("capture_begin", "capture_end", "capture_abort", "capture_refused", "pool_made", "pool_used",
+           "replay_begin", "replay_end", "static_buffers",
            "persistent_state", "shared_outputs", "written_metadata", "warmup_begin", "warmup_end",
            "dummy_run_begin", "dummy_run_end", "reference_begin", "reference_end", "results", "serve", "handed_out",
            "engine_op")
@@ -106,6 +107,11 @@ def capture_refused(graph: Any, pool: Any, name: str | None, error: BaseExceptio
 def pool_made(pool: Any) -> None:
     if _observers:
         _emit("pool_made", pool)
+
+
+def pool_used(graph: Any, pool: Any) -> None:
+    if _observers and pool is not None:
+        _emit("pool_used", graph, pool)
 
 
 def replay_begin(graph: Any) -> None:

@@ -41,11 +41,6 @@ def pool_key(pool) -> object:
     return pool if isinstance(pool, tuple) or pool is None else id(pool)
 
 
-def pool_of(graph) -> object:
-    """The pool a graph is being captured into (``graph.pool()`` on CUDA)."""
-    return graph._pool if hasattr(graph, "_pool") else graph.pool()
-
-
 def refused(doctor, pool, name: str, error: BaseException) -> None:
     """A capture could not begin. Into a pool whose handle the program kept after the graphs
     captured into it were reset or dropped while memory of the pool is still held, CUDA's allocator
