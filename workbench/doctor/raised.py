@@ -163,7 +163,8 @@ class _Tracer:
 
 
 def _stdlib(filename: str) -> bool:
-    return filename.startswith(_STDLIB) and not any(p in filename for p in _PACKAGES)
+    """The standard library's code: its files, and the modules Python runs frozen (``posixpath``)."""
+    return filename.startswith(_STDLIB) and not any(p in filename for p in _PACKAGES) or filename.startswith("<frozen")
 
 
 def _op(frame) -> int | None:
