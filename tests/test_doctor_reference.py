@@ -954,3 +954,51 @@ def test_a_capture_window_narrower_than_the_steps_data_is_undersized_where_it_wa
     (finding,) = report.findings
     assert finding.kind == "undersized-buffer" and "self.table = self.table_buffer[:, :width]" in finding.source, finding
     assert "1 against 4 in dimension 1" in finding.evidence, finding
+
+
+# ------------------------------------------------------------------ padded rows handed out with the results
+class Unsliced:
+    """One graph of size 4 serving 3 requests. ``bug``: the runner returns the output as the graph
+    wrote it, padded row included (a tuple sliced where its tensors should have been); ``fix``: the
+    real rows."""
+
+    def __init__(self, variant: str):
+        self.variant, self.x = variant, torch.zeros(4, 2)
+        events.static_buffers("runner", {"x": self.x})
+        with events.warmup():
+            logits(self.x)
+        self.graph = new_graph("cpu")
+        with graph(self.graph, name="decode"):
+            self.out = logits(self.x)
+
+    def __call__(self, x):
+        n = x.shape[0]
+        self.x[:n].copy_(x)
+        self.x[n:].zero_()
+        events.serve(self.graph, n, 4, padded={"x": self.x}, outputs=self.out, eager=lambda: logits(self.x))
+        self.graph.replay()
+        return (self.out if self.variant == "bug" else self.out[:n]).clone()
+
+
+def logits(x):
+    return torch.tanh(x) * 2
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_result_with_the_graphs_padded_rows_is_a_padded_shape_mismatch_where_it_was_replayed(variant):
+    """The workload's result has 4 rows where the run without graphs has 3, and a replay served 3
+    real rows at size 4: ``padded-shape-mismatch`` at the line that replayed it."""
+    def workload():
+        xs = [torch.randn(3, 2, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+        with events.reference():
+            expected = [logits(x) for x in xs]
+        runner = Unsliced(variant)
+        got = [runner(x) for x in xs]
+        events.results(expected, got)
+    report = doctor.diagnose(workload, padding_probe=False)
+    if variant == "fix":
+        assert report.findings == [] and report.clean, report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "padded-shape-mismatch" and "self.graph.replay()" in finding.source, finding
+    assert "has 4 rows where its run without graphs has 3" in finding.evidence, finding

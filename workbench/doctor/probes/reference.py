@@ -60,8 +60,8 @@ from ..report import Finding
 from ..tensors import announced_of, disagrees, host_only, max_abs_diff, real_rows, signature
 from .coverage import Coverage
 from .eager_trace import number_origin
-from .reference_causes import (bound, compare_views, frozen_number, narrower, numbers, parting, rows_like,
-                               static_input)
+from .reference_causes import (bound, compare_views, frozen_number, narrower, numbers, padded_result, parting,
+                               rows_like, static_input)
 
 _LIFTS = (torch.ops.aten.lift_fresh, torch.ops.aten.lift_fresh_copy)     # constants made from Python data
 _SMALL = 1 << 16          # elements of an op's input kept as a value (metadata, ids, lengths; not activations)
@@ -101,6 +101,8 @@ class Reference:
         self.found: dict[str, tuple] = {}         # graph name -> (info, kind, op, tensor, source, text, numbers)
         self.unexplained: list[tuple] = []        # (graph name, text) of replays that differ, no cause found
         self.verdict: tuple | None = None         # the workload's own: None (not said), () (agrees), (result, diff)
+        self.misshaped: tuple | None = None       # (served, reference) shapes of the first result they differ in
+        self.padded: dict[tuple, tuple] = {}      # (size, real) of a padded replay -> (graph, the line that replayed it)
         self.span: tuple | None = None            # (Pending, first piece) of the PIECEWISE step being replayed
         self.number = 0                           # the last call number given
         self.views: dict[tuple, str] = {}         # (storage, offset, shape, stride) -> the line that took the view
@@ -192,6 +194,8 @@ class Reference:
         pending = info.pending
         if self.span is not None and (pending is None or not pending.span) and info in self.span[0].span:
             return                               # a later piece of a PIECEWISE step: counted at its first
+        if pending is not None and pending.real < pending.size:
+            self.padded[(pending.size, pending.real)] = (info.name, user_frame())
         root = self.root(info)
         self.span = (pending, info) if pending is not None and pending.span else None
         if root is None:
@@ -293,7 +297,7 @@ class Reference:
                 if not (isinstance(e, torch.Tensor) and isinstance(g, torch.Tensor)):
                     continue
                 if e.shape != g.shape:
-                    self.verdict = (i, float("inf"))
+                    self.verdict, self.misshaped = (i, float("inf")), (tuple(g.shape), tuple(e.shape))
                     return
                 if bool(disagrees(g.cpu(), e.cpu()).any()):
                     self.verdict = (i, max_abs_diff(g.cpu().double(), e.cpu().double()))
@@ -326,6 +330,8 @@ class Reference:
                 continue
             doctor.add(Finding(kind, name, op, tensor, source, f"{text}: {why}",
                                explain.reference_run(name, why), numbers), (kind, op, source))
+        if not doctor.report.findings and self.misshaped:
+            padded_result(doctor, self.verdict[0], *self.misshaped, self.padded)
         failed = bool(doctor.failed_ops or doctor.report.errors)
         if not doctor.report.findings and (failed or self.verdict or self.unexplained):
             self.coverage.parted(doctor, self, failed)

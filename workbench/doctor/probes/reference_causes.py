@@ -9,7 +9,9 @@ import torch
 
 from ...engine.opinfo import describe, storage_key
 from ...engine.source import location
+from .. import explain
 from ..records import Op
+from ..report import Finding
 from ..tensors import TensorArg, disagrees, onto, whole
 from . import launch
 
@@ -116,6 +118,23 @@ def _refreshed_beside(writers: dict, info, compared: list, op, stale) -> tuple |
         if info.step is not None and key in info.step and (writer := writers.get(key)) is not None:
             return buf.name, writer[0], writer[1]
     return None
+
+
+def padded_result(doctor, index: int, served: tuple, reference: tuple, padded: dict) -> None:
+    """A result of the workload with more rows than the run without graphs gives, and otherwise its
+    shape, where a padded replay served that many rows at that many real ones: the runner handed out
+    the graph's padded rows (``padded-shape-mismatch``, at the line that replayed it)."""
+    if not served or len(served) != len(reference) or served[1:] != reference[1:] or served[0] <= reference[0]:
+        return
+    if (found := padded.get((served[0], reference[0]))) is None:
+        return
+    graph, site = found
+    doctor.add(Finding(
+        "padded-shape-mismatch", graph, "-", f"result {index}: {list(served)}", site,
+        f"the workload's result {index} has {served[0]} rows where its run without graphs has {reference[0]}, as many as "
+        f"{graph} serves padded and real: the padded rows were handed out with the real ones",
+        explain.padded_shape_mismatch(graph, reference[0], served[0]), {"size": served[0], "real": reference[0]}),
+        ("padded-shape-mismatch", "result", site))
 
 
 def rows_like(now: torch.Tensor, given: torch.Tensor) -> torch.Tensor | None:
