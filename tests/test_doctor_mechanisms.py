@@ -2088,6 +2088,35 @@ def test_a_graph_whose_view_of_a_per_token_input_is_shorter_than_its_real_rows(f
         assert found and "in workload" in found[0].source and found[0].numbers["rows_read"] == 2, report
 
 
+def test_an_eager_steps_copies_past_a_graphs_window_are_not_the_next_replays_data():
+    """A per-request ``lens`` the graph of 3 tokens (one request of three) reads as ``lens[:1]``. A
+    prefill of three requests, run eagerly, wrote ``lens[:3]`` and used none of it; the
+    decode step then writes ``lens[:1]``: its data fits the window, and the rows past it were the
+    prefill's."""
+    lens, x = torch.zeros(3, dtype=torch.long), torch.zeros(3, 2)
+
+    def decode():
+        return x * lens[:1, None]
+
+    def workload():
+        events.static_buffers("runner", {"lens": lens, "x": x})
+        with events.warmup():
+            decode()
+        g = new_graph("cpu")
+        with graph(g, name="size 3"):
+            out = decode()
+        lens[:3].copy_(torch.tensor([1, 2, 1]))          # the prefill's requests
+        x.copy_(rows(3, 2, seed=1))
+        (x * 2).sum()                                      # the prefill, eagerly: it needs no lengths
+        lens[:1].copy_(torch.tensor([4]))                  # one request decoding three tokens
+        x.copy_(rows(3, 2, seed=2))
+        events.serve(g, 3, 3, outputs=out, eager=decode)
+        g.replay()
+        events.handed_out(g, out)
+    report = doctor.diagnose(workload)
+    assert report.of("undersized-buffer") == [], report
+
+
 # ------------------------------------------------------------ host values a replay leaves as it found
 _TRACKER: dict = {}
 

@@ -83,7 +83,7 @@ def copied(doctor, targets: list, src) -> None:
         lines = doctor.copied_lines.setdefault(key, {})
         with _disable_current_modes():
             whole = buf.ref()
-            mask = region(dst, whole)
+            mask = last = region(dst, whole)
             if source in lines and key in doctor.graph_reads and isinstance(src, torch.Tensor) \
                     and broadcasts(src, dst):     # (a host-to-device copy too: compared as copy_ casts)
                 changes = dst != src.to(dst.device, dst.dtype)
@@ -93,7 +93,7 @@ def copied(doctor, targets: list, src) -> None:
             # copy brings data, and so does one into memory graphs read (checked by their windows).
             if key not in doctor.graph_reads and comparable:
                 mask &= ~onto(dst == src, dst, whole)
-        doctor.copied[key] = (entry[0] | mask, entry[1]) if entry is not None else (mask, source)
+        doctor.copied[key] = (entry[0] | mask, entry[1], last) if entry is not None else (mask, source, last)
 
 
 def _uniform(t: torch.Tensor) -> bool:
@@ -128,7 +128,7 @@ def check(doctor, info) -> None:
         for key, entry in list(doctor.unread.items()):       # this replay reads what it reads
             if key in info.externals:
                 _read(doctor, key, entry, info.reads.get(key))
-        for key, (mask, source) in doctor.copied.items():
+        for key, (mask, source, last) in doctor.copied.items():
             reads = info.reads.get(key)
             if not bool(mask.any()):
                 continue
@@ -143,7 +143,7 @@ def check(doctor, info) -> None:
             # In rows the graph reads: a row given more columns than the graph reads of it.
             rows = reads.reshape(reads.shape[0], -1).any(1).reshape(-1, *([1] * (reads.dim() - 1))) \
                 if reads.dim() > 1 else torch.zeros_like(reads)
-            _short_window(doctor, info, key, mask & ~reads & ~rows, reads)
+            _short_window(doctor, info, key, mask & last & ~reads & ~rows, reads)
             lost = mask & ~reads & rows
             if bool(lost.any()) and (buf := doctor.buffer(key)) is not None:
                 doctor.unread[key] = (lost, source, info.name, info.replays + 1, int(reads.sum()), buf.name,
@@ -151,8 +151,9 @@ def check(doctor, info) -> None:
 
 
 def _short_window(doctor, info, key: int, past, reads) -> None:
-    """Data copied this step into rows of a static input that the graph's window of it ends
-    before, among the step's real rows: the capture read a view of fewer rows than the graph
+    """Data copied this step (by the last copy into the buffer before the replay: an earlier one may
+    have been an eager step's, a prefill's lengths) into rows of a static input that the graph's
+    window of it ends before, among the step's real rows: the capture read a view of fewer rows than the graph
     serves (a per-token slot mapping sliced by the request count), and every replay leaves those
     rows' data unread. The window was fixed when the graph was captured: the capture's line is
     named (the view is made there or in what it calls)."""
@@ -183,7 +184,7 @@ def touched(doctor, func, args, kwargs) -> None:
                     continue
                 if bool((copy[0] & read).any()):
                     doctor.copied_lines.clear()    # the step's data is being used: the next copies are another's
-                doctor.copied[key] = (copy[0] & ~read, copy[1])
+                doctor.copied[key] = (copy[0] & ~read, *copy[1:])
         entry = doctor.unread.get(key)
         if entry is None or (buf := doctor.buffer(key)) is None:
             continue
