@@ -1628,6 +1628,53 @@ def test_a_pool_handle_kept_past_its_graphs_is_a_dangling_reference_where_it_was
     assert "was refused" in finding.evidence, finding
 
 
+@pytest.mark.parametrize("kept", [False, True])
+def test_a_graph_warmed_up_and_captured_on_a_worker_thread_is_watched(kept):
+    """A runner warms up and captures on a thread of its own (a micro-batch runner); the workspace
+    its warmup made lives in that thread's state and goes when the thread ends. The doctor's mode is
+    per thread: entered there for the warmup and the capture, it sees the graph read the workspace,
+    which is released before the first replay (``dangling-reference``). Kept alive: clean."""
+    import threading
+
+    def workload():
+        x, local, held, graphs = torch.zeros(4), threading.local(), [], []
+        events.static_buffers("runner", {"x": x})
+
+        def forward():
+            if not hasattr(local, "workspace"):
+                local.workspace = torch.zeros(4)
+                held.append(local.workspace) if kept else None
+            local.workspace.copy_(x * 2)
+            return local.workspace + 1
+
+        def capture_on_thread():
+            with events.warmup():
+                forward()
+            g = new_graph("cpu")
+            with graph(g, name="ubatch 0"):
+                out = forward()
+            graphs.append((g, out))
+            del local.workspace                  # the thread's state goes with it
+
+        worker = threading.Thread(target=capture_on_thread)
+        worker.start()
+        worker.join()
+        g, out = graphs[0]
+        x.copy_(rows(4, seed=1)[0])
+        try:
+            g.replay()
+        except IllegalMemoryAccess:
+            pass
+
+    report = doctor.diagnose(workload, padding_probe=False)
+    if kept:
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "dangling-reference" and "local.workspace.copy_(x * 2)" in finding.source, finding
+    assert "del local.workspace" in finding.evidence, finding
+
+
 # ------------------------------------------------------------------ one line, two consumers' data
 @pytest.mark.parametrize("variant", ["bug", "fix", "patch"])
 def test_a_line_that_overwrites_its_own_data_before_the_replay_is_persistent_mutation(variant):

@@ -21,7 +21,7 @@ import traceback
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch._C import _pop_torch_dispatch_stack, _push_on_torch_dispatch_stack
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from ..engine import memory
 from ..engine.errors import CaptureError
@@ -36,6 +36,7 @@ from . import capture, failures, summary
 from .failures import contained
 from .report import Finding, Report
 from .runner_events import RunnerEvents
+from .threads import Threads
 from .rules import (dangling, derived, mutation, overwritten, padded_scatter, shapes, sync, uncomputed, undersized,
                     unread, warmup)
 from .rules.pool import PoolReads
@@ -104,6 +105,7 @@ class Doctor(RunnerEvents):
         self.plan = None                            # diagnose's record of the steps served (probes/padding.py)
         self.padded_step = None                     # the last padded replay, its outputs (rules/shapes.py)
         self.mode = None                            # set by watching()
+        self.threads = Threads()                    # other threads the mode is entered on (threads.py)
         self.stepped_aside = False                  # our mode is off the stack for this replay
         self.failure: str | None = None             # the doctor's own error, once it has stopped
         self.failed_ops: dict[int, str] = {}        # id(error) -> what an op of the watched code raised
@@ -170,6 +172,7 @@ class Doctor(RunnerEvents):
 
     @contained
     def capture_begin(self, graph, name: str | None) -> None:
+        self.threads.enter(self.mode, sum(isinstance(m, TorchDispatchMode) for m in getattr(graph, "_modes", ())))
         info = GraphInfo(graph, name or f"graph #{len(self.graphs) + 1}")
         self.warm.capture_begin(info)
         self.graphs[id(graph)] = info
@@ -179,6 +182,7 @@ class Doctor(RunnerEvents):
 
     @contained
     def capture_end(self, graph) -> None:
+        self.threads.leave(self.mode)
         info = self.capturing
         self.capturing, self.phase = None, "eager"
         self.fresh.clear()
@@ -211,6 +215,7 @@ class Doctor(RunnerEvents):
 
     @contained
     def capture_abort(self, graph, error: BaseException) -> None:
+        self.threads.leave(self.mode)
         info = self.capturing
         self.capturing, self.phase = None, "eager"
         self.warm.capture_abort(info)

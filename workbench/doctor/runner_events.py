@@ -66,6 +66,7 @@ class RunnerEvents:
 
     @contained
     def warmup_begin(self, real: bool = False) -> None:
+        self.threads.enter(self.mode)
         self.warm.warmup_begin()
         self.phase, self.real_warmup, self.trained = "warmup", real, False
         self.report.warmups += 1
@@ -86,6 +87,7 @@ class RunnerEvents:
         gradient, however the gradient got there), was a training step (PyTorch's whole-network
         capture warms up with real optimizer steps): its writes are real data, as
         ``warmup(real=True)``'s."""
+        self.threads.leave(self.mode)
         self.phase = "eager"
         self.warm.warmup_end()
         if self.trained:
