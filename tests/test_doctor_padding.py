@@ -333,6 +333,23 @@ def listed(out, lengths):
     assert len(out) == len(per_request), "one entry per row"
 
 
+class Planned:
+    """A kernel wrapper planned on the host from the real requests' lengths (an indptr as a list),
+    that checks the rows it is given against its plan."""
+
+    def __init__(self, lengths):
+        self.indptr = [0, *torch.cumsum(lengths, 0).long().tolist()]
+
+    def run(self, q):
+        if q.shape[0] != len(self.indptr) - 1:
+            raise ValueError(f"q.shape[0] ({q.shape[0]}) does not match the plan's {len(self.indptr) - 1} rows")
+        return q
+
+
+def planned(out, lengths):
+    return Planned(lengths).run(out)
+
+
 def derived_then_asserted(out, lengths):
     scaled = out * 2                                   # derived eagerly: still the graph's 4 rows
     return asserted(scaled, lengths)
@@ -344,6 +361,7 @@ def derived_then_asserted(out, lengths):
     (indexed, IndexError, "return lengths[torch.arange(out.shape[0])]"),
     (derived_then_asserted, AssertionError, "assert out.shape[0] == lengths.shape[0]"),
     (listed, AssertionError, "assert len(out) == len(per_request)"),
+    (planned, ValueError, "raise ValueError(f\"q.shape[0] ({q.shape[0]}) does not match"),
 ])
 def test_eager_code_failing_on_padded_and_real_rows_is_padded_shape_mismatch(combine, error, line):
     with pytest.raises(error), doctor.watch() as report:

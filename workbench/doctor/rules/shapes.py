@@ -83,7 +83,8 @@ def failed(doctor, error: BaseException) -> None:
         while tb is not None:
             frames.append((tb.tb_frame, tb.tb_lineno))
             tb = tb.tb_next
-        found = next(filter(None, (_in_frame(step, f, line) for f, line in reversed(frames))), None)
+        message = first_line(error)
+        found = next(filter(None, (_in_frame(step, f, line, message) for f, line in reversed(frames))), None)
         if found is None and step.seen is not None:
             found = (step.seen[1], f"{step.seen[2]} and {step.seen[3]}", step.seen[0])
         if found is not None:
@@ -101,13 +102,15 @@ def _report(doctor, step: PaddedStep, error: BaseException, source: str, what: s
         explain.padded_shape_mismatch(step.graph, step.real, step.size), numbers), ("padded-shape-mismatch", source))
 
 
-def _in_frame(step: PaddedStep, frame, line: int) -> tuple[str, str] | None:
+def _in_frame(step: PaddedStep, frame, line: int, message: str = "") -> tuple[str, str] | None:
     """``(source line, the two quantities)`` when a user frame holds a tensor with the replay's padded
     rows and one with its real rows; else when the failing line itself names the padded rows (a
     number equal to the graph's size, or the replay's tensor) and the real ones (a tensor's rows or a
     list's length): a check such as ``assert batch_size * n == weights.shape[0]`` on a padded request
     count. Such a number is named where it entered the computation: the frame that handed it in
-    as an argument is the site (``sync.handed_in``, as for a number read from a tensor)."""
+    as an argument is the site (``sync.handed_in``, as for a number read from a tensor). Else when the
+    frame holds the replay's padded tensor and the error's ``message`` states both counts (a kernel's
+    check: ``q.shape[0] (8) does not match qo_indptr[-1] (5)``)."""
     filename = frame.f_code.co_filename
     if filename.startswith(SKIP_DIRS) or filename.startswith("<"):
         return None
@@ -123,6 +126,9 @@ def _in_frame(step: PaddedStep, frame, line: int) -> tuple[str, str] | None:
     values = frame.f_locals
     number = next((n for n in on_line if _padded(step, values[n])), None)
     rows = next((n for n in on_line if n != number and _size(values[n]) == step.real), None)
+    if (number is None or rows is None) and padded is not None and _states(message, step):
+        return location(frame, line), (f"`{padded[0]}` {describe(padded[1])} (the graph's {step.size} rows) against "
+                                       f"{step.real} ({step.real} real rows), as the error states them")
     if number is None or rows is None or all(_size(values[n]) is None for n in (number, rows)):
         return None                    # (two bare numbers are no evidence: one side must hold rows)
     what = (f"`{number}` {_quantity(values[number])} (the graph's {step.size} rows) and `{rows}` "
@@ -135,6 +141,13 @@ def _in_frame(step: PaddedStep, frame, line: int) -> tuple[str, str] | None:
     if caller is None:
         return location(frame, line), what
     return caller, f"{what}, compared in {function_name(frame.f_code)}"
+
+
+def _states(message: str, step: PaddedStep) -> bool:
+    """Whether an error's message names the graph's padded size and the real count as numbers of
+    their own (``(8)``, ``= 8``), the padded one first."""
+    numbers = [int(n) for n in re.findall(r"(?<![\w.])(\d+)(?![\w.])", message)]
+    return step.size in numbers and step.real in numbers[numbers.index(step.size) + 1:]
 
 
 def _number(value) -> int | None:
@@ -164,7 +177,7 @@ def _quantity(value) -> str:
 def raised(doctor, error: BaseException, frame) -> bool:
     """An error met as it is raised (``doctor/raised.py``) after a padded replay, caught later or
     not: reported (True) when this frame holds the replay's padded rows and real rows."""
-    found = _in_frame(doctor.padded_step, frame, frame.f_lineno) if explainable(error) else None
+    found = _in_frame(doctor.padded_step, frame, frame.f_lineno, first_line(error)) if explainable(error) else None
     if found is not None:
         _report(doctor, doctor.padded_step, error, *found)
     return found is not None
