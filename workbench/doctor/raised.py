@@ -53,7 +53,9 @@ _CALLS = {dis.opmap[name] for name in ("CALL", "PRECALL", "CALL_FUNCTION_EX", "C
 class _Tracer:
     def __init__(self) -> None:
         self.doctor = None
-        self.pending: dict[int, tuple] = {}   # id(frame) -> (error key, description or None) raised there
+        # id(frame) -> (error key, (text, functions it was raised under) of a check or None, the same of
+        # a ``raise`` with the frames it has left, or None) of an error raised there or on its way through
+        self.pending: dict[int, tuple] = {}
         self.leaving: tuple | None = None     # the key of the last error seen leaving its frame
         # id(frame) -> (error key, description, frames it left, through a library) of a ``raise`` on its
         # way up: expected in that frame; one that went through a library and never comes is kept

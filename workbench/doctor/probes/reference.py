@@ -21,7 +21,11 @@ the same step on both sides (``reference_causes.py``):
 1. a static input the graph reads holds other values, in its real rows, than the tensor the
    reference gives the same op (by line and occurrence): the runner prepared the step wrongly --
    ``warmup-divergence`` at the line that last wrote that buffer; or, where this step wrote none of
-   the elements that differ, it omitted them -- ``stale-input`` at the op that reads them;
+   the elements that differ, it omitted them -- ``stale-input`` at the op that reads them (at the
+   refresh of another input that op reads, where the step wrote one: the refresh that skipped it);
+   or the graph's view of it is narrower, in a dimension other than its rows, than the reference's
+   tensor: the capture's window is too small for this step -- ``undersized-buffer`` at the line
+   that took the view;
 2. else the launch traces part (by op and line; shapes differ where rows are padded): the graph
    replays what Python decided at capture -- a loop run another number of times is
    ``host-work-frozen`` at the frame that loops, another branch ``warmup-divergence``;
@@ -38,6 +42,11 @@ the same step on both sides (``reference_causes.py``):
 A PIECEWISE step (several graphs, eager code between them) is one call of the root: its inputs are
 those its first piece reads, its outputs what the runner hands out after the last, and only the
 first cause (a static input) is looked for (the other pieces' ops are not beside the first's).
+
+At the end, where no rule found anything: a result of the workload with a padded replay's rows
+where the reference has the real ones is ``padded-shape-mismatch`` at the line that replayed it;
+and a served run that failed or differs is compared with the reference line by line
+(``coverage.py``).
 
 Only a graph no other rule has a finding for gets one (one failure, one finding). A replay whose
 outputs agree with the reference gives none, whatever its trace: a graph that launches more work
