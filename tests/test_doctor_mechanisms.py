@@ -1675,6 +1675,36 @@ def test_a_graph_warmed_up_and_captured_on_a_worker_thread_is_watched(kept):
     assert "del local.workspace" in finding.evidence, finding
 
 
+def test_a_worker_thread_whose_warmup_never_ended_is_left_alone_after_the_watch(monkeypatch):
+    """A worker begins a warmup and stops before ending it (its code raised); the doctor's mode stays
+    on that thread's stack, where nobody else can take it off. After the watch, its ops pass through
+    (no rule sees them) and the report, complete at the watch's end, does not change."""
+    import threading
+
+    from workbench.doctor.intake import Doctor
+
+    seen, on_op = [], Doctor.on_op
+    monkeypatch.setattr(Doctor, "on_op", lambda self, func, *a: (seen.append(func), on_op(self, func, *a))[1])
+
+    started, go_on, done = threading.Event(), threading.Event(), []
+
+    def worker():
+        warmup = events.warmup()
+        warmup.__enter__()                      # never left
+        started.set()
+        go_on.wait()
+        done.append(torch.ones(3).mul_(2).sum().item())   # after the watch
+
+    with doctor.watch() as report:
+        thread = threading.Thread(target=worker)
+        thread.start()
+        started.wait()
+    before, seen_in_watch = str(report), len(seen)
+    go_on.set()
+    thread.join()
+    assert done == [6.0] and len(seen) == seen_in_watch and str(report) == before, (seen, report)
+
+
 # ------------------------------------------------------------------ one line, two consumers' data
 @pytest.mark.parametrize("variant", ["bug", "fix", "patch"])
 def test_a_line_that_overwrites_its_own_data_before_the_replay_is_persistent_mutation(variant):

@@ -44,7 +44,8 @@ from .tensors import first_line
 
 aten = torch.ops.aten
 _SLICE, _COPY = aten.slice.Tensor, aten.copy_.default    # looked up once: ``aten.x.y`` costs ~0.4 µs
-_ASIDE = ("replay", "probe")          # phases in which the dispatch mode is off the hot path
+_ASIDE = ("replay", "probe", "done")  # phases in which the dispatch mode is off the hot path ("done": after
+# the watch, on a worker thread whose warmup or capture never ended: ``threads.py``)
 _QUIET = ("probe", "differential")    # phases whose events are the doctor's own doing
 
 
@@ -402,4 +403,6 @@ class Doctor(RunnerEvents):
             uncomputed.finish(self)
             if self.reference is not None:
                 self.reference.conclude(self)
-        return summary.finish(self)
+        report = summary.finish(self)
+        self.phase = "done"
+        return report
