@@ -952,7 +952,8 @@ def test_a_capture_window_narrower_than_the_steps_data_is_undersized_where_it_wa
         assert report.findings == [] and report.clean, report
         return
     (finding,) = report.findings
-    assert finding.kind == "undersized-buffer" and "self.table = self.table_buffer[:, :width]" in finding.source, finding
+    assert finding.kind == "undersized-buffer", finding
+    assert "self.table = self.table_buffer[:, :width]" in finding.source, finding
     assert "1 against 4 in dimension 1" in finding.evidence, finding
 
 

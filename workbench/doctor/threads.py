@@ -13,7 +13,6 @@ from __future__ import annotations
 import threading
 
 from torch._C import _len_torch_dispatch_stack, _pop_torch_dispatch_stack, _push_on_torch_dispatch_stack
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 
 class Threads:
@@ -32,7 +31,7 @@ class Threads:
         if ident in self.lent:
             self.lent[ident] += 1
             return
-        if _len_torch_dispatch_stack() != above or (above == 0 and _get_current_dispatch_mode() is not None):
+        if _len_torch_dispatch_stack() != above:
             return                             # another mode is there already: leave the thread alone
         engine = [_pop_torch_dispatch_stack(None) for _ in range(above)]
         _push_on_torch_dispatch_stack(mode)

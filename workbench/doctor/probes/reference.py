@@ -111,7 +111,7 @@ class Reference:
         self.unexplained: list[tuple] = []        # (graph name, text) of replays that differ, no cause found
         self.verdict: tuple | None = None         # the workload's own: None (not said), () (agrees), (result, diff)
         self.misshaped: tuple | None = None       # (served, reference) shapes of the first result they differ in
-        self.padded: dict[tuple, tuple] = {}      # (size, real) of a padded replay -> (graph, the line that replayed it)
+        self.padded: dict[tuple, tuple] = {}      # (size, real) of a padded replay -> (graph, line that replayed it)
         self.span: tuple | None = None            # (Pending, first piece) of the PIECEWISE step being replayed
         self.number = 0                           # the last call number given
         self.views: dict[tuple, str] = {}         # (storage, offset, shape, stride) -> the line that took the view

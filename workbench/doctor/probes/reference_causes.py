@@ -73,7 +73,8 @@ def static_input(writers: dict, info, compared: list) -> tuple | None:
                        "step left there (an input the step omitted, a refresh skipped)"
                        + (f"; {refresh[1]} refreshed {refresh[0]}, which the same op reads, at {refresh[2]}"
                           if refresh else ""))
-                return "stale-input", op.name, f"{buf.name}: {describe(mine)}", refresh[2] if refresh else op.source, why
+                site = refresh[2] if refresh else op.source
+                return "stale-input", op.name, f"{buf.name}: {describe(mine)}", site, why
         writer = writers.get(storage_key(whole_buf), (op.name, op.source))
         why = (f"{buf.name} holds other values in its real rows than the reference gives {op.name} at "
                f"{op.source} ({count}); it was last written by {writer[0]} at {writer[1]}: the runner prepares "
@@ -131,8 +132,8 @@ def padded_result(doctor, index: int, served: tuple, reference: tuple, padded: d
     graph, site = found
     doctor.add(Finding(
         "padded-shape-mismatch", graph, "-", f"result {index}: {list(served)}", site,
-        f"the workload's result {index} has {served[0]} rows where its run without graphs has {reference[0]}, as many as "
-        f"{graph} serves padded and real: the padded rows were handed out with the real ones",
+        f"the workload's result {index} has {served[0]} rows where its run without graphs has {reference[0]}, as "
+        f"many as {graph} serves padded and real: the padded rows were handed out with the real ones",
         explain.padded_shape_mismatch(graph, reference[0], served[0]), {"size": served[0], "real": reference[0]}),
         ("padded-shape-mismatch", "result", site))
 

@@ -153,9 +153,9 @@ def check(doctor, info) -> None:
 def _short_window(doctor, info, key: int, past, reads) -> None:
     """Data copied this step (by the last copy into the buffer before the replay: an earlier one may
     have been an eager step's, a prefill's lengths) into rows of a static input that the graph's
-    window of it ends before, among the step's real rows: the capture read a view of fewer rows than the graph
-    serves (a per-token slot mapping sliced by the request count), and every replay leaves those
-    rows' data unread. The window was fixed when the graph was captured: the capture's line is
+    window of it ends before, among the step's real rows: the capture read a view of fewer rows than
+    the graph serves (a per-token slot mapping sliced by the request count), and every replay leaves
+    those rows' data unread. The window was fixed when the graph was captured: the capture's line is
     named (the view is made there or in what it calls)."""
     pending = info.pending
     if pending is None or reads.dim() == 0 or not reads.any():
