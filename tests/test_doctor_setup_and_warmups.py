@@ -4,6 +4,8 @@ autograd mode, and op failures the workload swallows. Each workload is small and
 the engine's public API; each bug has a fix that must give no finding."""
 from __future__ import annotations
 
+import bisect
+
 import pytest
 import torch
 
@@ -430,3 +432,74 @@ def test_a_warmup_blocks_own_set_up_is_not_work_the_capture_skipped():
             bwd.replay()
     report = doctor.diagnose(workload)
     assert not report.of("warmup-divergence"), report
+
+
+# ------------------------------------------------------------------------------ tables of capture sizes
+SIZES = [2, 4]
+
+
+class _Runner:
+    """Graphs of sizes 2 and 4 over one static input, and the host tables a runner keeps of them:
+    the padded size of each batch size, the sorted sizes, the graphs by size."""
+
+    def __init__(self):
+        self.x = torch.zeros(max(SIZES))
+        self.padded_size = [min(s for s in SIZES if s >= n) for n in range(max(SIZES) + 1)]
+        self.graphs, self.outputs = {}, {}
+        for size in reversed(SIZES):
+            self.graphs[size], self.outputs[size] = captured(lambda size=size: self.x[:size] * 2,
+                                                             static={"x": self.x} if size == 4 else None)
+
+    def pad(self, n):
+        return self.padded_size[n]
+
+    def run(self, batch, size):
+        out = self.outputs[size]
+        self.x[:len(batch)] = batch
+        served(self.graphs[size], out, lambda: self.x[:size] * 2)
+        return out[:len(batch)].clone()
+
+
+
+@pytest.mark.parametrize("form", ["padded size", "sorted sizes", "graphs by size"])
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_batch_past_the_largest_capture_size_asked_of_a_size_table(form, variant):
+    """A batch of 6 rows, more than the largest graph's 4, is sent to the graph path (bug): asking
+    the runner's table of capture sizes for it fails and ends the run. The fix runs it eagerly.
+    The finding names the line that asked: for a lookup of a helper's argument, the helper's call."""
+    def step(runner, batch):
+        n = len(batch)
+        if variant == "fix" and n > max(SIZES):
+            return batch * 2
+        if form == "padded size":
+            size = runner.pad(n)
+        elif form == "sorted sizes":
+            size = SIZES[bisect.bisect_left(SIZES, n)]
+        else:
+            size = n
+        return runner.run(batch, size)
+
+    def workload():
+        runner = _Runner()
+        step(runner, torch.ones(4))
+        step(runner, torch.ones(6))
+    finding = only_finding(workload, variant)
+    if finding is None:
+        return
+    assert finding.kind == "undersized-buffer" and finding.numbers["largest"] == 4
+    line = {"padded size": "size = runner.pad(n)", "sorted sizes": "size = SIZES[bisect.bisect_left(SIZES, n)]",
+            "graphs by size": "return runner.run(batch, size)"}[form]
+    assert finding.source.endswith(line), finding.source
+
+
+def test_a_lookup_the_workload_catches_to_run_eagerly_is_no_finding():
+    """The standard fallback: a batch with no graph of its size runs eagerly (``except KeyError``)."""
+    def workload():
+        runner = _Runner()
+        for n in (4, 6):
+            batch = torch.ones(n)
+            try:
+                runner.run(batch, n)
+            except KeyError:
+                batch * 2
+    assert doctor.diagnose(workload).findings == []

@@ -199,6 +199,13 @@ def lookup_past_end(buffer: str) -> str:
             "or cap the capture sizes at what the buffers hold.")
 
 
+def size_table(lookup: str, largest: int) -> str:
+    return (f"The step asked {lookup} for a size past the largest one a graph was captured for ({largest}): the "
+            "table of capture sizes ends there, and the step dies. A batch larger than every graph must take "
+            "the eager path; the check that sends a batch to the graphs must compare the quantity the graphs are "
+            "sized by (tokens, not requests, with several tokens per request) with the largest capture size.")
+
+
 def dummy_index(buffer: str, state: bool) -> str:
     if state:
         return (f"The dummy rows of a warmup or capture index through {buffer} at entries no request wrote (a "

@@ -34,7 +34,7 @@ import sysconfig
 
 from ..engine.source import SKIP_DIRS, function_name, location, mine, short_path
 from . import failures
-from .rules import shapes, undersized
+from .rules import shapes, size_table, undersized
 from .tensors import first_line
 
 _RAISES = {dis.opmap[name] for name in ("RAISE_VARARGS", "RERAISE")}
@@ -145,7 +145,10 @@ class _Tracer:
         if watched and _op(frame) == _STORE:
             undersized.failed_host_write(doctor, error, frame)
         description = deliberate = None              # not kept, but followed: its callers must not take it for new
-        if watched and (doctor.graphs or doctor.phase != "eager") and shapes.explainable(error):
+        if watched:
+            size_table.explained(doctor, error, frame)
+        if watched and (doctor.graphs or doctor.phase != "eager") and (shapes.explainable(error)
+                                                                         or size_table.pending(doctor, error)):
             where = f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} in {function_name(frame.f_code)}"
             text = (f"{type(error).__name__}: {first_line(error)} (raised at {where}, during {doctor.phase})",
                     failures.stack_codes(frame))

@@ -156,6 +156,7 @@ class GraphInfo:
         self.writes_inputs = False                  # it writes a static input (rules/mutation.py)
         self.unread_outputs: frozenset | None = None    # storages it created and never reads (differential)
         self.replays = 0
+        self.size: int | None = None                # the size it was last served at (runner_events.serve)
         self.probed = False
         self.attempts = 0                           # mutation probes run (see probes/mutation.py)
         self.pending: Pending | None = None

@@ -117,6 +117,7 @@ class RunnerEvents:
         self.no_eager += eager is None
         sampled = eager is not None and self.every > 0 and (self.served - 1) % self.every == 0
         if info is not None:
+            info.size = size
             span = tuple(i for g in pieces if (i := self.info(g)) is not None)
             info.pending = Pending(real, size, outputs, padded, eager, columns, sampled, grad=torch.is_grad_enabled(),
                                    span=span if len(span) == len(pieces) else (), unpadded=unpadded)

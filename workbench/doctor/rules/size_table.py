@@ -1,0 +1,118 @@
+"""undersized-buffer: a step asks a table of capture sizes for a size past the largest graph.
+
+A runner keeps host tables of the sizes it captured: a list mapping each batch size to its
+padded graph size (entries 0 to the largest), the sorted capture sizes it bisects, the graphs
+by size. A batch larger than every graph must take the eager path; code that asks such a table
+for it anyway (a check against the wrong bound, a request count where a token count was meant)
+runs past the table's end, ``IndexError`` or ``KeyError``, and the step dies.
+
+The error is explained where it is raised, while the frame's locals are there, and reported only
+once it proves a failure: it left the workload's code, or reached a harness (``failures.keep``),
+never when the workload caught it (``try: graph = graphs[n] except KeyError:`` run eagerly, the
+standard fallback). The site is the code that asked: where the index came in as the raising
+function's argument (a ``pad_for_cudagraph(n)`` helper), its caller's call.
+"""
+from __future__ import annotations
+
+import ast
+import linecache
+
+from ...engine.source import location, mine
+from .. import explain
+from ..report import Finding
+
+_UNKNOWN = object()
+
+
+def explained(doctor, error: BaseException, frame) -> None:
+    """Keep an explanation of a lookup error raised in ``frame``, reported if it becomes a failure."""
+    if not isinstance(error, (IndexError, KeyError)) or not doctor.graphs:
+        return
+    sizes = {n for info in doctor.graphs.values() if info.ref() is not None
+             for n in (*info.rows, *([info.size] if info.size else []))}
+    node = _subscript(frame) if sizes else None
+    if node is None:
+        return
+    table = _value(node.value, frame)
+    index = error.args[0] if isinstance(error, KeyError) and error.args else _value(node.slice, frame)
+    largest = max(sizes)
+    if table is _UNKNOWN or not _past_sizes(table, index, largest):
+        return
+    asked, source = frame, location(frame)
+    if isinstance(node.slice, ast.Name) and node.slice.id in _arguments(frame.f_code) \
+            and frame.f_back is not None and mine(frame.f_back):
+        asked, source = frame.f_back, location(frame.f_back)
+    what = ast.unparse(node)
+    evidence = (f"{what} asked a table of capture sizes ({_describe(table)}) for {index!r}, past the largest "
+                f"size a graph was captured for ({largest}): {type(error).__name__}")
+    finding = Finding("undersized-buffer", ", ".join(i.name for i in doctor.graphs.values() if i.ref() is not None),
+                      "subscript", what, source, evidence, explain.size_table(what, largest),
+                      {"index": index if isinstance(index, int) else None, "largest": largest})
+    # (the last one only: an error the workload caught is never heard of again, and its id is reused)
+    doctor.size_lookup = (id(error), finding, ("undersized-buffer", "size table", asked.f_code, source))
+
+
+def pending(doctor, error: BaseException) -> bool:
+    """Whether ``error`` has an explanation waiting for it to prove a failure."""
+    return doctor.size_lookup is not None and doctor.size_lookup[0] == id(error)
+
+
+def failed(doctor, error_id: int) -> None:
+    """The error became a failure of the workload: its explanation, if any, is a finding."""
+    if doctor.size_lookup is not None and doctor.size_lookup[0] == error_id:
+        doctor.add(*doctor.size_lookup[1:])
+        doctor.size_lookup = None
+
+
+def _past_sizes(table, index, largest: int) -> bool:
+    """Whether ``table[index]`` ran past a table of capture sizes: a dict keyed by them, a list with
+    an entry per size up to the largest, or the sorted sizes themselves (``sizes[bisect(sizes, n)]``)."""
+    number = isinstance(index, int) and not isinstance(index, bool)
+    if isinstance(table, dict):
+        return number and largest in table and index > largest
+    if not isinstance(table, (list, tuple)) or number and index < len(table):
+        return False
+    by_size = number and len(table) in (largest, largest + 1) and index > largest
+    holds_sizes = largest in table and all(isinstance(v, int) for v in table)      # (the index may be any call)
+    return by_size or holds_sizes
+
+
+def _subscript(frame) -> ast.Subscript | None:
+    """The subscript expression the frame's failing instruction evaluates, from its source columns."""
+    try:
+        positions = list(frame.f_code.co_positions())[frame.f_lasti // 2]
+    except (AttributeError, IndexError):
+        return None
+    line, end, start, stop = positions
+    if line is None or line != end or start is None or stop is None:
+        return None
+    text = linecache.getline(frame.f_code.co_filename, line)[start:stop]
+    try:
+        node = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        return None
+    return node if isinstance(node, ast.Subscript) else None
+
+
+def _value(node, frame):
+    """A name, a constant or an attribute path of the frame's locals, read without running code
+    (an object's ``__dict__``, never a property); ``_UNKNOWN`` for anything else."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name):
+        return frame.f_locals.get(node.id, frame.f_globals.get(node.id, _UNKNOWN))
+    if isinstance(node, ast.Attribute):
+        owner = _value(node.value, frame)
+        attrs = getattr(owner, "__dict__", None) if owner is not _UNKNOWN else None
+        return attrs.get(node.attr, _UNKNOWN) if isinstance(attrs, dict) else _UNKNOWN
+    return _UNKNOWN
+
+
+def _arguments(code) -> tuple:
+    return code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+
+
+def _describe(table) -> str:
+    if isinstance(table, dict):
+        return f"a dict keyed by {sorted(k for k in table if isinstance(k, int))}"
+    return f"a {type(table).__name__} of {len(table)}"
