@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from workbench import doctor
-from workbench.engine import events, graph, new_graph
+from workbench.engine import events, graph, graph_pool_handle, new_graph
 
 
 def captured(fn, *, static=None, state=None, warmups=1, name=None):
@@ -503,3 +503,60 @@ def test_a_lookup_the_workload_catches_to_run_eagerly_is_no_finding():
             except KeyError:
                 batch * 2
     assert doctor.diagnose(workload).findings == []
+
+
+class _Staging:
+    """Persistent input buffers with a store that checks its data fits (as runners' ``_store_arg``)."""
+
+    def __init__(self, rows):
+        self.ids = torch.zeros(rows, dtype=torch.int64)
+
+    def store(self, data):
+        buf = self.ids
+        assert len(data) <= buf.numel(), f"data too large for ids: {len(data)} > {buf.numel()}"
+        buf[:len(data)].copy_(torch.tensor(data))
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_capture_sizes_dummy_batch_that_the_programs_own_check_refuses(variant):
+    """Capture sizes beyond the buffers (bug): the first capture's dummy batch fails the program's
+    check that it fits, before any graph exists. The fix caps the sizes at the buffers' rows."""
+    def workload():
+        staging = _Staging(4)
+        pool = graph_pool_handle("cpu")
+        sizes = [s for s in (1, 2, 4, 6) if variant == "bug" or s <= 4]
+        for size in reversed(sizes):
+            staging.store([1] * size)
+            events.static_buffers("runner", {"ids": staging.ids})
+            g = new_graph("cpu")
+            with graph(g, pool=pool):
+                staging.ids[:size] * 2
+    finding = only_finding(workload, variant)
+    if finding is None:
+        return
+    assert finding.kind == "undersized-buffer" and finding.tensor == "buf: int64[4]"
+    assert finding.numbers == {"size": 4, "asked": 6} and finding.graph == "the first capture"
+    assert finding.source.endswith("assert len(data) <= buf.numel(), f\"data too large for ids: "
+                                   "{len(data)} > {buf.numel()}\"")
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix", "caught where checked"])
+def test_a_step_whose_data_the_programs_own_check_refuses_for_a_static_input(variant):
+    """A real step of 6 rows for a static input of 4 (bug) fails the program's check; a batch that
+    fits (fix) does not. A check the same function catches (a batch split in two) is no finding."""
+    def workload():
+        staging = _Staging(4)
+        g, out = captured(lambda: staging.ids * 2, static={"ids": staging.ids})
+        served(g, out, lambda: staging.ids * 2)
+        data = [1] * (4 if variant == "fix" else 6)
+        if variant == "caught where checked":
+            buf = staging.ids
+            try:
+                assert len(data) <= buf.numel(), f"{len(data)} > {buf.numel()}"
+            except AssertionError:
+                data = data[:4]
+        staging.store(data)
+        served(g, out, lambda: staging.ids * 2)
+    finding = only_finding(workload, "fix" if variant != "bug" else "bug")
+    if finding is not None:
+        assert finding.kind == "undersized-buffer" and finding.tensor == "ids: int64[4]"

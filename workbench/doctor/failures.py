@@ -12,7 +12,7 @@ import sys
 
 from ..engine.errors import CaptureError
 from ..engine.source import user_frame
-from .rules import lookups, shapes, size_table, undersized
+from .rules import lookups, shapes, undersized
 from .rules.dangling import DanglingReferenceError
 from .tensors import first_line
 
@@ -73,10 +73,24 @@ def keep(doctor, error_id: int, describe_error, codes: tuple | None = None) -> N
     """List an error the watched code raised (``describe_error()`` says what and where) among those
     the report shows if the workload catches it; the first ``_KEPT`` of a watch are kept. ``codes``:
     the functions it was raised under (else those running now), which it cut short (``coverage``)."""
-    size_table.failed(doctor, error_id)
+    explained(doctor, error_id)
     if len(doctor.failed_ops) < _KEPT and error_id not in doctor.failed_ops:
         doctor.failed_ops[error_id] = describe_error()
         doctor.failed_codes.update(codes if codes is not None else stack_codes(sys._getframe(1)))
+
+
+def explained(doctor, error_id: int) -> None:
+    """The error proved a failure of the workload: the explanation a rule gave it where it was raised,
+    if any, is a finding. Only the last one is held: an error the workload caught is never heard of
+    again, and its id is reused."""
+    if doctor.explanation is not None and doctor.explanation[0] == error_id:
+        doctor.add(*doctor.explanation[1:])
+        doctor.explanation = None
+
+
+def pending(doctor, error: BaseException) -> bool:
+    """Whether ``error`` has an explanation waiting for it to prove a failure."""
+    return doctor.explanation is not None and doctor.explanation[0] == id(error)
 
 
 def stack_codes(frame) -> tuple:
@@ -92,7 +106,7 @@ def describe(doctor, error: BaseException) -> str:
     """The workload's error for the report, tied to the recorded op when a replay raised it; no
     longer a caught one."""
     doctor.failed_ops.pop(id(error), None)
-    size_table.failed(doctor, id(error))
+    explained(doctor, id(error))
     tb = error.__traceback__
     while tb is not None:
         doctor.failed_codes.add(tb.tb_frame.f_code)

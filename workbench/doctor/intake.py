@@ -111,8 +111,8 @@ class Doctor(RunnerEvents):
         self.failure: str | None = None             # the doctor's own error, once it has stopped
         self.failed_ops: dict[int, str] = {}        # id(error) -> what an op of the watched code raised
         self.failed_codes: set = set()              # the functions those errors were raised under
-        self.size_lookup: tuple | None = None       # (id(error), finding, key): the last lookup past the capture
-                                                    # sizes, reported if it proves a failure (rules/size_table.py)
+        self.explanation: tuple | None = None       # (id(error), finding, key): the last error explained where it was
+                                                    # raised, reported if it proves a failure (failures.explained)
         self.pools: dict = {}                       # pool key -> (line that made the handle, graphs captured into it)
         self.found: dict[tuple, Finding] = {}        # each hazard once (``add``), by its key
         self.reference: Reference | None = None     # the workload's run without graphs (probes/reference.py)

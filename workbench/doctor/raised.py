@@ -147,8 +147,10 @@ class _Tracer:
         description = deliberate = None              # not kept, but followed: its callers must not take it for new
         if watched:
             size_table.explained(doctor, error, frame)
-        if watched and (doctor.graphs or doctor.phase != "eager") and (shapes.explainable(error)
-                                                                         or size_table.pending(doctor, error)):
+            if _op(frame) in _RAISES:                # the program's own check (``assert``, ``raise``), not a library's
+                undersized.failed_fit_check(doctor, error, frame)
+        if watched and (doctor.graphs or doctor.pools or doctor.phase != "eager") \
+                and (shapes.explainable(error) or failures.pending(doctor, error)):
             where = f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} in {function_name(frame.f_code)}"
             text = (f"{type(error).__name__}: {first_line(error)} (raised at {where}, during {doctor.phase})",
                     failures.stack_codes(frame))

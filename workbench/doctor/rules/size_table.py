@@ -7,8 +7,8 @@ for it anyway (a check against the wrong bound, a request count where a token co
 runs past the table's end, ``IndexError`` or ``KeyError``, and the step dies.
 
 The error is explained where it is raised, while the frame's locals are there, and reported only
-once it proves a failure: it left the workload's code, or reached a harness (``failures.keep``),
-never when the workload caught it (``try: graph = graphs[n] except KeyError:`` run eagerly, the
+once it proves a failure (``failures.explained``): it left the workload's code, or reached a
+harness, never when the workload caught it (``try: graph = graphs[n] except KeyError:`` run eagerly, the
 standard fallback). The site is the code that asked: where the index came in as the raising
 function's argument (a ``pad_for_cudagraph(n)`` helper), its caller's call.
 """
@@ -48,20 +48,7 @@ def explained(doctor, error: BaseException, frame) -> None:
     finding = Finding("undersized-buffer", ", ".join(i.name for i in doctor.graphs.values() if i.ref() is not None),
                       "subscript", what, source, evidence, explain.size_table(what, largest),
                       {"index": index if isinstance(index, int) else None, "largest": largest})
-    # (the last one only: an error the workload caught is never heard of again, and its id is reused)
-    doctor.size_lookup = (id(error), finding, ("undersized-buffer", "size table", asked.f_code, source))
-
-
-def pending(doctor, error: BaseException) -> bool:
-    """Whether ``error`` has an explanation waiting for it to prove a failure."""
-    return doctor.size_lookup is not None and doctor.size_lookup[0] == id(error)
-
-
-def failed(doctor, error_id: int) -> None:
-    """The error became a failure of the workload: its explanation, if any, is a finding."""
-    if doctor.size_lookup is not None and doctor.size_lookup[0] == error_id:
-        doctor.add(*doctor.size_lookup[1:])
-        doctor.size_lookup = None
+    doctor.explanation = (id(error), finding, ("undersized-buffer", "size table", asked.f_code, source))
 
 
 def _past_sizes(table, index, largest: int) -> bool:

@@ -288,6 +288,41 @@ def failed_host_write(doctor, error: BaseException, frame) -> None:
         ("undersized-buffer", "write", source))
 
 
+_NUMBER = re.compile(r"(?<![\w.])\d+(?![\w.])")
+
+
+def failed_fit_check(doctor, error: BaseException, frame) -> None:
+    """A check of the program's own that data fits a buffer (``assert len(data) <= buf.numel(),
+    f"too large for {name}: {len(data)} > {buf.numel()}"``) failed: the message states the size of
+    a tensor the raising frame holds, and a larger number. That is this rule's contract, checked by
+    the program: where the buffer is a static input, or while captures are being prepared (a pool
+    made and nothing captured yet, a warmup, a capture: a capture size's dummy batch), the buffer
+    is smaller than what the step must put in it. Reported once the error proves a failure."""
+    if not isinstance(error, (AssertionError, ValueError, RuntimeError)):
+        return
+    preparing = doctor.phase in ("warmup", "capture") or not doctor.graphs and bool(doctor.pools)
+    numbers = [int(n) for n in _NUMBER.findall(first_line(error))]
+    for name, t in list(frame.f_locals.items()):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or not numbers:
+            continue
+        buf = doctor.buffer(storage_key(t))
+        if not preparing and (buf is None or buf.role != "input"):
+            continue
+        size = next((n for n in (t.shape[0], t.numel()) if n in numbers), None)
+        if size is None or not any(n > size for n in numbers):
+            continue
+        source, graph, when = location(frame), where(doctor), where(doctor)
+        if preparing and graph == "eager":
+            graph, when = "the first capture", "the set-up of the captures (a graph pool made, nothing captured yet)"
+        what = f"{buf.name if buf is not None else name}: {describe(t)}"
+        finding = Finding(
+            "undersized-buffer", graph, "check", what, source,
+            f"during {when}, the program's check that data fits {what} failed: {first_line(error)}",
+            explain.unfit_write(first_line(error)), {"size": size, "asked": max(numbers)})
+        doctor.explanation = (id(error), finding, ("undersized-buffer", "check", source))
+        return
+
+
 def serve_contract(doctor, graph: str, real: int, size: int, padded: dict, columns: dict) -> None:
     """Every replay: no more real rows than the graph's size, no wider real columns than captured."""
     if real > size:
