@@ -42,6 +42,25 @@ def test_recorded_ops_keep_read_write_storages_and_user_source_line():
     assert "test_engine.py" in op.source and "x.add_(1)" in op.source
 
 
+def test_in_place_shape_changes_are_not_replayed():
+    """``vector @ matrix`` squeezes its ``mm`` result in place, and the allocator hands a loop's next
+    ``mm`` the same block: replayed, the squeeze would reshape the graph's own reference to that
+    memory. A CUDA capture records no kernel for it; nor does the emulation."""
+    state0, k = torch.randn(4, 4, generator=torch.Generator().manual_seed(0)), torch.ones(3, 4)
+
+    def step():
+        state = state0.clone()
+        for t in range(3):
+            state = state + torch.outer(k[t], k[t] @ state)
+            state.t_()
+        return state
+    g, out = capture(step)
+    assert not any(op.func.overloadpacket in (torch.ops.aten.squeeze_, torch.ops.aten.t_) for op in g.ops)
+    g.replay()
+    g.replay()
+    assert torch.equal(out, step())
+
+
 # ------------------------------------------------------------------ frozen Python
 def test_python_branches_are_frozen_at_capture():
     state = {"scale": 2.0}

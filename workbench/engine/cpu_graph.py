@@ -6,7 +6,8 @@ What a CUDA graph is, reduced to the rules that cause bugs in serving stacks:
   records every aten op run inside the capture block, with its arguments keyed on *storage*.
   ``replay()`` re-runs exactly those ops; results of ops that allocated during capture are written
   back into the tensors captured then (the graph's static outputs), so every address stays fixed.
-  An allocation (``torch.empty``) is no kernel: replay skips it, its memory keeps what it holds.
+  An allocation (``torch.empty``) is no kernel: replay skips it, its memory keeps what it holds;
+  nor is an in-place change of a tensor's shape (``squeeze_``): it is not recorded.
   An error raised by a replayed op names the op and the user's line that recorded it.
 * **Python is frozen at capture.** Replay runs no Python of the captured function: a branch or a
   lazy ``if state is None`` check keeps the outcome it had during capture. Libraries that ask
@@ -38,6 +39,8 @@ What a CUDA graph is, reduced to the rules that cause bugs in serving stacks:
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -64,6 +67,16 @@ _DETACHES = frozenset({aten.detach, aten.detach_})
 # memory keeps whatever was last written there (until the first write, the capture's poison).
 ALLOCATIONS = frozenset({aten.empty, aten.empty_like, aten.new_empty, aten.empty_strided,
                          aten.new_empty_strided})
+# Storage changes stay recorded: ``set_`` and ``resize_`` (which may allocate) are taken by the pool.
+_STORAGE_CHANGES = frozenset({aten.set_, aten.resize_, aten.resize_as_})
+
+
+@functools.cache
+def _metadata_only(func) -> bool:
+    """An in-place op on a tensor's metadata alone (``squeeze_``, ``t_``, ``as_strided_``): no kernel,
+    so a capture records nothing. Replayed, it would change the shape of the graph's own reference
+    to the memory (``matmul`` of a vector squeezes its ``mm`` result in place)."""
+    return torch.Tag.inplace_view in func.tags and func.overloadpacket not in _STORAGE_CHANGES
 
 
 class _Recorder(TorchDispatchMode):
@@ -159,6 +172,8 @@ class CPUGraph:
             return self._run_on_host(func, args, kwargs)
         if is_host_sync(func, args, lambda t: storage_key(t) in self._lifted or self._is_host(t)):
             raise host_sync_error(str(func), user_frame())
+        if _metadata_only(func):
+            return func(*args, **kwargs)
         pool = self._pool
         packet = func.overloadpacket
         if packet in _LIFTS or (packet in _DETACHES and storage_key(args[0]) in self._lifted):
