@@ -633,6 +633,25 @@ def test_cloning_before_the_next_call_is_not_overwritten_output():
     assert "overwritten-output" in report.checked
 
 
+@pytest.mark.parametrize("repoint", ["set_", "data"])
+def test_an_output_moved_out_of_the_pool_before_the_next_call_is_not_overwritten_output(repoint):
+    """A runner that clones a live output out of the pool in place (``t.set_(t.clone())``, or
+    ``t.data = t.clone()``), as a generation boundary does, keeps the object the caller holds."""
+    with doctor.watch() as report:
+        runner = make_runner(row_wise)
+        runner.capture()
+        first = runner(x=batch(3, 0))
+        with torch.no_grad():
+            if repoint == "set_":
+                first.set_(first.clone())
+            else:
+                first.data = first.clone()
+        runner(x=batch(3, 1))
+        kept = first + 0
+    assert torch.equal(kept, batch(3, 0) * 2 + 1)
+    assert report.findings == []
+
+
 def test_reading_a_view_of_an_output_after_the_next_call_is_overwritten_output():
     with doctor.watch() as report:
         runner = make_runner(row_wise)

@@ -68,8 +68,11 @@ def check_read(doctor, func, args, kwargs) -> None:
 
 
 def _read(doctor, func, t) -> None:
+    """A handed-out view is stale once a replay wrote its block since, and while it is still on that
+    block: one re-pointed to memory of its own (``t.set_(t.clone())``, ``t.data = ...``: a runner
+    cloning live outputs out of the pool) holds its values whatever the pool does."""
     entry = doctor.handed[id(t)]
-    if entry[0]() is t and doctor.generation.get(entry[1], 0) > entry[2]:
+    if entry[0]() is t and doctor.generation.get(entry[1], 0) > entry[2] and block(t) == entry[1]:
         _stale(doctor, func, t, *entry[1:])
 
 
