@@ -1274,6 +1274,16 @@ def test_the_doctors_aliases_made_under_inference_mode_are_writable_outside_it()
     assert torch.equal(t, torch.ones(3))
 
 
+def test_the_doctors_comparisons_take_host_memory_beside_device_memory():
+    """Host memory against device memory is a refused op in the workload, not in the doctor's own
+    comparisons (a replay's staging block against the reference's copy of it)."""
+    from workbench.doctor.tensors import changed, differs, disagrees, max_abs_diff
+    from workbench.engine import host
+    staged, device = host(torch.tensor([1.0, 2.0])), torch.tensor([1.0, 3.0])
+    assert differs(staged, device).tolist() == [False, True] == changed(staged, device).tolist()
+    assert disagrees(device, staged).tolist() == [False, True] and max_abs_diff(staged, device) == 1.0
+
+
 def test_masks_placed_through_a_storage_follow_the_view_expanded_views_included():
     """``onto`` puts a view's values at its elements of the storage and ``at`` reads them back;
     an expanded view (stride 0) names one element several times and must not fail."""

@@ -560,3 +560,40 @@ def test_a_step_whose_data_the_programs_own_check_refuses_for_a_static_input(var
     finding = only_finding(workload, "fix" if variant != "bug" else "bug")
     if finding is not None:
         assert finding.kind == "undersized-buffer" and finding.tensor == "ids: int64[4]"
+
+
+# ------------------------------------------------------------------------------ host memory a captured copy reads
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_captured_copy_from_a_shared_host_scratch_that_later_code_refills(variant):
+    """``fill(array, value)`` stages the value in host memory and copies it to the device. Captured,
+    the copy re-reads that host memory at every replay. With one scratch shared by every call
+    (bug), the next eager fill puts its value there and the graph fills with it; the fix gives the
+    graph a staging block of its own."""
+    from workbench.engine import host
+    shared = host(torch.zeros(3))
+
+    def fill(dst, value, scratch):
+        scratch.copy_(host(torch.tensor(value)))
+        dst.copy_(scratch.expand(dst.shape))
+
+    def workload():
+        forces, wind = torch.zeros(2, 3), torch.zeros(2, 3)
+        own = host(torch.zeros(3)) if variant == "fix" else shared
+
+        def step():
+            fill(forces, [0.0, -9.8, 0.0], own)
+            return forces * 2
+        g, out = captured(step, state={"forces": forces})
+        results = []
+        for gust in ([1.0, 0.0, 0.0], [0.0, 0.0, 2.0]):
+            fill(wind, gust, shared)
+            results.append(served(g, out, step))
+        return results
+    ran = []
+    finding = only_finding(lambda: ran.append(workload()), variant)
+    gravity = torch.tensor([0.0, -19.6, 0.0]).expand(2, 3)
+    assert [torch.equal(r, gravity) for r in ran[0]] == [variant == "fix", variant == "fix"]
+    if finding is None:
+        return
+    assert finding.kind == "dangling-reference" and finding.tensor == "float32[2, 3] (host memory)"
+    assert finding.source.endswith("dst.copy_(scratch.expand(dst.shape))"), finding.source

@@ -56,10 +56,6 @@ GPU_DIFFERS: dict = {
         "on the CPU the mutation probe sees the graph's write into the logits buffer depend on rows it leaves "
         "(persistent-mutation); on the H200 the probe reports nothing, and the reference run names the runner's "
         "token count (warmup-divergence at replay); why the probe parts there is not known yet",
-    ("round22/pytorch_167507_pinned_metadata_block_recycled_after_capture", "bug"):
-        "on the H200 the pinned staging block the captured copy reads is seen handed on (dangling-reference at "
-        "pack_vecs, the author's kind); on the CPU, where host and device memory are one, differential replay "
-        "names the allocator's host bookkeeping instead (host-work-frozen at process_events); not traced yet",
 }
 # Variants whose run on a GPU is not reproducible, and why: not compared.
 GPU_UNSTABLE = {

@@ -14,7 +14,7 @@ from ..engine.opinfo import describe, op_tensors, storage_key, tensors, written_
 from ..engine.source import user_frame
 from .records import External, Op
 from .rules import padded_scatter, sync, uncomputed, undersized, unread
-from .tensors import by_value, signature
+from .tensors import by_value, host_memory, signature
 
 aten = torch.ops.aten
 _COPY = aten.copy_.default
@@ -58,7 +58,7 @@ def recorded(doctor, func, args, kwargs, run):
         if ext is None:
             info.externals[key] = External(StorageWeakRef(t.untyped_storage()), describe(t), t.dtype,
                                            str(func), source, memory.origin_of(t), func.is_view,
-                                           (str(func), source))
+                                           (str(func), source), host=func is _COPY and host_memory(t, info.cuda))
         elif ext.view_only and not func.is_view:      # name the first op that really reads it
             ext.op, ext.source, ext.tensor, ext.view_only = str(func), source, describe(t), False
     if doctor.followed:

@@ -88,7 +88,8 @@ class Doctor(RunnerEvents):
         self.pool = PoolReads()                     # pool memory read across graphs
         self.graph_writes: set[int] = set()         # external storages some graph writes
         self.graph_reads: set[int] = set()          # ... or reads (of graphs captured while watched)
-        self.touched: dict[int, str] = {}           # of those, written outside graphs since: -> source line
+        self.host_reads: set[int] = set()           # host memory captured copies re-read by address
+        self.touched: dict[int, str] = {}           # of those two, written outside graphs since: -> source line
         self.empty_inputs: list = []                # (finding, key) of empty capture inputs, until data is served
         self.handed: dict[int, tuple] = {}          # rules.overwritten
         self.generation: dict[tuple, int] = {}      # memory block -> replays that wrote it (handed-out ones)
@@ -199,6 +200,7 @@ class Doctor(RunnerEvents):
         info.liveness.watch(info.externals)        # from now: a release is seen where it happens
         self.graph_writes.update(info.writes)
         self.graph_reads.update(info.externals)
+        self.host_reads.update(key for key, ext in info.externals.items() if ext.host)
         for key in info.writes:
             self.touched.pop(key, None)
         if any(self.buffer(k) is not None and self.buffer(k).role == "input" for k in info.writes):
@@ -368,10 +370,10 @@ class Doctor(RunnerEvents):
             self.warm.eager_op()
         if self.dummy_run:                         # dummy data, as a warmup's
             mutation.dummy_write(self, func, args, kwargs, targets)
-        elif mutable(func) and (self.graph_writes or self.startup.kept):
+        elif mutable(func) and (self.graph_writes or self.startup.kept or self.host_reads):
             self.startup.wrote(func, args, kwargs)
             for t in written_tensors(func, args, kwargs):
-                if (key := storage_key(t)) in self.graph_writes:
+                if (key := storage_key(t)) in self.graph_writes or key in self.host_reads:
                     self.touched[key] = user_frame()
         if not targets:
             out = run()

@@ -42,6 +42,7 @@ class External:
     view_only: bool                     # ``op``/``source`` are a view's: the first op that reads it replaces them
     touched_at: tuple = ()              # (op, source) of the capture's first op on it, a view too: it holds the address
     reported: bool = False
+    host: bool = False                  # host memory, which a captured copy re-reads by address
 
 
 @dataclasses.dataclass

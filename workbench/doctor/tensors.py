@@ -2,6 +2,7 @@
 digests, tolerant comparison, RNG state, and a readable signature of an op's arguments."""
 from __future__ import annotations
 
+import functools
 import hashlib
 
 from typing import NamedTuple
@@ -97,12 +98,25 @@ def digest(t: torch.Tensor) -> str:
     return hashlib.blake2b(data, digest_size=12).hexdigest()
 
 
+def _own_comparison(compare):
+    """A comparison of the doctor's own: host memory (``engine.host``) compared with device memory
+    is no workload op, and must not be refused as one (a replay's staging block against the
+    reference's copy of it)."""
+    @functools.wraps(compare)
+    def run(*args):
+        with torch._C.DisableTorchFunctionSubclass():
+            return compare(*args)
+    return run
+
+
+@_own_comparison
 def changed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Elementwise ``a != b`` where NaN equals NaN (poisoned padded rows hold NaN)."""
     diff = a != b
     return diff & ~(a.isnan() & b.isnan()) if a.dtype.is_floating_point else diff
 
 
+@_own_comparison
 def differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Elements that differ beyond what two launches of the same kernels may (a GPU may pick
     another algorithm eagerly than under capture): exact for integers, close for floats."""
@@ -113,6 +127,7 @@ def differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a != b
 
 
+@_own_comparison
 def disagrees(replay: torch.Tensor, eager: torch.Tensor) -> torch.Tensor:
     """``differs``, where the eager step's NaN is no evidence: while the doctor watches on a machine
     without CUDA, memory no op has written holds NaN (``uninit``), so an eager NaN is most often
@@ -122,6 +137,7 @@ def disagrees(replay: torch.Tensor, eager: torch.Tensor) -> torch.Tensor:
     return diff & ~eager.isnan() if eager.dtype.is_floating_point and diff.shape == eager.shape else diff
 
 
+@_own_comparison
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.shape != b.shape or not a.numel():
         return float("inf") if a.shape != b.shape else 0.0
@@ -165,10 +181,15 @@ def signature(func, args, kwargs) -> tuple:
     return tuple(_plain(a) for a in (*args, *kwargs.items()))
 
 
+def host_memory(t: torch.Tensor, cuda: bool) -> bool:
+    """Host memory: the CPU engine's host tensors, or a CPU tensor beside a CUDA graph."""
+    return type(t) in HOST_TYPES or (cuda and not t.is_cuda)
+
+
 def by_value(t: torch.Tensor, cuda: bool) -> bool:
     """A 0-dim host tensor given to a device op (not ``copy_``): CUDA passes it by value, so a graph
     keeps the number it held at capture, not its memory (the CPU engine does the same)."""
-    return t.dim() == 0 and (type(t) in HOST_TYPES or (cuda and not t.is_cuda))
+    return t.dim() == 0 and host_memory(t, cuda)
 
 
 def _plain(value, cuda: bool | None = None):

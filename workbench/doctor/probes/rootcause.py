@@ -13,7 +13,10 @@ kind of parting it is decides the kind:
   ``warmup-divergence``;
 * the eager step launches work the graph never recorded (a plan, a lazy step, a branch), or the
   graph replays work Python no longer does: ``warmup-divergence``, at the first such op;
-* the traces agree but the numbers do not: ``warmup-divergence``, at the op that wrote what differs.
+* the traces agree but the numbers do not: ``dangling-reference`` at a captured copy from host
+  memory that code outside the graph has written since the capture (a replay re-reads it by
+  address: a temporary's memory handed on); else ``warmup-divergence``, at the op that wrote what
+  differs.
 """
 from __future__ import annotations
 
@@ -31,7 +34,15 @@ def classify(doctor, info, pending, what: tuple, divergence, run, host: tuple | 
     """A finding for a replay whose outputs or state differ from the eager step's (``what``).
     ``host``: (name, what changed, where) of Python state the eager step changed and the replay did not."""
     text, numbers, key = what
-    if divergence is None:
+    handed = next(((k, e) for k, e in info.externals.items() if e.host and k in doctor.touched), None)
+    if divergence is None and handed is not None:
+        ext = handed[1]
+        kind, op, tensor = "dangling-reference", Op(*ext.touched_at), f"{ext.tensor} (host memory)"
+        site = (f"The launch traces agree, but {ext.touched_at[0]} at {ext.touched_at[1]} copies from host memory, "
+                "which a replay re-reads at the address it was captured from; code outside the graph has written "
+                f"that memory since the capture ({doctor.touched[handed[0]]}): the graph does not own it, and it was "
+                "handed on (a temporary released after the capture, its memory given to the next one).")
+    elif divergence is None:
         writer = info.writes.get(key) if key is not None else None
         op = writer or (info.ops[-1] if info.ops else None)
         kind, tensor = "warmup-divergence", _label(pending, key)
