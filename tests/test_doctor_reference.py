@@ -8,6 +8,7 @@ then through one graph per size; ``bug`` and ``fix`` differ only in the flawed l
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import pytest
@@ -1003,3 +1004,54 @@ def test_a_result_with_the_graphs_padded_rows_is_a_padded_shape_mismatch_where_i
     (finding,) = report.findings
     assert finding.kind == "padded-shape-mismatch" and "self.graph.replay()" in finding.source, finding
     assert "has 4 rows where its run without graphs has 3" in finding.evidence, finding
+
+
+class PerSequenceState:
+    """A recurrent step over one row of a per-sequence state table: graphs are cached by the batch's
+    shape (bug), or by its shape and sequence (fix); the row is chosen when the graph is built."""
+
+    def __init__(self, variant: str):
+        self.variant, self.graphs = variant, {}
+        self.state, self.x = torch.zeros(2, 4), torch.zeros(1, 4)
+        events.static_buffers("runner", {"x": self.x})
+        events.persistent_state("runner", {"state": self.state})
+
+    def __call__(self, x, seq):
+        key = (x.shape, seq) if self.variant == "fix" else x.shape
+        self.x.copy_(x)
+        if key not in self.graphs:
+            step = functools.partial(recurrent_step, self.x, self.state, seq)
+            g = new_graph("cpu")
+            with graph(g, name=f"decode {key}"):
+                out = step()
+            self.graphs[key] = (g, out, step)
+        g, out, step = self.graphs[key]
+        events.serve(g, 1, 1, padded={}, outputs=out, eager=step)
+        g.replay()
+        return out.clone()
+
+
+def recurrent_step(x, state, seq):
+    row = state[seq]
+    row.mul_(0.5).add_(x[0])
+    return x * row
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_graph_replayed_on_another_view_than_the_step_takes_is_named_where_it_is_replayed(variant):
+    """``bug``: the graph built for sequence 0 is replayed for sequence 1, on sequence 0's state
+    row. Its eager form is the captured closure (the same row): differential replay agrees with the
+    graph; the reference run's same step takes the other row of the table."""
+    def workload():
+        tokens = [(torch.full((1, 4), float(i + 1)), i % 2) for i in range(4)]
+        with events.reference():
+            state = torch.zeros(2, 4)
+            expected = [recurrent_step(x, state, seq).clone() for x, seq in tokens]
+        runner = PerSequenceState(variant)
+        return expected, [runner(x, seq) for x, seq in tokens]
+    finding = _finding(workload, variant)
+    if finding is None:
+        return
+    assert finding.kind == "warmup-divergence" and " in __call__: g.replay()" in finding.source, finding
+    assert "at offset 0 of its storage in the graph where the reference step's same op reads offset 4" \
+        in finding.evidence, finding

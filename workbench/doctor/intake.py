@@ -60,7 +60,10 @@ class Doctor(RunnerEvents):
         self.guard = guard
         self.pattern = pattern                      # diagnose's padded-row fill (0 or 1), else None
         self.every = differential
-        self.graphs: dict[int, GraphInfo] = {}
+        # Every capture's record, in capture order: a released graph's stays (what it held is reported),
+        # and a new graph given a released one's id does not take its place.
+        self.graphs: dict[int, GraphInfo] = {}      # capture number -> its record
+        self.current: dict[int, int] = {}           # id(graph) -> the number of its latest capture
         self.buffers: dict[int, Buffer] = {}
         self.owned: dict[int, tuple[StorageWeakRef, GraphInfo]] = {}
         self.capturing: GraphInfo | None = None
@@ -137,7 +140,7 @@ class Doctor(RunnerEvents):
         return known
 
     def info(self, graph) -> GraphInfo | None:
-        info = self.graphs.get(id(graph))
+        info = self.graphs.get(self.current.get(id(graph), -1))
         return info if info is not None and info.ref() is graph else None
 
     def owner_of(self, key: int) -> GraphInfo | None:
@@ -166,7 +169,7 @@ class Doctor(RunnerEvents):
 
     @contained
     def pool_used(self, graph, pool) -> None:
-        info = self.graphs.get(id(graph))
+        info = self.info(graph)
         if info is not None and (made := self.pools.get(dangling.pool_key(pool))) is not None:
             made[1].append(info.name)
 
@@ -177,9 +180,12 @@ class Doctor(RunnerEvents):
     @contained
     def capture_begin(self, graph, name: str | None) -> None:
         self.threads.enter(self.mode, sum(isinstance(m, TorchDispatchMode) for m in getattr(graph, "_modes", ())))
+        if self.info(graph) is not None:            # the same graph captured again: the new capture replaces it
+            del self.graphs[self.current[id(graph)]]
         info = GraphInfo(graph, name or f"graph #{len(self.graphs) + 1}")
         self.warm.capture_begin(info)
-        self.graphs[id(graph)] = info
+        self.current[id(graph)] = self.report.captures
+        self.graphs[self.report.captures] = info
         self.capturing = info
         self.phase = "capture"
         self.report.captures += 1

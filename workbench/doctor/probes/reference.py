@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import weakref
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -69,8 +70,8 @@ from ..report import Finding
 from ..tensors import announced_of, disagrees, host_only, max_abs_diff, real_rows, signature
 from .coverage import Coverage
 from .eager_trace import number_origin
-from .reference_causes import (bound, compare_views, frozen_number, narrower, numbers, padded_result, parting,
-                               rows_like, static_input)
+from .reference_causes import (bound, compare_views, frozen_number, moved_view, narrower, numbers, padded_result,
+                               parting, rows_like, static_input)
 
 _LIFTS = (torch.ops.aten.lift_fresh, torch.ops.aten.lift_fresh_copy)     # constants made from Python data
 _SMALL = 1 << 16          # elements of an op's input kept as a value (metadata, ids, lengths; not activations)
@@ -103,7 +104,9 @@ class Reference:
         self.budget = _BUDGET
         self.served: dict = {}                    # code -> its eager calls in the served run
         self.replayed: dict = {}                  # code -> replays of graphs rooted there
-        self.roots: dict[int, tuple | None] = {}  # id(GraphInfo) -> (root code, indices of its ops under it)
+        # GraphInfo -> (root code, indices of its ops under it); weakly: a re-captured graph's new record
+        # may be given the id of one released, and must not inherit its root
+        self.roots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.at_replay: dict[int, tuple] = {}     # id(GraphInfo) -> (served steps before, static views' values)
         self.by_call: tuple | None = None         # (code, call number -> its steps), for the last root asked
         self.writers: dict[int, tuple] = {}       # static input -> (op, line) that last wrote it, in the served run
@@ -237,7 +240,7 @@ class Reference:
         entry = self.at_replay.pop(id(info), None)
         if entry is None or pending is None:
             return
-        code, under = self.roots[id(info)]
+        code, under = self.roots[info]
         k, values, replayed_at = entry
         ops = [info.ops[info.paths[i][0]] for i in under]
         with _disable_current_modes():
@@ -258,7 +261,8 @@ class Reference:
             found = static_input(self.writers, info, compared) or narrower(ops, under, ref, values, self.views) or (
                 None if pending.span else (
                 parting(ops, ref, pending.real < pending.size) or frozen_number(info, ops, under, ref, pending.size)
-                or bound(self.writers, doctor, info, ops, under, ref, replayed_at)))
+                or bound(self.writers, doctor, info, ops, under, ref, replayed_at)
+                or (moved_view(ops, under, ref, replayed_at) if pending.real == pending.size else None)))
         text = (f"replay {info.replays} of {info.name} ({pending.real} real rows of {pending.size}): output "
                 f"{differs[0]} (real rows) differs by max |diff| = {differs[1]:.3g} from the reference run's same "
                 f"step (call {self.calls[code].index(number) + 1} of {code.co_name})")
@@ -354,7 +358,7 @@ class Reference:
     def root(self, info) -> tuple | None:
         """(root code, the positions in ``info.paths`` of the ops under it): the function of the
         captured code that the reference called and that runs the most of its ops (outermost on a tie)."""
-        if id(info) not in self.roots:
+        if info not in self.roots:
             best = None
             for depth in range(max((len(p) for _, p, *_ in info.paths), default=0)):
                 for code in dict.fromkeys(p[depth] for _, p, *_ in info.paths if len(p) > depth):
@@ -363,8 +367,8 @@ class Reference:
                     under = tuple(i for i, (_, p, *_) in enumerate(info.paths) if code in p)
                     if best is None or len(under) > len(best[1]):
                         best = (code, under)
-            self.roots[id(info)] = best
-        return self.roots[id(info)]
+            self.roots[info] = best
+        return self.roots[info]
 
 
 def _capture_batch(info) -> bool:

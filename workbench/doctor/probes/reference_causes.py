@@ -211,6 +211,25 @@ def frozen_number(info, ops: list, under: tuple, ref: list, size: int) -> tuple 
     return None
 
 
+def moved_view(ops: list, under: tuple, ref: list, replayed_at: str) -> tuple | None:
+    """The first op (by line and occurrence) that the graph runs on a view starting elsewhere in its
+    storage than the reference step's same op, at the same shape (a state row chosen at build
+    time): the graph was captured for another view than the step takes now, and is replayed for it
+    -- keyed on a property of the step that does not decide which view it takes. Asked of unpadded
+    replays only: padding moves views of the last rows."""
+    for op, _, step in aligned(ops, under, ref):
+        if len(step.op.sig) != len(op.sig):
+            continue
+        for mine, theirs in zip(op.sig, step.op.sig):
+            if isinstance(mine, TensorArg) and isinstance(theirs, TensorArg) and mine.shape == theirs.shape \
+                    and mine.offset != theirs.offset:
+                return ("warmup-divergence", op.name, "-", replayed_at,
+                        f"{op.name} at {op.source} reads a view {mine.shape} at offset {mine.offset} of its storage in "
+                        f"the graph where the reference step's same op reads offset {theirs.offset}: the graph was "
+                        f"captured for another view than this step takes, and is replayed for it at {replayed_at}")
+    return None
+
+
 def bound(writers: dict, doctor, info, ops: list, under: tuple, ref: list, replayed_at: str) -> tuple | None:
     """The first tensor the graph only reads (no graph writes it; not announced) that holds other
     values than the reference gives the same op: the graph reads what its capture bound, this
