@@ -2698,3 +2698,30 @@ def test_an_eager_step_returning_fewer_outputs_than_the_replay_hands_out_is_a_fi
     report = doctor.diagnose(workload)
     assert report.failure is None, report.failure
     assert any("the replay has 2 outputs, the eager step 1" in f.evidence for f in report.findings), report
+
+
+def test_a_released_graphs_record_stays_when_a_new_graph_gets_its_id():
+    """A graph captured, replayed and released, then a new one captured: the allocator may give the
+    new graph object the released one's id. Each capture keeps its own record, in capture order,
+    whatever the ids (a record replaced by id lost what it held, at random)."""
+    from workbench.doctor.intake import Doctor
+    from workbench.doctor.session import watching
+    x = torch.ones(2)
+    with watching(Doctor()) as watcher:
+        for name in ("first", "second", "third"):
+            g = new_graph("cpu")
+            with graph(g, name=name):
+                x * 2
+            g.replay()
+            del g
+        g = new_graph("cpu")
+        with graph(g, name="fourth"):
+            x * 3
+        with graph(h := new_graph("cpu"), name="fifth"):
+            x * 4
+        g.reset()
+        with graph(g, name="fourth again"):
+            x * 5
+        records = [info.name for info in watcher.graphs.values()]
+    assert records == ["first", "second", "third", "fifth", "fourth again"], records
+    assert watcher.info(g).name == "fourth again" and watcher.info(h).name == "fifth"
