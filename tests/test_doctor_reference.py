@@ -1055,3 +1055,42 @@ def test_a_graph_replayed_on_another_view_than_the_step_takes_is_named_where_it_
     assert finding.kind == "warmup-divergence" and " in __call__: g.replay()" in finding.source, finding
     assert "at offset 0 of its storage in the graph where the reference step's same op reads offset 4" \
         in finding.evidence, finding
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_host_scalar_taken_by_value_is_named_when_the_workloads_results_differ(variant):
+    """``bug``: each step makes a new 0-dim host tensor for a parameter that changes; the captured
+    op takes it by value, so every replay keeps the value it had at capture. The captured callable
+    holds that same tensor, so differential replay agrees with the graph; the workload's own
+    comparison (``events.results``) says the results differ. ``fix``: a device tensor written in place."""
+    from workbench.engine import host
+
+    def workload():
+        x, k_dev = torch.ones(3), torch.zeros(1)
+        events.static_buffers("runner", {"x": x, "k": k_dev})
+        graphs, expected, got = {}, [], []
+        with events.reference():
+            expected = [torch.mul(torch.ones(3), host(torch.tensor(k))) for k in (1.0, 2.0, 3.0)]
+        for k in (1.0, 2.0, 3.0):
+            if variant == "bug":
+                scale = host(torch.tensor(k))
+            else:
+                k_dev[0] = k
+                scale = k_dev
+            if "step" not in graphs:
+                step = functools.partial(torch.mul, x, scale)
+                g = new_graph("cpu")
+                with graph(g, name="scaled"):
+                    out = step()
+                graphs["step"] = (g, out, step)
+            g, out, step = graphs["step"]
+            events.serve(g, 3, 3, padded={}, outputs=out, eager=step)
+            g.replay()
+            got.append(out.clone())
+        events.results(expected, got)
+        return expected, got
+    finding = _finding(workload, variant)
+    if finding is None:
+        return
+    assert finding.kind == "host-work-frozen" and finding.numbers == {"captured_value": 1.0}, finding
+    assert finding.source.endswith("out = step()"), finding.source

@@ -597,3 +597,25 @@ def test_a_captured_copy_from_a_shared_host_scratch_that_later_code_refills(vari
         return
     assert finding.kind == "dangling-reference" and finding.tensor == "float32[2, 3] (host memory)"
     assert finding.source.endswith("dst.copy_(scratch.expand(dst.shape))"), finding.source
+
+
+def test_an_attribute_the_step_binds_to_its_own_output_is_no_finding():
+    """The captured step keeps its result in an attribute (``self.energy = ...``): capture bound it to
+    the graph's output, which every replay writes, so a reader of the attribute sees this step's
+    values as the eager step's new binding would give them."""
+    class Kernel:
+        def __init__(self):
+            self.x = torch.zeros(3)
+
+        def step(self):
+            self.energy = self.x * 2
+            return self.energy
+
+    def workload():
+        k = Kernel()
+        g, out = captured(k.step, static={"x": k.x})
+        for i in range(3):
+            k.x.fill_(float(i))
+            served(g, out, k.step)
+            assert torch.equal(k.energy, torch.full((3,), 2.0 * i))
+    assert doctor.diagnose(workload).findings == []

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..engine import memory
 from ..engine.cpu_graph import ALLOCATIONS
@@ -44,7 +45,10 @@ def recorded(doctor, func, args, kwargs, run):
     constant = func is not _COPY
     for t in inputs:
         if constant and by_value(t, info.cuda):
-            continue                              # its value is the graph's (``signature``), not its memory
+            if len(info.by_value) < 4:            # its value is the graph's (``signature``), not its memory
+                with _disable_current_modes(), torch._C.DisableTorchFunctionSubclass():
+                    info.by_value.append((Op(str(func), source), t.item()))
+            continue
         key = storage_key(t)
         if doctor.every and not func.is_view:
             unread.read_view(doctor, info, key, t)

@@ -199,6 +199,13 @@ def lookup_past_end(buffer: str) -> str:
             "or cap the capture sizes at what the buffers hold.")
 
 
+def by_value(op: str, value) -> str:
+    return (f"{op} takes a 0-dim host tensor, which CUDA passes to the kernel by value: the graph keeps the number "
+            f"it held at capture ({value!r}), and a replay never reads the tensor the step makes now. Keep the value "
+            "in a persistent device tensor the step writes in place (`self.k[0] = value`), which the graph reads "
+            "by address at every replay.")
+
+
 def size_table(lookup: str, largest: int) -> str:
     return (f"The step asked {lookup} for a size past the largest one a graph was captured for ({largest}): the "
             "table of capture sizes ends there, and the step dies. A batch larger than every graph must take "

@@ -154,6 +154,7 @@ class GraphInfo:
         self.paths: list = []                       # with a reference run: each op's functions, static views read
         self.lines_run: set = set()                 # (function, line) run inside the capture, under diagnose's tracer
         self.returned_numbers: dict = {}            # a Python number a function returned inside it -> that return
+        self.by_value: list = []                    # (Op, value) of 0-dim host tensors its ops take by value
         self.writes_inputs = False                  # it writes a static input (rules/mutation.py)
         self.unread_outputs: frozenset | None = None    # storages it created and never reads (differential)
         self.replays = 0

@@ -70,8 +70,8 @@ from ..report import Finding
 from ..tensors import announced_of, disagrees, host_only, max_abs_diff, real_rows, signature
 from .coverage import Coverage
 from .eager_trace import number_origin
-from .reference_causes import (bound, compare_views, frozen_number, moved_view, narrower, numbers, padded_result,
-                               parting, rows_like, static_input)
+from .reference_causes import (bound, compare_views, frozen_number, frozen_scalar, moved_view, narrower, numbers,
+                               padded_result, parting, rows_like, static_input)
 
 _LIFTS = (torch.ops.aten.lift_fresh, torch.ops.aten.lift_fresh_copy)     # constants made from Python data
 _SMALL = 1 << 16          # elements of an op's input kept as a value (metadata, ids, lengths; not activations)
@@ -348,6 +348,8 @@ class Reference:
         failed = bool(doctor.failed_ops or doctor.report.errors)
         if not doctor.report.findings and (failed or self.verdict or self.unexplained):
             self.coverage.parted(doctor, self, failed)
+        if not doctor.report.findings and self.verdict:
+            frozen_scalar(doctor, self.verdict)
         found = {g for f in doctor.report.findings for g in f.graph.split(", ")}
         doctor.report.unexplained += [text for name, text in self.unexplained if name not in found]
         if self.verdict and not doctor.report.findings and not doctor.report.unexplained:

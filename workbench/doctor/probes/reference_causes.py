@@ -257,3 +257,22 @@ def bound(writers: dict, doctor, info, ops: list, under: tuple, ref: list, repla
                     f"{replayed_at}) for a step whose eager form reads another tensor there -- inputs it was not "
                     "captured with")
     return None
+
+
+def frozen_scalar(doctor, verdict: tuple) -> None:
+    """The workload's results differ from its run without graphs and no finding explains it: a
+    replayed graph whose op takes a 0-dim host tensor by value (CUDA passes it as a kernel argument)
+    keeps the number it held at capture, whatever tensor the step makes now -- the one structural
+    way a graph cannot see a new value, named at that op."""
+    for info in doctor.graphs.values():
+        if info.replays and info.by_value:
+            op, value = info.by_value[0]
+            i, diff = verdict
+            doctor.add(Finding(
+                "host-work-frozen", info.name, op.name, "0-dim host tensor", op.source,
+                f"the workload's result {i} differs from its run without graphs' (max |diff| = {diff:.3g}); "
+                f"{op.name} at {op.source} takes a 0-dim host tensor by value, which the graph keeps as it was at "
+                f"capture ({value!r})", explain.by_value(op.name, value), {"captured_value": value}),
+                ("host-work-frozen", op.name, op.source))
+            return
+
