@@ -619,3 +619,20 @@ def test_an_attribute_the_step_binds_to_its_own_output_is_no_finding():
             served(g, out, k.step)
             assert torch.equal(k.energy, torch.full((3,), 2.0 * i))
     assert doctor.diagnose(workload).findings == []
+
+
+def test_a_check_that_two_tensors_match_is_no_fit_check():
+    """``bitmask 6 rows, logits 2 rows``: two tensors of the frame whose sizes must match, not data
+    larger than a buffer, fail the program's check in a warmup: no undersized-buffer."""
+    def apply_bitmask(logits, bitmask):
+        if bitmask.shape[0] != logits.shape[0]:
+            raise ValueError(f"bitmask {bitmask.shape[0]} rows, logits {logits.shape[0]} rows")
+        return logits.masked_fill(bitmask, 0)
+
+    def workload():
+        logits = torch.zeros(2, 4)
+        events.static_buffers("runner", {"logits": logits})
+        with events.warmup():
+            apply_bitmask(logits, torch.zeros(6, 4, dtype=torch.bool))
+    report = doctor.diagnose(workload)
+    assert report.findings == [] and report.errors[0].startswith("ValueError: bitmask 6 rows"), report

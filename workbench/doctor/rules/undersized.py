@@ -302,6 +302,10 @@ def failed_fit_check(doctor, error: BaseException, frame) -> None:
         return
     preparing = doctor.phase in ("warmup", "capture") or not doctor.graphs and bool(doctor.pools)
     numbers = [int(n) for n in _NUMBER.findall(first_line(error))]
+    held = [t for t in frame.f_locals.values() if isinstance(t, torch.Tensor) and t.dim()]
+    sizes = {n for t in held for n in (t.shape[0], t.numel())}
+    # (two tensors' sizes that must match -- ``bitmask 6 rows, logits 2 rows`` -- are no data past a buffer)
+    numbers = [n for n in numbers if not any(n > m for m in numbers) or n not in sizes]
     for name, t in list(frame.f_locals.items()):
         if not isinstance(t, torch.Tensor) or t.dim() == 0 or not numbers:
             continue
