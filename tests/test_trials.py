@@ -56,6 +56,11 @@ GPU_DIFFERS: dict = {
         "on the CPU the mutation probe sees the graph's write into the logits buffer depend on rows it leaves "
         "(persistent-mutation); on the H200 the probe reports nothing, and the reference run names the runner's "
         "token count (warmup-divergence at replay); why the probe parts there is not known yet",
+    ("round25/trtllm_18769_flashinfer_multi_wrapper_decode_plan_frozen_at_warmup", "bug"):
+        "the warmup's plan copies a schedule built with torch.tensor() (no device) into the pinned workspace: on the "
+        "CPU backend a plain CPU tensor is device memory, so that copy is a launch the capture never made "
+        "(warmup-divergence at plan); on the H200 it is host work, and differential replay names the frozen plan "
+        "(host-work-frozen at _plan_with_params)",
 }
 # Variants whose run on a GPU is not reproducible, and why: not compared.
 GPU_UNSTABLE = {

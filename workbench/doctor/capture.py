@@ -60,11 +60,14 @@ def recorded(doctor, func, args, kwargs, run):
             continue
         ext = info.externals.get(key)
         if ext is None:
-            info.externals[key] = External(StorageWeakRef(t.untyped_storage()), describe(t), t.dtype,
-                                           str(func), source, memory.origin_of(t), func.is_view,
-                                           (str(func), source), host=func is _COPY and host_memory(t, info.cuda))
+            ext = info.externals[key] = External(StorageWeakRef(t.untyped_storage()), describe(t), t.dtype,
+                                                 str(func), source, memory.origin_of(t), func.is_view,
+                                                 (str(func), source))
         elif ext.view_only and not func.is_view:      # name the first op that really reads it
             ext.op, ext.source, ext.tensor, ext.view_only = str(func), source, describe(t), False
+        if not ext.host_copy and func is _COPY and t is args[1] and host_memory(t, info.cuda) \
+                and not host_memory(args[0], info.cuda):
+            ext.host_copy = (str(func), source)
     if doctor.followed:
         for key in in_keys:
             uncomputed.capture_reads(doctor, key)

@@ -206,7 +206,7 @@ class Doctor(RunnerEvents):
         info.liveness.watch(info.externals)        # from now: a release is seen where it happens
         self.graph_writes.update(info.writes)
         self.graph_reads.update(info.externals)
-        self.host_reads.update(key for key, ext in info.externals.items() if ext.host)
+        self.host_reads.update(key for key, ext in info.externals.items() if ext.host_copy)
         for key in info.writes:
             self.touched.pop(key, None)
         if any(self.buffer(k) is not None and self.buffer(k).role == "input" for k in info.writes):

@@ -42,7 +42,8 @@ class External:
     view_only: bool                     # ``op``/``source`` are a view's: the first op that reads it replaces them
     touched_at: tuple = ()              # (op, source) of the capture's first op on it, a view too: it holds the address
     reported: bool = False
-    host: bool = False                  # host memory, which a captured copy re-reads by address
+    host_copy: tuple = ()               # (op, source) of a captured host-to-device copy from it: host memory,
+                                        # which every replay re-reads by address
 
 
 @dataclasses.dataclass

@@ -34,11 +34,11 @@ def classify(doctor, info, pending, what: tuple, divergence, run, host: tuple | 
     """A finding for a replay whose outputs or state differ from the eager step's (``what``).
     ``host``: (name, what changed, where) of Python state the eager step changed and the replay did not."""
     text, numbers, key = what
-    handed = next(((k, e) for k, e in info.externals.items() if e.host and k in doctor.touched), None)
-    if divergence is None and handed is not None:
+    handed = next(((k, e) for k, e in info.externals.items() if e.host_copy and k in doctor.touched), None)
+    if handed is not None:
         ext = handed[1]
-        kind, op, tensor = "dangling-reference", Op(*ext.touched_at), f"{ext.tensor} (host memory)"
-        site = (f"The launch traces agree, but {ext.touched_at[0]} at {ext.touched_at[1]} copies from host memory, "
+        kind, op, tensor = "dangling-reference", Op(*ext.host_copy), f"{ext.tensor} (host memory)"
+        site = (f"{ext.host_copy[0]} at {ext.host_copy[1]} copies from host memory, "
                 "which a replay re-reads at the address it was captured from; code outside the graph has written "
                 f"that memory since the capture ({doctor.touched[handed[0]]}): the graph does not own it, and it was "
                 "handed on (a temporary released after the capture, its memory given to the next one).")
