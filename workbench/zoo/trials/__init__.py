@@ -25,7 +25,6 @@ from __future__ import annotations
 import concurrent.futures
 import datetime
 import functools
-import gc
 import importlib
 import json
 import pathlib
@@ -67,9 +66,6 @@ def doctor_of(name: str, variant: str, device: str = "cpu") -> dict:
     (else the first), its kind and function, every kind found, and whether the doctor failed."""
     from ...doctor import diagnose
     prog = program(name)
-    # Each program starts from a collected heap: when cyclic garbage holding tensors goes (and with it
-    # which pool blocks are free) would otherwise depend on what ran before in this process.
-    gc.collect()
     report = diagnose(lambda: prog.run(variant, device))
     best = next((f for f in report.findings if f.kind == prog.KIND), report.findings[0] if report.findings else None)
     return {"kind": best.kind if best else None, "site": best.location.rsplit(" in ", 1)[-1] if best else None,
