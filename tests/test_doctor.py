@@ -681,6 +681,27 @@ def test_host_sync_in_capture_is_flagged_and_the_capture_error_propagates(model,
     assert any(note.startswith("capture of size 4 failed: CaptureError") for note in report.notes)
 
 
+def stream_synchronize(x):
+    """A helper named for the sync it performs (a stand-in for ``cudaStreamSynchronize``)."""
+    return x.sum().item()
+
+
+def benchmark_in_capture(x):
+    stream_synchronize(x)                      # the code that decided to sync
+    return x * 2
+
+
+def test_a_sync_in_a_function_named_for_it_is_named_where_it_was_called():
+    with doctor.watch() as report:
+        runner = make_runner(benchmark_in_capture)
+        with pytest.raises(CaptureError):
+            runner.capture()
+    (finding,) = report.findings
+    assert finding.kind == "sync-in-capture"
+    assert finding.location == where(benchmark_in_capture, "stream_synchronize(x)")
+    assert "the synchronisation itself" in finding.evidence
+
+
 def test_capture_error_leaving_watch_is_listed_in_the_report():
     with pytest.raises(CaptureError), doctor.watch() as report:
         make_runner(sync_item).capture()

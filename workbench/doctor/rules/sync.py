@@ -5,7 +5,9 @@ always the code to change. A helper that turns what it is given into a number (`
 a kernel wrapper converting its scale arguments to launch parameters) syncs because its caller
 handed it a device tensor where a host value was needed: the finding names the frame that handed
 the tensor in, found by walking out from the syncing frame for as long as the tensor reached each
-frame as one of its arguments (or its ``*args``).
+frame as one of its arguments (or its ``*args``). Nor is a function named for the synchronisation
+(a ``cuda_synchronize()`` helper, a stand-in for ``cudaStreamSynchronize``): it is the sync itself,
+and the finding names the line that called it.
 """
 from __future__ import annotations
 
@@ -31,8 +33,9 @@ def check(doctor, info, func, args, kwargs, source: str) -> None:
         return
     if is_host_sync(func, args, lambda t: storage_key(t) in info.constants) or device_to_host(func, args, kwargs):
         t = args[0] if func.overloadpacket is _VALUE_READ and args else None    # a number read from a tensor
-        caller = handed_in([(f, f.f_lineno) for f in user_frames()], lambda v: v is t) if t is not None else None
-        finding(doctor, info.name, str(func), source, caller)
+        frames = [(f, f.f_lineno) for f in user_frames()]
+        caller = handed_in(frames, lambda v: v is t) if t is not None else None
+        finding(doctor, info.name, str(func), source, caller, _stand_in(frames))
         if info.cuda:
             raise host_sync_error(str(func), source, t)
 
@@ -45,8 +48,8 @@ def aborted(doctor, graph: str, error) -> None:
             frames.append((tb.tb_frame, tb.tb_lineno))
         tb = tb.tb_next
     t = error.tensor() if error.tensor is not None else None
-    finding(doctor, graph, error.op, error.source or "<unknown>",
-            handed_in(frames[::-1], lambda v: v is t) if t is not None else None)
+    caller = handed_in(frames[::-1], lambda v: v is t) if t is not None else None
+    finding(doctor, graph, error.op, error.source or "<unknown>", caller, _stand_in(frames[::-1]))
 
 
 def handed_in(frames: list, same) -> str | None:
@@ -60,6 +63,14 @@ def handed_in(frames: list, same) -> str | None:
     if not i or _closed_over(frames[i][0], same):
         return None                 # (a closure's variable: chosen where the closure was made, not here)
     return location(*frames[i])
+
+
+def _stand_in(frames: list) -> str | None:
+    """``frames`` (innermost first): where the innermost one was called, when its function is named
+    for a synchronisation (it is the sync, not the code that decided to sync); else None."""
+    if len(frames) > 1 and "sync" in frames[0][0].f_code.co_name.lower():
+        return location(*frames[1])
+    return None
 
 
 def _argument(frame, same) -> bool:
@@ -79,10 +90,14 @@ def _closed_over(frame, same) -> bool:
     return bool(names) and all(name in code.co_freevars for name in names)
 
 
-def finding(doctor, graph: str, op: str, source: str, caller: str | None = None) -> None:
+def finding(doctor, graph: str, op: str, source: str, caller: str | None = None, stand_in: str | None = None) -> None:
+    """``caller``: where the tensor the sync read was handed in; ``stand_in``: where a function named
+    for the sync was called."""
     evidence = f"{op} was called while {graph} was being captured"
     if caller is not None:
         evidence += (f", at {source}, on a tensor it was given as an argument: the device tensor was handed in at "
                      f"{caller}")
-    doctor.add(Finding("sync-in-capture", graph, op, "-", caller or source, evidence, explain.sync(op)),
+    elif stand_in is not None:
+        evidence += f", at {source}, in a function that is the synchronisation itself, called at {stand_in}"
+    doctor.add(Finding("sync-in-capture", graph, op, "-", caller or stand_in or source, evidence, explain.sync(op)),
                ("sync-in-capture", op, source))
