@@ -102,7 +102,7 @@ def finish(doctor, info, pending) -> None:
     while True:
         run, got, error = _eager(doctor, info, pending, replayed, rng_after, traced=traced,
                                  rows=(pending.real, pending.size, periodic) if sampled and traced else None)
-        changed = [c for c in run.rebound if _made_as_at_capture(info, pending, run, c[3]) and not _same(*c[2:])]
+        changed = [c for c in run.rebound if _made_as_at_capture(info, pending, run, c[3])]
         what = None
         if error is None:
             eager_out, eager_state, extra = got
@@ -225,17 +225,6 @@ def _made_as_at_capture(info, pending, run, new) -> bool:
     for itself -- scratch the graph does not use -- is made by a line the capture never ran.)"""
     made = run.created_by.get(storage_key(new)) if isinstance(new, torch.Tensor) else None
     return made is None or any(op.source == made.source for g in pending.span or (info,) for op in g.ops)
-
-
-def _same(old, new) -> bool:
-    """Whether the tensor a binding holds as the replay left it (a graph's output, which every replay
-    writes) holds the values of the one the eager step bound: a reader of the binding sees this
-    step's values either way, and the rebinding is no difference."""
-    if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)) or old.shape != new.shape \
-            or old.dtype != new.dtype:
-        return False
-    with _disable_current_modes():
-        return not bool(disagrees(old, new).any())
 
 
 def _host_work(doctor, info, pending, replayed: dict, rng_after, run, only: set | None = None) -> tuple | None:

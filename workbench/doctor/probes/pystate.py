@@ -29,9 +29,11 @@ import types
 from operator import is_
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ...engine.opinfo import storage_key
 from ...engine.source import location, mine
+from ..tensors import disagrees
 
 _MAX_OBJECTS = 4000
 _ATOMS = (int, float, bool, str, bytes, complex, type(None))  # walked past: nothing to reach through
@@ -313,10 +315,18 @@ def _rebinds(entries: list):
 def changes(entries: list, made: set | None) -> list[tuple]:
     """``(container, key, old, new)`` for every binding of a tensor that now holds another tensor,
     one the eager step made (``made``: its new storages; None when they are not known, and then any
-    other tensor)."""
+    other tensor), with other values: a binding the replay left on the graph's own output, which
+    every replay writes, shows a reader this step's values as the eager step's new tensor does."""
     return [(c, key, old, new) for c, _, key, old, new in _rebinds(entries)
             if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)
-            and (made is None or storage_key(new) in made)]
+            and (made is None or storage_key(new) in made) and not _same_values(old, new)]
+
+
+def _same_values(old: torch.Tensor, new: torch.Tensor) -> bool:
+    if old.shape != new.shape or old.dtype != new.dtype:
+        return False
+    with _disable_current_modes():
+        return not bool(disagrees(old, new).any())
 
 
 def settings(entries: list) -> list[tuple]:

@@ -1,8 +1,11 @@
 """Why a replay differs from the reference run's same step (``probes/reference.py``): the graph's
-ops are set beside the reference step's by op, line and occurrence, and four causes are looked for,
-in order -- a static input holding other values (``static_input``), a launch trace that parts
-(``parting``), a number baked into the graph (``frozen_number``), a tensor the graph only reads
-holding other values (``bound``). Each returns ``(kind, op, tensor, source, why)`` or None."""
+ops are set beside the reference step's by op, line and occurrence, and these causes are looked
+for, in order -- a static input holding other values (``static_input``), a capture window narrower
+than the step's data (``narrower``), a launch trace that parts (``parting``), a number baked into
+the graph (``frozen_number``), a tensor the graph only reads holding other values (``bound``), a
+view taken elsewhere in its storage (``moved_view``). Each returns ``(kind, op, tensor, source,
+why)`` or None. Two more are asked of the workload's results when no finding explains them:
+padded rows handed out (``padded_result``) and a 0-dim host tensor taken by value (``frozen_scalar``)."""
 from __future__ import annotations
 
 import torch
