@@ -39,8 +39,6 @@ What a CUDA graph is, reduced to the rules that cause bugs in serving stacks:
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -51,7 +49,7 @@ from .host import HostTensor
 from .host_sync import HostSyncGuard, host_sync_error, is_host_sync
 from .pool import Pool
 from .queries import is_capturing
-from .opinfo import describe, storage_key, written_tensors
+from .opinfo import describe, metadata_only, storage_key, written_tensors
 from .recorded import ExternalRef, RecordedOp, _as_tuple, _poison
 from .source import user_frame
 
@@ -67,16 +65,6 @@ _DETACHES = frozenset({aten.detach, aten.detach_})
 # memory keeps whatever was last written there (until the first write, the capture's poison).
 ALLOCATIONS = frozenset({aten.empty, aten.empty_like, aten.new_empty, aten.empty_strided,
                          aten.new_empty_strided})
-# Storage changes stay recorded: ``set_`` and ``resize_`` (which may allocate) are taken by the pool.
-_STORAGE_CHANGES = frozenset({aten.set_, aten.resize_, aten.resize_as_})
-
-
-@functools.cache
-def _metadata_only(func) -> bool:
-    """An in-place op on a tensor's metadata alone (``squeeze_``, ``t_``, ``as_strided_``): no kernel,
-    so a capture records nothing. Replayed, it would change the shape of the graph's own reference
-    to the memory (``matmul`` of a vector squeezes its ``mm`` result in place)."""
-    return torch.Tag.inplace_view in func.tags and func.overloadpacket not in _STORAGE_CHANGES
 
 
 class _Recorder(TorchDispatchMode):
@@ -172,7 +160,7 @@ class CPUGraph:
             return self._run_on_host(func, args, kwargs)
         if is_host_sync(func, args, lambda t: storage_key(t) in self._lifted or self._is_host(t)):
             raise host_sync_error(str(func), user_frame())
-        if _metadata_only(func):
+        if metadata_only(func):     # no kernel; replayed, it would reshape the graph's own reference
             return func(*args, **kwargs)
         pool = self._pool
         packet = func.overloadpacket

@@ -104,6 +104,18 @@ def pure_view(func) -> bool:
     return bool(func.is_view and not mutable(func))
 
 
+# In-place ops that change where a tensor's memory is or how much there is: not metadata alone.
+_STORAGE_CHANGES = frozenset({aten.set_, aten.resize_, aten.resize_as_})
+
+
+@functools.cache
+def metadata_only(func) -> bool:
+    """An in-place change of a tensor's shape or strides alone (``squeeze_``, ``t_``, ``as_strided_``,
+    which ``vector @ matrix`` applies to its ``mm`` result): no kernel, so a CUDA capture records
+    nothing for it. Decided once per op."""
+    return torch.Tag.inplace_view in func.tags and func.overloadpacket not in _STORAGE_CHANGES
+
+
 # Ops that read only a tensor's shape, dtype and device, never its values.
 _SHAPE_ONLY = frozenset({aten.empty_like, aten.zeros_like, aten.ones_like, aten.full_like, aten.rand_like,
                          aten.randn_like, aten.randint_like, aten.new_empty, aten.new_zeros, aten.new_ones,
