@@ -562,6 +562,50 @@ def test_a_step_whose_data_the_programs_own_check_refuses_for_a_static_input(var
         assert finding.kind == "undersized-buffer" and finding.tensor == "ids: int64[4]"
 
 
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_builder_that_resets_the_runners_shared_offsets_before_the_next_builder_reads_them(variant):
+    """Two metadata builders get views of the runner's query offsets for a capture's dummy batch.
+    The first one's capture path zeroes them in place (bug): the second builder's check that every
+    request has a token fails. The fix zeroes only a copy of its own."""
+    class Runner:
+        def __init__(self):
+            self.offsets = torch.zeros(5, dtype=torch.int64)
+            events.static_buffers("runner", {"query_start_loc": self.offsets})
+
+        def dummy_batch(self, n):
+            self.offsets.copy_(torch.arange(5).clamp(max=n))
+            return self.offsets[:n + 1]
+
+    def build_for_capture(offsets):
+        if variant == "bug":
+            offsets.zero_()
+        else:
+            offsets = torch.zeros_like(offsets)
+        return offsets
+
+    def build_indexer(offsets):
+        lengths = offsets[1:] - offsets[:-1]
+        assert bool((lengths > 0).all()), "a decode request without tokens"
+        return lengths
+
+    def workload():
+        runner = Runner()
+        offsets = runner.dummy_batch(4)
+        build_for_capture(offsets)
+        lengths = build_indexer(offsets)
+        g = new_graph("cpu")
+        with graph(g):
+            lengths * 2
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [] and report.errors == [], report
+        return
+    (finding,) = report.findings
+    assert report.errors[0].startswith("AssertionError: a decode request without tokens"), report
+    assert finding.kind == "persistent-mutation" and finding.tensor == "query_start_loc: int64[5]"
+    assert finding.source.endswith("offsets.zero_()") and finding.graph == "the first capture"
+
+
 # ------------------------------------------------------------------------------ host memory a captured copy reads
 @pytest.mark.parametrize("variant", ["bug", "fix"])
 def test_a_captured_copy_from_a_shared_host_scratch_that_later_code_refills(variant):

@@ -112,6 +112,13 @@ def negative_size(error: str) -> str:
             "Size each buffer from what it must hold, and check a computed count before allocating with it.")
 
 
+def reset_input(name: str) -> str:
+    return (f"`{name}` is a static input: the runner writes each step's data there and every reader of the step "
+            "(each metadata builder, the capture's dummy run, the graph) reads that one buffer. Code that resets it "
+            "in place blanks the step's input for every reader after it. Reset a copy of your own, or only memory "
+            "that nothing else reads.")
+
+
 def unfit_write(error: str) -> str:
     return (f"A write failed because its data does not fit its destination: {error}. The buffer was sized (at "
             "start-up, or by a warmup or capture's dummy batch) for less than what this step writes into it; "

@@ -37,8 +37,8 @@ from .failures import contained
 from .report import Finding, Report
 from .runner_events import RunnerEvents
 from .threads import Threads
-from .rules import (dangling, derived, mutation, overwritten, padded_scatter, shapes, sync, uncomputed, undersized,
-                    unread, warmup)
+from .rules import (clobbered, dangling, derived, mutation, overwritten, padded_scatter, shapes, sync, uncomputed,
+                    undersized, unread, warmup)
 from .rules.pool import PoolReads
 from .tensors import first_line
 
@@ -115,6 +115,7 @@ class Doctor(RunnerEvents):
         self.failure: str | None = None             # the doctor's own error, once it has stopped
         self.failed_ops: dict[int, str] = {}        # id(error) -> what an op of the watched code raised
         self.failed_codes: set = set()              # the functions those errors were raised under
+        self.input_writes: dict[int, tuple] = {}    # static input -> (code that wrote data, last reset: clobbered.py)
         self.explanation: tuple | None = None       # (id(error), finding, key): the last error explained where it was
                                                     # raised, reported if it proves a failure (failures.explained)
         self.pools: dict = {}                       # pool key -> (line that made the handle, graphs captured into it)
@@ -344,6 +345,8 @@ class Doctor(RunnerEvents):
         if self.reference is not None:
             self.reference.eager_op(self, func, args, kwargs)
         targets = self.targets(func, args, kwargs)
+        if targets and phase == "eager":
+            clobbered.wrote(self, func, targets)
         if targets and self.every and phase == "eager":
             self.carried.wrote(self, func, args, targets)
         if targets and func is _COPY:

@@ -5,13 +5,15 @@ serving loop that logs and drops the batch. An op that fails at dispatch is seen
 mode (``failures.op_failed``), but many errors are raised before any op reaches it: a composite
 op's argument check (``repeat_interleave`` with mismatched sizes), a tensor's ``__index__``, an
 ``assert`` of the workload. Unseen, such a run reads "0 findings". The tracer sees each error in
-the first user frame it passes through and keeps, once graphs exist, those that came from a call
-into a library (torch's checks) or from an ``assert`` and then left that frame, not those the same
-function caught (a probe such as ``try: torch.xpu.is_current_stream_capturing() except Exception:
-return False``). An error of a ``raise`` statement is raised on purpose, for the workload's own
-code to catch: it is kept only if code that is not the workload's caught it (a harness around the
-step, such as the zoo's ``compare``): it left two or more of the workload's frames, then a library's,
-and never reached the workload's frame above.
+the first user frame it passes through and keeps, once graphs exist (or a runner has announced
+the buffers it captures with), those that came from a call into a library (torch's checks) or from
+an ``assert`` and then left that frame, not those the same function caught (a probe such as
+``try: torch.xpu.is_current_stream_capturing() except Exception: return False``). An error of a
+``raise`` statement is raised on purpose, for the workload's own code to catch: it is kept only if
+code that is not the workload's caught it (a harness around the step, such as the zoo's
+``compare``): it left two or more of the workload's frames, then a library's, and never reached
+the workload's frame above. The program's own checks are also handed to the rules that read them
+(``undersized.failed_fit_check``, ``clobbered.failed_check``).
 After a padded replay it also hands each frame to ``rules/shapes.py``, which may tie the error
 to the padded rows; an item assignment that failed (into a NumPy staging array, which dispatches
 no op) goes to ``rules/undersized.py``'s write contract.
@@ -34,7 +36,7 @@ import sysconfig
 
 from ..engine.source import SKIP_DIRS, function_name, location, mine, short_path
 from . import failures
-from .rules import shapes, size_table, undersized
+from .rules import clobbered, shapes, size_table, undersized
 from .tensors import first_line
 
 _RAISES = {dis.opmap[name] for name in ("RAISE_VARARGS", "RERAISE")}
@@ -149,7 +151,8 @@ class _Tracer:
             size_table.explained(doctor, error, frame)
             if _op(frame) in _RAISES:                # the program's own check (``assert``, ``raise``), not a library's
                 undersized.failed_fit_check(doctor, error, frame)
-        if watched and (doctor.graphs or doctor.pools or doctor.phase != "eager") \
+                clobbered.failed_check(doctor, error, frame)
+        if watched and (doctor.graphs or doctor.pools or doctor.buffers or doctor.phase != "eager") \
                 and (shapes.explainable(error) or failures.pending(doctor, error)):
             where = f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} in {function_name(frame.f_code)}"
             text = (f"{type(error).__name__}: {first_line(error)} (raised at {where}, during {doctor.phase})",

@@ -1,0 +1,78 @@
+"""persistent-mutation outside the graph: a step's static input, filled with the step's data, then
+reset in place by other code before a reader of the same step failed on it.
+
+A runner writes a step's inputs into its static buffers (a copy of the step's data), then hands
+views of them to everything that prepares the step: each metadata builder in turn, the capture's
+dummy run. Code that resets such a buffer in place (``zero_()``, ``fill_()``) -- a capture path
+covering up a kernel's out-of-range access, a reset meant for a copy of its own -- blanks the input
+for every reader after it: the buffer is the runner's, shared, and not that code's to write.
+
+Without a reference run this shows only as a failure: the program's own check (an ``assert``, a
+``raise``) fails in a frame that holds a view of the buffer, and the elements it views were last
+written by such a reset, in a function other than the one that wrote the step's data there. The
+finding names the reset, and is reported once the error proves a failure (``failures.explained``).
+"""
+from __future__ import annotations
+
+import torch
+
+from ...engine.opinfo import describe, storage_key
+from ...engine.source import location, user_frames
+from .. import explain
+from ..report import Finding
+from ..tensors import first_line
+from .undersized import where
+
+_RESETS = (torch.ops.aten.zero_, torch.ops.aten.fill_)
+
+
+def wrote(doctor, func, targets: list) -> None:
+    """An eager write into announced buffers: a static input's data write, or a reset of it."""
+    frames = None
+    for key, t, buf in targets:
+        if buf.role != "input":
+            continue
+        frames = frames if frames is not None else user_frames()
+        if not frames:
+            return
+        code = frames[0].f_code
+        if func.overloadpacket in _RESETS:
+            filled = doctor.input_writes.get(key)
+            if filled is not None and filled[0] is not code:
+                doctor.input_writes[key] = (filled[0], (code, location(frames[0]), _span(t), str(func)))
+        else:
+            doctor.input_writes[key] = (code, None)
+
+
+def failed_check(doctor, error: BaseException, frame) -> None:
+    """The program's own check failed in ``frame``: where a view it holds was last reset by code
+    other than the step's data write, that reset is kept as the failure's explanation."""
+    if not doctor.input_writes or doctor.explanation is not None and doctor.explanation[0] == id(error):
+        return
+    for name, t in list(frame.f_locals.items()):
+        if not isinstance(t, torch.Tensor):
+            continue
+        entry = doctor.input_writes.get(key := storage_key(t))
+        if entry is None or entry[1] is None or not _overlap(entry[1][2], _span(t)):
+            continue
+        _, source, _, op = entry[1]
+        buf = doctor.buffer(key)
+        what = f"{buf.name}: {describe(t)}"
+        finding = Finding(
+            "persistent-mutation", where(doctor) if doctor.graphs else "the first capture", op, what, source,
+            f"the program's check failed ({type(error).__name__}: {first_line(error) or 'assert'}, at "
+            f"{location(frame)}) on {name}, a view of the static input {buf.name} (announced by {buf.owner}); the "
+            f"step's data written there was reset in place at {source}", explain.reset_input(buf.name),
+            {"elements": t.numel()})
+        doctor.explanation = (id(error), finding, ("persistent-mutation", "reset", source))
+        return
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The storage elements a view can touch: [first, last]."""
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0)
+    return t.storage_offset(), last if t.numel() else t.storage_offset() - 1
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] <= b[1] and b[0] <= a[1]
