@@ -152,15 +152,38 @@ class OmittingRunner(Runner):
 
 
 @pytest.mark.parametrize("variant", ["bug", "fix"])
-def test_an_input_the_replay_path_never_writes_is_stale_input_at_the_op_that_reads_it(variant):
+def test_an_input_the_replay_path_never_writes_is_stale_input_at_the_refresh_that_left_it_out(variant):
     """The static input differs from the reference, as above, but no step wrote those elements: the
     graph reads what was left there (no step ever wrote it, so the carried-input probe, which puts
-    back what earlier steps wrote, has nothing to put back)."""
+    back what earlier steps wrote, has nothing to put back). ``attend`` reads ``lens`` and ``q``,
+    which the step did write: the refresh that left ``lens`` out is ``prepare``'s copy into ``q``."""
     finding = _finding(_workload(lambda cache: OmittingRunner(cache, variant)), variant)
     if finding is None:
         return
-    assert finding.kind == "stale-input" and " in attend: " in finding.source, finding
+    assert finding.kind == "stale-input" and "self.q.copy_(q)" in finding.source, finding
     assert finding.tensor.startswith("lens: ") and "this step wrote none of them" in finding.evidence, finding
+    assert "refreshed q, which attend reads too" in finding.evidence, finding
+
+
+def lengths_apart(q, cache, lens, max_len: int):
+    """The lengths read by a function of their own, which reads no other input."""
+    return attend(q, cache, torch.ones_like(lens), max_len) * _scale(lens)[:, None]
+
+
+def _scale(lens):
+    return lens.float() / 8
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_an_omitted_input_read_apart_from_the_others_is_named_at_the_steps_refresh(variant):
+    """No function that reads the omitted ``lens`` reads an input the step wrote: the refresh that
+    left it out is the function that wrote the step's other static inputs (``prepare``)."""
+    finding = _finding(_workload(lambda cache: OmittingRunner(cache, variant, kernel=lengths_apart),
+                                 kernel=lengths_apart), variant)
+    if finding is None:
+        return
+    assert finding.kind == "stale-input" and "self.q.copy_(q)" in finding.source, finding
+    assert "refreshed q, with most of the step's static inputs" in finding.evidence, finding
 
 
 def weighted(q, cache, lens, max_len: int):

@@ -62,7 +62,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ...engine.opinfo import mutable, op_tensors, storage_key, tensors, written_tensors
+from ...engine.opinfo import describe, mutable, op_tensors, storage_key, tensors, written_tensors
 from ...engine.source import frames_within, location, user_frame, user_frames
 from .. import explain
 from ..records import Op
@@ -109,7 +109,7 @@ class Reference:
         self.roots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.at_replay: dict[int, tuple] = {}     # id(GraphInfo) -> (served steps before, static views' values)
         self.by_call: tuple | None = None         # (code, call number -> its steps), for the last root asked
-        self.writers: dict[int, tuple] = {}       # static input -> (op, line) that last wrote it, in the served run
+        self.writers: dict[int, tuple] = {}       # static input -> (op, line, its name): its last write, served run
         self.found: dict[str, tuple] = {}         # graph name -> (info, kind, op, tensor, source, text, numbers)
         self.unexplained: list[tuple] = []        # (graph name, text) of replays that differ, no cause found
         self.verdict: tuple | None = None         # the workload's own: None (not said), () (agrees), (result, diff)
@@ -146,7 +146,7 @@ class Reference:
             for t in written_tensors(func, args, kwargs):
                 buf = doctor.buffer(key := storage_key(t))
                 if buf is not None and buf.role == "input" or buf is None and key in doctor.graph_reads:
-                    self.writers[key] = (str(func), user_frame())
+                    self.writers[key] = (str(func), user_frame(), buf.name if buf is not None else describe(t))
 
     def _record(self, func, args, kwargs) -> None:
         inputs = op_tensors(args, kwargs)

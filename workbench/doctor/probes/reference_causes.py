@@ -74,8 +74,7 @@ def static_input(writers: dict, info, compared: list) -> tuple | None:
                 why = (f"{buf.name} holds other values in its real rows than the reference gives {op.name} at "
                        f"{op.source} ({count}), and this step wrote none of them: the graph reads what an earlier "
                        "step left there (an input the step omitted, a refresh skipped)"
-                       + (f"; {refresh[1]} refreshed {refresh[0]}, which the same op reads, at {refresh[2]}"
-                          if refresh else ""))
+                       + (f"; {refresh[1]} refreshed {refresh[0]}, {refresh[3]}, at {refresh[2]}" if refresh else ""))
                 site = refresh[2] if refresh else op.source
                 return "stale-input", op.name, f"{buf.name}: {describe(mine)}", site, why
         writer = writers.get(storage_key(whole_buf), (op.name, op.source))
@@ -112,16 +111,35 @@ def narrower(ops: list, under: tuple, ref: list, values: dict, views: dict) -> t
 
 
 def _refreshed_beside(writers: dict, info, compared: list, op, stale) -> tuple | None:
-    """(buffer, op, line) of another static input the same op reads that this step wrote: where the
-    step refreshed what that op reads, and skipped ``stale`` (a builder copying one of two tables).
-    None where the op reads no other input written this step."""
-    for other, buf, *_ in compared:
-        if other is not op or buf is stale or (whole_buf := buf.ref()) is None:
-            continue
-        key = storage_key(whole_buf)
-        if info.step is not None and key in info.step and (writer := writers.get(key)) is not None:
-            return buf.name, writer[0], writer[1]
-    return None
+    """(buffer, op, line, how it is tied to ``stale``'s reader) of the refresh that skipped
+    ``stale``: a write this step made into another static input that the same op reads, else the
+    same function of the captured code (a builder copying one of two tables, a ``fill_params``
+    refreshing the lengths read beside a plan); else the last write of the function that wrote
+    most of the graph's static inputs this step (the step's refresh, which left this one out).
+    None where the step wrote no static input of the graph."""
+    if not info.step or (whole_stale := stale.ref()) is None:
+        return None
+    function = _function(op.source)
+    for near, how in ((lambda other: other is op, "which the same op reads"),
+                      (lambda other: _function(other.source) == function, f"which {function} reads too")):
+        for other, buf, *_ in compared:
+            if not near(other) or buf is stale or (whole_buf := buf.ref()) is None:
+                continue
+            if (key := storage_key(whole_buf)) in info.step and (writer := writers.get(key)) is not None:
+                return buf.name, writer[0], writer[1], how
+    stale_key, by_function = storage_key(whole_stale), {}      # the step's refresh: by function
+    for key in info.step:
+        if key in writers and key != stale_key:
+            by_function.setdefault(_function(writers[key][1]), []).append(writers[key])
+    if not by_function:
+        return None
+    name, line, buffer = max(by_function.values(), key=len)[-1]
+    return buffer, name, line, "with most of the step's static inputs"
+
+
+def _function(source: str) -> str:
+    """The function of a ``file:line in function: code`` location."""
+    return source.split(" in ", 1)[-1].split(":", 1)[0]
 
 
 def padded_result(doctor, index: int, served: tuple, reference: tuple, padded: dict) -> None:
