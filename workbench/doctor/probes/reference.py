@@ -21,8 +21,9 @@ the same step on both sides (``reference_causes.py``):
 1. a static input the graph reads holds other values, in its real rows, than the tensor the
    reference gives the same op (by line and occurrence): the runner prepared the step wrongly --
    ``warmup-divergence`` at the line that last wrote that buffer; or, where this step wrote none of
-   the elements that differ, it omitted them -- ``stale-input`` at the op that reads them (at the
-   refresh of another input that op reads, where the step wrote one: the refresh that skipped it);
+   the elements that differ, it omitted them -- ``stale-input`` at the refresh that skipped them (the
+   step's write into another input that the op, or its function, reads; else the function that
+   wrote most of the step's inputs), at the op that reads them where the step wrote no input;
    or the graph's view of it is narrower, in a dimension other than its rows, than the reference's
    tensor: the capture's window is too small for this step -- ``undersized-buffer`` at the line
    that took the view;
