@@ -1117,3 +1117,49 @@ def test_a_host_scalar_taken_by_value_is_named_when_the_workloads_results_differ
         return
     assert finding.kind == "host-work-frozen" and finding.numbers == {"captured_value": 1.0}, finding
     assert finding.source.endswith("out = step()"), finding.source
+
+
+class CastCache:
+    """A lower-precision copy of a tensor, cached by the tensor's identity (autocast's ``cached_casts``)."""
+
+    def __init__(self, keyed: bool):
+        self.keyed, self.casts = keyed, {}
+
+    def cast(self, t):
+        if self.keyed and id(t) in self.casts:
+            return self.casts[id(t)]
+        self.casts[id(t)] = low = t.to(torch.bfloat16)
+        return low
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix", "previous step kept"])
+def test_a_value_cached_by_a_graph_outputs_identity_is_stale_input_where_it_was_computed(variant):
+    """The graph hands out the same output tensor at every replay. ``bug``: the cast of it is cached
+    by the tensor's identity, so every step after the first multiplies by the first step's cast.
+    ``fix``: cast each step. ``previous step kept``: the last step's cast kept on purpose and read
+    once (a difference between steps) is no finding."""
+    def workload():
+        z, x = torch.zeros(4), torch.ones(4)
+        events.static_buffers("runner", {"z": z})
+        with events.reference():
+            expected = [torch.tanh(torch.full((4,), float(k))).to(torch.bfloat16).float() * x for k in range(3)]
+        g = new_graph("cpu")
+        with graph(g, name="weights"):
+            w = torch.tanh(z)
+        cache, got, previous = CastCache(keyed=variant == "bug"), [], None
+        for k in range(3):
+            z.fill_(float(k))
+            events.serve(g, 4, 4, padded={}, outputs=w, eager=lambda: torch.tanh(z))
+            g.replay()
+            low = cache.cast(w)
+            got.append(low.float() * x)
+            if variant == "previous step kept" and previous is not None:
+                got[-1] = got[-1] + 0 * (low.float() - previous.float())
+            previous = low
+        events.results(expected, got)
+        return expected, got
+    finding = _finding(workload, "fix" if variant != "bug" else "bug")
+    if finding is None:
+        return
+    assert finding.kind == "stale-input" and finding.source.endswith("self.casts[id(t)] = low = t.to(torch.bfloat16)")
+    assert finding.numbers == {"made_after": 1, "read_after": 2}, finding

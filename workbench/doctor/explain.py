@@ -112,6 +112,13 @@ def negative_size(error: str) -> str:
             "Size each buffer from what it must hold, and check a computed count before allocating with it.")
 
 
+def reused_output_value(graph: str) -> str:
+    return (f"A replay of {graph} rewrites its outputs in place and hands out the same tensor objects again. A value "
+            "computed from an output and cached by the tensor's identity (autocast's weight-cast cache, a memo keyed by "
+            "`id(t)`) is found again at the next step and holds the earlier step's values. Do not cache what is computed "
+            "from a graph's outputs, or hand out a copy each step.")
+
+
 def reset_input(name: str) -> str:
     return (f"`{name}` is a static input: the runner writes each step's data there and every reader of the step "
             "(each metadata builder, the capture's dummy run, the graph) reads that one buffer. Code that resets it "

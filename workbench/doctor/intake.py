@@ -37,8 +37,8 @@ from .failures import contained
 from .report import Finding, Report
 from .runner_events import RunnerEvents
 from .threads import Threads
-from .rules import (clobbered, dangling, derived, mutation, overwritten, padded_scatter, shapes, sync, uncomputed,
-                    undersized, unread, warmup)
+from .rules import (clobbered, dangling, derived, mutation, overwritten, padded_scatter, reused, shapes, sync,
+                    uncomputed, undersized, unread, warmup)
 from .rules.pool import PoolReads
 from .tensors import first_line
 
@@ -115,6 +115,8 @@ class Doctor(RunnerEvents):
         self.failure: str | None = None             # the doctor's own error, once it has stopped
         self.failed_ops: dict[int, str] = {}        # id(error) -> what an op of the watched code raised
         self.failed_codes: set = set()              # the functions those errors were raised under
+        self.derivations: dict[int, list] = {}      # tensors eager code computed from graph memory (reused.py)
+        self.reused: Finding | None = None         # ... one read again after a replay rewrote its source
         self.input_writes: dict[int, tuple] = {}    # static input -> (code that wrote data, last reset: clobbered.py)
         self.explanation: tuple | None = None       # (id(error), finding, key): the last error explained where it was
                                                     # raised, reported if it proves a failure (failures.explained)
@@ -395,6 +397,11 @@ class Doctor(RunnerEvents):
                 out = undersized.write(self, func, targets, run)
         if (self.uncomputed or self.followed) and not view and phase == "eager" and not self.dummy_run:
             uncomputed.eager_op(self, func, args, kwargs, out)
+        if self.reference is not None and self.every and not view and phase == "eager" and self.pool.producer:
+            for x in args:
+                if id(x) in self.derivations:
+                    reused.read(self, func, x)
+            reused.derived(self, func, args, kwargs, out)
         if self.padded_step is not None and not view:
             shapes.derived(self, func, args, kwargs, out)
         if self.pattern is not None and not view:

@@ -46,8 +46,9 @@ first cause (a static input) is looked for (the other pieces' ops are not beside
 
 At the end, where no rule found anything: a result of the workload with a padded replay's rows
 where the reference has the real ones is ``padded-shape-mismatch`` at the line that replayed it;
-and a served run that failed or differs is compared with the reference line by line
-(``coverage.py``).
+a tensor eager code computed from a graph's output, read again after a replay rewrote that
+output, is ``stale-input`` where it was computed (``rules/reused.py``); and a served run that
+failed or differs is compared with the reference line by line (``coverage.py``).
 
 Only a graph no other rule has a finding for gets one (one failure, one finding). A replay whose
 outputs agree with the reference gives none, whatever its trace: a graph that launches more work
@@ -68,6 +69,7 @@ from ...engine.source import frames_within, location, user_frame, user_frames
 from .. import explain
 from ..records import Op
 from ..report import Finding
+from ..rules import reused
 from ..tensors import announced_of, disagrees, host_only, max_abs_diff, real_rows, signature
 from .coverage import Coverage
 from .eager_trace import number_origin
@@ -346,6 +348,8 @@ class Reference:
                                explain.reference_run(name, why), numbers), (kind, op, source))
         if not doctor.report.findings and self.misshaped:
             padded_result(doctor, self.verdict[0], *self.misshaped, self.padded)
+        if not doctor.report.findings and self.verdict:
+            reused.report(doctor)
         failed = bool(doctor.failed_ops or doctor.report.errors)
         if not doctor.report.findings and (failed or self.verdict or self.unexplained):
             self.coverage.parted(doctor, self, failed)
