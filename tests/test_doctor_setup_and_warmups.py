@@ -665,18 +665,30 @@ def test_an_attribute_the_step_binds_to_its_own_output_is_no_finding():
     assert doctor.diagnose(workload).findings == []
 
 
-def test_a_check_that_two_tensors_match_is_no_fit_check():
-    """``bitmask 6 rows, logits 2 rows``: two tensors of the frame whose sizes must match, not data
-    larger than a buffer, fail the program's check in a warmup: no undersized-buffer."""
+@pytest.mark.parametrize("variant", ["bug", "fix", "neither announced"])
+def test_a_check_that_a_buffer_and_the_steps_tensor_match_is_a_padded_shape_mismatch(variant):
+    """``bitmask 6 rows, logits 2 rows``: a persistent bitmask laid out for the padded token layout
+    and the warmup's logits fail the program's check that they have as many rows (bug): not data
+    past a buffer (no undersized-buffer) but two layouts that disagree. The fix lays the bitmask out
+    for the graph's batch; where neither tensor is an announced buffer, nothing ties the check to
+    the graph."""
     def apply_bitmask(logits, bitmask):
         if bitmask.shape[0] != logits.shape[0]:
             raise ValueError(f"bitmask {bitmask.shape[0]} rows, logits {logits.shape[0]} rows")
         return logits.masked_fill(bitmask, 0)
 
     def workload():
-        logits = torch.zeros(2, 4)
-        events.static_buffers("runner", {"logits": logits})
+        bitmask = torch.zeros(6, 4, dtype=torch.bool)
+        if variant != "neither announced":
+            events.static_buffers("runner", {"guided_bitmask": bitmask})
+        rows = 2 if variant == "fix" else 6
         with events.warmup():
-            apply_bitmask(logits, torch.zeros(6, 4, dtype=torch.bool))
+            apply_bitmask(torch.zeros(2, 4), bitmask[:rows] if variant == "fix" else bitmask)
     report = doctor.diagnose(workload)
-    assert report.findings == [] and report.errors[0].startswith("ValueError: bitmask 6 rows"), report
+    if variant != "bug":
+        assert report.findings == [] and (variant == "fix") == (report.errors == []), report
+        return
+    (finding,) = report.findings
+    assert report.errors[0].startswith("ValueError: bitmask 6 rows"), report
+    assert finding.kind == "padded-shape-mismatch" and finding.numbers == {"buffer_rows": 6, "step_rows": 2}
+    assert "raise ValueError" in finding.source

@@ -112,6 +112,12 @@ def negative_size(error: str) -> str:
             "Size each buffer from what it must hold, and check a computed count before allocating with it.")
 
 
+def unmatched_layout(name: str, rows: int, step_rows: int) -> str:
+    return (f"`{name}` is laid out for {rows} rows while the graph being prepared runs {step_rows}: the buffer's "
+            "layout was computed for another token layout (the padded, largest one) than the batch this graph is "
+            "captured for. Lay the buffer out from the graph's own batch (its runtime draft length, its padded size).")
+
+
 def reused_output_value(graph: str) -> str:
     return (f"A replay of {graph} rewrites its outputs in place and hands out the same tensor objects again. A value "
             "computed from an output and cached by the tensor's identity (autocast's weight-cast cache, a memo keyed by "

@@ -13,7 +13,7 @@ an ``assert`` and then left that frame, not those the same function caught (a pr
 code that is not the workload's caught it (a harness around the step, such as the zoo's
 ``compare``): it left two or more of the workload's frames, then a library's, and never reached
 the workload's frame above. The program's own checks are also handed to the rules that read them
-(``undersized.failed_fit_check``, ``clobbered.failed_check``).
+(``undersized.failed_fit_check``, ``clobbered.failed_check``, ``shapes.failed_size_check``).
 After a padded replay it also hands each frame to ``rules/shapes.py``, which may tie the error
 to the padded rows; an item assignment that failed (into a NumPy staging array, which dispatches
 no op) goes to ``rules/undersized.py``'s write contract.
@@ -152,6 +152,7 @@ class _Tracer:
             if _op(frame) in _RAISES:                # the program's own check (``assert``, ``raise``), not a library's
                 undersized.failed_fit_check(doctor, error, frame)
                 clobbered.failed_check(doctor, error, frame)
+                shapes.failed_size_check(doctor, error, frame)
         if watched and (doctor.graphs or doctor.pools or doctor.buffers or doctor.phase != "eager") \
                 and (shapes.explainable(error) or failures.pending(doctor, error)):
             where = f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} in {function_name(frame.f_code)}"

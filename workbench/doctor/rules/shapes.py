@@ -28,6 +28,8 @@ from ..report import Finding
 from ..tensors import first_line
 from . import sync
 
+_DIGITS = re.compile(r"(?<![\w.])\d+(?![\w.])")
+
 
 @dataclasses.dataclass
 class PaddedStep:
@@ -219,6 +221,33 @@ def _mismatch(func, args, kwargs) -> tuple[int, int] | None:
             if x != y and 1 not in (x, y) and min(x, y) > 0:
                 return max(x, y), min(x, y)
     return None
+
+
+def failed_size_check(doctor, error: BaseException, frame) -> None:
+    """The program's own check that two tensors have as many rows failed while a graph is prepared
+    (a warmup, a capture): its message states the rows of two tensors the frame holds, and one is a
+    view of an announced buffer (a persistent bitmask laid out for the padded token layout) while the
+    other is the step's own (logits for the tokens this graph runs). The buffer's layout and the
+    graph's batch disagree: ``padded-shape-mismatch``, at the check. Reported once the error proves
+    a failure (``failures.explained``)."""
+    if doctor.phase not in ("warmup", "capture") or not isinstance(error, (AssertionError, ValueError)):
+        return
+    stated = {int(n) for n in _DIGITS.findall(first_line(error))}
+    held = [(name, t) for name, t in _named_tensors(frame.f_locals) if t.dim() and t.shape[0] in stated]
+    for name, t in held:
+        buf = doctor.buffer(key) if (key := _key(t)) is not None else None
+        other = next(((n, u) for n, u in held if u.shape[0] != t.shape[0] and doctor.buffer(_key(u)) is None), None)
+        if buf is None or other is None:
+            continue
+        graph = doctor.capturing.name if doctor.phase == "capture" and doctor.capturing else "the next capture"
+        what = f"{name} ({buf.name}: {describe(t)}) and {other[0]} ({describe(other[1])})"
+        finding = Finding(
+            "padded-shape-mismatch", graph, "check", what, location(frame),
+            f"during {doctor.phase}, the program's check that {what} have as many rows failed: {first_line(error)}",
+            explain.unmatched_layout(buf.name, t.shape[0], other[1].shape[0]),
+            {"buffer_rows": t.shape[0], "step_rows": other[1].shape[0]})
+        doctor.explanation = (id(error), finding, ("padded-shape-mismatch", "check", location(frame)))
+        return
 
 
 def explainable(error: BaseException) -> bool:
