@@ -1163,3 +1163,57 @@ def test_a_value_cached_by_a_graph_outputs_identity_is_stale_input_where_it_was_
         return
     assert finding.kind == "stale-input" and finding.source.endswith("self.casts[id(t)] = low = t.to(torch.bfloat16)")
     assert finding.numbers == {"made_after": 1, "read_after": 2}, finding
+
+
+def store_then_read(keys, cache, slots, skip_null: bool):
+    """One write per row at its slot (a per-row cache kernel), then every row reads the shared
+    first slot; ``skip_null``: a row whose slot is -1 writes back what is there."""
+    for i in range(keys.shape[0]):
+        slot = slots[i].view(1)
+        if skip_null:
+            safe, keep = slot.clamp(min=0), (slot < 0).view(1, 1)
+            cache.index_put_((safe,), torch.where(keep, cache[safe], keys[i].view(1, -1)))
+        else:
+            cache.index_put_((slot,), keys[i].view(1, -1))
+    return keys + cache[0]
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_padded_rows_write_into_state_the_real_rows_read_is_stale_padding_at_the_write(variant):
+    """Three real rows served by a graph of four. ``bug``: the runner zeroes the padded row's slot,
+    a live slot, and the captured per-row write stores the padded row's key over it; the real rows
+    then read it. ``fix``: the padded slot is -1, and the kernel skips it. The reference's steps run
+    the real rows only, so the graph's trace has one more row's ops: evidence only because they
+    write state."""
+    def workload():
+        gen = torch.Generator().manual_seed(0)
+        steps = [torch.randn(3, 2, generator=gen) for _ in range(2)]
+        slots = [torch.tensor([1, 2, 3]) + 3 * t for t in range(2)]
+        with events.reference():
+            cache = torch.zeros(8, 2)
+            cache[0] = 1.0
+            expected = [store_then_read(k, cache, s, variant == "fix") for k, s in zip(steps, slots)]
+        cache = torch.zeros(8, 2)
+        cache[0] = 1.0
+        keys, slot_buf = torch.zeros(4, 2), torch.full((4,), -1)
+        events.static_buffers("runner", {"keys": keys, "slots": slot_buf})
+        events.persistent_state("runner", {"cache": cache})
+        step = lambda: store_then_read(keys, cache, slot_buf, variant == "fix")  # noqa: E731
+        g = new_graph("cpu")
+        with graph(g, name="decode 4"):
+            out = step()
+        got = []
+        for k, s in zip(steps, slots):
+            keys.zero_()
+            slot_buf.fill_(0 if variant == "bug" else -1)
+            keys[:3].copy_(k)
+            slot_buf[:3].copy_(s)
+            events.serve(g, 3, 4, padded={}, outputs=out, eager=step)
+            g.replay()
+            got.append(out[:3].clone())
+        events.results(expected, got)
+        return expected, got
+    finding = _finding(workload, variant)
+    if finding is None:
+        return
+    assert finding.kind == "stale-padding" and "cache.index_put_((slot,), keys[i].view(1, -1))" in finding.source

@@ -29,7 +29,9 @@ the same step on both sides (``reference_causes.py``):
    that took the view;
 2. else the launch traces part (by op and line; shapes differ where rows are padded): the graph
    replays what Python decided at capture -- a loop run another number of times is
-   ``host-work-frozen`` at the frame that loops, another branch ``warmup-divergence``;
+   ``host-work-frozen`` at the frame that loops, another branch ``warmup-divergence``; a loop over
+   rows that the graph runs for its padded rows too is no evidence, unless those runs write memory
+   the graph does not own: ``stale-padding`` at that write;
 3. else an op runs with another plain number than the reference step passes it (not one the
    padded layout explains): ``host-work-frozen``, at the frame of the captured code that held the
    number when the capture ran;
@@ -263,7 +265,7 @@ class Reference:
         with _disable_current_modes():           # a PIECEWISE step's other pieces are not in ``ops``: no trace
             found = static_input(self.writers, info, compared) or narrower(ops, under, ref, values, self.views) or (
                 None if pending.span else (
-                parting(ops, ref, pending.real < pending.size) or frozen_number(info, ops, under, ref, pending.size)
+                parting(info, ops, ref, pending.real < pending.size) or frozen_number(info, ops, under, ref, pending.size)
                 or bound(self.writers, doctor, info, ops, under, ref, replayed_at)
                 or (moved_view(ops, under, ref, replayed_at) if pending.real == pending.size else None)))
         text = (f"replay {info.replays} of {info.name} ({pending.real} real rows of {pending.size}): output "

@@ -169,9 +169,11 @@ def rows_like(now: torch.Tensor, given: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-def parting(ops: list, ref: list, padded: bool) -> tuple | None:
+def parting(info, ops: list, ref: list, padded: bool) -> tuple | None:
     """Where the graph's trace and the reference step's part, by op and line (``padded``: the graph
-    serves padded rows, for which code that loops over rows runs more times than for the real ones)."""
+    serves padded rows, for which code that loops over rows runs more times than for the real ones:
+    no evidence, unless those runs write memory the graph does not own -- a padded row's write into
+    state, which the real rows, differing, read: ``stale-padding`` at that write)."""
     plain = lambda o: Op(o.name, o.source)  # noqa: E731 - shapes and tensors differ with padding
     graph, eager = [plain(o) for o in ops], [plain(s.op) for s in ref]
     d = launch.compare(graph, eager)
@@ -180,7 +182,15 @@ def parting(ops: list, ref: list, padded: bool) -> tuple | None:
     why = f"the launch traces part: {d.text()}"
     at = launch.repeats(d, graph, eager)
     if at is not None and padded and not d.eager_runs_more:
-        return None                               # a loop over rows runs for the padded rows too: no evidence
+        extra = ops[d.index:d.index + d.inserted] if d.inserted else ops[d.index:]
+        write = next((o for o in extra if o.writes & info.externals.keys()), None)
+        if write is None:
+            return None
+        tensor = info.externals[next(iter(write.writes & info.externals.keys()))].tensor
+        return ("stale-padding", write.name, tensor, write.source,
+                f"{why}; the graph runs that code for its padded rows too ({d.inserted or len(extra)} op(s) the "
+                f"reference's real rows do not run), and there {write.name} writes {tensor}, memory the graph does "
+                "not own: a padded row's write lands in state the real rows read")
     if at:                                        # the same lines run another number of times: which frame loops
         a, b = (ref[i].path for i in at)
         shared = [x for x, y in zip(a, b) if x[:2] == y[:2]]
