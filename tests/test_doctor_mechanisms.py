@@ -2251,6 +2251,34 @@ def test_a_python_value_the_step_sets_and_code_outside_the_graph_clears_is_host_
     assert "entry[\"group\"] = group" in finding.source and finding.tensor == "_TRACKER['aux']['group']"
 
 
+@pytest.mark.parametrize("results", ["agree", "differ"])
+def test_a_python_value_the_replay_leaves_is_judged_by_the_workloads_own_results(results):
+    """The tracker above, with the workload's run without graphs announced: the group the replay
+    leaves cleared is reported only where the workload says its results differ from that run's
+    (a mode string set in the forward that nothing reads is no fault)."""
+    def workload():
+        _TRACKER.clear()
+        with events.reference():
+            expected = [rows(3, 3, seed=step) * 2 for step in range(3)]
+        r = _Router()
+        m = Manager(r.forward, [2, 4], {"x": r.x})
+        m.capture()
+        got = []
+        for step in range(3):
+            r.x[:3].copy_(rows(3, 3, seed=step))
+            got.append(m.replay(3)[:3].clone())
+            _TRACKER["aux"]["values"].zero_()
+            _TRACKER["aux"]["group"] = None
+        events.results(expected, got if results == "agree" else [g + 1 for g in got])
+    report = doctor.diagnose(workload)
+    assert report.failure is None and not report.errors, report
+    if results == "agree":
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "host-work-frozen" and finding.tensor == "_TRACKER['aux']['group']", finding
+
+
 class _Scratch:
     """An eager-only path that grows a scratch size of its own (the capture took another path, as
     a capture-owned scratch does), in a function the capture never ran."""
@@ -2725,3 +2753,30 @@ def test_a_released_graphs_record_stays_when_a_new_graph_gets_its_id():
         records = [info.name for info in watcher.graphs.values()]
     assert records == ["first", "second", "third", "fifth", "fourth again"], records
     assert watcher.info(g).name == "fourth again" and watcher.info(h).name == "fifth"
+
+
+def test_a_graphs_output_fed_to_the_next_graph_as_its_static_input_is_not_its_state():
+    """Graph partitions: the first graph's output is the second's static input, and an op between
+    them runs eagerly on it in place (a fallback no graph may hold). To the first graph that buffer
+    is its output, whatever the eager op left in it before the next replay: no finding."""
+    def workload():
+        x = torch.zeros(4, 3)
+        events.static_buffers("partitions", {"x": x})
+        first = lambda: x * 2  # noqa: E731
+        g0 = new_graph("cpu")
+        with graph(g0, name="partition_0"):
+            buf = first()
+        events.static_buffers("partitions", {"buf0": buf})
+        second = lambda: buf + 1  # noqa: E731
+        g1 = new_graph("cpu")
+        with graph(g1, name="partition_1"):
+            out = second()
+        for step in range(4):
+            x.copy_(rows(4, 3, seed=step))
+            events.serve(g0, 4, 4, outputs=buf, eager=first)
+            g0.replay()
+            buf[buf > 0] = 0.0                        # the eager fallback, on the first graph's output
+            events.serve(g1, 4, 4, outputs=out, eager=second)
+            g1.replay()
+    report = doctor.diagnose(workload)
+    assert report.findings == [] and report.failure is None, report

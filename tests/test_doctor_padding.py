@@ -733,3 +733,29 @@ def test_live_state_padded_rows_overwrote_is_stale_padding_when_a_later_steps_re
     (finding,) = report.findings
     assert finding.kind == "stale-padding" and "states[index] = new" in finding.source, report
     assert "in an earlier step's eager run" in finding.evidence and "(2 real rows of 4)" in finding.evidence
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_padded_rows_read_by_a_reduction_over_all_rows_are_stale_padding(variant):
+    """A per-tensor scale (the amax over every row, as an FP8 quantize takes it) of a buffer whose
+    padded rows the runner leaves as an earlier, longer step wrote them (bug): real rows are scaled
+    by what padded rows hold, which only a fill larger than the real rows shows. The fix zeroes the
+    padded rows before each replay."""
+    def quantize(h):
+        scale = h.abs().amax().clamp(min=1e-6) / 4.0
+        return torch.round(h / scale) * scale
+
+    def workload():
+        h = torch.zeros(4, 3)
+        g, out = captured(lambda: quantize(h), {"h": h})
+        for step, n in enumerate((4, 2, 3)):
+            h[:n] = 2 + torch.rand(n, 3, generator=torch.Generator().manual_seed(step))   # above 1
+            if variant == "fix":
+                h[n:] = 0.0
+            replay(g, out, n, 4, {"h": h} if variant == "bug" else {})
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "stale-padding" and "h.abs().amax()" in finding.source, report

@@ -92,13 +92,17 @@ def _explained_by_padding(report: Report, padding) -> None:
     steered what the runner wrote (a metadata builder that skipped the refresh) is the padding's
     consequence: the finding at the same read becomes a note of the padding finding. So is the
     unpadded step's view of the same padded rows (``probes/unpadded.py``), which localises less, and
-    a difference from the reference run (``probes/reference.py``), which the padded rows explain."""
+    a difference from the reference run (``probes/reference.py``) of the padding finding's graph,
+    found or not, which the padded rows explain."""
     for f in [f for f in report.findings if f is not padding and (
             (f.kind == "stale-input" and f.source == padding.source) or
             (f.kind == "stale-padding" and "output" in f.numbers and "unpadded" in f.numbers) or
             "reference_call" in f.numbers)]:
         report.findings.remove(f)
         report.notes.append(f"{f.kind} at {f.location} follows from the stale padded rows: {f.evidence}")
+    for text in [u for u in report.unexplained if u.startswith("replay ") and f" of {padding.graph} (" in u]:
+        report.unexplained.remove(text)
+        report.notes.append(f"a difference from the run without graphs follows from the stale padded rows: {text}")
 
 
 def exercise(make_runner: Callable[[], GraphRunner], make_batch: Callable[[int, int], Mapping[str, torch.Tensor]],

@@ -62,9 +62,12 @@ def _state(doctor, info) -> dict:
         for key, ext in piece.externals.items():
             if key in piece.writes and key not in state and (w := whole(ext.weak, ext.dtype)) is not None:
                 state[key] = (w, ext.tensor)
+    # (an announced buffer the capture itself allocated is its output, announced as the static input of
+    # a graph that reads it next -- a partition's output fed to the next one -- not state it writes)
+    created = set().union(*(piece.created for piece in info.pending.span or (info,)))
     for key, buf in doctor.buffers.items():
         t = buf.ref()
-        if t is not None and key not in state and isinstance(t, torch.Tensor):
+        if t is not None and key not in state and key not in created and isinstance(t, torch.Tensor):
             state[key] = (alias(t.untyped_storage(), t.dtype), buf.name)
     return state
 
@@ -159,7 +162,8 @@ def finish(doctor, info, pending) -> None:
             rootcause.rebound(doctor, info, pending, changed, run)
     elif run.settings and (host := _host_work(doctor, info, pending, replayed, rng_after, run,
                                               {id(c) for c, *_ in run.settings})) is not None:
-        with _held(doctor, info.held_state if pending.agreed else None):
+        # (with a run without graphs, held until the workload's own results say whether the value mattered)
+        with _held(doctor, info.held_state if pending.agreed or doctor.reference is not None else None):
             rootcause.host_set(doctor, info, pending, run.settings, host)
     else:
         if divergence is not None:

@@ -22,7 +22,9 @@ ways. Two fills, so that whatever a runner does not derive from the step's real 
 
 Fill values are 0 and 1 (``False``/``True``), valid as indices: the i-th padded array gets
 ``(i + pattern) % 2``, so every array changes between the runs and neighbours swap their order
-(a comparison between two padded fields flips).
+(a comparison between two padded fields flips). A floating-point array gets 0 or 256 instead:
+garbage left in padded rows is of any size, and a reduction over the rows (a per-tensor amax for
+a quantization scale) only shows what is larger than the real rows.
 """
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ from ...engine.opinfo import mutable, op_tensors, storage_key, written_tensors
 from ...engine.source import user_frame
 from ..rules.padded_scatter import Index
 from ..tensors import digest, real_rows, region, whole
+
+_LARGE = 256.0             # a floating-point fill: above what real rows hold, within fp8's range
 
 
 class Plan:
@@ -92,7 +96,7 @@ def carry(doctor) -> None:
             if t is None or storage_key(t) not in read or (width is not None and t.dim() < 2):
                 continue
             index = (slice(real, size),) if width is None else (slice(0, size), slice(width, None))
-            value = _value(i, doctor.pattern, t.dtype == torch.bool)
+            value = _value(i, doctor.pattern, t.dtype)
             t[index].fill_(value)
             mirror = plan.mirrors.get(storage_key(t))
             if mirror is not None and (m := mirror.read()) is not None:
@@ -130,9 +134,14 @@ def consumed(doctor, func, args, kwargs) -> None:
                     doctor.fresh[key] = mask & ~region(t, buf.ref())
 
 
-def _value(i: int, pattern: int, boolean: bool):
+def _value(i: int, pattern: int, dtype):
+    """0 or 1 (``False``/``True``) for integers and flags, valid as indices; 0 or ``_LARGE`` for
+    floating point, so that a reduction over rows (an amax, a norm, a mean) sees the fill too."""
     value = (i + pattern) % 2
-    return bool(value) if boolean else value
+    if dtype in (torch.bool, np.bool_):
+        return bool(value)
+    floating = dtype.is_floating_point if isinstance(dtype, torch.dtype) else np.issubdtype(dtype, np.floating)
+    return value * _LARGE if floating else value
 
 
 def fill(doctor, padded: dict, columns: dict, real: int, size: int) -> None:
@@ -145,7 +154,7 @@ def fill(doctor, padded: dict, columns: dict, real: int, size: int) -> None:
         if isinstance(arr, torch.Tensor):
             with _disable_current_modes():
                 target = arr[rows] if cols == slice(None) else arr[rows, cols]
-                fill_value = torch.full_like(target, _value(i, doctor.pattern, arr.dtype == torch.bool))
+                fill_value = torch.full_like(target, _value(i, doctor.pattern, arr.dtype))
                 kept = doctor.fresh.get(storage_key(arr))
                 if kept is not None and kept.shape == arr.shape:
                     keep = kept[rows] if cols == slice(None) else kept[rows, cols]
@@ -153,7 +162,7 @@ def fill(doctor, padded: dict, columns: dict, real: int, size: int) -> None:
                 target.copy_(fill_value)
         elif isinstance(arr, np.ndarray):
             index = rows if cols == slice(None) else (rows, cols)
-            arr[index] = _value(i, doctor.pattern, arr.dtype == np.bool_)
+            arr[index] = _value(i, doctor.pattern, arr.dtype)
         else:
             raise TypeError(f"padded rows must be tensors or NumPy arrays, got {type(arr).__name__}")
 
