@@ -692,3 +692,60 @@ def test_a_check_that_a_buffer_and_the_steps_tensor_match_is_a_padded_shape_mism
     assert report.errors[0].startswith("ValueError: bitmask 6 rows"), report
     assert finding.kind == "padded-shape-mismatch" and finding.numbers == {"buffer_rows": 6, "step_rows": 2}
     assert "raise ValueError" in finding.source
+
+
+def _failing_frame(check):
+    """The frame in which ``check`` failed, and the error."""
+    try:
+        check()
+    except (AssertionError, ValueError) as e:
+        tb = e.__traceback__
+        while tb.tb_next is not None:
+            tb = tb.tb_next
+        return tb.tb_frame
+    raise AssertionError("the check passed")
+
+
+def test_a_checks_comparison_and_numbers_are_read_from_its_source_not_its_message():
+    """A bare ``assert`` has no message (unless pytest rewrote it): the comparison and its operands
+    are read from the source and the frame, plain reads only."""
+    from workbench.doctor.rules import checks
+    buf, data = torch.zeros(4), [1] * 6
+
+    def bare():
+        assert len(data) <= buf.numel()
+
+    def raised():
+        rows = buf.shape[0]
+        if data.__len__() != rows:                     # a call that is no plain read
+            raise ValueError("mismatch")
+
+    def matched():
+        if buf.size(0) + 2 != len(data) + 1:
+            raise ValueError("mismatch")
+
+    assert checks.condition(_failing_frame(bare)) == ("order", [6, 4])
+    assert checks.condition(_failing_frame(raised)) is None
+    assert checks.condition(_failing_frame(matched)) == ("equal", [6, 7])
+
+
+class _BareStaging(_Staging):
+    def store(self, data):
+        buf = self.ids
+        assert len(data) <= buf.numel()
+        buf[:len(data)].copy_(torch.tensor(data))
+
+
+def test_a_bare_fit_check_without_a_message_is_read_from_its_source():
+    """The capture-size fit check above, as a bare ``assert``: the same finding."""
+    def workload():
+        staging = _BareStaging(4)
+        pool = graph_pool_handle("cpu")
+        for size in (6, 4):
+            staging.store([1] * size)
+            events.static_buffers("runner", {"ids": staging.ids})
+            g = new_graph("cpu")
+            with graph(g, pool=pool):
+                staging.ids[:size] * 2
+    (finding,) = doctor.diagnose(workload).findings
+    assert finding.kind == "undersized-buffer" and finding.numbers == {"size": 4, "asked": 6}, finding

@@ -26,9 +26,7 @@ from ...engine.source import SKIP_DIRS, function_name, location, user_frame, use
 from .. import explain
 from ..report import Finding
 from ..tensors import first_line
-from . import sync
-
-_DIGITS = re.compile(r"(?<![\w.])\d+(?![\w.])")
+from . import checks, sync
 
 
 @dataclasses.dataclass
@@ -225,14 +223,17 @@ def _mismatch(func, args, kwargs) -> tuple[int, int] | None:
 
 def failed_size_check(doctor, error: BaseException, frame) -> None:
     """The program's own check that two tensors have as many rows failed while a graph is prepared
-    (a warmup, a capture): its message states the rows of two tensors the frame holds, and one is a
-    view of an announced buffer (a persistent bitmask laid out for the padded token layout) while the
-    other is the step's own (logits for the tokens this graph runs). The buffer's layout and the
-    graph's batch disagree: ``padded-shape-mismatch``, at the check. Reported once the error proves
-    a failure (``failures.explained``)."""
+    (a warmup, a capture): it compares for equality (``checks.condition``) the rows of two tensors
+    the frame holds, one a view of an announced buffer (a persistent bitmask laid out for the padded
+    token layout), the other the step's own (logits for the tokens this graph runs). The buffer's
+    layout and the graph's batch disagree: ``padded-shape-mismatch``, at the check. Reported once
+    the error proves a failure (``failures.explained``)."""
     if doctor.phase not in ("warmup", "capture") or not isinstance(error, (AssertionError, ValueError)):
         return
-    stated = {int(n) for n in _DIGITS.findall(first_line(error))}
+    compared = checks.condition(frame)
+    if compared is None or compared[0] != "equal":
+        return
+    stated = set(compared[1])
     held = [(name, t) for name, t in _named_tensors(frame.f_locals) if t.dim() and t.shape[0] in stated]
     for name, t in held:
         buf = doctor.buffer(key) if (key := _key(t)) is not None else None

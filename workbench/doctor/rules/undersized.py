@@ -27,6 +27,7 @@ from ...engine.source import location, user_frame
 from .. import explain
 from ..report import Finding
 from ..tensors import first_line
+from . import checks
 
 _OPEN_END = 2 ** 62          # ``x[a:]`` slices up to sys.maxsize
 
@@ -293,15 +294,19 @@ _NUMBER = re.compile(r"(?<![\w.])\d+(?![\w.])")
 
 def failed_fit_check(doctor, error: BaseException, frame) -> None:
     """A check of the program's own that data fits a buffer (``assert len(data) <= buf.numel(),
-    f"too large for {name}: {len(data)} > {buf.numel()}"``) failed: the message states the size of
-    a tensor the raising frame holds, and a larger number. That is this rule's contract, checked by
+    f"too large for {name}: {len(data)} > {buf.numel()}"``) failed: the message, or the compared
+    operands (``checks.condition``), state the size of a tensor the raising frame holds, and a
+    larger number. That is this rule's contract, checked by
     the program: where the buffer is a static input, or while captures are being prepared (a pool
     made and nothing captured yet, a warmup, a capture: a capture size's dummy batch), the buffer
     is smaller than what the step must put in it. Reported once the error proves a failure."""
     if not isinstance(error, (AssertionError, ValueError, RuntimeError)):
         return
     preparing = doctor.phase in ("warmup", "capture") or not doctor.graphs and bool(doctor.pools)
-    numbers = [int(n) for n in _NUMBER.findall(first_line(error))]
+    compared = checks.condition(frame)
+    if compared is not None and compared[0] == "equal":
+        return                                # two counts that must agree: no data past a buffer
+    numbers = [int(n) for n in _NUMBER.findall(first_line(error))] + (compared[1] if compared else [])
     held = [t for t in frame.f_locals.values() if isinstance(t, torch.Tensor) and t.dim()]
     sizes = {n for t in held for n in (t.shape[0], t.numel())}
     # (two tensors' sizes that must match -- ``bitmask 6 rows, logits 2 rows`` -- are no data past a buffer)

@@ -1,0 +1,85 @@
+"""The program's own check, read from its source: the comparison that failed and the numbers it compared.
+
+An ``assert len(data) <= buf.numel()`` or an ``if a.shape[0] != b.shape[0]: raise ...`` states a
+contract the rules read (``undersized.failed_fit_check``, ``shapes.failed_size_check``). Its
+message may state the numbers or not: a bare ``assert`` has none, unless pytest rewrote it (then
+it reads ``assert 6 >= 8``), and a diagnosis must not depend on that. So the condition is found in
+the source -- the ``assert`` at the failing line, or the ``if`` whose body raised -- and its two
+operands are evaluated in the frame where they are plain reads: names, attributes, constant
+subscripts, ``len(x)``, ``x.numel()``, ``x.size(d)``, ``x.dim()``, and sums or products of those.
+No other call runs.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import linecache
+import operator
+
+_ORDER = (ast.Lt, ast.LtE, ast.Gt, ast.GtE)
+_EQUAL = (ast.Eq, ast.NotEq)
+_METHODS = frozenset({"numel", "size", "dim"})
+_ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
+
+
+def condition(frame) -> tuple[str, list[int]] | None:
+    """``("equal" | "order", [left, right])`` of the check that failed in ``frame``; None where the
+    failing line is no single comparison of two numbers."""
+    test = _checks(frame.f_code.co_filename).get(frame.f_lineno)
+    if not isinstance(test, ast.Compare) or len(test.ops) != 1:
+        return None
+    kind = "equal" if isinstance(test.ops[0], _EQUAL) else "order" if isinstance(test.ops[0], _ORDER) else None
+    values = [_value(node, frame) for node in (test.left, test.comparators[0])]
+    if kind is None or not all(isinstance(v, int) for v in values):
+        return None
+    return kind, values
+
+
+@functools.lru_cache(maxsize=128)
+def _checks(filename: str) -> dict[int, ast.expr]:
+    """Line -> the test of the ``assert`` on it, or of the ``if`` whose body raises on it."""
+    try:
+        tree = ast.parse("".join(linecache.getlines(filename)))
+    except (SyntaxError, ValueError):
+        return {}
+    found: dict[int, ast.expr] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assert):
+            for line in range(node.lineno, (node.end_lineno or node.lineno) + 1):
+                found.setdefault(line, node.test)
+        elif isinstance(node, ast.If):
+            for raised in (n for n in node.body if isinstance(n, ast.Raise)):
+                for line in range(raised.lineno, (raised.end_lineno or raised.lineno) + 1):
+                    found.setdefault(line, node.test)
+    return found
+
+
+def _value(node: ast.expr, frame):
+    """The operand's value where it is a plain read (see the module docstring), else None."""
+    try:
+        value = _read(node, frame)
+    except Exception:  # noqa: BLE001 - an operand that cannot be read plainly says nothing
+        return None
+    return int(value) if isinstance(value, int) or type(value).__name__ == "SymInt" else None
+
+
+def _read(node: ast.expr, frame):
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name):
+        scope = frame.f_locals if node.id in frame.f_locals else frame.f_globals
+        return scope[node.id]
+    if isinstance(node, ast.Attribute):
+        return getattr(_read(node.value, frame), node.attr)
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+        return _read(node.value, frame)[node.slice.value]
+    if isinstance(node, ast.BinOp) and type(node.op) in _ARITHMETIC:
+        return _ARITHMETIC[type(node.op)](_read(node.left, frame), _read(node.right, frame))
+    if isinstance(node, ast.Call) and not node.keywords and all(isinstance(a, ast.Constant) for a in node.args):
+        args = [a.value for a in node.args]
+        if isinstance(node.func, ast.Attribute) and node.func.attr in _METHODS:
+            return getattr(_read(node.func.value, frame), node.func.attr)(*args)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "len" \
+            and len(node.args) == 1 and not node.keywords:
+        return len(_read(node.args[0], frame))
+    raise ValueError("not a plain read")
