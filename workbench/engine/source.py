@@ -34,6 +34,15 @@ def user_frame() -> str:
     return "<unknown>"
 
 
+def user_code_frame():
+    """The innermost user frame itself (None outside user code): ``user_frame``'s walk without its
+    formatting, for a caller that keeps only the function (held briefly)."""
+    frame = sys._getframe(1)
+    while frame is not None and not _mine(frame.f_code):
+        frame = frame.f_back
+    return frame
+
+
 _CALLER = object()
 
 

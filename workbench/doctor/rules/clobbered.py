@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ...engine.opinfo import describe, storage_key
-from ...engine.source import location, user_frames
+from ...engine.source import location, user_code_frame
 from .. import explain
 from ..report import Finding
 from ..tensors import first_line
@@ -28,20 +28,19 @@ _RESETS = (torch.ops.aten.zero_, torch.ops.aten.fill_)
 
 def wrote(doctor, func, targets: list) -> None:
     """An eager write into announced buffers: a static input's data write, or a reset of it."""
-    frames = None
+    frame = None
     for key, t, buf in targets:
         if buf.role != "input":
             continue
-        frames = frames if frames is not None else user_frames()
-        if not frames:
+        frame = frame or user_code_frame()
+        if frame is None:
             return
-        code = frames[0].f_code
         if func.overloadpacket in _RESETS:
             filled = doctor.input_writes.get(key)
-            if filled is not None and filled[0] is not code:
-                doctor.input_writes[key] = (filled[0], (code, location(frames[0]), _span(t), str(func)))
+            if filled is not None and filled[0] is not frame.f_code:
+                doctor.input_writes[key] = (filled[0], (frame.f_code, location(frame), _span(t), str(func)))
         else:
-            doctor.input_writes[key] = (code, None)
+            doctor.input_writes[key] = (frame.f_code, None)
 
 
 def failed_check(doctor, error: BaseException, frame) -> None:
