@@ -349,7 +349,7 @@ class Doctor(RunnerEvents):
         if self.reference is not None:
             self.reference.eager_op(self, func, args, kwargs)
         targets = self.targets(func, args, kwargs)
-        if targets and phase == "eager":
+        if targets and phase == "eager" and (self.every or not self.report.replays):   # (set-up, or sampling)
             clobbered.wrote(self, func, targets)
         if targets and self.every and phase == "eager":
             self.carried.wrote(self, func, args, targets)

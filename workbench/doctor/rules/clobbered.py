@@ -11,6 +11,8 @@ Without a reference run this shows only as a failure: the program's own check (a
 ``raise``) fails in a frame that holds a view of the buffer, and the elements it views were last
 written by such a reset, in a function other than the one that wrote the step's data there. The
 finding names the reset, and is reported once the error proves a failure (``failures.explained``).
+Writes are followed during set-up (before the first replay: where captures are prepared) and, with
+differential replay on, throughout; a served step with it off pays nothing for them.
 """
 from __future__ import annotations
 
