@@ -695,47 +695,6 @@ def test_padded_rows_overwriting_what_an_eager_prefill_wrote_are_stale_padding(p
 
 
 @pytest.mark.parametrize("variant", ["bug", "fix"])
-def test_live_state_padded_rows_overwrote_is_stale_padding_when_a_later_steps_real_row_reads_it(variant):
-    """A recurrent state per request block. Step 1 serves three requests; step 2 serves one, and
-    (bug) the runner pads only the count it believes the graph runs, so the padded rows keep step
-    1's block indices, one of them a block just handed to a new request whose prefill wrote it.
-    Nothing in step 2 reads that block; step 3's new request does. ``fix``: padded rows get the null
-    block (0), which no request owns."""
-    from workbench.zoo.kit import capture, replay as kit_replay
-
-    def decode(states, index, x):
-        new = states[index] * 0.5 + x
-        states[index] = new
-        return new
-
-    def workload():
-        states = torch.zeros(8, 2)
-        index, x = torch.zeros(4, dtype=torch.int64), torch.zeros(4, 2)
-        g, out = capture(lambda: decode(states, index, x), device="cpu", static={"x": x},
-                         state={"states": states, "index": index})
-        states.zero_()
-        states[3], states[5], states[6] = torch.ones(2), 2 * torch.ones(2), 3 * torch.ones(2)
-        for blocks in ([3, 5, 6], "new request on block 6", [3], [3, 6]):
-            if isinstance(blocks, str):
-                states[6] = torch.full((2,), 7.0)             # its prefill
-                continue
-            n = len(blocks)
-            index[:n] = torch.tensor(blocks)
-            if variant == "fix":
-                index[n:] = 0
-            x[:n] = 1.0
-            x[n:] = 0.0
-            kit_replay(g, out, real=n, size=4, padded={})
-    report = doctor.diagnose(workload)
-    if variant == "fix":
-        assert report.findings == [], report
-        return
-    (finding,) = report.findings
-    assert finding.kind == "stale-padding" and "states[index] = new" in finding.source, report
-    assert "in an earlier step's eager run" in finding.evidence and "(2 real rows of 4)" in finding.evidence
-
-
-@pytest.mark.parametrize("variant", ["bug", "fix"])
 def test_padded_rows_read_by_a_reduction_over_all_rows_are_stale_padding(variant):
     """A per-tensor scale (the amax over every row, as an FP8 quantize takes it) of a buffer whose
     padded rows the runner leaves as an earlier, longer step wrote them (bug): real rows are scaled

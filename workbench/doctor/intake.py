@@ -27,8 +27,7 @@ from ..engine import memory
 from ..engine.errors import CaptureError
 from ..engine.opinfo import mutable, overwrites, pure_view, storage_key, written_tensors
 from ..engine.source import user_frame
-from .probes import (captured_state, differential, eager_trace, mutation as mutation_probe, padding as padding_probe,
-                     row_writes)
+from .probes import captured_state, differential, eager_trace, mutation as mutation_probe, padding as padding_probe
 from .probes.reference import Reference
 from .probes.carried import CarriedInputs
 from .probes.startup import Startup
@@ -116,7 +115,6 @@ class Doctor(RunnerEvents):
         self.failure: str | None = None             # the doctor's own error, once it has stopped
         self.failed_ops: dict[int, str] = {}        # id(error) -> what an op of the watched code raised
         self.failed_codes: set = set()              # the functions those errors were raised under
-        self.clobbered: list = []                   # live state padded rows overwrote, unread yet (row_writes.py)
         self.derivations: dict[int, list] = {}      # tensors eager code computed from graph memory (reused.py)
         self.reused: Finding | None = None         # ... one read again after a replay rewrote its source
         self.input_writes: dict[int, tuple] = {}    # static input -> (code that wrote data, last reset: clobbered.py)
@@ -393,8 +391,6 @@ class Doctor(RunnerEvents):
         else:
             if self.every and not self.state_moved:     # (only differential replay asks)
                 self.state_moved = any(buf.role == "state" for _, _, buf in targets)
-            if self.clobbered:
-                row_writes.healed(self, targets)
             if self.tracking_fresh or self.updates or not overwrites(func):
                 out = mutation.eager_write(self, func, args, kwargs, run, targets)
             else:   # a refresh (copy, fill) that no fresh-element tracking or in-place update follows

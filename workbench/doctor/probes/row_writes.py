@@ -22,10 +22,7 @@ A kernel that updates the state one row at a time (its index, or its source, a s
 the step's rows) is attributed row by row. After eager code wrote persistent state (a prefill, a
 cache compaction), the next padded step is watched too, and there only a padded row's write into
 live data that real rows read in that step counts (a page a compaction moved behind the padding
-dummy's stale slot): lookups of the state by the step's rows note what the real rows read. Live
-data overwritten so that no real row of the step read is kept until eager code writes it again:
-the real rows of a later watched step that read it (a new request on the block a padded row's
-stale index still names) bear the write out.
+dummy's stale slot): lookups of the state by the step's rows note what the real rows read.
 """
 from __future__ import annotations
 
@@ -42,7 +39,6 @@ from ..tensors import at, changed, onto
 from . import unpadded
 
 aten = torch.ops.aten
-_CARRIED = 8                 # padded rows' writes of live data kept for later steps' real rows
 
 
 def indexed_write(doctor, func, args, kwargs, run, rows: tuple[int, int, bool]):
@@ -141,49 +137,25 @@ def report(doctor, info, pending, run) -> None:
     real rows did) that real rows only read (``indexed_read``): a live page the padded rows' stale
     slot now points at. A reserved dummy slot that masked positions of real rows gather holds no
     live data, and elements real rows both read and write are their own slots (a dummy step whose
-    real rows sit on the null slot with the padded rows). Live data the padded rows overwrote that
-    no real row read in that step is kept (``Doctor.clobbered``, until eager code writes it again):
-    the real rows of a later watched step that read it (a new request on a block the padded rows'
-    stale index still names) bear it out."""
-    earlier = False
+    real rows sit on the null slot with the padded rows)."""
     if not run.row_writes:
-        own = len(run.padded_writes)
-        for n, (op, source, key, state, mask) in enumerate(run.padded_writes + doctor.clobbered):
+        for op, source, key, state, mask in run.padded_writes:
             read, wrote = run.real_reads.get(key), run.real_writes.get(key)
-            if n < own and wrote is not None and wrote.shape == mask.shape:
-                mask = mask & ~wrote         # (this step's: real rows on the slot they write are its owners)
+            if wrote is not None and wrote.shape == mask.shape:
+                mask = mask & ~wrote
             if read is not None and read.shape == mask.shape and bool((hit := read & mask).any()):
                 run.row_writes.append((op, source, key, state, int(hit.sum()), pending.real, pending.size))
-                earlier = n >= own
                 break
-    # live data a padded row overwrote that no real row read yet: a later step's real rows may
-    doctor.clobbered = [] if run.row_writes else (doctor.clobbered + run.padded_writes)[-_CARRIED:]
     for op, source, key, state, elements, real, size in run.row_writes[:1]:
         buf = doctor.buffer(key)
         label = f"`{buf.name}`" if buf is not None else f"the state {describe(state)}"
-        evidence = (f"sampled replay {info.replays} of {info.name} ({real} real rows of {size}): " + (
-            f"in an earlier step's eager run, {op} changed {elements} element(s) of live data in {label} for its "
-            "padded rows alone, and the real rows of this step read them" if earlier else
-            f"in an eager run of the step, {op} changed {elements} element(s) of {label} for its padded rows alone, "
-            "element(s) that real rows write or read in this step, or wrote in an earlier one"))
+        evidence = (f"sampled replay {info.replays} of {info.name} ({real} real rows of {size}): in an eager run of "
+                    f"the step, {op} changed {elements} element(s) of {label} for its padded rows alone, element(s) "
+                    "that real rows write or read in this step, or wrote in an earlier one")
         doctor.add(Finding("stale-padding", info.name, op, label, source, evidence,
                            explain.padding_writes_owned(label, op),
                            {"replay": info.replays, "elements": elements, "real": real, "size": size}),
                    ("stale-padding", op, source))
-
-
-def healed(doctor, targets: list) -> None:
-    """Eager code wrote announced state (a prefill): live data a padded row overwrote there, and
-    written again since, is no longer what a later step reads."""
-    keys = {key: t for key, t, _ in targets}
-    kept = []
-    with _disable_current_modes():
-        for op, source, key, state, mask in doctor.clobbered:
-            if key in keys and (written := onto(torch.ones((), dtype=torch.bool), keys[key])).shape == mask.shape:
-                mask = mask & ~written
-            if bool(mask.any()):
-                kept.append((op, source, key, state, mask))
-    doctor.clobbered = kept
 
 
 def _is_state(doctor, key: int) -> bool:
