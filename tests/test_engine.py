@@ -576,3 +576,19 @@ def test_capture_end_is_announced_once_the_capture_has_closed():
         x.fill_(5.0)
         g.replay()
         assert torch.equal(y, torch.full((3,), 10.0))
+
+
+def test_the_upload_guard_refuses_python_data_copied_to_a_gpu_and_nothing_else():
+    """``torch.tensor(data, device="cuda")`` copies Python data from pageable memory inside the
+    factory, where no aten op shows it; the guard the doctor enters around a CUDA capture refuses it
+    with the CPU engine's error (before torch is asked, so this holds on a machine without CUDA).
+    Data made on the host, or a tensor already on a device, passes."""
+    from workbench.engine.errors import CaptureError
+    from workbench.engine.host_sync import UploadGuard
+    with UploadGuard():
+        with pytest.raises(CaptureError, match="pageable host memory"):
+            torch.tensor([0] * 4, dtype=torch.int32, device="cuda")
+        with pytest.raises(CaptureError):
+            torch.tensor(3, device=torch.device("cuda", 0))
+        assert torch.tensor([1, 2], device="cpu").tolist() == [1, 2]
+        assert torch.as_tensor(torch.ones(2), device="cpu").shape == (2,)

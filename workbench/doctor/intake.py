@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from ..engine import memory
 from ..engine.errors import CaptureError
+from ..engine.host_sync import UploadGuard
 from ..engine.opinfo import mutable, overwrites, pure_view, storage_key, written_tensors
 from ..engine.source import user_frame
 from .probes import captured_state, differential, eager_trace, mutation as mutation_probe, padding as padding_probe
@@ -118,6 +119,7 @@ class Doctor(RunnerEvents):
         self.derivations: dict[int, list] = {}      # tensors eager code computed from graph memory (reused.py)
         self.reused: Finding | None = None         # ... one read again after a replay rewrote its source
         self.input_writes: dict[int, tuple] = {}    # static input -> (code that wrote data, last reset: clobbered.py)
+        self.upload_guard: UploadGuard | None = None    # entered around a CUDA capture (engine.host_sync)
         self.explanation: tuple | None = None       # (id(error), finding, key): the last error explained where it was
                                                     # raised, reported if it proves a failure (failures.explained)
         self.pools: dict = {}                       # pool key -> (line that made the handle, graphs captured into it)
@@ -192,9 +194,16 @@ class Doctor(RunnerEvents):
         self.capturing = info
         self.phase = "capture"
         self.report.captures += 1
+        if info.cuda:                               # torch.tensor(data, device="cuda"): refused as the CPU engine does
+            self.upload_guard = UploadGuard()
+            self.upload_guard.__enter__()
+
+    def capture_end(self, graph) -> None:
+        self._leave_upload_guard()                  # (even after the doctor's own failure)
+        self._capture_end(graph)
 
     @contained
-    def capture_end(self, graph) -> None:
+    def _capture_end(self, graph) -> None:
         self.threads.leave(self.mode)
         info = self.capturing
         self.capturing, self.phase = None, "eager"
@@ -227,8 +236,12 @@ class Doctor(RunnerEvents):
         self.copied.clear()
         self.copied_lines.clear()
 
-    @contained
     def capture_abort(self, graph, error: BaseException) -> None:
+        self._leave_upload_guard()
+        self._capture_abort(graph, error)
+
+    @contained
+    def _capture_abort(self, graph, error: BaseException) -> None:
         self.threads.leave(self.mode)
         info = self.capturing
         self.capturing, self.phase = None, "eager"
@@ -237,6 +250,11 @@ class Doctor(RunnerEvents):
         self.report.notes.append(f"capture of {name} failed: {type(error).__name__}: {first_line(error)}")
         if isinstance(error, CaptureError) and error.op is not None:
             sync.aborted(self, name, error)
+
+    def _leave_upload_guard(self) -> None:
+        guard, self.upload_guard = self.upload_guard, None
+        if guard is not None:
+            guard.__exit__(None, None, None)
 
     @contained
     def replay_begin(self, graph) -> None:

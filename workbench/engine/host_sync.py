@@ -59,6 +59,19 @@ def host_sync_error(op: str, source: str, tensor=None) -> CaptureError:
 _FROM_PYTHON = frozenset({torch.tensor, torch.as_tensor, torch.asarray})
 
 
+class UploadGuard(TorchFunctionMode):
+    """Refuses, inside a capture, ``torch.tensor(data, device=...)``: the copy of Python data from
+    pageable memory happens inside the factory, where no aten op shows it (a dispatch mode sees only
+    the tensor already on the device). The doctor enters it around CUDA captures, so that the CUDA
+    run fails with the CPU engine's error rather than torch's own."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        device = (kwargs or {}).get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            _refuse_upload(func, args, kwargs)
+        return func(*args, **(kwargs or {}))
+
+
 class HostSyncGuard(TorchFunctionMode):
     """Refuses, inside a capture, the host reads and copies that no aten op shows."""
 
@@ -66,13 +79,18 @@ class HostSyncGuard(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name in HOST_SYNC_METHODS and not (args and type(args[0]) is HostTensor):
             raise host_sync_error(f"Tensor.{name}()", user_frame(), args[0] if args and name in _VALUE_READS else None)
-        if func in _FROM_PYTHON and (kwargs or {}).get("device") is not None and _copies_python_data(args):
-            raise CaptureError(
-                f"torch.{name}(..., device=...) inside graph capture copies Python data from pageable host "
-                f"memory to the device, which a capturing stream refuses (cudaErrorStreamCaptureUnsupported)."
-                f"\n  at {user_frame()}\nMake the tensor before the captured region, or on the host (no device) "
-                "and let the graph keep it as a constant.", op=f"torch.{name}", source=user_frame())
+        _refuse_upload(func, args, kwargs)
         return func(*args, **(kwargs or {}))
+
+
+def _refuse_upload(func, args, kwargs) -> None:
+    if func in _FROM_PYTHON and (kwargs or {}).get("device") is not None and _copies_python_data(args):
+        name = func.__name__
+        raise CaptureError(
+            f"torch.{name}(..., device=...) inside graph capture copies Python data from pageable host "
+            f"memory to the device, which a capturing stream refuses (cudaErrorStreamCaptureUnsupported)."
+            f"\n  at {user_frame()}\nMake the tensor before the captured region, or on the host (no device) "
+            "and let the graph keep it as a constant.", op=f"torch.{name}", source=user_frame())
 
 
 def _copies_python_data(args) -> bool:
