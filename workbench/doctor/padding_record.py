@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from ..childproc import run_in_child
+from ..engine.source import function_of
 from ..zoo import VARIANTS, names, program
 
 RESULT = pathlib.Path(__file__).resolve().parents[2] / "results" / "gpu" / "doctor_padding.json"
@@ -36,7 +37,7 @@ def findings_of(name: str, variant: str, device: str) -> dict:
     report = diagnose(lambda: program(name).run(variant, device))
     sites = {}
     for f in report.findings:
-        sites.setdefault(f.kind, f.location.rsplit(" in ", 1)[-1])
+        sites.setdefault(f.kind, function_of(f.location))
     return {"kinds": sorted(report.kinds), "sites": sites, "failed": report.failure is not None}
 
 

@@ -26,17 +26,13 @@ def user_frame() -> str:
     """``file:line in function: code`` of the innermost frame that is not torch, engine or doctor
     code, nor a dispatch mode's handler. (Called for every op the doctor records: which code
     objects are the user's, and each line's text, are looked up once.)"""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if _mine(frame.f_code):
-            return location(frame)
-        frame = frame.f_back
-    return "<unknown>"
+    frame = user_code_frame()
+    return location(frame) if frame is not None else "<unknown>"
 
 
 def user_code_frame():
-    """The innermost user frame itself (None outside user code): ``user_frame``'s walk without its
-    formatting, for a caller that keeps only the function (held briefly)."""
+    """The innermost user frame itself (None outside user code), for a caller that keeps only its
+    function (held briefly)."""
     frame = sys._getframe(1)
     while frame is not None and not _mine(frame.f_code):
         frame = frame.f_back
@@ -84,6 +80,11 @@ def location(frame, lineno: int | None = None) -> str:
         line = linecache.getline(code.co_filename, lineno).strip()
         text = _LINES[key] = f"{short_path(code.co_filename)}:{lineno} in {function_name(code)}: {line}"
     return text
+
+
+def function_of(where: str) -> str:
+    """The function of a ``file:line in function`` location, with or without the code after it."""
+    return where.split(" in ", 1)[-1].split(":", 1)[0]
 
 
 _INLINED = ("<listcomp>", "<dictcomp>", "<setcomp>")

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from ..childproc import run_in_child
+from ..engine.source import function_of
 from . import VARIANTS, names, program, run
 
 RESULT = pathlib.Path(__file__).resolve().parents[2] / "results" / "gpu" / "zoo.json"
@@ -35,7 +36,7 @@ def doctor_of(name: str, variant: str, device: str) -> dict:
     """What ``doctor.diagnose`` says of one variant."""
     from ..detectors import detect
     d = detect("doctor", program(name), variant, device)
-    return {"found": d.found, "kind": d.kind, "site": d.site.rsplit(" in ", 1)[-1] if d.site else None}
+    return {"found": d.found, "kind": d.kind, "site": function_of(d.site) if d.site else None}
 
 
 def variant_of(name: str, variant: str, device: str) -> dict:

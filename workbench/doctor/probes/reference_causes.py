@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ...engine.opinfo import describe, storage_key
-from ...engine.source import location
+from ...engine.source import function_of, location
 from .. import explain
 from ..records import Op
 from ..report import Finding
@@ -119,9 +119,9 @@ def _refreshed_beside(writers: dict, info, compared: list, op, stale) -> tuple |
     None where the step wrote no static input of the graph."""
     if not info.step or (whole_stale := stale.ref()) is None:
         return None
-    function = _function(op.source)
+    function = function_of(op.source)
     for near, how in ((lambda other: other is op, "which the same op reads"),
-                      (lambda other: _function(other.source) == function, f"which {function} reads too")):
+                      (lambda other: function_of(other.source) == function, f"which {function} reads too")):
         for other, buf, *_ in compared:
             if not near(other) or buf is stale or (whole_buf := buf.ref()) is None:
                 continue
@@ -130,16 +130,11 @@ def _refreshed_beside(writers: dict, info, compared: list, op, stale) -> tuple |
     stale_key, by_function = storage_key(whole_stale), {}      # the step's refresh: by function
     for key in info.step:
         if key in writers and key != stale_key:
-            by_function.setdefault(_function(writers[key][1]), []).append(writers[key])
+            by_function.setdefault(function_of(writers[key][1]), []).append(writers[key])
     if not by_function:
         return None
     name, line, buffer = max(by_function.values(), key=len)[-1]
     return buffer, name, line, "with most of the step's static inputs"
-
-
-def _function(source: str) -> str:
-    """The function of a ``file:line in function: code`` location."""
-    return source.split(" in ", 1)[-1].split(":", 1)[0]
 
 
 def padded_result(doctor, index: int, served: tuple, reference: tuple, padded: dict) -> None:

@@ -22,7 +22,7 @@ import weakref
 
 import torch
 
-from ...engine.opinfo import describe, tensors
+from ...engine.opinfo import describe, op_tensors, tensors
 from ...engine.source import user_frame
 from .. import explain
 from ..report import Finding
@@ -34,8 +34,8 @@ _KEPT = 4096                  # derived tensors noted at most, the oldest forgot
 def derived(doctor, func, args, kwargs, out) -> None:
     """An eager op's result, noted where one of its tensor arguments is memory a capture wrote."""
     producer = doctor.pool.producer
-    source = next((entry[0] for x in (*args, *kwargs.values()) for t in _flat(x)
-                   if (entry := producer.get(block(t))) is not None), None)
+    source = next((entry[0] for t in op_tensors(args, kwargs) if (entry := producer.get(block(t))) is not None),
+                  None)
     if source is None:
         return
     made = doctor.derivations
@@ -70,9 +70,3 @@ def report(doctor) -> None:
     if doctor.reused is not None:
         finding = doctor.reused
         doctor.add(finding, (finding.kind, finding.op, finding.source))
-
-
-def _flat(x):
-    if isinstance(x, torch.Tensor):
-        return (x,)
-    return tensors(x) if isinstance(x, (list, tuple)) else ()

@@ -35,6 +35,7 @@ from types import ModuleType
 import torch
 
 from ...childproc import run_in_child
+from ...engine.source import function_of
 from .. import VARIANTS, _check
 
 ROUNDS = ("round4", "round5", "round6", "round7", "round8", "round9", "round10", "round11", "round12", "round13", "round14", "round15", "round16", "round17", "round18", "round19", "round20", "round21", "round22", "round23", "round24", "round25", "round26", "round27", "round28", "round29", "round30", "round31")
@@ -68,7 +69,7 @@ def doctor_of(name: str, variant: str, device: str = "cpu") -> dict:
     prog = program(name)
     report = diagnose(lambda: prog.run(variant, device))
     best = next((f for f in report.findings if f.kind == prog.KIND), report.findings[0] if report.findings else None)
-    return {"kind": best.kind if best else None, "site": best.location.rsplit(" in ", 1)[-1] if best else None,
+    return {"kind": best.kind if best else None, "site": function_of(best.location) if best else None,
             "kinds": sorted(report.kinds), "failed": report.failure is not None, "failure": report.failure}
 
 
