@@ -749,3 +749,76 @@ def test_a_bare_fit_check_without_a_message_is_read_from_its_source():
                 staging.ids[:size] * 2
     (finding,) = doctor.diagnose(workload).findings
     assert finding.kind == "undersized-buffer" and finding.numbers == {"size": 4, "asked": 6}, finding
+
+
+# ------------------------------------------------------------------------------ a static input nothing wrote
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_dummy_batch_whose_preparation_leaves_a_static_input_as_allocated(variant, device):
+    """The runtime path writes each step's checkpoint rows (``work_items``) beside the token ids
+    and slots; the capture's dummy-batch preparation writes the ids and slots only (bug), so the
+    warmup indexes the checkpoint table with what the allocation left there (a large garbage index).
+    The fix prepares the work items on both paths. On CUDA the warmup's index is checked before the
+    kernel runs (``rules/bounds.py``): the same error and finding as on the CPU, no device assert."""
+    garbage = 1 << 20
+    ints = dict(dtype=torch.int64, device=device)
+
+    class Runner:
+        def __init__(self):
+            self.ids, self.slots = torch.zeros(2, **ints), torch.zeros(2, **ints)
+            self.work_items = torch.full((2,), garbage, **ints)     # as uninitialised memory
+            self.table, self.ckpt = torch.zeros(3, 4, device=device), torch.zeros(6, 4, device=device)
+
+        def prepare(self, ids, slots):
+            self.ids.copy_(ids)
+            self.slots.copy_(slots)
+
+        def prepare_dummy_batch(self):
+            self.prepare(torch.ones(2, **ints), torch.zeros(2, **ints))
+            if variant == "fix":
+                self.work_items.copy_(self.slots * 2)
+
+        def forward(self):
+            h = self.table[self.slots] + self.ids[:, None]
+            self.ckpt[self.work_items] = h
+            return h * 2
+
+    def workload():
+        runner = Runner()
+        runner.prepare_dummy_batch()
+        events.static_buffers("runner", {"ids": runner.ids, "slots": runner.slots, "work_items": runner.work_items})
+        try:
+            with events.warmup():
+                runner.forward()
+        except IndexError:
+            return
+        g = new_graph(device)
+        with graph(g):
+            out = runner.forward()
+        runner.prepare(torch.tensor([2, 3], device=device), torch.tensor([1, 2], device=device))
+        runner.work_items.copy_(runner.slots * 2)
+        served(g, out, runner.forward)
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [] and report.errors == [], report
+        return
+    (finding,) = report.findings
+    assert report.caught[0].startswith("IndexError: index 1048576 is out of bounds"), report
+    assert finding.kind == "stale-input" and finding.tensor == "work_items: int64[2]", finding
+    assert "in prepare_dummy_batch: self.prepare(" in finding.source, finding
+    assert "nothing wrote since it was made" in finding.evidence and "ids, slots were written" in finding.evidence
+
+
+def test_a_lookup_past_the_end_of_a_static_input_that_nothing_wrote_names_the_table_not_the_index():
+    """A table the dummy batch indexes past its end is too small, whatever wrote it: the index
+    (written for the dummy batch) is not what the preparation left out."""
+    table, idx = torch.arange(3), torch.zeros(4, dtype=torch.int64)
+
+    def workload():
+        idx.copy_(torch.tensor([0, 1, 2, 3]))
+        try:
+            captured(lambda: table[idx] * 2, static={"table": table, "idx": idx})
+        except IndexError:
+            pass
+    report = doctor.diagnose(workload)
+    assert "stale-input" not in report.kinds, report

@@ -132,6 +132,13 @@ def reset_input(name: str) -> str:
             "that nothing else reads.")
 
 
+def unwritten_input(name: str, other: str) -> str:
+    return (f"`{name}` still holds what its allocation left: the preparation of the capture's dummy batch wrote "
+            f"`{other}` and the other inputs but not this one, which only the runtime path fills. Write every "
+            "static input the captured code reads when preparing the dummy batch (the same hook on both paths), "
+            "or fill it with a valid placeholder when it is made.")
+
+
 def unfit_write(error: str) -> str:
     return (f"A write failed because its data does not fit its destination: {error}. The buffer was sized (at "
             "start-up, or by a warmup or capture's dummy batch) for less than what this step writes into it; "

@@ -38,8 +38,8 @@ from .failures import contained
 from .report import Finding, Report
 from .runner_events import RunnerEvents
 from .threads import Threads
-from .rules import (clobbered, dangling, derived, mutation, overwritten, padded_scatter, reused, shapes, sync,
-                    uncomputed, undersized, unread, warmup)
+from .rules import (bounds, clobbered, dangling, derived, mutation, overwritten, padded_scatter, reused, shapes,
+                    sync, uncomputed, undersized, unread, unwritten, warmup)
 from .rules.pool import PoolReads
 from .tensors import first_line
 
@@ -119,6 +119,7 @@ class Doctor(RunnerEvents):
         self.derivations: dict[int, list] = {}      # tensors eager code computed from graph memory (reused.py)
         self.reused: Finding | None = None         # ... one read again after a replay rewrote its source
         self.input_writes: dict[int, tuple] = {}    # static input -> (code that wrote data, last reset: clobbered.py)
+        self.setup_writes: dict[int, tuple] = {}    # storage -> the frames that last wrote it in set-up (unwritten.py)
         self.upload_guard: UploadGuard | None = None    # entered around a CUDA capture (engine.host_sync)
         self.explanation: tuple | None = None       # (id(error), finding, key): the last error explained where it was
                                                     # raised, reported if it proves a failure (failures.explained)
@@ -377,6 +378,7 @@ class Doctor(RunnerEvents):
             if self.every and phase == "eager":
                 unread.copied(self, targets, args[1])
         if phase == "warmup":
+            bounds.check(func, args, kwargs, run)       # (on CUDA: the CPU's IndexError, not a device assert)
             self.trained = self.trained or torch._C._current_graph_task_id() != -1 or mutable(func) and any(
                 t.is_leaf and t.grad is not None for t in written_tensors(func, args, kwargs))   # see warmup_end
             if not self.real_warmup:                   # a dummy batch's writes into live memory are suspect
@@ -397,6 +399,8 @@ class Doctor(RunnerEvents):
             padding_probe.consumed(self, func, args, kwargs)
         if not view:
             self.warm.eager_op()
+            if not self.report.replays and phase == "eager" and mutable(func):
+                unwritten.wrote(self, func, args, kwargs)
         if self.dummy_run:                         # dummy data, as a warmup's
             mutation.dummy_write(self, func, args, kwargs, targets)
         elif mutable(func) and (self.graph_writes or self.startup.kept or self.host_reads):

@@ -73,8 +73,11 @@ def _item_assignment(doctor: Doctor):
                 doctor.fail(e, "watching Tensor.__setitem__")
         try:
             return original(self, index, value)
-        except Exception:
-            if doctor.failure is None and doctor.phase in ("eager", "warmup", "capture"):
+        except Exception as e:
+            # (an index past the end is not this contract; and on CUDA indexing with it again to
+            # look would fire a device-side assert, ending the context)
+            if doctor.failure is None and doctor.phase in ("eager", "warmup", "capture") \
+                    and not isinstance(e, IndexError):
                 try:
                     undersized.failed_item_write(doctor, self, index, value)
                 except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report

@@ -27,7 +27,7 @@ from ...engine.source import location, user_frame
 from .. import explain
 from ..report import Finding
 from ..tensors import first_line
-from . import checks
+from . import checks, unwritten
 
 _OPEN_END = 2 ** 62          # ``x[a:]`` slices up to sys.maxsize
 
@@ -180,6 +180,8 @@ def write(doctor, func, targets: list, run):
     try:
         return run()
     except (RuntimeError, IndexError) as e:          # an index past the end is an IndexError
+        if unwritten.failed(doctor, func, run.args, run.kwargs, e):     # the index, not the buffer
+            raise
         _, t, buf = targets[0]
         source = user_frame()
         doctor.add(Finding(

@@ -38,7 +38,7 @@ from ...childproc import run_in_child
 from ...engine.source import function_of
 from .. import VARIANTS, _check
 
-ROUNDS = ("round4", "round5", "round6", "round7", "round8", "round9", "round10", "round11", "round12", "round13", "round14", "round15", "round16", "round17", "round18", "round19", "round20", "round21", "round22", "round23", "round24", "round25", "round26", "round27", "round28", "round29", "round30", "round31")
+ROUNDS = ("round4", "round5", "round6", "round7", "round8", "round9", "round10", "round11", "round12", "round13", "round14", "round15", "round16", "round17", "round18", "round19", "round20", "round21", "round22", "round23", "round24", "round25", "round26", "round27", "round28", "round29", "round30", "round31", "round32")
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 TABLE = ROOT / "benchmarks" / "results_trials.md"
 RESULT = ROOT / "results" / "gpu" / "doctor_trials.json"
@@ -117,27 +117,30 @@ def write_table() -> str:
     return text
 
 
-def recorded(name: str, variant: str, device: str) -> dict:
-    """One variant on ``device``: its verdict against eager (``run``), then what the doctor says of it
-    (run inside a child process of ``gpu_record``)."""
+def verdict_of(name: str, variant: str, device: str) -> dict:
+    """One variant's verdict against eager on ``device`` (``run``), and the error it raised, if any."""
     outcome = program(name).run(variant, device)
-    return {"verdict": outcome.verdict, "error": list(outcome.error) if outcome.error else None,
-            **doctor_of(name, variant, device)}
+    return {"verdict": outcome.verdict, "error": list(outcome.error) if outcome.error else None}
 
 
 def gpu_record(device: str = "cuda", programs: Sequence[str] | None = None, jobs: int = 8) -> dict:
-    """Each variant's verdict and the doctor's answer on real CUDA graphs, each variant in a child
-    process of its own (a bug may end its CUDA context), ``jobs`` at a time; a child that dies
-    records the error instead."""
-    todo = [(name, variant) for name in (programs or names()) for variant in VARIANTS]
+    """Each variant's verdict and the doctor's answer on real CUDA graphs, each in a child process
+    of its own (a bug may end its CUDA context: a device-side assert in the plain run must not take
+    the doctor's run with it), ``jobs`` at a time; a child that dies records the error instead."""
+    todo = [(part, name, variant) for name in (programs or names()) for variant in VARIANTS
+            for part in (verdict_of, doctor_of)]
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        done = list(pool.map(lambda job: run_in_child(recorded, *job, device, timeout=300), todo))
+        done = list(pool.map(lambda job: run_in_child(*job, device, timeout=300), todo))
     out: dict[str, dict] = {}
-    for (name, variant), result in zip(todo, done):
-        out.setdefault(name, {})[variant] = result.value if result.ok else {
-            "verdict": None, "kind": None, "site": None, "kinds": [], "failed": True, "failure": None,
-            "error": [result.error_type or "ChildDied",
-                      (result.error or f"exit code {result.exitcode}").splitlines()[0][:200]]}
+    for (part, name, variant), result in zip(todo, done):
+        died = {"error": [result.error_type or "ChildDied",
+                          (result.error or f"exit code {result.exitcode}").splitlines()[0][:200]]}
+        entry = out.setdefault(name, {}).setdefault(variant, {})
+        if part is verdict_of:
+            entry.update(result.value if result.ok else {"verdict": None, **died})
+        else:
+            entry.update(result.value if result.ok else {"kind": None, "site": None, "kinds": [], "failed": True,
+                                                         "failure": died["error"][1]})
     on_gpu = torch.device(device).type == "cuda" and torch.cuda.is_available()
     return {"device": torch.cuda.get_device_name() if on_gpu else device, "torch": torch.__version__,
             "date": datetime.date.today().isoformat(), "programs": out}
