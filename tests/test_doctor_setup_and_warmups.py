@@ -822,3 +822,18 @@ def test_a_lookup_past_the_end_of_a_static_input_that_nothing_wrote_names_the_ta
             pass
     report = doctor.diagnose(workload)
     assert "stale-input" not in report.kinds, report
+
+
+@pytest.mark.cuda
+def test_a_gather_past_its_end_in_a_cuda_warmup_raises_the_cpus_error_and_the_context_lives():
+    """``gather`` raises a ``RuntimeError`` on the CPU, not an ``IndexError``: the warmup check gives
+    that error at the op, as the workload's own, and no device-side assert ends the context."""
+    src, idx = torch.zeros(3, device="cuda"), torch.full((2,), 5, device="cuda")
+
+    def workload():
+        events.static_buffers("runner", {"idx": idx})
+        with pytest.raises(RuntimeError, match="index 5 is out of bounds"), events.warmup():
+            torch.gather(src, 0, idx)
+    report = doctor.diagnose(workload)
+    assert report.failure is None and "aten.gather" in report.caught[0], report
+    torch.cuda.synchronize()

@@ -2,7 +2,7 @@
 
 A CUDA kernel that indexes out of range fires a device-side assert: it is reported at some later
 synchronisation, not at the op, and it ends the CUDA context, so nothing after it runs. The CPU
-raises an ``IndexError`` at the op, which the doctor's rules explain (which static input held the
+raises at the op (an ``IndexError``; a ``RuntimeError`` for ``gather``), which the doctor's rules explain (which static input held the
 index, which buffer was too small). A warmup runs eagerly, where synchronising is allowed: the
 doctor checks the indices of the ops that take them there and raises the CPU's own error (the op
 run on CPU copies) instead of launching the kernel, so that a run on a GPU fails where the run on
@@ -12,14 +12,21 @@ from __future__ import annotations
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_map
+
+
+def _per_dimension(a):        # (self, [index or None per leading dimension], ...)
+    return a[0], list(enumerate(a[1]))
+
+
+def _along(a):                # (self, dim, index)
+    return a[0], [(a[1], a[2])]
+
 
 aten = torch.ops.aten
-_INDEXED = {aten.index: lambda a: (a[0], list(enumerate(a[1]))),
-            aten.index_put_: lambda a: (a[0], list(enumerate(a[1]))),
-            aten.index_put: lambda a: (a[0], list(enumerate(a[1]))),
-            aten.index_select: lambda a: (a[0], [(a[1], a[2])]),
-            aten.gather: lambda a: (a[0], [(a[1], a[2])]),
-            aten.embedding: lambda a: (a[0], [(0, a[1])])}
+_INDEXED = {aten.index: _per_dimension, aten.index_put_: _per_dimension, aten.index_put: _per_dimension,
+            aten.index_select: _along, aten.gather: _along,
+            aten.embedding: lambda a: (a[0], [(0, a[1])])}      # (weight, indices)
 
 
 def check(func, args, kwargs, run) -> None:
@@ -35,18 +42,12 @@ def check(func, args, kwargs, run) -> None:
             size = table.shape[dim] if table.dim() else 1
             if bool(((index >= size) | (index < -size)).any()):
                 try:
-                    func(*_on_cpu(args), **_on_cpu(kwargs))
-                except IndexError as e:
+                    func(*tree_map(_on_cpu, args), **tree_map(_on_cpu, kwargs))
+                except (IndexError, RuntimeError) as e:
                     run.error = e           # the op's own failure, as the CPU gives it
                     raise
                 return
 
 
 def _on_cpu(x):
-    if isinstance(x, torch.Tensor):
-        return x.detach().cpu()
-    if isinstance(x, (list, tuple)):
-        return type(x)(_on_cpu(v) for v in x)
-    if isinstance(x, dict):
-        return {k: _on_cpu(v) for k, v in x.items()}
-    return x
+    return x.detach().cpu() if isinstance(x, torch.Tensor) else x

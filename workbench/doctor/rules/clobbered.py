@@ -23,7 +23,7 @@ from ...engine.source import location, user_code_frame
 from .. import explain
 from ..report import Finding
 from ..tensors import first_line
-from .undersized import where
+from . import where
 
 _RESETS = (torch.ops.aten.zero_, torch.ops.aten.fill_)
 

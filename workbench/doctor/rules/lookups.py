@@ -24,7 +24,7 @@ from ...engine.source import user_frame
 from .. import explain
 from ..report import Finding
 from ..tensors import first_line
-from .undersized import where
+from . import where
 
 
 _LOOKUPS = frozenset({torch.ops.aten.index, torch.ops.aten.index_select, torch.ops.aten.gather,

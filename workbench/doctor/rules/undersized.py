@@ -27,7 +27,7 @@ from ...engine.source import location, user_frame
 from .. import explain
 from ..report import Finding
 from ..tensors import first_line
-from . import checks, unwritten
+from . import checks, unwritten, where
 
 _OPEN_END = 2 ** 62          # ``x[a:]`` slices up to sys.maxsize
 
@@ -67,11 +67,6 @@ def served_data(doctor, info, real: int) -> None:
         for entry in [e for e in doctor.empty_inputs if id(info) in e[1] or e[0] & info.externals.keys()]:
             doctor.add(*entry[2:])
             doctor.empty_inputs.remove(entry)
-
-
-def where(doctor) -> str:
-    """The phase an op runs in, a capture by its graph's name (for the evidence)."""
-    return doctor.capturing.name if doctor.phase == "capture" and doctor.capturing else doctor.phase
 
 
 def check_fit(doctor, dst: torch.Tensor, src) -> None:

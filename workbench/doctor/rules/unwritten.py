@@ -26,7 +26,7 @@ from ...engine.source import location, user_frame, user_frames
 from .. import explain
 from ..report import Finding
 from ..tensors import first_line
-from . import undersized
+from . import where
 
 _OUT_OF_BOUNDS = re.compile(r"index (-?\d+) is out of bounds")
 
@@ -64,8 +64,8 @@ def failed(doctor, func, args, kwargs, error: BaseException) -> bool:
         return False
     at = user_frame()
     doctor.add(Finding(
-        "stale-input", undersized.where(doctor), str(func), f"{stale.name}: {describe(stale.ref())}", site,
-        f"during {undersized.where(doctor)}, {func} at {at} failed ({type(error).__name__}: "
+        "stale-input", where(doctor), str(func), f"{stale.name}: {describe(stale.ref())}", site,
+        f"during {where(doctor)}, {func} at {at} failed ({type(error).__name__}: "
         f"{first_line(error)}) reading {stale.name}, which nothing wrote since it was made, while "
         f"{', '.join(b.name for b in written)} were written for the dummy batch at {site}",
         explain.unwritten_input(stale.name, written[0].name),
