@@ -94,7 +94,7 @@ class _Tracer:
         frame.f_trace_lines = self.doctor.capturing is not None     # the lines a capture runs: doctor/skipped.py
         if (reference := self.doctor.reference) is not None:        # calls numbered: probes/reference.py
             reference.called(self.doctor, frame)
-            frame.f_trace_lines |= reference.coverage.wanted(frame.f_code, reference.recording)
+            frame.f_trace_lines |= reference.coverage.wanted(self.doctor, frame.f_code, reference.recording)
         return self.local
 
     def local(self, frame, event, arg):

@@ -6,12 +6,14 @@ asks, and a runner that knows it may refuse such steps outright. Where the serve
 its results differ from the workload's run without graphs (``probes/reference.py``), and no other
 finding explains it, this compares the two runs line by line: in the functions some capture ran,
 a line the reference run ran -- up to the step at which the served run stopped -- and the served
-run never ran (in a capture, or in its own eager code) is where the two runs parted. The first
-such line, in the reference's order, is reported as ``warmup-divergence``.
+run never ran (in a capture, a warmup, or its own eager code) is where the two runs parted. The
+first such line, in the reference's order, is reported as ``warmup-divergence``. (A line a warmup ran
+is no parting: the lazy set-up the reference does in its first step, the served run does in its
+warmup. Whether the capture then skipped it is ``rules/warmup.py``'s question.)
 
 Lines are seen by ``raised``'s tracer (under ``diagnose``): every line of the workload's code
-while the reference is recorded, and after it the lines of the functions some capture ran, outside
-the doctor's own runs and the warmups.
+while the reference is recorded and while a warmup runs, and after it the lines of the functions
+some capture ran, outside the doctor's own runs.
 """
 from __future__ import annotations
 
@@ -28,14 +30,17 @@ class Coverage:
         self.first: dict[tuple, int] = {}      # (code, line) -> the reference's call number when first run
         self.codes: set = set()                # functions a capture ran lines of
         self.served: set = set()               # (code, line) the served run ran eagerly, in those functions
+        self.warm: set = set()                 # (code, line) its warmups ran (before the captures are known)
 
-    def wanted(self, code, recording: bool) -> bool:
+    def wanted(self, doctor, code, recording: bool) -> bool:
         """Whether a call of ``code`` reports its lines."""
-        return recording or code in self.codes
+        return recording or doctor.phase == "warmup" or code in self.codes
 
     def line(self, doctor, code, line: int, number: int, recording: bool) -> None:
         if recording:
             self.first.setdefault((code, line), number)
+        elif doctor.phase == "warmup":
+            self.warm.add((code, line))
         elif doctor.phase == "eager" and code in self.codes:
             self.served.add((code, line))
 
@@ -45,7 +50,7 @@ class Coverage:
     def parted(self, doctor, reference, failed: bool) -> None:
         """Report where the served run first left the reference's lines (see the module's docstring)."""
         graphs = [info for info in doctor.graphs.values() if info.lines_run]
-        ran = set(self.served).union(*(info.lines_run for info in graphs))
+        ran = self.served.union(self.warm, *(info.lines_run for info in graphs))
         limit = _progress(reference, graphs, failed)
         # (a function the failure was raised under was cut short there: lines it did not reach are no path)
         left = {(code, line): n for (code, line), n in self.first.items()

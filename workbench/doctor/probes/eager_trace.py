@@ -51,6 +51,8 @@ class EagerRun:
     loop: str | None = None                      # the deepest frame both share: the one that looped
     origin_of: tuple = ()                        # (position in the trace, numbers it is given) to trace back...
     origin: str | None = None                    # ... to the outermost frame holding one as a local
+    branch_at: tuple = ()                        # (the capture's lines run, the frame that runs the step)...
+    branch: str | None = None                    # ... the line of the frame that took another path (``branched``)
     nonfinite: tuple | None = None               # (real, size): find where padded rows' NaN reach real rows...
     crossed: tuple | None = None                 # ... (op, source) of the first op that hands them over (nonfinite)
     rebound: list = dataclasses.field(default_factory=list)    # tensor bindings it moved (pystate.changes)
@@ -104,6 +106,8 @@ def on_op(doctor, func, args, kwargs, run):
     if d.origin_of and i == d.origin_of[0]:
         d.origin = number_origin(*d.origin_of[1:])
     same = i < len(d.graph_ops) and d.graph_ops[i].name == name and d.graph_ops[i].sig == sig
+    if not same and d.branch_at and d.branch is None:
+        d.branch = branched(*d.branch_at)
     # The source line costs a walk up the stack: where the op matches the capture's op at the
     # same position, it is taken to be the same line (a divergence is looked up in full).
     op = Op(name, d.graph_ops[i].source if same else user_frame(), frozenset(keys), frozenset(),
@@ -141,6 +145,23 @@ def _stack(d: EagerRun, i: int) -> None:
             break
         shared = b
     d.held, d.loop = None, location(shared) if shared is not None else None
+
+
+def branched(lines: set, top) -> str | None:
+    """Where the eager step, launching an op the capture did not launch here, left the capture's
+    path: outermost first, the first frame of the step at a line the capture never ran is the one
+    whose branch went another way -- or, when the capture never ran that function at all, its
+    caller, which called another function than it did at capture. (The innermost frame is where
+    the extra op is launched; the decision is often frames above, in a setter or a dispatcher.)"""
+    codes = {code for code, _ in lines}
+    caller = None
+    for frame in (frames_within(top) or [])[::-1]:
+        if (frame.f_code, frame.f_lineno) not in lines:
+            if frame.f_code in codes or caller is None:
+                return location(frame)
+            return location(caller)
+        caller = frame
+    return None
 
 
 def number_origin(values: tuple, top) -> str | None:

@@ -1,0 +1,175 @@
+"""Where the doctor names a branch that a capture decided: the frame whose ``if`` went another way
+(not the function the extra work runs in), and a path the run without graphs took that the served
+run never did (not the lazy set-up its warmup already ran). Workloads are written here, on the
+engine's public API; each bug has a fix that must give no finding."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from workbench import doctor
+from workbench.doctor.probes.eager_trace import branched
+from workbench.engine import events, graph, host, new_graph
+
+
+def _finding(workload, variant):
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [], report
+        return None
+    (finding,) = report.findings
+    return finding
+
+
+class _Shared:
+    """A receive region shared by two modes: the normal mode stages its data there and leaves it;
+    the low-latency mode accumulates into it, so switching to it cleans the region first. The mode
+    is the class's, as a communication library keeps its one buffer's dispatch mode."""
+
+    region = torch.zeros(4)
+    mode = None
+
+    @classmethod
+    def clean(cls) -> None:
+        cls.region.zero_()
+
+    @classmethod
+    def set_low_latency(cls) -> None:
+        if cls.mode == "normal":
+            cls.clean()
+        cls.mode = "low_latency"
+
+    @classmethod
+    def set_normal(cls) -> None:
+        cls.mode = "normal"
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_setter_that_cleans_only_on_a_mode_switch_is_the_site(variant):
+    """The decode graph was captured in low-latency mode, so its capture never cleaned the region;
+    an eager prefill in between switches to normal mode and leaves the region dirty. An eager decode
+    now cleans it (in ``clean``, called by ``set_low_latency``); the replay does not. The decision is
+    ``set_low_latency``'s branch. The fix sets the captured mode again before each replay (eagerly)."""
+    def workload():
+        shared, x = _Shared, torch.zeros(4)
+        shared.region, shared.mode = torch.zeros(4), None
+        events.static_buffers("runner", {"x": x})
+        events.persistent_state("runner", {"region": shared.region})
+
+        def decode():
+            shared.set_low_latency()
+            shared.region.add_(x)
+            out = shared.region * 2
+            shared.region.zero_()            # a low-latency round cleans what it used
+            return out
+
+        with events.warmup():
+            decode()
+        g = new_graph("cpu")
+        with graph(g, name="decode"):
+            out = decode()
+        for step in range(3):
+            shared.set_normal()              # an eager prefill stages its tokens in the region
+            shared.region.copy_(torch.full((4,), 5.0 + step))
+            x.copy_(torch.arange(4.0) + step)
+            if variant == "fix":
+                shared.set_low_latency()     # the captured mode, set again before the replay
+            events.serve(g, 4, 4, outputs=out, eager=decode)
+            g.replay()
+    finding = _finding(workload, variant)
+    if finding is None:
+        return
+    assert finding.kind == "warmup-divergence" and finding.op == "aten.zero_.default"
+    assert " in set_low_latency: " in finding.source and finding.source.endswith("cls.clean()")
+    assert "left the capture's path at" in finding.cause
+
+
+def test_the_branch_is_the_first_frame_at_a_line_the_capture_never_ran():
+    """Outermost first: a frame at a line the capture ran goes on down; the first one at a line it
+    never ran took another branch -- unless the capture never ran its function at all, when the
+    caller chose another function."""
+    def outer(lines):
+        return middle(lines)
+
+    def middle(lines):
+        return inner(lines)
+
+    def inner(lines):
+        return branched(lines, top)
+
+    top = sys._getframe()
+    at = {f: f.__code__.co_firstlineno for f in (outer, middle, inner)}
+    ran = {(outer.__code__, at[outer] + 1), (middle.__code__, at[middle])}
+    assert " in middle: return inner(lines)" in outer(ran)               # middle's call line never ran
+    assert " in outer: return middle(lines)" in outer({(outer.__code__, at[outer] + 1)})   # nor middle at all
+    assert outer(ran | {(middle.__code__, at[middle] + 1), (inner.__code__, at[inner] + 1)}) is None
+
+
+class _Averager:
+    """Averaging whose first steps copy and later steps average, decided on the host by a flag the
+    previous step left in host memory (as an optimizer's scalar state kept on the CPU), which a
+    replay never updates; the state is made at the first step."""
+
+    def __init__(self, on_device: bool) -> None:
+        self.state: dict = {}
+        self.on_device = on_device
+
+    def step(self, p: torch.Tensor) -> None:
+        if not self.state:                               # lazy: the first step makes the state
+            self.state["ax"] = torch.zeros_like(p)
+            for name in ("n", "average"):
+                self.state[name] = torch.zeros(()) if self.on_device else host(torch.zeros(()))
+        n, average, ax = self.state["n"], self.state["average"], self.state["ax"]
+        n += 1
+        if self.on_device:                               # the fix: decided on the device, every step
+            ax.add_(p.sub(ax).mul(torch.where(average > 0, 0.5, 1.0)))
+            average.copy_((n > 2).float())
+            return
+        if average.item():
+            ax.add_(p.sub(ax).mul(0.5))
+        else:
+            ax.copy_(p)
+        average.fill_(float(n.item() > 2))
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_path_only_the_reference_took_is_not_the_set_up_a_warmup_ran(variant):
+    """The run without graphs makes the averager's state at its first step and averages from its
+    fourth; the served run makes the state in its warmup and replays the copy its capture recorded.
+    An eager step from the replay's state copies too (the flag it reads was never updated), so only
+    the run without graphs shows where the two runs part: the averaging branch, not the lazy set-up."""
+    def run(graphed: bool):
+        p = torch.zeros(3)
+        opt = _Averager(on_device=variant == "fix")
+        outs = []
+        if graphed:                                      # (whole-network capture warms up with real steps)
+            events.static_buffers("trainer", {"p": p})
+            with events.warmup(real=True):
+                opt.step(p)
+            g = new_graph("cpu")
+            with graph(g, name="step"):
+                opt.step(p)
+        else:                   # the warmup's step, eagerly (a capture launches nothing that lasts)
+            opt.step(p)
+        for k in range(5):
+            p.copy_(torch.arange(3.0) * (k + 1))
+            if graphed:
+                events.serve(g, 3, 3, outputs=opt.state["ax"], eager=lambda: opt.step(p))
+                g.replay()
+            else:
+                opt.step(p)
+            outs.append(opt.state["ax"].clone())
+        return outs
+
+    def workload():
+        with events.reference():
+            reference = run(False)
+        events.results(reference, run(True))
+
+    finding = _finding(workload, variant)
+    if finding is None:
+        return
+    assert finding.kind == "warmup-divergence"
+    assert " in step: " in finding.source and finding.source.endswith("ax.add_(p.sub(ax).mul(0.5))")
