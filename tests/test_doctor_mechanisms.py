@@ -1502,6 +1502,35 @@ def test_eager_allocations_are_filled_while_watching_and_captures_keep_the_users
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the doctor fills no memory where CUDA is available")
+def test_a_cpu_replay_fills_nothing_and_eager_code_after_it_is_filled_again():
+    """The emulated replay's ops write the graph's memory or fresh outputs they write whole: no fill
+    while it runs (what an observer after the doctor sees at ``replay_begin``), the fill again once
+    it is done; under the user's own deterministic mode, their fill stands throughout."""
+    class Look:
+        def replay_begin(self, graph):
+            seen.append(torch.utils.deterministic.fill_uninitialized_memory)
+
+    for users in (False, True):
+        seen, look = [], Look()
+        torch.use_deterministic_algorithms(users)
+        try:
+            with doctor.watch():
+                x = torch.ones(3)
+                g = new_graph("cpu")
+                with graph(g, name="size 3"):
+                    y = x * 2
+                events.subscribe(look)            # after the doctor: it has stepped aside
+                try:
+                    g.replay()
+                finally:
+                    events.unsubscribe(look)
+                after = torch.empty(64)
+        finally:
+            torch.use_deterministic_algorithms(False)
+        assert seen == [users] and torch.isnan(after).all() and (y == 2).all()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the doctor fills no memory where CUDA is available")
 def test_a_step_reading_memory_no_op_wrote_gets_the_same_answer_every_run():
     """A kernel whose grid misses rows of its output leaves them as the allocation held them: in the
     replay, the capture's poison; in the eager step, what the allocator's previous user left there

@@ -113,6 +113,7 @@ class Doctor(RunnerEvents):
         self.mode = None                            # set by watching()
         self.threads = Threads()                    # other threads the mode is entered on (threads.py)
         self.stepped_aside = False                  # our mode is off the stack for this replay
+        self.fill = None                            # eager allocations' deterministic fill (uninit.py)
         self.failure: str | None = None             # the doctor's own error, once it has stopped
         self.failed_ops: dict[int, str] = {}        # id(error) -> what an op of the watched code raised
         self.failed_codes: set = set()              # the functions those errors were raised under
@@ -293,6 +294,8 @@ class Doctor(RunnerEvents):
         if (info is None or not info.cuda) and _get_current_dispatch_mode() is self.mode:
             _pop_torch_dispatch_stack(None)     # what ``_pop_mode`` does for a mode without a key
             self.stepped_aside = True
+            if self.fill is not None:
+                self.fill.pause()
 
     @contained
     def replay_end(self, graph) -> None:
@@ -301,6 +304,8 @@ class Doctor(RunnerEvents):
         if self.stepped_aside:
             _push_on_torch_dispatch_stack(self.mode)
             self.stepped_aside = False
+            if self.fill is not None:
+                self.fill.resume()
         self.phase = "eager"
         self.report.replays += 1
         self.fresh.clear()

@@ -153,7 +153,7 @@ def watching(doctor: Doctor) -> Iterator[Doctor]:
     mode.__enter__()
     start = time.perf_counter()
     try:
-        with filled():
+        with filled() as doctor.fill:
             yield doctor
     except BaseException as e:
         doctor.report.errors.append(failures.describe(doctor, e))
