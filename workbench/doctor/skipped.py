@@ -8,6 +8,9 @@ evidence: a statement, in a function that ran inside the capture, that reads the
 attribute, a variable, a string key) and did not run. Which lines ran is known only under
 ``diagnose``, whose error tracer records every line a capture runs (``raised.py``); a statement
 that launches no kernel ran all the same, so the lines of captured ops' stacks would not do.
+
+The same lines tell where a run that launches work the capture did not left the capture's path
+(``parted``): the frame whose branch went another way, often above the one the work runs in.
 """
 from __future__ import annotations
 
@@ -21,6 +24,25 @@ from ..engine.source import location
 
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
 _WORD = re.compile(r"[A-Za-z_]\w*")
+
+
+def parted(stack, lines: set) -> str | None:
+    """Where work one run did and the capture did not began: ``stack`` holds the (function, line) of
+    each of the user's frames of that work, outermost first, and ``lines`` the (function, line) the
+    capture ran. The first frame at a line the capture never ran is the one whose branch went
+    another way -- or, when the capture never ran that function at all, its caller, which called
+    another function than it did at capture. (The innermost frame is where the work runs; the
+    decision is often frames above, in a setter or a dispatcher.) None when no line was traced or
+    every line ran."""
+    if not lines:
+        return None
+    codes = {code for code, _ in lines}
+    caller = None
+    for code, line in stack:
+        if (code, line) not in lines:
+            return location(*(caller if code not in codes and caller is not None else (code, line)))
+        caller = (code, line)
+    return None
 
 
 def reader(info, name: str) -> str | None:

@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ...engine.opinfo import mutable, op_tensors, overwrites, storage_key, tensors, written_tensors
 from ...engine.source import frames_within, location, user_frame, user_frames
 from ..records import Op
+from ..skipped import parted
 from ..tensors import alias, host_only, signature
 from . import nonfinite, row_writes
 
@@ -149,19 +150,8 @@ def _stack(d: EagerRun, i: int) -> None:
 
 def branched(lines: set, top) -> str | None:
     """Where the eager step, launching an op the capture did not launch here, left the capture's
-    path: outermost first, the first frame of the step at a line the capture never ran is the one
-    whose branch went another way -- or, when the capture never ran that function at all, its
-    caller, which called another function than it did at capture. (The innermost frame is where
-    the extra op is launched; the decision is often frames above, in a setter or a dispatcher.)"""
-    codes = {code for code, _ in lines}
-    caller = None
-    for frame in (frames_within(top) or [])[::-1]:
-        if (frame.f_code, frame.f_lineno) not in lines:
-            if frame.f_code in codes or caller is None:
-                return location(frame)
-            return location(caller)
-        caller = frame
-    return None
+    path (``skipped.parted``, over the step's frames inside ``top``)."""
+    return parted([(f.f_code, f.f_lineno) for f in (frames_within(top) or [])[::-1]], lines)
 
 
 def number_origin(values: tuple, top) -> str | None:
