@@ -1,7 +1,8 @@
 """Where the doctor names a branch that a capture decided: the frame whose ``if`` went another way
 (not the function the extra work runs in), and a path the run without graphs took that the served
-run never did (not the lazy set-up its warmup already ran). Workloads are written here, on the
-engine's public API; each bug has a fix that must give no finding."""
+run never did (not the lazy set-up its warmup already ran); and the line that asked for a copy
+CUDA refused in a capture where no op the doctor watches showed it. Workloads are written here, on
+the engine's public API; each bug has a fix that must give no finding."""
 from __future__ import annotations
 
 import sys
@@ -13,14 +14,7 @@ from workbench import doctor
 from workbench.doctor.probes.eager_trace import branched
 from workbench.engine import events, graph, host, new_graph
 
-
-def _finding(workload, variant):
-    report = doctor.diagnose(workload)
-    if variant == "fix":
-        assert report.findings == [], report
-        return None
-    (finding,) = report.findings
-    return finding
+from test_doctor_setup_and_warmups import only_finding
 
 
 class _Shared:
@@ -78,7 +72,7 @@ def test_a_setter_that_cleans_only_on_a_mode_switch_is_the_site(variant):
                 shared.set_low_latency()     # the captured mode, set again before the replay
             events.serve(g, 4, 4, outputs=out, eager=decode)
             g.replay()
-    finding = _finding(workload, variant)
+    finding = only_finding(workload, variant)
     if finding is None:
         return
     assert finding.kind == "warmup-divergence" and finding.op == "aten.zero_.default"
@@ -168,8 +162,62 @@ def test_a_path_only_the_reference_took_is_not_the_set_up_a_warmup_ran(variant):
             reference = run(False)
         events.results(reference, run(True))
 
-    finding = _finding(workload, variant)
+    finding = only_finding(workload, variant)
     if finding is None:
         return
     assert finding.kind == "warmup-divergence"
     assert " in step: " in finding.source and finding.source.endswith("ax.add_(p.sub(ax).mul(0.5))")
+
+
+# ------------------------------------------------------------------------------ refused by CUDA
+def test_a_capture_cuda_refused_for_a_pageable_copy_is_named_at_the_innermost_user_frame():
+    """Torch's own refusal of a pageable copy in a CUDA capture (raised inside a factory, in a
+    backward pass on autograd's device thread, where no op the doctor watches shows it first) is
+    sync-in-capture at the user's frame that asked for it; another error is not."""
+    from workbench.doctor.intake import Doctor
+    from workbench.doctor.rules import sync
+
+    def backward():
+        raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU "
+                           "tensor is pinned. Please use tensor.pin_memory() or allocate the tensor with "
+                           "pin_memory=True.")
+
+    found = []
+    for raised in (backward, lambda: 1 / 0):
+        d = Doctor()
+        try:
+            raised()
+        except (RuntimeError, ZeroDivisionError) as e:
+            sync.refused(d, "fwd+bwd", e)
+        found.append(d.report.findings)
+    (finding,), other = found
+    assert other == [] and finding.kind == "sync-in-capture" and finding.op == "a copy from pageable host memory"
+    assert " in backward: raise RuntimeError(" in finding.source
+
+
+@pytest.mark.cuda
+def test_a_pageable_copy_in_a_captured_backward_is_sync_in_capture_on_cuda():
+    """``torch.tensor(1.0, device=...)`` in a custom backward, captured with its forward: torch
+    refuses the copy on autograd's device thread; the doctor names that line."""
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            one = torch.tensor(1.0, device=grad.device)
+            return grad * one
+
+    x = torch.ones(4, device="cuda", requires_grad=True)
+
+    def step():
+        Scale.apply(x).sum().backward()
+
+    with doctor.watch() as report:
+        with events.warmup():
+            step()
+        with pytest.raises(RuntimeError, match="pinned"), graph(new_graph("cuda"), name="fwd+bwd"):
+            step()
+    (finding,) = report.findings
+    assert finding.kind == "sync-in-capture" and finding.source.endswith("one = torch.tensor(1.0, device=grad.device)")

@@ -252,6 +252,8 @@ class Doctor(RunnerEvents):
         self.report.notes.append(f"capture of {name} failed: {type(error).__name__}: {first_line(error)}")
         if isinstance(error, CaptureError) and error.op is not None:
             sync.aborted(self, name, error)
+        elif info is not None and info.cuda:
+            sync.refused(self, name, error)
 
     def _leave_upload_guard(self) -> None:
         guard, self.upload_guard = self.upload_guard, None

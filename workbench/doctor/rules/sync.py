@@ -52,6 +52,30 @@ def aborted(doctor, graph: str, error) -> None:
     finding(doctor, graph, error.op, error.source or "<unknown>", caller, _stand_in(frames[::-1]))
 
 
+# What CUDA, or torch's own check before it, raises for a host copy or synchronisation in a capture.
+_REFUSED = {"during CUDA graph capture unless the CPU tensor is pinned": "a copy from pageable host memory",
+            "operation not permitted when stream is capturing": "a host synchronisation"}
+
+
+def refused(doctor, graph: str, error: BaseException) -> None:
+    """A CUDA capture that CUDA, or torch's check before it, aborted for a host copy or sync that no
+    op the doctor watches showed first: a factory copying Python data (``torch.tensor(1.0,
+    device=...)``) inside a backward pass, which runs on autograd's device thread, where the
+    doctor's function mode is not. The innermost user frame of the traceback asked for it."""
+    text = str(error)
+    op = next((what for words, what in _REFUSED.items() if words in text), None)
+    if op is None:
+        return
+    frames, tb = [], error.__traceback__
+    while tb is not None:
+        if mine(tb.tb_frame):
+            frames.append((tb.tb_frame, tb.tb_lineno))
+        tb = tb.tb_next
+    if frames:
+        frames.reverse()                    # innermost first
+        finding(doctor, graph, op, location(*frames[0]), None, _stand_in(frames))
+
+
 def handed_in(frames: list, same) -> str | None:
     """``frames`` (innermost first, with their lines): the line of the first frame, walking out,
     that did not receive a value ``same`` accepts (the tensor, a number) as an argument, when the
