@@ -375,7 +375,8 @@ def test_host_memory_made_in_capture_lives_with_the_graph_and_is_read_by_address
 
 def test_host_memory_made_in_capture_and_dropped_raises_on_replay_by_default():
     from workbench.engine import host
-    g, _, _inputs = _copy_from_host_made_in_capture("raise", lambda: host(torch.zeros(4, dtype=torch.int64), "cpu") + 1)
+    g, _, _inputs = _copy_from_host_made_in_capture(
+        "raise", lambda: host(host(torch.zeros(4, dtype=torch.int64), "cpu") + 1, "cpu"))
     assert [op.name for op in g.ops if not op.is_view] == ["aten.copy_.default", "aten.index_select.default"]
     with pytest.raises(IllegalMemoryAccess, match=r"(?s)copy_.*host int64\[4\]"):
         g.replay()
@@ -409,6 +410,26 @@ def test_replay_launches_nothing_for_an_allocation(alloc):
 
 def test_capture_query_answers_false_outside_a_capture():
     assert torch.cuda.is_current_stream_capturing() is False
+
+
+def test_a_capture_refuses_a_copy_from_pageable_host_memory():
+    """As torch on CUDA ("... unless the CPU tensor is pinned"): ``host()`` memory is pinned, and
+    so are its views; what an op on it returns (a clone, an advanced index) is pageable, and a
+    captured copy of it into device memory raises. ``host()`` of it pins it. Outside a capture
+    any copy is allowed."""
+    from workbench.engine import host
+    pinned = host(torch.arange(4.0), "cpu")
+    dev = torch.zeros(2)
+    for source, refused in ((pinned[1:3], False), (pinned.clone()[:2], True), (pinned[[0, 1]], True),
+                            (host(pinned[[0, 1]], "cpu"), False)):
+        g = new_graph("cpu")
+        if refused:
+            with pytest.raises(CaptureError, match="pageable host memory"), graph(g):
+                dev.copy_(source)
+        else:
+            with graph(g):
+                dev.copy_(source)
+        dev.copy_(source)                                  # eagerly: a plain copy either way
 
 
 def test_host_requires_a_cpu_tensor_and_a_known_device():

@@ -24,7 +24,9 @@ What follows from it, as on CUDA:
 On CUDA the pinned memory must stay alive as long as a graph copies from it; torch refuses a copy
 of *pageable* CPU memory inside a capture ("Cannot copy between CPU and CUDA tensors during CUDA
 graph capture unless the CPU tensor is pinned", pytorch#172156). ``host()`` memory stands for
-pinned memory, so the CPU backend has no pageable case.
+pinned memory, and so do its views; what an op on host memory makes is pageable (on CUDA an op on
+a pinned tensor returns an ordinary CPU tensor: ``pinned.clone().is_pinned()`` is False), and a
+capture refuses to copy it to the device (``is_pinned``, ``cpu_graph``), as torch does.
 
 **Why a subclass.** Host memory is a ``torch.Tensor`` subclass with only ``__torch_function__``:
 ops on device memory never see it, so eager device code pays nothing; only ops that touch host
@@ -36,6 +38,7 @@ marker on storages needs an always-on mode that looks every op's arguments up.
 from __future__ import annotations
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import memory, queries
 from .errors import GraphError
@@ -82,6 +85,21 @@ def _as_host(out):
 
 
 memory.HOST_TYPES.add(HostTensor)
+_pinned: dict[int, StorageWeakRef] = {}     # storage -> itself, weakly: the host memory ``host()`` gave
+
+
+def is_pinned(t: torch.Tensor) -> bool:
+    """Whether ``t`` is pinned host memory: ``host()``'s, or a view of it (see the module doc)."""
+    ref = _pinned.get(t.untyped_storage()._cdata)
+    return ref is not None and not ref.expired()
+
+
+def _pin(t: torch.Tensor) -> torch.Tensor:
+    if len(_pinned) >= 1024 and len(_pinned) % 1024 == 0:
+        for key in [k for k, ref in _pinned.items() if ref.expired()]:
+            del _pinned[key]
+    _pinned[t.untyped_storage()._cdata] = StorageWeakRef(t.untyped_storage())
+    return t
 
 
 def host(t: torch.Tensor, device: str | torch.device = "cpu") -> torch.Tensor:
@@ -97,8 +115,8 @@ def host(t: torch.Tensor, device: str | torch.device = "cpu") -> torch.Tensor:
     if kind != "cpu":
         raise GraphError(f"device must be 'cpu' or 'cuda', got {str(device)!r}")
     if type(t) is HostTensor:
-        return t
-    out = memory.allocate_host(t).as_subclass(HostTensor)
+        return _pin(t)                  # (CUDA's ``pin_memory()`` would copy it into pinned memory)
+    out = _pin(memory.allocate_host(t).as_subclass(HostTensor))
     graph = queries.current_graph()
     if graph is not None:
         graph._claim_host(out)  # host work inside a capture: not the graph's memory

@@ -53,6 +53,15 @@ def host_sync_error(op: str, source: str, tensor=None) -> CaptureError:
         op=op, source=source, tensor=tensor)
 
 
+def pageable_copy_error(source: str) -> CaptureError:
+    return CaptureError(
+        "copy_ from pageable host memory inside graph capture: CUDA graphs copy from host memory by address, "
+        "so torch refuses it unless the memory is pinned (\"Cannot copy between CPU and CUDA tensors during "
+        f"CUDA graph capture unless the CPU tensor is pinned\").\n  at {source}\nCopy from host() memory (pinned "
+        "on CUDA), or a view of it: what an op on host memory returns (a clone, an index) is pageable.",
+        op="aten.copy_.default", source=source)
+
+
 # Python data made into a tensor: on the host unless a device is named. On CUDA, naming the device
 # inside a capture copies it from pageable host memory, which a capturing stream refuses (engine
 # probe ``mask_assign``: a list, one number); without one it is a host constant the graph keeps.

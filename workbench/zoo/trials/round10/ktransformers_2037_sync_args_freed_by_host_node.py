@@ -58,15 +58,16 @@ class TaskQueue:
 class CPUInfer:
     def __init__(self, device, variant: str):
         self.task_queue_ = TaskQueue()
-        self.variant = variant
+        self.device, self.variant = device, variant
         self.heap = set()                                 # live C++ heap blocks (their owner)
         self._struct = host(torch.zeros(2, dtype=torch.int64), device)
         # what the sync node hands the task queue, read from its SyncArgs at every run
         self.sync_params = torch.zeros(2, dtype=torch.int64, device=device)
 
     def new_block(self):
-        block = self._struct.clone()                      # a fresh host allocation
-        return block
+        # a fresh host allocation, pinned: the captured copy below reads it by address (CUDA refuses a
+        # pageable one inside a capture)
+        return host(self._struct.clone(), self.device)
 
     def submit_with_cuda_stream(self, user_cuda_stream, params):
         func, args = params
