@@ -618,7 +618,7 @@ def test_a_captured_copy_from_a_shared_host_scratch_that_later_code_refills(vari
 
     def fill(dst, value, scratch):
         scratch.copy_(host(torch.tensor(value)))
-        dst.copy_(scratch.expand(dst.shape))
+        dst.copy_(scratch.expand(dst.shape), non_blocking=True)
 
     def workload():
         forces, wind = torch.zeros(2, 3), torch.zeros(2, 3)
@@ -640,7 +640,7 @@ def test_a_captured_copy_from_a_shared_host_scratch_that_later_code_refills(vari
     if finding is None:
         return
     assert finding.kind == "dangling-reference" and finding.tensor == "float32[2, 3] (host memory)"
-    assert finding.source.endswith("dst.copy_(scratch.expand(dst.shape))"), finding.source
+    assert finding.source.endswith("dst.copy_(scratch.expand(dst.shape), non_blocking=True)"), finding.source
 
 
 def test_an_attribute_the_step_binds_to_its_own_output_is_no_finding():

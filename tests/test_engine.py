@@ -310,7 +310,7 @@ def test_host_memory_in_capture_runs_once_and_is_not_replayed():
     with graph(g):
         staging += 1
         plan = max(lens.tolist())                 # FlashInfer-style planning on host metadata
-        dev.copy_(staging)
+        dev.copy_(staging, non_blocking=True)
         out = dev + plan
     assert staging.tolist() == [1.0] and plan == 7 and is_host(staging) and not is_host(out)
     g.replay()
@@ -412,23 +412,26 @@ def test_capture_query_answers_false_outside_a_capture():
     assert torch.cuda.is_current_stream_capturing() is False
 
 
-def test_a_capture_refuses_a_copy_from_pageable_host_memory():
+def test_a_capture_refuses_a_copy_from_pageable_host_memory_or_a_blocking_one():
     """As torch on CUDA ("... unless the CPU tensor is pinned"): ``host()`` memory is pinned, and
     so are its views; what an op on it returns (a clone, an advanced index) is pageable, and a
-    captured copy of it into device memory raises. ``host()`` of it pins it. Outside a capture
-    any copy is allowed."""
+    captured copy of it into device memory raises. ``host()`` of it pins it. A blocking copy from
+    pinned memory raises too (torch synchronises the stream after it: on an H200 the capture
+    fails). Outside a capture any copy is allowed."""
     from workbench.engine import host
     pinned = host(torch.arange(4.0), "cpu")
     dev = torch.zeros(2)
-    for source, refused in ((pinned[1:3], False), (pinned.clone()[:2], True), (pinned[[0, 1]], True),
-                            (host(pinned[[0, 1]], "cpu"), False)):
+    for source, blocking, refused in ((pinned[1:3], False, None), (pinned.clone()[:2], False, "pageable host memory"),
+                                      (pinned[[0, 1]], False, "pageable host memory"),
+                                      (host(pinned[[0, 1]], "cpu"), False, None),
+                                      (pinned[:2], True, "without non_blocking=True")):
         g = new_graph("cpu")
         if refused:
-            with pytest.raises(CaptureError, match="pageable host memory"), graph(g):
-                dev.copy_(source)
+            with pytest.raises(CaptureError, match=refused), graph(g):
+                dev.copy_(source, non_blocking=not blocking)
         else:
             with graph(g):
-                dev.copy_(source)
+                dev.copy_(source, non_blocking=not blocking)
         dev.copy_(source)                                  # eagerly: a plain copy either way
 
 

@@ -35,8 +35,9 @@ What a CUDA graph is, reduced to the rules that cause bugs in serving stacks:
   graph (CUDA passes it by value), and a captured ``copy_`` from host memory re-reads it at every
   replay, by address (a CUDA memcpy node keeps the host pointer), also when the captured code made
   it: it is no block of the graph, and once released it raises or, with ``on_freed="reuse"``, holds
-  the next host allocation's data -- if it is pinned (``host()``'s memory or a view of it): a copy
-  from pageable host memory raises ``CaptureError``, as torch refuses it. A device op given host
+  the next host allocation's data -- if it is pinned (``host()``'s memory or a view of it) and the
+  copy is ``non_blocking``: a copy from pageable host memory, or a blocking one (torch then syncs the
+  stream), raises ``CaptureError``, as CUDA refuses both. A device op given host
   memory with elements raises, as on CUDA.
 """
 from __future__ import annotations
@@ -48,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from . import events, memory, queries
 from .errors import GraphError, IllegalMemoryAccess
 from .host import HostTensor, is_pinned
-from .host_sync import HostSyncGuard, host_sync_error, is_host_sync, pageable_copy_error
+from .host_sync import HostSyncGuard, host_sync_error, is_host_sync, pageable_copy_error, blocking_copy_error
 from .pool import Pool
 from .queries import is_capturing
 from .opinfo import describe, metadata_only, storage_key, written_tensors
@@ -162,9 +163,11 @@ class CPUGraph:
             return self._run_on_host(func, args, kwargs)
         if is_host_sync(func, args, lambda t: storage_key(t) in self._lifted or self._is_host(t)):
             raise host_sync_error(str(func), user_frame())
-        if func.overloadpacket is aten.copy_ and self._is_host(args[1]) and not self._is_host(args[0]) \
-                and not is_pinned(args[1]):
-            raise pageable_copy_error(user_frame())
+        if func.overloadpacket is aten.copy_ and self._is_host(args[1]) and not self._is_host(args[0]):
+            if not is_pinned(args[1]):
+                raise pageable_copy_error(user_frame())
+            if not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False)):
+                raise blocking_copy_error(user_frame())
         if metadata_only(func):     # no kernel; replayed, it would reshape the graph's own reference
             return func(*args, **kwargs)
         pool = self._pool

@@ -26,7 +26,9 @@ of *pageable* CPU memory inside a capture ("Cannot copy between CPU and CUDA ten
 graph capture unless the CPU tensor is pinned", pytorch#172156). ``host()`` memory stands for
 pinned memory, and so do its views; what an op on host memory makes is pageable (on CUDA an op on
 a pinned tensor returns an ordinary CPU tensor: ``pinned.clone().is_pinned()`` is False), and a
-capture refuses to copy it to the device (``is_pinned``, ``cpu_graph``), as torch does.
+capture refuses to copy it to the device (``is_pinned``, ``cpu_graph``), as torch does; it refuses a
+blocking copy from pinned memory too, after which torch synchronises the stream (on an H200 the
+capture then fails: "operation failed due to a previous error during capture").
 
 **Why a subclass.** Host memory is a ``torch.Tensor`` subclass with only ``__torch_function__``:
 ops on device memory never see it, so eager device code pays nothing; only ops that touch host

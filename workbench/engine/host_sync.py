@@ -62,6 +62,15 @@ def pageable_copy_error(source: str) -> CaptureError:
         op="aten.copy_.default", source=source)
 
 
+def blocking_copy_error(source: str) -> CaptureError:
+    return CaptureError(
+        "copy_ from host memory inside graph capture without non_blocking=True: torch synchronises the stream "
+        "after a blocking host-to-device copy, and a capturing stream refuses that (on an H200 the capture "
+        f"fails: \"operation failed due to a previous error during capture\").\n  at {source}\nCopy with "
+        "non_blocking=True: the graph's copy node reads the pinned memory by address at each replay.",
+        op="aten.copy_.default", source=source)
+
+
 # Python data made into a tensor: on the host unless a device is named. On CUDA, naming the device
 # inside a capture copies it from pageable host memory, which a capturing stream refuses (engine
 # probe ``mask_assign``: a list, one number); without one it is a host constant the graph keeps.

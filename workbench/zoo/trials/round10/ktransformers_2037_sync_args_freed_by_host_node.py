@@ -76,7 +76,7 @@ class CPUInfer:
     @staticmethod
     def sync_(sync_args: SyncArgs):
         cpuinfer = sync_args.cpuinfer
-        cpuinfer.sync_params.copy_(sync_args.block)      # the node reads its SyncArgs
+        cpuinfer.sync_params.copy_(sync_args.block, non_blocking=True)   # the node reads its SyncArgs
         cpuinfer.task_queue_.sync(int(sync_args.block[1]))
         if cpuinfer.variant == "bug":
             cpuinfer.heap.discard(sync_args)              # delete args

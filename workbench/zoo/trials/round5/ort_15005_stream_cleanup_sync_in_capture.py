@@ -105,7 +105,7 @@ def Transpose(x, perm, stream):
     staging = stream.cpu_allocator.Alloc(len(perm))
     staging.copy_(torch.tensor(perm))
     perm_gpu = torch.empty(len(perm), dtype=torch.int64, device=x.device)
-    perm_gpu.copy_(staging)                                  # CopyToGpu (async H2D)
+    perm_gpu.copy_(staging, non_blocking=True)               # CopyToGpu (async H2D)
     stream.EnqueDeferredCPUBuffer(staging)
     return x.index_select(1, perm_gpu)
 
