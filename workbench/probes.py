@@ -288,6 +288,36 @@ def _mask_assign(device: str, scenario: str) -> bool:
         return True
 
 
+HOST_COPY = ("pinned", "pinned_blocking", "pinned_view", "clone_of_pinned", "pinned_in_capture")
+
+
+def probe_host_copy(device: str) -> dict:
+    """A copy from host memory into device memory inside a capture: from pinned memory with
+    ``non_blocking=True`` (recorded: the graph's copy node reads it by address), the same copy
+    blocking (torch synchronises the stream after it), from a view of pinned memory, from a clone
+    of it (pageable: torch refuses it), and from memory pinned inside the capture. Whether each
+    raises (on CUDA, each in a child: a refused copy ends the capture)."""
+    if device == "cuda":
+        return {s: run_in_child(_host_copy, device, s, timeout=300).raise_if_failed() for s in HOST_COPY}
+    return {s: _host_copy(device, s) for s in HOST_COPY}
+
+
+def _host_copy(device: str, scenario: str) -> bool:
+    dev = torch.zeros(2, device=device)
+    pinned = host(torch.arange(4.0), device)
+    try:
+        with graph(new_graph(device)):
+            if scenario == "pinned_in_capture":
+                dev.copy_(host(torch.arange(2.0), device), non_blocking=True)
+            else:
+                source = {"pinned": pinned[:2], "pinned_blocking": pinned[:2], "pinned_view": pinned[2:],
+                          "clone_of_pinned": pinned.clone()[:2]}[scenario]
+                dev.copy_(source, non_blocking=scenario != "pinned_blocking")
+        return False
+    except Exception:  # noqa: BLE001 - CUDA raises a RuntimeError or an AcceleratorError, the CPU a CaptureError
+        return True
+
+
 PROBES = {
     "increment": probe_increment,
     "frozen_python": probe_frozen_python,
@@ -306,6 +336,7 @@ PROBES = {
     "batch_norm_stats": probe_batch_norm_stats,
     "pool_handle_reuse": probe_pool_handle_reuse,
     "mask_assign": probe_mask_assign,
+    "host_copy": probe_host_copy,
 }
 
 
