@@ -221,3 +221,19 @@ def test_a_pageable_copy_in_a_captured_backward_is_sync_in_capture_on_cuda():
             step()
     (finding,) = report.findings
     assert finding.kind == "sync-in-capture" and finding.source.endswith("one = torch.tensor(1.0, device=grad.device)")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_blocking_copy_from_pinned_memory_in_a_capture_is_refused_and_named(device):
+    """Torch synchronises the stream after a blocking host-to-device copy, which a capture refuses
+    (engine probe ``host_copy``): the CPU engine raises, and on CUDA the doctor stops the copy
+    before it runs, with the CPU's error, so the capture fails cleanly and the context lives."""
+    from workbench.engine import CaptureError
+    pinned, dev = host(torch.arange(4.0), device), torch.zeros(4, device=device)
+    with doctor.watch() as report:
+        with pytest.raises(CaptureError, match="non_blocking=True"), graph(new_graph(device), name="upload"):
+            dev.copy_(pinned)
+    (finding,) = report.findings
+    assert finding.kind == "sync-in-capture" and finding.source.endswith("dev.copy_(pinned)")
+    dev.copy_(pinned, non_blocking=True)
+    assert dev.tolist() == [0.0, 1.0, 2.0, 3.0]

@@ -223,6 +223,21 @@ def device_to_host(func, args, kwargs) -> bool:
     return False
 
 
+def blocking_upload(func, args, kwargs) -> bool:
+    """A blocking copy of CPU memory with elements into a CUDA tensor: torch synchronises the stream
+    after it, which a capture refuses (engine probe ``host_copy``)."""
+    if func is aten._to_copy.default:
+        device = kwargs.get("device")
+        src, blocking = args[0], not kwargs.get("non_blocking", False)
+        into_cuda = device is not None and torch.device(device).type == "cuda"
+    elif func is aten.copy_.default:
+        src, blocking = args[1], not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+        into_cuda = args[0].is_cuda
+    else:
+        return False
+    return into_cuda and blocking and src.device.type == "cpu" and src.dim() > 0
+
+
 def broadcasts(src: torch.Tensor, dst: torch.Tensor) -> bool:
     """Whether ``src`` broadcasts to ``dst``'s shape (a copy that does not fails by itself)."""
     try:

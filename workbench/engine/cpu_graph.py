@@ -37,8 +37,8 @@ What a CUDA graph is, reduced to the rules that cause bugs in serving stacks:
   it: it is no block of the graph, and once released it raises or, with ``on_freed="reuse"``, holds
   the next host allocation's data -- if it is pinned (``host()``'s memory or a view of it) and the
   copy is ``non_blocking``: a copy from pageable host memory, or a blocking one (torch then syncs the
-  stream), raises ``CaptureError``, as CUDA refuses both. A device op given host
-  memory with elements raises, as on CUDA.
+  stream), raises ``CaptureError``, as CUDA refuses both. A device op given host memory with
+  elements raises, as on CUDA.
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from . import events, memory, queries
 from .errors import GraphError, IllegalMemoryAccess
 from .host import HostTensor, is_pinned
-from .host_sync import HostSyncGuard, host_sync_error, is_host_sync, pageable_copy_error, blocking_copy_error
+from .host_sync import HostSyncGuard, blocking_copy_error, host_sync_error, is_host_sync, pageable_copy_error
 from .pool import Pool
 from .queries import is_capturing
 from .opinfo import describe, metadata_only, storage_key, written_tensors

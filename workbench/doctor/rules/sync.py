@@ -15,12 +15,12 @@ import inspect
 
 import torch
 
-from ...engine.host_sync import host_sync_error, is_host_sync
+from ...engine.host_sync import blocking_copy_error, host_sync_error, is_host_sync
 from ...engine.opinfo import storage_key, tensors
 from ...engine.source import location, mine, user_frames
 from .. import explain
 from ..report import Finding
-from ..tensors import device_to_host, host_only
+from ..tensors import blocking_upload, device_to_host, host_only
 
 _VALUE_READ = torch.ops.aten._local_scalar_dense
 
@@ -38,6 +38,9 @@ def check(doctor, info, func, args, kwargs, source: str) -> None:
         finding(doctor, info.name, str(func), source, caller, _stand_in(frames))
         if info.cuda:
             raise host_sync_error(str(func), source, t)
+    elif info.cuda and blocking_upload(func, args, kwargs):     # (the CPU engine refuses it itself)
+        finding(doctor, info.name, str(func), source, None, _stand_in([(f, f.f_lineno) for f in user_frames()]))
+        raise blocking_copy_error(source)
 
 
 def aborted(doctor, graph: str, error) -> None:
