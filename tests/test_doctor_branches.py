@@ -6,6 +6,7 @@ the engine's public API; each bug has a fix that must give no finding."""
 from __future__ import annotations
 
 import sys
+import types
 
 import pytest
 import torch
@@ -91,7 +92,7 @@ def test_the_branch_is_the_first_frame_at_a_line_the_capture_never_ran():
         return inner(lines)
 
     def inner(lines):
-        return branched(lines, top)
+        return branched(types.SimpleNamespace(lines_run=lines), top)
 
     top = sys._getframe()
     at = {f: f.__code__.co_firstlineno for f in (outer, middle, inner)}
@@ -173,7 +174,8 @@ def test_a_path_only_the_reference_took_is_not_the_set_up_a_warmup_ran(variant):
 def test_a_capture_cuda_refused_for_a_pageable_copy_is_named_at_the_innermost_user_frame():
     """Torch's own refusal of a pageable copy in a CUDA capture (raised inside a factory, in a
     backward pass on autograd's device thread, where no op the doctor watches shows it first) is
-    sync-in-capture at the user's frame that asked for it; another error is not."""
+    sync-in-capture at the user's frame that asked for it; another error is not, nor the same error
+    from a CPU capture (whose engine raises its own, naming the op)."""
     from workbench.doctor.intake import Doctor
     from workbench.doctor.rules import sync
 
@@ -183,15 +185,15 @@ def test_a_capture_cuda_refused_for_a_pageable_copy_is_named_at_the_innermost_us
                            "pin_memory=True.")
 
     found = []
-    for raised in (backward, lambda: 1 / 0):
+    for raised, cuda in ((backward, True), (lambda: 1 / 0, True), (backward, False)):
         d = Doctor()
         try:
             raised()
         except (RuntimeError, ZeroDivisionError) as e:
-            sync.refused(d, "fwd+bwd", e)
+            sync.capture_failed(d, types.SimpleNamespace(cuda=cuda), "fwd+bwd", e)
         found.append(d.report.findings)
-    (finding,), other = found
-    assert other == [] and finding.kind == "sync-in-capture" and finding.op == "a copy from pageable host memory"
+    (finding,), *others = found
+    assert others == [[], []] and finding.kind == "sync-in-capture" and finding.op == "a copy from pageable host memory"
     assert " in backward: raise RuntimeError(" in finding.source
 
 

@@ -24,8 +24,6 @@ from torch._C import _pop_torch_dispatch_stack, _push_on_torch_dispatch_stack
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from ..engine import memory
-from ..engine.errors import CaptureError
-from ..engine.host_sync import UploadGuard
 from ..engine.opinfo import mutable, overwrites, pure_view, storage_key, written_tensors
 from ..engine.source import user_frame
 from .probes import captured_state, differential, eager_trace, mutation as mutation_probe, padding as padding_probe
@@ -121,7 +119,7 @@ class Doctor(RunnerEvents):
         self.reused: Finding | None = None         # ... one read again after a replay rewrote its source
         self.input_writes: dict[int, tuple] = {}    # static input -> (code that wrote data, last reset: clobbered.py)
         self.setup_writes: dict[int, tuple] = {}    # storage -> the frames that last wrote it in set-up (unwritten.py)
-        self.upload_guard: UploadGuard | None = None    # entered around a CUDA capture (engine.host_sync)
+        self.upload_guard = None                    # entered around a CUDA capture (rules/sync.py)
         self.explanation: tuple | None = None       # (id(error), finding, key): the last error explained where it was
                                                     # raised, reported if it proves a failure (failures.explained)
         self.pools: dict = {}                       # pool key -> (line that made the handle, graphs captured into it)
@@ -196,12 +194,10 @@ class Doctor(RunnerEvents):
         self.capturing = info
         self.phase = "capture"
         self.report.captures += 1
-        if info.cuda:                               # torch.tensor(data, device="cuda"): refused as the CPU engine does
-            self.upload_guard = UploadGuard()
-            self.upload_guard.__enter__()
+        self.upload_guard = sync.guard_uploads(info)
 
     def capture_end(self, graph) -> None:
-        self._leave_upload_guard()                  # (even after the doctor's own failure)
+        sync.leave_guard(self)                      # (even after the doctor's own failure)
         self._capture_end(graph)
 
     @contained
@@ -239,7 +235,7 @@ class Doctor(RunnerEvents):
         self.copied_lines.clear()
 
     def capture_abort(self, graph, error: BaseException) -> None:
-        self._leave_upload_guard()
+        sync.leave_guard(self)
         self._capture_abort(graph, error)
 
     @contained
@@ -250,15 +246,7 @@ class Doctor(RunnerEvents):
         self.warm.capture_abort(info)
         name = info.name if info is not None else "a graph"
         self.report.notes.append(f"capture of {name} failed: {type(error).__name__}: {first_line(error)}")
-        if isinstance(error, CaptureError) and error.op is not None:
-            sync.aborted(self, name, error)
-        elif info is not None and info.cuda:
-            sync.refused(self, name, error)
-
-    def _leave_upload_guard(self) -> None:
-        guard, self.upload_guard = self.upload_guard, None
-        if guard is not None:
-            guard.__exit__(None, None, None)
+        sync.capture_failed(self, info, name, error)
 
     @contained
     def replay_begin(self, graph) -> None:

@@ -10,6 +10,7 @@ from typing import NamedTuple
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ..engine.host_sync import non_blocking
 from ..engine.memory import HOST_TYPES
 from ..engine.opinfo import tensors
 
@@ -231,7 +232,7 @@ def blocking_upload(func, args, kwargs) -> bool:
         src, blocking = args[0], not kwargs.get("non_blocking", False)
         into_cuda = device is not None and torch.device(device).type == "cuda"
     elif func is aten.copy_.default:
-        src, blocking = args[1], not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+        src, blocking = args[1], not non_blocking(args, kwargs)
         into_cuda = args[0].is_cuda
     else:
         return False

@@ -49,7 +49,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from . import events, memory, queries
 from .errors import GraphError, IllegalMemoryAccess
 from .host import HostTensor, is_pinned
-from .host_sync import HostSyncGuard, blocking_copy_error, host_sync_error, is_host_sync, pageable_copy_error
+from .host_sync import (HostSyncGuard, blocking_copy_error, host_sync_error, is_host_sync, non_blocking,
+                        pageable_copy_error)
 from .pool import Pool
 from .queries import is_capturing
 from .opinfo import describe, metadata_only, storage_key, written_tensors
@@ -166,7 +167,7 @@ class CPUGraph:
         if func.overloadpacket is aten.copy_ and self._is_host(args[1]) and not self._is_host(args[0]):
             if not is_pinned(args[1]):
                 raise pageable_copy_error(user_frame())
-            if not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False)):
+            if not non_blocking(args, kwargs):
                 raise blocking_copy_error(user_frame())
         if metadata_only(func):     # no kernel; replayed, it would reshape the graph's own reference
             return func(*args, **kwargs)

@@ -53,6 +53,11 @@ def host_sync_error(op: str, source: str, tensor=None) -> CaptureError:
         op=op, source=source, tensor=tensor)
 
 
+def non_blocking(args, kwargs) -> bool:
+    """Whether a ``copy_(dst, src, non_blocking)`` call asks for an asynchronous copy."""
+    return bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+
+
 def pageable_copy_error(source: str) -> CaptureError:
     return CaptureError(
         "copy_ from pageable host memory inside graph capture: CUDA graphs copy from host memory by address, "

@@ -123,8 +123,6 @@ def finish(doctor, info, pending) -> None:
                                    f"{type(error).__name__}: {first_line(error)}")
         return
     divergence = launch.compare(*launch.traces(info, pending, run)) if traced else None
-    if divergence is not None and divergence.eager_runs_more and not pending.span:
-        divergence.branch = run.branch          # (its first op unlike the capture's is the divergence's)
     if what is not None and (at := launch.repeats(divergence, *launch.traces(info, pending, run))) is not None:
         first = divergence.first_extra
         divergence.loop = first.source
@@ -283,11 +281,10 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
     # Untraced, the doctor's mode steps aside -- unless this eager form is known to write memory the
     # replay does not (``extra``, kept and put back only by the mode): the run must leave no trace.
     aside = not traced and not info.traced_always and _get_current_dispatch_mode() is doctor.mode
-    lines = set().union(*(g.lines_run for g in pending.span or (info,))) if traced else ()
     doctor.diff, doctor.phase = (EagerRun(set(pre), launch.graph_ops(info, pending), traced, not aside, rows,
                                           _unread_outputs(info, pending), stacks_at=stacks, origin_of=origin_of,
                                           nonfinite=nonfinite,
-                                          branch_at=(lines, sys._getframe()) if lines else ()),
+                                          branch_at=(info, sys._getframe()) if traced and not pending.span else ()),
                                   "differential")
     got = error = None
     with _disable_current_modes():

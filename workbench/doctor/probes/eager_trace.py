@@ -52,8 +52,8 @@ class EagerRun:
     loop: str | None = None                      # the deepest frame both share: the one that looped
     origin_of: tuple = ()                        # (position in the trace, numbers it is given) to trace back...
     origin: str | None = None                    # ... to the outermost frame holding one as a local
-    branch_at: tuple = ()                        # (the capture's lines run, the frame that runs the step)...
-    branch: str | None = None                    # ... the line of the frame that took another path (``branched``)
+    branch_at: tuple = ()                        # (the graph, the frame that runs the step): at its first op unlike
+    branch: str | None = None                    # the capture's, the line where it left the capture's path (``branched``)
     nonfinite: tuple | None = None               # (real, size): find where padded rows' NaN reach real rows...
     crossed: tuple | None = None                 # ... (op, source) of the first op that hands them over (nonfinite)
     rebound: list = dataclasses.field(default_factory=list)    # tensor bindings it moved (pystate.changes)
@@ -148,10 +148,13 @@ def _stack(d: EagerRun, i: int) -> None:
     d.held, d.loop = None, location(shared) if shared is not None else None
 
 
-def branched(lines: set, top) -> str | None:
+def branched(info, top) -> str | None:
     """Where the eager step, launching an op the capture did not launch here, left the capture's
-    path (``skipped.parted``, over the step's frames inside ``top``)."""
-    return parted([(f.f_code, f.f_lineno) for f in (frames_within(top) or [])[::-1]], lines)
+    path (``skipped.parted``, over the step's frames inside ``top`` and the lines ``info``'s capture
+    ran, known under ``diagnose``)."""
+    if not info.lines_run:
+        return None
+    return parted([(f.f_code, f.f_lineno) for f in (frames_within(top) or [])[::-1]], info.lines_run)
 
 
 def number_origin(values: tuple, top) -> str | None:

@@ -28,7 +28,6 @@ class Divergence:
     inserted: int = 0           # ``skipped``/``extra``: how many ops one trace has that the other has not
     loop: str | None = None     # the line of the frame whose loop ran another number of times (``repeats``)
     origin: str | None = None   # ``arguments``: the line of the outermost frame holding the value (``eager_trace``)
-    branch: str | None = None   # the eager step launches more: the line of the frame that left the capture's path
 
     @property
     def eager_runs_more(self) -> bool:

@@ -61,8 +61,9 @@ def classify(doctor, info, pending, what: tuple, divergence, run, host: tuple | 
 
 def _parted(doctor, info, d, run) -> tuple:
     site = f"First divergence in the launch traces: {d.text()}."
-    if d.branch is not None and d.branch != d.first_extra.source:
-        site += f" The eager step left the capture's path at {d.branch}."
+    branch = run.branch if d.eager_runs_more else None       # (its first op unlike the capture's: the divergence)
+    if branch is not None and branch != d.first_extra.source:
+        site += f" The eager step left the capture's path at {branch}."
     if d.loop is not None:                        # the same code, run another number of times
         op = d.first_extra
         more = "more" if d.eager_runs_more else "fewer"
@@ -87,17 +88,16 @@ def _parted(doctor, info, d, run) -> tuple:
             kind, op, tensor, why = _frozen_reference(doctor, info, d.graph_op, next(iter(gone)), None, run, site)
             if kind == "dangling-reference":
                 return kind, op, tensor, why
-        return "warmup-divergence", _decided(d, d.eager_op), "-", site
-    op = _decided(d, d.graph_op or d.eager_op)
+        return "warmup-divergence", _decided(branch, d.eager_op), "-", site
+    op = _decided(branch, d.graph_op or d.eager_op)
     return "warmup-divergence", op, _read_by(doctor, info, op), site
 
 
-def _decided(d, op):
+def _decided(branch: str | None, op):
     """Work the eager step launches and the graph never recorded is named where the eager step left
-    the capture's path (the frame whose branch went another way), when the capture's lines are known."""
-    if d.branch is None or d.branch == op.source:
-        return op
-    return dataclasses.replace(op, source=d.branch)
+    the capture's path (``branch``: the frame whose branch went another way), when the capture's
+    lines are known."""
+    return op if branch is None or branch == op.source else dataclasses.replace(op, source=branch)
 
 
 def _frozen_reference(doctor, info, op, gkey: int, ekey: int | None, run, site: str) -> tuple:

@@ -15,7 +15,8 @@ import inspect
 
 import torch
 
-from ...engine.host_sync import blocking_copy_error, host_sync_error, is_host_sync
+from ...engine.errors import CaptureError
+from ...engine.host_sync import UploadGuard, blocking_copy_error, host_sync_error, is_host_sync
 from ...engine.opinfo import storage_key, tensors
 from ...engine.source import location, mine, user_frames
 from .. import explain
@@ -43,16 +44,37 @@ def check(doctor, info, func, args, kwargs, source: str) -> None:
         raise blocking_copy_error(source)
 
 
-def aborted(doctor, graph: str, error) -> None:
+def guard_uploads(info) -> UploadGuard | None:
+    """Around a CUDA capture: ``torch.tensor(data, device="cuda")`` copies Python data inside the
+    factory, where no op shows it; the guard refuses it with the CPU engine's error."""
+    if not info.cuda:
+        return None
+    guard = UploadGuard()
+    guard.__enter__()
+    return guard
+
+
+def leave_guard(doctor) -> None:
+    guard, doctor.upload_guard = doctor.upload_guard, None
+    if guard is not None:
+        guard.__exit__(None, None, None)
+
+
+def capture_failed(doctor, info, graph: str, error: BaseException) -> None:
+    """A capture that raised: the engine refused a host sync (``CaptureError`` naming its op), or on
+    CUDA torch or CUDA refused one that no watched op showed (``refused``)."""
+    if isinstance(error, CaptureError) and error.op is not None:
+        _aborted(doctor, graph, error)
+    elif info is not None and info.cuda:
+        _refused(doctor, graph, error)
+
+
+def _aborted(doctor, graph: str, error) -> None:
     """The engine refused a host sync during capture (the CPU backend): its frames are in the traceback."""
-    frames, tb = [], error.__traceback__
-    while tb is not None:
-        if mine(tb.tb_frame):
-            frames.append((tb.tb_frame, tb.tb_lineno))
-        tb = tb.tb_next
+    frames = _user_frames(error)
     t = error.tensor() if error.tensor is not None else None
-    caller = handed_in(frames[::-1], lambda v: v is t) if t is not None else None
-    finding(doctor, graph, error.op, error.source or "<unknown>", caller, _stand_in(frames[::-1]))
+    caller = handed_in(frames, lambda v: v is t) if t is not None else None
+    finding(doctor, graph, error.op, error.source or "<unknown>", caller, _stand_in(frames))
 
 
 # What CUDA, or torch's own check before it, raises for a host copy or synchronisation in a capture.
@@ -60,7 +82,7 @@ _REFUSED = {"during CUDA graph capture unless the CPU tensor is pinned": "a copy
             "operation not permitted when stream is capturing": "a host synchronisation"}
 
 
-def refused(doctor, graph: str, error: BaseException) -> None:
+def _refused(doctor, graph: str, error: BaseException) -> None:
     """A CUDA capture that CUDA, or torch's check before it, aborted for a host copy or sync that no
     op the doctor watches showed first: a factory copying Python data (``torch.tensor(1.0,
     device=...)``) inside a backward pass, which runs on autograd's device thread, where the
@@ -69,14 +91,18 @@ def refused(doctor, graph: str, error: BaseException) -> None:
     op = next((what for words, what in _REFUSED.items() if words in text), None)
     if op is None:
         return
+    if frames := _user_frames(error):
+        finding(doctor, graph, op, location(*frames[0]), None, _stand_in(frames))
+
+
+def _user_frames(error: BaseException) -> list:
+    """The user's frames of ``error``'s traceback, with their lines, innermost first."""
     frames, tb = [], error.__traceback__
     while tb is not None:
         if mine(tb.tb_frame):
             frames.append((tb.tb_frame, tb.tb_lineno))
         tb = tb.tb_next
-    if frames:
-        frames.reverse()                    # innermost first
-        finding(doctor, graph, op, location(*frames[0]), None, _stand_in(frames))
+    return frames[::-1]
 
 
 def handed_in(frames: list, same) -> str | None:
