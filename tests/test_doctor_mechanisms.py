@@ -2233,6 +2233,38 @@ def test_an_eager_steps_copies_past_a_graphs_window_are_not_the_next_replays_dat
     assert report.of("undersized-buffer") == [], report
 
 
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_graph_reading_its_segment_of_each_peers_rows_leaves_the_rest_on_purpose(variant):
+    """A symmetric buffer holds each peer rank's partial outputs for all tokens; rank 1's graph reads
+    its own segment (tokens 2..3) of every peer's rows, and the peers publish whole rows. What lies
+    around the segment is the other ranks' to read: no finding (fix). The bug captured on a window
+    of one column: the second column each step copies is dropped (a window too short)."""
+    partials = torch.zeros(4, 4, 2)                 # [rank, token, hidden]
+
+    def reduce_scatter():
+        window = partials[:, 2:4] if variant == "fix" else partials[:, 2:4, :1]
+        return window.sum(0) * 2
+
+    def workload():
+        events.static_buffers("symmetric memory", {"partials": partials})
+        with events.warmup():
+            reduce_scatter()
+        g = new_graph("cpu")
+        with graph(g, name="draft moe"):
+            out = reduce_scatter()
+        for step in range(2):
+            for r in range(4):
+                partials[r].copy_(rows(4, 2, seed=10 * step + r))     # a peer publishes its whole rows
+            events.serve(g, 2, 2, outputs=out, eager=reduce_scatter)
+            g.replay()
+            events.handed_out(g, out)
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    assert [f.kind for f in report.findings] == ["undersized-buffer"], report
+
+
 # ------------------------------------------------------------ host values a replay leaves as it found
 _TRACKER: dict = {}
 
@@ -2689,6 +2721,40 @@ def test_a_capture_s_outputs_a_dummy_run_drops_are_nobody_s_result():
 
     report = doctor.diagnose(workload)
     assert report.findings == [], report
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_table_cached_on_first_use_inside_a_capture_is_named_where_it_is_read_again(variant):
+    """A rotary table is built on first use and cached on the module; the first use is the capture
+    (the fix builds it in the warmup before). The capture computes nothing that lasts, so later eager
+    calls read a table no kernel filled: ``warmup-divergence`` at the function that cached it, which
+    reads it again, not at the capture (the runner hands on no capture output)."""
+    class Rotary:
+        def table(self, n):
+            if not hasattr(self, "cached"):
+                self.cached = torch.arange(8.0).outer(torch.ones(2)) * 0.5
+            return self.cached[:n].clone()
+
+    def workload():
+        rope = Rotary()
+        x = torch.zeros(4, 2)
+        events.static_buffers("vision", {"x": x})
+        if variant == "fix":
+            with events.warmup():
+                rope.table(4)
+        g = new_graph("cpu")
+        with graph(g, name="vision"):
+            out = x + rope.table(4)
+        del out
+        return [rope.table(n) * 2 for n in (2, 4)]     # eager calls of the same function, later
+
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "warmup-divergence" and "in table: return self.cached[:n].clone()" in finding.source, finding
+    assert "kept a tensor it made while it was being captured" in finding.cause, finding
 
 
 @pytest.mark.parametrize("variant", ["bug", "fix"])

@@ -694,6 +694,35 @@ def test_padded_rows_overwriting_what_an_eager_prefill_wrote_are_stale_padding(p
     assert "for its padded rows alone" in finding.evidence
 
 
+def test_an_eager_write_into_a_cache_whose_trash_slot_padded_rows_wrote_reads_nothing_of_theirs():
+    """Padded rows write their (stale) keys into the cache's trash slot, which nobody reads. An
+    eager prefill then writes its keys into live slots of the same cache, in place, and reads only
+    those: the cache it writes into differs between the two padded fills (its trash slot), but the
+    prefill computed nothing from what padded rows wrote. No finding."""
+    from workbench.zoo.kit import capture, replay
+
+    def decode(cache, slots, x):
+        cache[slots] = x * 2                                  # reshape_and_cache; padded rows -> trash slot 5
+        return cache[1:4].sum(0, keepdim=True).expand(slots.shape[0], -1) + x
+
+    def workload():
+        cache = torch.zeros(6, 2)
+        slots, x = torch.zeros(4, dtype=torch.int64), torch.zeros(4, 2)
+        g, out = capture(lambda: decode(cache, slots, x), device="cpu", static={"slots": slots, "x": x},
+                         state={"kv_cache": cache})
+        results = []
+        for step, n in enumerate((3, 2, 3)):
+            slots[:n] = torch.arange(1, n + 1)
+            slots[n:] = 5
+            x[:n] = step + 1.0
+            results.append(replay(g, out, real=n, size=4, padded={"x": x}).clone())
+            cache[torch.tensor([1, 2])] = torch.full((2, 2), float(step))   # an eager prefill's keys
+            results.append(cache[1:3].sum())
+        return results
+    report = doctor.diagnose(workload)
+    assert report.findings == [], report
+
+
 @pytest.mark.parametrize("variant", ["bug", "fix"])
 def test_padded_rows_read_by_a_reduction_over_all_rows_are_stale_padding(variant):
     """A per-tensor scale (the amax over every row, as an FP8 quantize takes it) of a buffer whose

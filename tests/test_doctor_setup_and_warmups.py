@@ -290,6 +290,38 @@ def test_a_static_input_handed_on_as_another_graphs_input(variant):
     assert "announced again as y" in finding.evidence
 
 
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_buffer_given_a_new_role_by_a_recapture_is_dangling_only_if_the_old_graph_replays(variant):
+    """A graph runner rebuilds its graph when the step's layout changes (ggml's graph update): the
+    allocator lays the new graph's inputs out again, so one buffer becomes another input of the
+    new graph while the old graph, still held, is about to be replaced. The fix drops the old graph
+    (nothing reads the buffer in its first role again); the bug replays the old graph once more."""
+    def workload():
+        a, b = torch.zeros(3), torch.zeros(3)
+
+        def first():
+            return a * 2 + b
+        g1, out1 = captured(first, static={"a": a, "b": b}, name="layout 1")
+        served(g1, out1, first)
+
+        def second():
+            return b * 3 + a
+        g2, out2 = captured(second, static={"b (was a)": a, "a (was b)": b}, name="layout 2")
+        if variant == "bug":
+            served(g1, out1, first)
+        del g1, out1
+        for step in range(2):
+            a.copy_(torch.full((3,), float(step)))
+            served(g2, out2, second)
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    assert [(f.kind, f.graph, f.tensor.split(":")[0]) for f in report.findings] == [
+        ("dangling-reference", "layout 1", "a"), ("dangling-reference", "layout 1", "b")], report
+    assert all("and layout 1 replays" in f.evidence for f in report.findings), report
+
+
 def test_work_a_library_skips_only_under_capture_is_a_note_when_every_replay_agrees():
     """transformers checks ``padding_mask.all()`` (to drop an all-ones mask) only outside a capture:
     the warmup runs that check, the capture does not, and differential replay shows every replay,

@@ -176,11 +176,16 @@ def reference_run(graph: str, why: str) -> str:
             f"capture froze into that callable or what the runner prepares before each replay ({why}).")
 
 
-def uncomputed(graph: str, op: str) -> str:
-    return (f"A capture records kernels and computes nothing that lasts: the outputs of {graph}'s capture are where "
-            f"its replays will write, not results, until it has been replayed once. {op} read them first: the step "
-            "that captured handed on what the capture returned instead of replaying (on a GPU, whatever that memory "
-            "held before). Replay the graph after capturing it, and return what the replay wrote.")
+def uncomputed(graph: str, op: str, cached: bool = False) -> str:
+    head = (f"A capture records kernels and computes nothing that lasts: the tensors {graph}'s capture made are "
+            f"where its replays will write, not results, until it has been replayed once. {op} read them first: ")
+    if cached:
+        return head + ("this function kept a tensor it made while it was being captured (a table built on first use "
+                       "and cached), and its later calls read it (on a GPU, whatever that memory held before). Build "
+                       "such state outside the capture (in a warmup or at load), or do not cache what a capture made.")
+    return head + ("the step that captured handed on what the capture returned instead of replaying (on a GPU, "
+                   "whatever that memory held before). Replay the graph after capturing it, and return what the "
+                   "replay wrote.")
 
 
 def handed_on_input(first: str, second: str, graph: str) -> str:

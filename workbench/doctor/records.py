@@ -152,6 +152,8 @@ class GraphInfo:
         self.eager_lines: set[str] = set()          # lines run eagerly after that warmup, outside the capture
         self.pieces: list = []                      # later pieces of its step (PIECEWISE), captured after it
         self.called: set = set()                    # functions its captured ops ran in, inside the capture block
+        self.opener = None                          # the function whose code opened the capture block
+        self.handed_on: list = []                   # its static inputs announced since in another role (dangling)
         self.paths: list = []                       # with a reference run: each op's functions, static views read
         self.lines_run: set = set()                 # (function, line) run inside the capture, under diagnose's tracer
         self.returned_numbers: dict = {}            # a Python number a function returned inside it -> that return

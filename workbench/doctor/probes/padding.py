@@ -213,7 +213,11 @@ def state_read(doctor, func, args, kwargs, out) -> None:
         return
     if not doctor.trace or func._schema.name in _MOVES or not isinstance(out, torch.Tensor):
         return
-    writer = next((w for t in op_tensors(args, kwargs) if (w := _writer(doctor, storage_key(t))) is not None), None)
+    # (memory an op writes in place is its destination, not what it computes from: an eager write
+    # into a cache whose other slots hold what padded rows wrote carries those slots along unread)
+    written = {id(t) for t in written_tensors(func, args, kwargs)} if mutable(func) else ()
+    writer = next((w for t in op_tensors(args, kwargs)
+                   if id(t) not in written and (w := _writer(doctor, storage_key(t))) is not None), None)
     if writer is not None:
         with _disable_current_modes():
             doctor.trace[-1].setdefault("reads", []).append((str(func), user_frame(), digest(out), writer))

@@ -24,16 +24,26 @@ class DanglingReferenceError(GraphError):
 def handed_on(doctor, key: int, old, name: str, owner: str, source: str) -> None:
     """A static input of live graphs announced again under another name: the runner has given the
     buffer a second role (a reuse pool handed it back after its first graph's capture) while
-    graphs still read it in its first one. Each copy-in for the new role overwrites what they read."""
-    readers = [info.name for info in doctor.graphs.values() if info.ref() is not None and key in info.externals]
-    if not readers:
-        return
-    t = old.ref()
-    doctor.add(Finding(
-        "dangling-reference", ", ".join(readers), "static_buffers", f"{old.name}: {describe(t)}", old.source,
-        f"{old.name} (announced by {old.owner}, read by {', '.join(readers)}) is announced again as {name} by "
-        f"{owner} at {source}: one buffer, two static inputs", explain.handed_on_input(old.name, name, readers[0]),
-        {"readers": len(readers)}), ("dangling-reference", "static_buffers", old.name, name))
+    graphs still read it in its first one. Each copy-in for the new role overwrites what they read
+    -- once one of them replays: a runner that re-captures and drops the old graphs (a graph
+    rebuilt when its inputs changed) gave the buffer on with nobody left to read it (``check``)."""
+    for info in doctor.graphs.values():
+        if info.ref() is not None and key in info.externals:
+            info.handed_on.append((old, name, owner, source))
+
+
+def _handed_on(doctor, info) -> None:
+    """Before a replay: each of its static inputs announced since in another role is a finding."""
+    for old, name, owner, source in info.handed_on:
+        t = old.ref()
+        doctor.add(Finding(
+            "dangling-reference", info.name, "static_buffers", f"{old.name}: {describe(t) if t is not None else '-'}",
+            old.source,
+            f"{old.name} (announced by {old.owner}, read by {info.name}) is announced again as {name} by "
+            f"{owner} at {source}, and {info.name} replays: one buffer, two static inputs",
+            explain.handed_on_input(old.name, name, info.name), {}),
+            ("dangling-reference", "static_buffers", old.name, name))
+    info.handed_on.clear()
 
 
 def pool_key(pool) -> object:
@@ -63,6 +73,8 @@ def check(doctor, info, *, before_replay: bool) -> None:
     # storages are looked at only once one has gone (``records.Liveness``), and the findings are
     # built only then. The flag is cleared before the look, so a storage released meanwhile sets
     # it again; under guard a raise sets it too: other storages may have gone with the first.
+    if info.handed_on and before_replay:
+        _handed_on(doctor, info)
     live = info.liveness
     if released_since_watched(info):
         live.released = False

@@ -12,9 +12,12 @@ another capture, they were the dummy batch of a capture done in pieces (the eage
 between two pieces of a PIECEWISE capture, the backward captured from the forward's outputs):
 nothing to report (and what they write into persistent state is dummy data, as a warmup's writes
 are: ``rules/mutation.py``). Where they never do, the step took the capture's outputs for results:
-``warmup-divergence`` (the step took the capture's path where an eager step computes), named where
-the capture was made -- if the workload went on with them: a value computed from them read again
-by eager code, held at the end, or returned by the workload. A runner's capture loop that runs each
+``warmup-divergence`` (the step took the capture's path where an eager step computes) -- if the
+workload went on with them: a value computed from them read again by eager code, held at the end,
+or returned by the workload. It is named where the capture was made, unless the first eager read
+is in a function the capture ran too: then that function kept memory its captured call made and
+reads it again on later calls (a table built lazily, cached on first use, when the first use was
+a capture), and the finding names that read. A runner's capture loop that runs each
 size once on a dummy batch and drops what the capturing call handed back took nothing for a result.
 Only under differential replay (``diagnose``): eager ops are then looked at anyway.
 """
@@ -25,7 +28,7 @@ import dataclasses
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ...engine.opinfo import describe, op_tensors, overwrites, shape_only, storage_key, tensors, written_tensors
-from ...engine.source import user_frame
+from ...engine.source import location, user_code_frame
 from .. import explain
 from ..report import Finding
 from . import mutation
@@ -42,6 +45,7 @@ class Read:
     op: str
     line: str
     tensor: str
+    cached: bool = False            # the read is in a function the capture ran: it kept the capture's memory
     captured: bool = False          # what it computed fed a capture: a capture in pieces
     read: int = 0                   # the capture's output storage it read
     used: bool = False              # what it computed was read again by eager code: the step went on with it
@@ -79,7 +83,10 @@ def eager_op(doctor, func, args, kwargs, out) -> None:
         if read is not None:
             read.used |= key != read.read                    # a value computed from them, read again
         elif (info := doctor.uncomputed.get(block(t))) is not None and info.ref() is not None:
-            read = doctor.followed[key] = Read(info, str(func), user_frame(), describe(t), read=key)
+            frame = user_code_frame()
+            read = doctor.followed[key] = Read(info, str(func), location(frame) if frame else "<unknown>",
+                                               describe(t), _cached(info, frame),
+                                               read=key)
         if read is not None:
             break
     if read is None or len(doctor.followed) >= _FOLLOWED:
@@ -90,6 +97,11 @@ def eager_op(doctor, func, args, kwargs, out) -> None:
     for t in written_tensors(func, args, kwargs):
         if (key := storage_key(t)) in doctor.initial:
             mutation.dummy_written(doctor, key, t)  # a dummy batch's value in persistent state: not live data
+
+
+def _cached(info, frame) -> bool:
+    """Whether the reading frame's function ran inside the capture block (not the code that opened it)."""
+    return frame is not None and frame.f_code in info.called and frame.f_code is not info.opener
 
 
 def _followed(doctor, key: int) -> Read | None:
@@ -131,9 +143,10 @@ def finish(doctor) -> None:
             continue
         reported.add(id(read.info))
         info = read.info
+        site = read.line if read.cached else info.site
         doctor.add(Finding(
-            "warmup-divergence", info.name, read.op, read.tensor, info.site,
+            "warmup-divergence", info.name, read.op, read.tensor, site,
             f"{read.op} at {read.line} reads a {read.tensor} that the capture of {info.name} created, before any "
             f"replay of {info.name} wrote it, and what it computes feeds no capture: it is taken for a result",
-            explain.uncomputed(info.name, read.op), {"replays_before_read": 0}),
-            ("warmup-divergence", "uncomputed", info.site))
+            explain.uncomputed(info.name, read.op, read.cached), {"replays_before_read": 0}),
+            ("warmup-divergence", "uncomputed", site))

@@ -144,10 +144,33 @@ def check(doctor, info) -> None:
             rows = reads.reshape(reads.shape[0], -1).any(1).reshape(-1, *([1] * (reads.dim() - 1))) \
                 if reads.dim() > 1 else torch.zeros_like(reads)
             _short_window(doctor, info, key, mask & last & ~reads & ~rows, reads)
-            lost = mask & ~reads & rows
+            lost = mask & ~reads & rows & _past_end(reads)
             if bool(lost.any()) and (buf := doctor.buffer(key)) is not None:
                 doctor.unread[key] = (lost, source, info.name, info.replays + 1, int(reads.sum()), buf.name,
                                       describe(buf.ref()), None, None)
+
+
+def _past_end(reads):
+    """Elements past the end of the window a graph reads, in a dimension other than rows that the
+    window starts at 0 in: where data sized for a larger batch lands. A window that starts further
+    in (this rank's segment of every peer's rows in a symmetric buffer) is a part of a layout the
+    graph picks: what lies before it, and around it in that dimension, is not the graph's to read."""
+    if reads.dim() < 2 or not bool(reads.any()):
+        return torch.zeros_like(reads)
+    at = reads.nonzero()
+    lo, hi = at.min(0).values.tolist(), at.max(0).values.tolist()
+    past, inside = torch.zeros_like(reads), torch.ones_like(reads)
+    for d in range(1, reads.dim()):
+        cut = [slice(None)] * reads.dim()
+        if lo[d] > 0:
+            cut[d] = slice(None, lo[d])
+            inside[tuple(cut)] = False
+            cut[d] = slice(hi[d] + 1, None)
+            inside[tuple(cut)] = False
+        else:
+            cut[d] = slice(hi[d] + 1, None)
+            past[tuple(cut)] = True
+    return past & inside
 
 
 def _short_window(doctor, info, key: int, past, reads) -> None:

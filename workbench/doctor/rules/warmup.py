@@ -40,6 +40,7 @@ class Warmups:
         self.opened = next(iter(user_frames()), None)
         if self.opened is not None:      # a piece opened inside the step's own code (PIECEWISE)
             info.called.add(self.opened.f_code)
+            info.opener = self.opened.f_code
 
     def capture_end(self, info) -> None:
         """After a capture that recorded ops (an empty piece hands its warmup on: ``hand_on``)."""
