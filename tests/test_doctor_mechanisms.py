@@ -2758,6 +2758,49 @@ def test_a_table_cached_on_first_use_inside_a_capture_is_named_where_it_is_read_
 
 
 @pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_kernel_scratch_written_past_its_result_buffer_is_an_undersized_buffer(variant):
+    """Loop state carved from one arena: a result word, then the position. The sampling kernel keeps
+    its scratch right after the result pointer (``as_strided`` over three words from it); the bug
+    allocated one word for the result, so the scratch writes land on the position. The fix allocates
+    the result with its scratch. The position's own writes, and a view past the end that is only
+    read, are no finding."""
+    arena = torch.zeros(8, dtype=torch.int32)
+    result = arena[0:1] if variant == "bug" else arena[0:3]
+    position = arena[1:2] if variant == "bug" else arena[3:4]
+
+    def sample(logits):
+        scratch = torch.as_strided(result, (3,), (1,))            # reinterpret_cast<int*>(result)
+        scratch[1:3].copy_(logits.topk(2).indices.to(torch.int32))
+        result[0:1].copy_(scratch[1:2])
+        return torch.as_strided(position, (2,), (1,)).sum()        # a look past the end: a read
+
+    def step(logits):
+        out = sample(logits)
+        position.add_(1)
+        return out
+
+    def workload():
+        events.persistent_state("runner", {"result": result, "position": position})
+        logits = torch.zeros(5)
+        with events.warmup():
+            step(logits)
+        g = new_graph("cpu")
+        with graph(g, name="decode loop"):
+            out = step(logits)
+        for s in range(2):
+            logits.copy_(rows(1, 5, seed=s)[0])
+            g.replay()
+        return out.clone()
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.of("undersized-buffer") == [], report
+        return
+    finding = report.of("undersized-buffer")[0]
+    assert "scratch[1:3].copy_" in finding.source and "past the 4 of int32[1]" in finding.evidence, finding
+    assert finding.numbers == {"buffer_bytes": 4, "written_past": 8}, finding
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
 def test_a_buffer_asked_for_with_a_negative_size_is_an_undersized_buffer(variant):
     """The runner sizes a graph's input buffer from the span of the batch's view, ``(rows - 1) *
     stride + width``: for a batch of no rows the span is negative and the allocation fails (the

@@ -361,3 +361,10 @@ def stale_pool(graph: str, first: str) -> str:
             "is refused (on CUDA, the caching allocator's INTERNAL ASSERT use_count > 0). Take a fresh "
             "graph_pool_handle() for a new set of graphs, or keep the handle with the graphs that use it (not at "
             "class or module scope), and let go of the old outputs.")
+
+
+def past_extent(buffer: str, has: int, reached: int) -> str:
+    return (f"The write goes through a view made with as_strided over {reached} bytes from where {buffer} starts, "
+            f"which holds {has}: the bytes past its end belong to whatever was allocated next to it (another "
+            "buffer of the same arena, a graph's state), and no shape check stops it. Allocate the buffer for "
+            "everything written through it (a kernel's scratch included), or give the scratch its own allocation.")

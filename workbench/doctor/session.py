@@ -14,7 +14,7 @@ from . import failures
 from .failures import DELIBERATE
 from .intake import _ASIDE, Doctor
 from .report import Report
-from .rules import undersized, unread
+from .rules import extent, undersized, unread
 from .uninit import filled
 
 
@@ -33,7 +33,12 @@ def _watched(doctor: Doctor, func, args, kwargs):
         return func(*args, **kwargs)
     run = _Call(func, args, kwargs)
     try:
-        return doctor.on_op(func, args, kwargs, run)
+        if doctor.through:
+            extent.wrote(doctor, func, args, kwargs)
+        out = doctor.on_op(func, args, kwargs, run)
+        if func is extent.AS_STRIDED or doctor.through and func.is_view:
+            extent.viewed(doctor, func, args, out)
+        return out
     except DELIBERATE:
         raise
     except Exception as e:

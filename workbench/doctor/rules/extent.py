@@ -1,0 +1,86 @@
+"""undersized-buffer: a write through a view that reaches past the tensor it was made from.
+
+A buffer's contract is its extent: the elements its shape and strides cover in its storage. Code
+that treats a tensor as a raw pointer -- ``torch.as_strided(t, ...)`` over more elements than ``t``
+covers, as a kernel writes its scratch "right after" a result pointer -- can reach the memory next
+to it: in an allocation carved from one arena (a device heap, a compute buffer, a workspace), that
+is another buffer's data. No shape check fails: ``as_strided`` only checks the storage's bounds. So
+each ``as_strided`` view that reaches past its base is followed, with the views taken of it, and
+a write through one of them, in any phase, into bytes outside the base is ``undersized-buffer`` at
+the write: the data did not fit the buffer it was meant for. The neighbours' own writes are theirs;
+a view that is only read is left alone (a reader may take a window on purpose); so is one within
+its base.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ...engine.opinfo import describe, mutable, storage_key, written_tensors
+from ...engine.source import user_frame
+from .. import explain
+from ..report import Finding
+
+AS_STRIDED = torch.ops.aten.as_strided.default
+
+
+def span(t) -> tuple[int, int] | None:
+    """``[first, end)`` bytes of the storage that ``t`` covers (None when it covers none)."""
+    if t.numel() == 0:
+        return None
+    lo = hi = t.storage_offset()
+    for size, stride in zip(t.shape, t.stride()):
+        if stride >= 0:
+            hi += (size - 1) * stride
+        else:
+            lo += (size - 1) * stride
+    size = t.element_size()
+    return lo * size, (hi + 1) * size
+
+
+def viewed(doctor, func, args, out) -> None:
+    """A view was made: an ``as_strided`` view is followed where it covers more than its base; a
+    view of a followed view is followed too (the same memory, another window of it)."""
+    base = args[0] if args else None
+    if not isinstance(out, torch.Tensor) or not isinstance(base, torch.Tensor) or doctor.phase == "differential":
+        return                                    # (an eager form re-runs the step: its writes are the step's)
+    through = doctor.through
+    if func is AS_STRIDED:
+        b, v = span(base), span(out)
+        if b is None or v is None or (v[0] >= b[0] and v[1] <= b[1]):
+            return
+        buf = doctor.buffers.get(storage_key(base))
+        name = buf.name if buf is not None and buf.ref() is base else None
+        entry = (b, v, user_frame(), name, describe(base))
+    elif (held := through.get(id(base))) is not None and held[0]() is base:
+        entry = held[1]
+    else:
+        return
+    if len(through) & 63 == 63:                   # released views are swept now and then, not by callbacks
+        for ident in [i for i, (ref, _) in through.items() if ref() is None]:
+            del through[ident]
+    through[id(out)] = (weakref.ref(out), entry)
+
+
+def wrote(doctor, func, args, kwargs) -> None:
+    """A write through a followed view into bytes of its view outside the base it was made from."""
+    if not mutable(func):
+        return
+    for t in written_tensors(func, args, kwargs):
+        held = doctor.through.get(id(t))
+        if held is None or held[0]() is not t or (w := span(t)) is None:
+            continue
+        (b, v, made_at, name, what) = held[1]
+        lo, hi = max(w[0], v[0]), min(w[1], v[1])
+        outside = max(0, hi - lo) - max(0, min(hi, b[1]) - max(lo, b[0]))
+        if outside <= 0:
+            continue
+        base = f"{name}: {what}" if name else what
+        doctor.add(Finding(
+            "undersized-buffer", doctor.capturing.name if doctor.capturing else "-", str(func), base, user_frame(),
+            f"{func} writes {outside} byte(s) past the {b[1] - b[0]} of {base}, through a view that as_strided "
+            f"made at {made_at} over {v[1] - v[0]} bytes from there (during {doctor.phase})",
+            explain.past_extent(base, b[1] - b[0], v[1] - v[0]),
+            {"buffer_bytes": b[1] - b[0], "written_past": outside}), ("undersized-buffer", "past extent", made_at))
+        return
