@@ -1080,6 +1080,53 @@ def test_a_graph_replayed_on_another_view_than_the_step_takes_is_named_where_it_
         in finding.evidence, finding
 
 
+class ReusedGraph:
+    """One graph, kept while a reuse check says the step matches the one it was built for (llama.cpp's
+    graph reuse); ``bug``'s check compares the token count only, not the sequence's state row."""
+
+    def __init__(self, variant):
+        self.variant, self.built, self.x, self.state = variant, None, torch.zeros(1, 4), torch.zeros(2, 4)
+        events.static_buffers("runner", {"x": self.x})
+        events.persistent_state("runner", {"state": self.state})
+
+    def can_reuse(self, x, seq) -> bool:
+        if self.built is None:
+            return False
+        return x.shape == self.built[0] and (self.variant == "bug" or seq == self.built[1])
+
+    def __call__(self, x, seq):
+        self.x.copy_(x)
+        if not self.can_reuse(x, seq):
+            step = functools.partial(recurrent_step, self.x, self.state, seq)
+            g = new_graph("cpu")
+            with graph(g, name=f"decode seq {seq}"):
+                out = step()
+            self.built = (x.shape, seq, g, out, step)
+        _, _, g, out, step = self.built
+        events.serve(g, 1, 1, padded={}, outputs=out, eager=step)
+        g.replay()
+        return out.clone()
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_graph_a_reuse_check_let_through_is_named_at_that_check(variant):
+    """``bug``: the reuse check lets sequence 0's graph serve sequence 1, on sequence 0's state row.
+    The replay happens in ``__call__``, but the choice was the check's answer: the finding names the
+    line where ``can_reuse`` answered (the fix checks the sequence too, and rebuilds)."""
+    def workload():
+        tokens = [(torch.full((1, 4), float(i + 1)), i % 2) for i in range(4)]
+        with events.reference():
+            state = torch.zeros(2, 4)
+            expected = [recurrent_step(x, state, seq).clone() for x, seq in tokens]
+        runner = ReusedGraph(variant)
+        return expected, [runner(x, seq) for x, seq in tokens]
+    finding = _finding(workload, variant)
+    if finding is None:
+        return
+    assert finding.kind == "warmup-divergence" and " in can_reuse: return x.shape" in finding.source, finding
+    assert "as the check at" in finding.evidence and "g.replay()" in finding.evidence, finding
+
+
 @pytest.mark.parametrize("variant", ["bug", "fix"])
 def test_a_host_scalar_taken_by_value_is_named_when_the_workloads_results_differ(variant):
     """``bug``: each step makes a new 0-dim host tensor for a parameter that changes; the captured

@@ -66,6 +66,9 @@ class _Tracer:
         # (code, its last line, id of its caller's frame, the caller's line) of the last user function that
         # returned, until the next call: frames are not held (a frame keeps its locals alive)
         self.returned: tuple | None = None
+        # id(frame) -> where the last user function it called that answered True or False returned (with a
+        # reference run): a check whose answer may have chosen a graph (``decider``)
+        self.decided: dict[int, str] = {}
 
     def start(self, doctor) -> None:
         if self.doctor is None and sys.gettrace() is not None:
@@ -84,6 +87,7 @@ class _Tracer:
             self.pending.clear()
             self.followed.clear()
             self.explained.clear()
+            self.decided.clear()
             self.returned = None
             sys.settrace(None)
 
@@ -107,6 +111,10 @@ class _Tracer:
             if event == "return":
                 caller = frame.f_back
                 self.returned = (frame.f_code, frame.f_lineno, id(caller), caller.f_lineno if caller else None)
+                if self.decided:
+                    self.decided.pop(id(frame), None)
+                if type(arg) is bool and doctor.reference is not None and caller is not None:
+                    self.decided[id(caller)] = location(frame)
                 if (info := doctor.capturing) is not None and type(arg) in (int, float) and arg not in (0, 1, -1):
                     # where a number the capture may bake in was computed (kept as launch signatures keep it)
                     info.returned_numbers.setdefault(repr(arg) if type(arg) is float else arg, location(frame))
@@ -231,6 +239,16 @@ def released_at(running) -> str | None:
             and _instruction(running) in _CALLS:
         return location(last[0], last[1])
     return location(frame)
+
+
+def decider(frames) -> str | None:
+    """Among ``frames`` (the user's, innermost first: those a replay was asked from), where the last
+    check one of them called answered: a function returning True or False (``can_reuse_graph``, a
+    graph-update check), whose answer chose to replay the graph it had. None if none did."""
+    for frame in frames:
+        if (where := _tracer.decided.get(id(frame))) is not None:
+            return where
+    return None
 
 
 def tracing() -> bool:

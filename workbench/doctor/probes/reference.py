@@ -69,6 +69,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ...engine.opinfo import describe, mutable, op_tensors, storage_key, tensors, written_tensors
 from ...engine.source import frames_within, location, user_frame, user_frames
 from .. import explain
+from ..raised import decider
 from ..records import Op
 from ..report import Finding
 from ..rules import reused
@@ -234,7 +235,7 @@ class Reference:
                     t = buf.ref()
                     if t is not None and storage_key(t) == key and first_write.get(key, at) >= at:
                         values[(i, j)] = (buf, t.as_strided(shape, stride, offset).clone(), (shape, stride, offset))
-        self.at_replay[id(info)] = (k, values, user_frame())
+        self.at_replay[id(info)] = (k, values, (user_frame(), decider(user_frames())))
 
     def replay_end(self, doctor, info, pending) -> None:
         if self.span is not None:                # a PIECEWISE step: compared once its last piece has run
@@ -246,7 +247,7 @@ class Reference:
         if entry is None or pending is None:
             return
         code, under = self.roots[info]
-        k, values, replayed_at = entry
+        k, values, replayed = entry
         ops = [info.ops[info.paths[i][0]] for i in under]
         with _disable_current_modes():
             match = self._step(code, k, ops, under, values)
@@ -266,8 +267,8 @@ class Reference:
             found = static_input(self.writers, info, compared) or narrower(ops, under, ref, values, self.views) or (
                 None if pending.span else (
                 parting(info, ops, ref, pending.real < pending.size) or frozen_number(info, ops, under, ref, pending.size)
-                or bound(self.writers, doctor, info, ops, under, ref, replayed_at)
-                or (moved_view(ops, under, ref, replayed_at) if pending.real == pending.size else None)))
+                or bound(self.writers, doctor, info, ops, under, ref, replayed)
+                or (moved_view(ops, under, ref, replayed) if pending.real == pending.size else None)))
         text = (f"replay {info.replays} of {info.name} ({pending.real} real rows of {pending.size}): output "
                 f"{differs[0]} (real rows) differs by max |diff| = {differs[1]:.3g} from the reference run's same "
                 f"step (call {self.calls[code].index(number) + 1} of {code.co_name})")

@@ -237,26 +237,38 @@ def frozen_number(info, ops: list, under: tuple, ref: list, size: int) -> tuple 
     return None
 
 
-def moved_view(ops: list, under: tuple, ref: list, replayed_at: str) -> tuple | None:
+def moved_view(ops: list, under: tuple, ref: list, replayed: tuple) -> tuple | None:
     """The first op (by line and occurrence) that the graph runs on a view starting elsewhere in its
     storage than the reference step's same op, at the same shape (a state row chosen at build
     time): the graph was captured for another view than the step takes now, and is replayed for it
     -- keyed on a property of the step that does not decide which view it takes. Asked of unpadded
-    replays only: padding moves views of the last rows."""
+    replays only: padding moves views of the last rows. ``replayed``: see ``chosen``."""
     for op, _, step in aligned(ops, under, ref):
         if len(step.op.sig) != len(op.sig):
             continue
         for mine, theirs in zip(op.sig, step.op.sig):
             if isinstance(mine, TensorArg) and isinstance(theirs, TensorArg) and mine.shape == theirs.shape \
                     and mine.offset != theirs.offset:
-                return ("warmup-divergence", op.name, "-", replayed_at,
+                return ("warmup-divergence", op.name, "-", chosen(replayed),
                         f"{op.name} at {op.source} reads a view {mine.shape} at offset {mine.offset} of its storage in "
                         f"the graph where the reference step's same op reads offset {theirs.offset}: the graph was "
-                        f"captured for another view than this step takes, and is replayed for it at {replayed_at}")
+                        f"captured for another view than this step takes, and is replayed for it at "
+                        f"{_replayed(replayed)}")
     return None
 
 
-def bound(writers: dict, doctor, info, ops: list, under: tuple, ref: list, replayed_at: str) -> tuple | None:
+def chosen(replayed: tuple) -> str:
+    """``replayed``: (the line that replayed the graph, where the check that chose to replay it
+    answered or None). A graph replayed for inputs it was not captured with is keyed on the wrong
+    property: named at that check where one answered (``raised.decider``), else at the replay."""
+    return replayed[1] or replayed[0]
+
+
+def _replayed(replayed: tuple) -> str:
+    return replayed[0] + (f", as the check at {replayed[1]} chose" if replayed[1] else "")
+
+
+def bound(writers: dict, doctor, info, ops: list, under: tuple, ref: list, replayed: tuple) -> tuple | None:
     """The first tensor the graph only reads (no graph writes it; not announced) that holds other
     values than the reference gives the same op: the graph reads what its capture bound, this
     step's eager form reads something else."""
@@ -278,10 +290,10 @@ def bound(writers: dict, doctor, info, ops: list, under: tuple, ref: list, repla
                 return ("warmup-divergence", writer[0], f"{ext.tensor}", writer[1],
                         f"{differ}; it was last written by {writer[0]} at {writer[1]}: the runner prepares what the "
                         "graph reads otherwise than the workload computes it without graphs")
-            return ("warmup-divergence", op.name, f"{ext.tensor}", replayed_at,
+            return ("warmup-divergence", op.name, f"{ext.tensor}", chosen(replayed),
                     f"{differ}, and nothing wrote it since the capture bound it: the graph is replayed (at "
-                    f"{replayed_at}) for a step whose eager form reads another tensor there -- inputs it was not "
-                    "captured with")
+                    f"{_replayed(replayed)}) for a step whose eager form reads another tensor there -- inputs it was "
+                    "not captured with")
     return None
 
 
