@@ -1054,6 +1054,19 @@ class PerSequenceState:
         return out.clone()
 
 
+def _two_sequences(make_runner):
+    """Four tokens of two sequences taking turns, through ``make_runner()``'s graphs and, as the
+    reference, through ``recurrent_step`` on a state table of their own."""
+    def workload():
+        tokens = [(torch.full((1, 4), float(i + 1)), i % 2) for i in range(4)]
+        with events.reference():
+            state = torch.zeros(2, 4)
+            expected = [recurrent_step(x, state, seq).clone() for x, seq in tokens]
+        runner = make_runner()
+        return expected, [runner(x, seq) for x, seq in tokens]
+    return workload
+
+
 def recurrent_step(x, state, seq):
     row = state[seq]
     row.mul_(0.5).add_(x[0])
@@ -1065,14 +1078,7 @@ def test_a_graph_replayed_on_another_view_than_the_step_takes_is_named_where_it_
     """``bug``: the graph built for sequence 0 is replayed for sequence 1, on sequence 0's state
     row. Its eager form is the captured closure (the same row): differential replay agrees with the
     graph; the reference run's same step takes the other row of the table."""
-    def workload():
-        tokens = [(torch.full((1, 4), float(i + 1)), i % 2) for i in range(4)]
-        with events.reference():
-            state = torch.zeros(2, 4)
-            expected = [recurrent_step(x, state, seq).clone() for x, seq in tokens]
-        runner = PerSequenceState(variant)
-        return expected, [runner(x, seq) for x, seq in tokens]
-    finding = _finding(workload, variant)
+    finding = _finding(_two_sequences(lambda: PerSequenceState(variant)), variant)
     if finding is None:
         return
     assert finding.kind == "warmup-divergence" and " in __call__: g.replay()" in finding.source, finding
@@ -1113,14 +1119,7 @@ def test_a_graph_a_reuse_check_let_through_is_named_at_that_check(variant):
     """``bug``: the reuse check lets sequence 0's graph serve sequence 1, on sequence 0's state row.
     The replay happens in ``__call__``, but the choice was the check's answer: the finding names the
     line where ``can_reuse`` answered (the fix checks the sequence too, and rebuilds)."""
-    def workload():
-        tokens = [(torch.full((1, 4), float(i + 1)), i % 2) for i in range(4)]
-        with events.reference():
-            state = torch.zeros(2, 4)
-            expected = [recurrent_step(x, state, seq).clone() for x, seq in tokens]
-        runner = ReusedGraph(variant)
-        return expected, [runner(x, seq) for x, seq in tokens]
-    finding = _finding(workload, variant)
+    finding = _finding(_two_sequences(lambda: ReusedGraph(variant)), variant)
     if finding is None:
         return
     assert finding.kind == "warmup-divergence" and " in can_reuse: return x.shape" in finding.source, finding
