@@ -4,8 +4,10 @@ Runs on a machine with CUDA: the engine's semantic probes and architecture matri
 replay overhead, every case of the registry (``<case id>.json`` from its scenario's
 ``gpu_record``), the graph doctor and the bug zoo. Every record carries the device, torch and CUDA
 versions and the date. Usage: ``python scripts/gpu_session.py OUT_DIR [name ...]`` (names: the keys
-of ``records()``; default: every one the visible GPUs can run). A failing record is written with its
-error and does not stop the others.
+of ``records()``; default: every one the visible GPUs can run). ``doctor_trials@FILE`` records only
+the trial programs FILE lists, one ``round/program`` a line (merge the result with ``python -m
+workbench.zoo.trials amend``). A failing record is written with its error and does not stop the
+others.
 """
 from __future__ import annotations
 
@@ -52,6 +54,17 @@ def metadata() -> dict:
     }
 
 
+def requested(names: list[str]) -> tuple[list[str], dict[str, list[str]]]:
+    """The record names asked for, and for ``name@FILE`` the programs FILE lists (one a line)."""
+    plain, only = [], {}
+    for name in names:
+        name, _, path = name.partition("@")
+        plain.append(name)
+        if path:
+            only[name] = [line.strip() for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
+    return plain, only
+
+
 def main(out_dir: str, names: list[str]) -> int:
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
@@ -59,6 +72,7 @@ def main(out_dir: str, names: list[str]) -> int:
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     table = records()
+    names, only = requested(names)
     unknown = sorted(set(names) - set(table))
     if unknown:
         print(f"unknown records {unknown}; known: {sorted(table)}", file=sys.stderr)
@@ -70,7 +84,8 @@ def main(out_dir: str, names: list[str]) -> int:
         start = time.perf_counter()
         record = {"name": name, **metadata()}
         try:
-            record["results"] = getattr(importlib.import_module(module), fn)("cuda")
+            call = getattr(importlib.import_module(module), fn)
+            record["results"] = call("cuda", only[name]) if name in only else call("cuda")
         except Exception as e:  # noqa: BLE001 - recorded, the session goes on
             failures += 1
             record["error"] = f"{type(e).__name__}: {e}"

@@ -94,3 +94,39 @@ def test_the_gpu_record_says_what_the_cpu_says(answers):
                 differ[(n, v)] = (g, answers[n][v])
     assert set(differ) == set(GPU_DIFFERS), differ
     assert compared >= len(NAMES)          # most variants behave alike on both
+
+
+def test_a_gpu_record_of_some_programs_is_merged_with_a_reason(tmp_path, monkeypatch):
+    """``amend``: a record of two programs (as ``scripts/gpu_session.py`` wraps it) replaces their
+    entries and says when, on what and why; a record made without a GPU, or of programs outside the
+    rounds, is refused and changes nothing."""
+    import json
+    original = trials.RESULT.read_text()
+    committed = tmp_path / "doctor_trials.json"
+    committed.write_text(original)
+    monkeypatch.setattr(trials, "RESULT", committed)
+    two = {n: {v: {"verdict": "misbehaves", "kind": None, "site": None} for v in zoo.VARIANTS} for n in NAMES[:2]}
+    part = {"device": "NVIDIA H200", "torch": "2.11.0+cu130", "date": "2026-11-29", "programs": two}
+    for bad in ({**part, "device": "cpu"}, {**part, "programs": {"round0/none": two[NAMES[0]]}}):
+        with pytest.raises(ValueError):
+            trials.amend({"name": "doctor_trials", "results": bad}, "refused")
+    assert committed.read_text() == original
+    assert trials.amend({"name": "doctor_trials", "results": part}, "two programs again") == 2
+    rec = json.loads(committed.read_text())["results"]
+    assert rec["programs"][NAMES[0]] == two[NAMES[0]] and len(rec["programs"]) == len(NAMES)
+    assert rec["amended"][-1] == {"date": "2026-11-29", "device": "NVIDIA H200", "torch": "2.11.0+cu130",
+                                  "programs": sorted(NAMES[:2]), "why": "two programs again"}
+
+
+def test_a_gpu_session_can_be_asked_for_some_trial_programs(tmp_path):
+    """``scripts/gpu_session.py OUT doctor_trials@FILE``: the record's name, and FILE's programs."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gpu_session.py"
+    spec = importlib.util.spec_from_file_location("gpu_session", path)
+    session = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(session)
+    listed = tmp_path / "names.txt"
+    listed.write_text(f"{NAMES[0]}\n\n{NAMES[1]}\n")
+    assert session.requested(["zoo", f"doctor_trials@{listed}"]) == (
+        ["zoo", "doctor_trials"], {"doctor_trials": [NAMES[0], NAMES[1]]})

@@ -146,6 +146,26 @@ def gpu_record(device: str = "cuda", programs: Sequence[str] | None = None, jobs
             "date": datetime.date.today().isoformat(), "programs": out}
 
 
+def amend(record: dict, why: str) -> int:
+    """Merge a GPU record of some programs (``gpu_record(programs=...)``, bare or wrapped by
+    ``scripts/gpu_session.py``) into the committed one, with an ``amended`` entry saying when, on
+    what and why: new programs, or programs whose CPU answer a change moved. Returns the programs
+    merged. The device must be the committed record's kind of machine (a CUDA GPU)."""
+    part = record.get("results", record)
+    if not part.get("programs") or part.get("device") in ("cpu", "cuda"):
+        raise ValueError("not a GPU record of trial programs (no programs, or recorded without a GPU name)")
+    unknown = sorted(set(part["programs"]) - set(names()))
+    if unknown:
+        raise ValueError(f"programs not in ROUNDS: {unknown[:3]}")
+    data = json.loads(RESULT.read_text())
+    whole = data.get("results", data)
+    whole["programs"].update(part["programs"])
+    whole.setdefault("amended", []).append({"date": part["date"], "device": part["device"], "torch": part["torch"],
+                                            "programs": sorted(part["programs"]), "why": why})
+    RESULT.write_text(json.dumps(data, indent=1) + "\n")
+    return len(part["programs"])
+
+
 def load() -> dict | None:
     """The committed GPU record (bare, or wrapped by ``scripts/gpu_session.py``), or None."""
     if not RESULT.exists():
