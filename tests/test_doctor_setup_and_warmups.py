@@ -322,6 +322,26 @@ def test_a_buffer_given_a_new_role_by_a_recapture_is_dangling_only_if_the_old_gr
     assert all("and layout 1 replays" in f.evidence for f in report.findings), report
 
 
+def test_two_windows_of_one_arena_announced_together_are_two_buffers():
+    """A runner carves its static inputs from one allocation (a compute buffer) and announces both
+    windows at each capture; its graphs keep replaying. One storage, two names, no common byte:
+    nothing was handed on."""
+    def workload():
+        arena = torch.zeros(8)
+        a, b = arena[0:4], arena[4:8]
+
+        def step():
+            return a * 2 + b
+        g1, out1 = captured(step, static={"a": a, "b": b}, name="first")
+        g2, out2 = captured(step, static={"a": a, "b": b}, name="second")
+        for s in range(2):
+            a.copy_(torch.full((4,), float(s)))
+            b.copy_(torch.ones(4))
+            served(g1, out1, step)
+            served(g2, out2, step)
+    assert only_finding(workload, "fix") is None
+
+
 def test_work_a_library_skips_only_under_capture_is_a_note_when_every_replay_agrees():
     """transformers checks ``padding_mask.all()`` (to drop an all-ones mask) only outside a capture:
     the warmup runs that check, the capture does not, and differential replay shows every replay,

@@ -15,7 +15,7 @@ from .failures import contained
 from .probes import differential, padding as padding_probe
 from .probes.reference import Reference
 from .records import Buffer, Pending
-from .rules import dangling, mutation, overwritten, undersized
+from .rules import dangling, extent, mutation, overwritten, undersized
 
 
 class RunnerEvents:
@@ -25,7 +25,8 @@ class RunnerEvents:
         source = user_frame()
         for name, t in buffers.items():
             key = storage_key(t)
-            if (old := self.buffer(key)) is not None and role == old.role == "input" and name != old.name:
+            if (old := self.buffer(key)) is not None and role == old.role == "input" and name != old.name \
+                    and _overlap(old.ref(), t):     # (another window of one arena is another buffer)
                 dangling.handed_on(self, key, old, name, owner, source)
             self.buffers[key] = Buffer(name, owner, weakref.ref(t), role, source)
         undersized.announced(self, owner, buffers)
@@ -137,3 +138,10 @@ class RunnerEvents:
         for t in (tensors_out if isinstance(tensors_out, (tuple, list)) else (tensors_out,)):
             overwritten.tag(self, t, info)
         padding_probe.carry(self)
+
+
+def _overlap(a, b) -> bool:
+    """Whether two tensors of one storage cover common bytes: the same buffer under two names, not
+    two buffers carved from one allocation (a compute buffer, a device heap)."""
+    x, y = extent.span(a), extent.span(b)
+    return x is not None and y is not None and x[0] < y[1] and y[0] < x[1]
