@@ -239,3 +239,14 @@ def test_a_blocking_copy_from_pinned_memory_in_a_capture_is_refused_and_named(de
     assert finding.kind == "sync-in-capture" and finding.source.endswith("dev.copy_(pinned)")
     dev.copy_(pinned, non_blocking=True)
     assert dev.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_storage_handed_to_set_is_signed_by_its_size_not_its_contents():
+    """``set_`` takes a storage: the launch signature keeps its size. Printing it would read every
+    element, which on CUDA inside a capture is a synchronisation the capture refuses (the doctor's
+    own error, seen on the H200 on a weak reference made in a capture)."""
+    from workbench.doctor.tensors import signature
+    storage = torch.arange(6.0).untyped_storage()
+    t = torch.empty(0)
+    sig = signature(torch.ops.aten.set_.source_Storage_storage_offset, (t, storage, 0, [6], [1]), {})
+    assert sig[1] == ("storage", 24) and all("0.0" not in str(a) for a in sig), sig

@@ -2800,6 +2800,52 @@ def test_a_kernel_scratch_written_past_its_result_buffer_is_an_undersized_buffer
     assert finding.numbers == {"buffer_bytes": 4, "written_past": 8}, finding
 
 
+def _weak(t):
+    """A tensor on ``t``'s memory that does not own it (vLLM's ``weak_ref_tensors``)."""
+    storage = torch._C._construct_storage_from_data_pointer(t.untyped_storage().data_ptr(), t.device,
+                                                            t.untyped_storage().nbytes())
+    return torch.empty(0, dtype=t.dtype).set_(storage, t.storage_offset(), t.shape, t.stride())
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_weak_reference_taken_during_a_capture_to_memory_it_then_hands_on_is_dangling(variant):
+    """Two layers share one scratch, made by the first and kept for the second. ``bug`` keeps only a
+    weak reference during the capture: the first layer's scratch goes back to the pool when it
+    returns, the next activation is given that block, and the second layer's scratch writes land on
+    it. ``fix`` keeps a strong reference until the capture ends."""
+    kept = {}
+    x = torch.zeros(8)
+
+    def layer(h):
+        scratch = kept.get("scratch")
+        if scratch is None:
+            scratch = torch.empty(8)
+            kept["scratch"] = _weak(scratch) if variant == "bug" else scratch
+        scratch.copy_(h * 2)
+        return h + scratch.sum()
+
+    def step():
+        kept.clear()
+        return layer(layer(x) * 0.5)
+
+    def workload():
+        events.static_buffers("runner", {"x": x})
+        g = new_graph("cpu")
+        with graph(g, name="two layers"):
+            out = step()
+        for s in range(2):
+            x.copy_(rows(1, 8, seed=s)[0])
+            g.replay()
+        return out.clone()
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.of("dangling-reference") == [], report
+        return
+    (finding,) = report.of("dangling-reference")
+    assert "scratch.copy_(h * 2)" in finding.source and "does not own its memory" in finding.evidence, finding
+    assert "layer(x) * 0.5" in finding.evidence, finding
+
+
 @pytest.mark.parametrize("variant", ["bug", "fix"])
 def test_a_buffer_asked_for_with_a_negative_size_is_an_undersized_buffer(variant):
     """The runner sizes a graph's input buffer from the span of the batch's view, ``(rows - 1) *

@@ -14,7 +14,7 @@ from ..engine.cpu_graph import ALLOCATIONS
 from ..engine.opinfo import describe, op_tensors, storage_key, tensors, written_tensors
 from ..engine.source import user_frame
 from .records import External, Op
-from .rules import padded_scatter, sync, uncomputed, undersized, unread
+from .rules import dangling, padded_scatter, sync, uncomputed, undersized, unread
 from .tensors import by_value, host_memory, signature
 
 aten = torch.ops.aten
@@ -50,6 +50,8 @@ def recorded(doctor, func, args, kwargs, run):
                     info.by_value.append((Op(str(func), source), t.item()))
             continue
         key = storage_key(t)
+        if info.aliases and key in info.aliases:
+            dangling.aliased(doctor, info, key, t, str(func), source)
         if doctor.every and not func.is_view:
             unread.read_view(doctor, info, key, t)
         owner = doctor.owner_of(key)
@@ -63,6 +65,7 @@ def recorded(doctor, func, args, kwargs, run):
             ext = info.externals[key] = External(StorageWeakRef(t.untyped_storage()), describe(t), t.dtype,
                                                  str(func), source, memory.origin_of(t), func.is_view,
                                                  (str(func), source))
+            dangling.aliased(doctor, info, key, t, str(func), source)
         elif ext.view_only and not func.is_view:      # name the first op that really reads it
             ext.op, ext.source, ext.tensor, ext.view_only = str(func), source, describe(t), False
         if not ext.host_copy and func is _COPY and t is args[1] and host_memory(t, info.cuda) \
@@ -77,6 +80,8 @@ def recorded(doctor, func, args, kwargs, run):
     info.unwritten -= written
     for o in tensors(out):
         key = storage_key(o)
+        if func.overloadpacket is aten.set_:     # a tensor pointed at memory: no allocation of the capture
+            dangling.aliased(doctor, info, key, o, str(func), source)
         if key not in in_keys and doctor.owner_of(key) is None:
             doctor.owned[key] = (StorageWeakRef(o.untyped_storage()), info)
             info.created.add(key)

@@ -368,3 +368,12 @@ def past_extent(buffer: str, has: int, reached: int) -> str:
             f"which holds {has}: the bytes past its end belong to whatever was allocated next to it (another "
             "buffer of the same arena, a graph's state), and no shape check stops it. Allocate the buffer for "
             "everything written through it (a kernel's scratch included), or give the scratch its own allocation.")
+
+
+def aliased_in_capture(tensor: str, taker: str) -> str:
+    return (f"The {tensor} was made from a pointer (a weak reference such as vLLM's weak_ref_tensors, or from_blob): "
+            "it keeps nobody's memory alive. Its owner, a tensor of the same capture, was released before the capture "
+            f"ended, and the allocator gave that memory to the output of {taker}: the graph now reads and writes it "
+            "through both, on every replay. Keep a strong reference until the capture ends, and take weak references "
+            "only after it (the caching allocator may place things differently on another machine: the numbers can "
+            "look right here and be wrong there).")

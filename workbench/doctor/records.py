@@ -184,6 +184,8 @@ class GraphInfo:
         self.consumed: set[int] = set()             # ... of those, inputs another graph's replay read since
         self.blocks: set[tuple] = set()             # memory blocks the capture wrote (rules/pool.py)
         self.own_blocks: set[tuple] = set()         # of those, blocks it allocated
+        self.rehanded: dict[tuple, tuple] = {}      # ... again, once freed: (the op whose output took it, when)
+        self.aliases: dict[int, int] = {}           # storages of none of its tensors on its blocks -> first seen
         self.expects: dict[tuple, tuple] = {}       # blocks read from another capture -> that producer
         self.scatters: list = []                    # captured writes into state through an index (rules/padded_scatter.py)
         self.live_slots: dict = {}                  # scatter -> slots real rows wrote

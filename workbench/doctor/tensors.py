@@ -206,6 +206,8 @@ def _plain(value, cuda: bool | None = None):
         return tuple(_plain(v, cuda) for v in value)
     if isinstance(value, float):
         return repr(value)                          # NaN equals NaN here
+    if isinstance(value, (torch.UntypedStorage, torch.TypedStorage)):     # ``set_``'s source: its size, not
+        return ("storage", value.nbytes())          # its contents (printing a CUDA storage reads it: a sync)
     return value if isinstance(value, (int, bool, str, type(None))) else str(value)
 
 

@@ -10,6 +10,7 @@ from ...engine.errors import GraphError
 from ...engine.opinfo import describe
 from ..report import Finding
 from ..tensors import first_line
+from .pool import block
 
 
 class DanglingReferenceError(GraphError):
@@ -44,6 +45,29 @@ def _handed_on(doctor, info) -> None:
             explain.handed_on_input(old.name, name, info.name), {}),
             ("dangling-reference", "static_buffers", old.name, name))
     info.handed_on.clear()
+
+
+def aliased(doctor, info, key: int, t, op: str, source: str) -> None:
+    """A capture's op uses a storage it did not allocate, on a block it did: a reference that does
+    not own its memory (made from a pointer: ``weak_ref_tensors``, ``from_blob``). Noted when first
+    seen; used again after the capture gave that block to a new tensor (its owner was released
+    during the capture), every replay's use of it lands on that tensor: a workspace kept weakly
+    across a capture and a later layer's activation (vllm-ascend #5522)."""
+    b = block(t)
+    if key not in info.aliases:
+        if b in info.own_blocks:
+            info.aliases[key] = len(info.ops)
+        return
+    taken = info.rehanded.get(b)
+    if taken is None or taken[1] <= info.aliases[key]:
+        return
+    del info.aliases[key]                          # (one finding per alias)
+    doctor.add(Finding(
+        "dangling-reference", info.name, op, describe(t), source,
+        f"during the capture of {info.name}, {op} uses a {describe(t)} that does not own its memory, at an address "
+        f"the capture allocated, freed and gave to the output of {taken[0].name} at {taken[0].source} since the "
+        "reference was made", explain.aliased_in_capture(describe(t), taken[0].name), {}),
+        ("dangling-reference", "aliased", source))
 
 
 def pool_key(pool) -> object:

@@ -42,6 +42,8 @@ class PoolReads:
         """One op of a capture: blocks it reads before the capture wrote them, blocks it writes.
         Outputs are taken in at the next op (or at the capture's end): the CPU engine may still move
         a new output into a handed-on block after this observer has seen it made."""
+        if func.overloadpacket is torch.ops.aten.set_ and self.pending:    # a new tensor re-pointed at other
+            self.pending = [(r, o) for r, o in self.pending if r() is not args[0]]     # memory: not allocated here
         self.settle(info)
         if func.is_view:
             return
@@ -65,9 +67,13 @@ class PoolReads:
         self.pending = [(weakref.ref(t), op) for t in tensors(out) if t.untyped_storage()._cdata not in inputs]
 
     def settle(self, info) -> None:
-        """Take in the previous op's new outputs, where they now live: memory the capture allocated."""
+        """Take in the previous op's new outputs, where they now live: memory the capture allocated.
+        A new output at an address the capture allocated before was given memory freed since: the
+        block was handed on inside the capture (``dangling.aliased`` asks)."""
         for ref, op in self.pending:
             if (t := ref()) is not None:
+                if block(t) in info.own_blocks and t.numel():
+                    info.rehanded[block(t)] = (op, len(info.ops))
                 info.own_blocks.add(block(t))
                 self.allocated.add(block(t))
                 self._wrote(info, t, op)
