@@ -78,11 +78,10 @@ def recorded(doctor, func, args, kwargs, run):
         if doctor.owner_of(key) is None:
             info.writes.setdefault(key, Op(str(func), source))
     info.unwritten -= written
+    repointed = func.overloadpacket is aten.set_     # a tensor pointed at memory: no allocation of the capture
     for o in tensors(out):
         key = storage_key(o)
-        if func.overloadpacket is aten.set_:     # a tensor pointed at memory: no allocation of the capture
-            dangling.aliased(doctor, info, key, o, str(func), source)
-        if key not in in_keys and doctor.owner_of(key) is None:
+        if key not in in_keys and doctor.owner_of(key) is None and not repointed:
             doctor.owned[key] = (StorageWeakRef(o.untyped_storage()), info)
             info.created.add(key)
             if func.overloadpacket in ALLOCATIONS:

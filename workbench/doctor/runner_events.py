@@ -15,7 +15,8 @@ from .failures import contained
 from .probes import differential, padding as padding_probe
 from .probes.reference import Reference
 from .records import Buffer, Pending
-from .rules import dangling, extent, mutation, overwritten, undersized
+from .rules import dangling, mutation, overwritten, undersized
+from . import tensors
 
 
 class RunnerEvents:
@@ -25,8 +26,9 @@ class RunnerEvents:
         source = user_frame()
         for name, t in buffers.items():
             key = storage_key(t)
+            # (another window of one allocation, sharing no byte with the old one, is another buffer)
             if (old := self.buffer(key)) is not None and role == old.role == "input" and name != old.name \
-                    and _overlap(old.ref(), t):     # (another window of one arena is another buffer)
+                    and tensors.overlap(tensors.span(old.ref()), tensors.span(t)):
                 dangling.handed_on(self, key, old, name, owner, source)
             self.buffers[key] = Buffer(name, owner, weakref.ref(t), role, source)
         undersized.announced(self, owner, buffers)
@@ -138,10 +140,3 @@ class RunnerEvents:
         for t in (tensors_out if isinstance(tensors_out, (tuple, list)) else (tensors_out,)):
             overwritten.tag(self, t, info)
         padding_probe.carry(self)
-
-
-def _overlap(a, b) -> bool:
-    """Whether two tensors of one storage cover common bytes: the same buffer under two names, not
-    two buffers carved from one allocation (a compute buffer, a device heap)."""
-    x, y = extent.span(a), extent.span(b)
-    return x is not None and y is not None and x[0] < y[1] and y[0] < x[1]

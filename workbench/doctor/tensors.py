@@ -1,5 +1,5 @@
-"""Small tensor helpers the doctor's rules and probes share: whole storages, element regions,
-digests, tolerant comparison, RNG state, and a readable signature of an op's arguments."""
+"""Small tensor helpers the doctor's rules and probes share: whole storages, element regions, the
+bytes a view covers, digests, tolerant comparison, RNG state, and a readable signature of an op's arguments."""
 from __future__ import annotations
 
 import functools
@@ -15,6 +15,25 @@ from ..engine.memory import HOST_TYPES
 from ..engine.opinfo import tensors
 
 aten = torch.ops.aten
+
+
+def span(t: torch.Tensor) -> tuple[int, int] | None:
+    """``[first, end)`` bytes of its storage that a view covers (None when it covers none)."""
+    if t.numel() == 0:
+        return None
+    lo = hi = t.storage_offset()
+    for size, stride in zip(t.shape, t.stride()):
+        if stride >= 0:
+            hi += (size - 1) * stride
+        else:
+            lo += (size - 1) * stride
+    size = t.element_size()
+    return lo * size, (hi + 1) * size
+
+
+def overlap(a: tuple[int, int] | None, b: tuple[int, int] | None) -> bool:
+    """Whether two ``span``s (of one storage) share a byte."""
+    return a is not None and b is not None and a[0] < b[1] and b[0] < a[1]
 
 
 def whole(weak, dtype: torch.dtype = torch.uint8) -> torch.Tensor | None:

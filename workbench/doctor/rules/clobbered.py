@@ -22,7 +22,7 @@ from ...engine.opinfo import describe, storage_key
 from ...engine.source import location, user_code_frame
 from .. import explain
 from ..report import Finding
-from ..tensors import first_line
+from ..tensors import first_line, overlap, span
 from . import where
 
 _RESETS = (torch.ops.aten.zero_, torch.ops.aten.fill_)
@@ -40,7 +40,7 @@ def wrote(doctor, func, targets: list) -> None:
         if func.overloadpacket in _RESETS:
             filled = doctor.input_writes.get(key)
             if filled is not None and filled[0] is not frame.f_code:
-                doctor.input_writes[key] = (filled[0], (frame.f_code, location(frame), _span(t), str(func)))
+                doctor.input_writes[key] = (filled[0], (frame.f_code, location(frame), span(t), str(func)))
         else:
             doctor.input_writes[key] = (frame.f_code, None)
 
@@ -54,7 +54,7 @@ def failed_check(doctor, error: BaseException, frame) -> None:
         if not isinstance(t, torch.Tensor):
             continue
         entry = doctor.input_writes.get(key := storage_key(t))
-        if entry is None or entry[1] is None or not _overlap(entry[1][2], _span(t)):
+        if entry is None or entry[1] is None or not overlap(entry[1][2], span(t)):
             continue
         _, source, _, op = entry[1]
         buf = doctor.buffer(key)
@@ -67,13 +67,3 @@ def failed_check(doctor, error: BaseException, frame) -> None:
             {"elements": t.numel()})
         doctor.explanation = (id(error), finding, ("persistent-mutation", "reset", source))
         return
-
-
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """The storage elements a view can touch: [first, last]."""
-    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0)
-    return t.storage_offset(), last if t.numel() else t.storage_offset() - 1
-
-
-def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
-    return a[0] <= b[1] and b[0] <= a[1]

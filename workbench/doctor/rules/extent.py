@@ -21,22 +21,9 @@ from ...engine.opinfo import describe, mutable, storage_key, written_tensors
 from ...engine.source import user_frame
 from .. import explain
 from ..report import Finding
+from ..tensors import span
 
 AS_STRIDED = torch.ops.aten.as_strided.default
-
-
-def span(t) -> tuple[int, int] | None:
-    """``[first, end)`` bytes of the storage that ``t`` covers (None when it covers none)."""
-    if t.numel() == 0:
-        return None
-    lo = hi = t.storage_offset()
-    for size, stride in zip(t.shape, t.stride()):
-        if stride >= 0:
-            hi += (size - 1) * stride
-        else:
-            lo += (size - 1) * stride
-    size = t.element_size()
-    return lo * size, (hi + 1) * size
 
 
 def viewed(doctor, func, args, out) -> None:
