@@ -694,6 +694,45 @@ def test_padded_rows_overwriting_what_an_eager_prefill_wrote_are_stale_padding(p
     assert "for its padded rows alone" in finding.evidence
 
 
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_padded_rows_overwriting_a_prefilled_state_row_a_later_step_reads_are_stale_padding(variant):
+    """Recurrent state, one row per request. ``bug``: the runner refreshes only the real rows' state
+    indices, so the padded rows keep those of an earlier, larger step; a finished request's row then
+    goes to a new request, whose prefill fills it, and the next step's padded rows update it while no
+    real row of that step reads it. The new request reads it one step later, as the padded rows
+    left it. ``fix``: padded rows get the null row 0, which nobody owns."""
+    from workbench.zoo.kit import capture, replay
+
+    def decode(state, indices, x):
+        new = state[indices] * 0.5 + x
+        state[indices] = new
+        return new
+
+    def workload():
+        state, indices, x = torch.zeros(8, 2), torch.zeros(4, dtype=torch.int64), torch.zeros(4, 2)
+        g, out = capture(lambda: decode(state, indices, x), device="cpu", static={"x": x},
+                         state={"state": state, "indices": indices})
+        state.zero_()
+        results = []
+        for rows, fill in (([3, 5, 6], None), ([3], 6), ([3, 6], None)):
+            if fill is not None:
+                state[fill] = torch.tensor([7.0, -7.0])      # a new request's prefill, in a freed row
+            n = len(rows)
+            indices[:n] = torch.tensor(rows)
+            if variant == "fix":
+                indices[n:] = 0
+            x[:n] = 1.0
+            results.append(replay(g, out, real=n, size=4, padded={}).clone())
+        return results
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "stale-padding" and "state[indices] = new" in finding.source, report
+    assert "replay 2 of" in finding.evidence and "replay 3 (2 real rows of 4) reads" in finding.evidence, finding
+
+
 def test_an_eager_write_into_a_cache_whose_trash_slot_padded_rows_wrote_reads_nothing_of_theirs():
     """Padded rows write their (stale) keys into the cache's trash slot, which nobody reads. An
     eager prefill then writes its keys into live slots of the same cache, in place, and reads only

@@ -318,6 +318,62 @@ def test_a_graph_replayed_for_a_tensor_it_was_not_captured_with_is_named_where_i
     assert "nothing wrote it since the capture bound it" in finding.evidence, finding
 
 
+class LayoutKeyedGraphs:
+    """One graph and its prepared metadata per key (visual generation's per-shape cache). The
+    metadata (which segment each row attends in) is announced as persistent state, which the graph
+    only reads. ``bug``'s key function leaves the layout out: a pass of the other layout replays
+    the graph whose metadata was prepared for the first."""
+
+    def __init__(self, variant: str):
+        self.variant, self.entries = variant, {}
+
+    def cache_key(self, x, layout: int):
+        return tuple(x.shape) if self.variant == "bug" else (layout, *x.shape)
+
+    def __call__(self, x, layout: int):
+        key = self.cache_key(x, layout)
+        if key not in self.entries:
+            segment = torch.arange(x.shape[0]) // layout
+            static = x.clone()
+            events.static_buffers("cache", {f"x{len(self.entries)}": static})
+            events.persistent_state("cache", {f"segment{len(self.entries)}": segment})
+            step = functools.partial(segmented, static, segment)
+            g = new_graph("cpu")
+            with graph(g, name=f"layout {layout}"):
+                out = step()
+            self.entries[key] = (g, static, out, step)
+        g, static, out, step = self.entries[key]
+        static.copy_(x)
+        events.serve(g, x.shape[0], x.shape[0], padded={}, outputs=out, eager=step)
+        g.replay()
+        return out.clone()
+
+
+def segmented(x, segment):
+    """Each row summed with the rows of its segment."""
+    same = (segment[:, None] == segment[None, :]).to(x.dtype)
+    return same @ x
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_graph_cache_key_that_leaves_a_property_out_is_named_at_the_key_function(variant):
+    """``bug``: the second layout's pass replays the first's graph, whose segments (state the graph
+    only reads, prepared eagerly) differ from the reference step's. Nothing wrote them since the
+    capture: the graph was chosen by the key, and the finding names the line the key came from."""
+    def workload():
+        gen = torch.Generator().manual_seed(5)
+        passes = [(torch.randn(4, 2, generator=gen), layout) for _ in range(2) for layout in (2, 4)]
+        with events.reference():
+            expected = [segmented(x, torch.arange(4) // layout) for x, layout in passes]
+        runner = LayoutKeyedGraphs(variant)
+        return expected, [runner(x, layout) for x, layout in passes]
+    finding = _finding(workload, variant)
+    if finding is None:
+        return
+    assert finding.kind == "warmup-divergence" and " in cache_key: return tuple(x.shape)" in finding.source, finding
+    assert "nothing wrote it since the capture bound it" in finding.evidence, finding
+
+
 def requantize(weights):
     """Round each weight to a coarse grid in place: the served run does it, the reference does not."""
     for w in weights:

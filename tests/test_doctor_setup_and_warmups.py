@@ -614,6 +614,40 @@ def test_a_step_whose_data_the_programs_own_check_refuses_for_a_static_input(var
         assert finding.kind == "undersized-buffer" and finding.tensor == "ids: int64[4]"
 
 
+def _roll_state(x, state, lines):
+    """A decode step's state update (a short convolution's): one state line per request."""
+    batch, num_lines = x.shape[0], state.size(0)
+    assert num_lines >= batch
+    state[lines] = torch.cat([state[lines, 1:], x[:, None]], dim=1)
+    return state[lines].sum(1)
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_warmup_batch_larger_than_the_state_lines_the_programs_check_compares(variant):
+    """Capture sizes up to 4 over a state of 3 lines (bug): the warmup of size 4 fails the program's
+    bare ``assert num_lines >= batch``. The two operands are two tensors' sizes, and the ordering
+    says which must hold which: the state is the buffer too small. The fix caps the sizes."""
+    def workload():
+        state, graphs = torch.zeros(3, 2), []
+        events.persistent_state("runner", {"state": state})
+        for size in ([1, 2, 4] if variant == "bug" else [1, 2, 3]):
+            x, lines = torch.ones(size), torch.arange(size)
+            events.static_buffers("runner", {f"x{size}": x, f"lines{size}": lines})
+            graphs.append((x, lines))                     # (the graphs' inputs live as long as they do)
+            with events.warmup():
+                _roll_state(x, state, lines)
+            graphs.append(new_graph("cpu"))
+            with graph(graphs[-1]):
+                _roll_state(x, state, lines)
+    finding = only_finding(workload, variant)
+    if finding is None:
+        return
+    assert finding.kind == "undersized-buffer" and finding.tensor == "state: float32[3, 2]", finding
+    assert finding.numbers == {"size": 3, "asked": 4} and finding.source.endswith("assert num_lines >= batch")
+    # (pytest rewrites this module's asserts to state their operands; a bare one says what was compared)
+    assert finding.evidence.endswith(("failed: assert 3 >= 4", "the check compared 3 with 4")), finding
+
+
 @pytest.mark.parametrize("variant", ["bug", "fix"])
 def test_a_builder_that_resets_the_runners_shared_offsets_before_the_next_builder_reads_them(variant):
     """Two metadata builders get views of the runner's query offsets for a capture's dummy batch.
@@ -889,3 +923,63 @@ def test_a_gather_past_its_end_in_a_cuda_warmup_raises_the_cpus_error_and_the_co
     report = doctor.diagnose(workload)
     assert report.failure is None and "aten.gather" in report.caught[0], report
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_an_out_form_that_reads_its_destination_accumulates_and_one_that_does_not_refreshes(variant):
+    """Eager code writes a static input with an ``out=`` op each step: ``torch.exp(x, out=buf)``
+    (fix) writes it from the step's data, as a copy would; ``torch.add(buf, x, out=buf)`` (bug)
+    builds on what the last step left there."""
+    def workload():
+        buf = torch.zeros(2, 3)
+        g, out = captured(lambda: buf * 2, static={"buf": buf})
+        for step in range(3):
+            x = torch.full((2, 3), 0.1 * (step + 1))
+            if variant == "bug":
+                torch.add(buf, x, out=buf)
+            else:
+                torch.exp(x, out=buf)
+            served(g, out, lambda: buf * 2)
+    finding = only_finding(workload, variant)
+    if finding is not None:
+        assert finding.kind == "persistent-mutation" and finding.op == "aten.add.out", finding
+        assert finding.numbers["pattern"] == "accumulating", finding
+
+
+@pytest.mark.parametrize("variant", ["bug", "refresh"])
+def test_a_reset_before_the_steps_data_is_a_refresh_and_one_after_it_clobbers(variant):
+    """The runner clears a static table before each step's rows are copied in. ``bug``: another
+    function resets the table after the step's copy, and the builder's check that every row has a
+    block fails: the reset is the finding. ``refresh``: the third step's copy itself refuses its data
+    (another dtype); the table holds what the runner's clear left, and that clear, made before the
+    step's data, is no clobber of it: the workload fails, with no finding."""
+    def copy_rows(src, dst):
+        if src.dtype != dst.dtype:
+            raise TypeError(f"table is {dst.dtype}, data {src.dtype}")
+        dst[:, :src.size(1)].copy_(src)
+
+    def clear(table):
+        table.fill_(0)
+
+    def build(table):
+        if int((table > 0).sum()) != table.shape[0]:
+            raise ValueError("a row without a block")
+
+    def workload():
+        table = torch.zeros(2, 2, dtype=torch.int64)
+        g, out = captured(lambda: table * 2, static={"table": table})
+        for step in range(3):
+            clear(table)                                  # the runner's refresh: before the step's data
+            rows = torch.tensor([[step + 1], [step + 2]])
+            copy_rows(rows.float() if variant == "refresh" and step == 2 else rows, table)
+            if variant == "bug" and step == 2:
+                clear(table)
+            build(table)
+            served(g, out, lambda: table * 2)
+    report = doctor.diagnose(workload)
+    if variant == "refresh":
+        assert report.findings == [] and "TypeError" in report.headline(), report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "persistent-mutation" and finding.op == "aten.fill_.Scalar", finding
+    assert finding.source.endswith("table.fill_(0)"), finding

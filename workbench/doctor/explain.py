@@ -140,7 +140,7 @@ def unwritten_input(name: str, other: str) -> str:
 
 
 def unfit_write(error: str) -> str:
-    return (f"A write failed because its data does not fit its destination: {error}. The buffer was sized (at "
+    return (f"A write failed because its data does not fit its destination: {error.rstrip('.')}. The buffer was sized (at "
             "start-up, or by a warmup or capture's dummy batch) for less than what this step writes into it; "
             "on a GPU a kernel writing past it corrupts the memory after it.")
 

@@ -102,6 +102,7 @@ class Doctor(RunnerEvents):
         self.real_writes: dict[int, tuple] = {}   # probes/unpadded.py: state -> (dtype, elements real rows wrote)
         self.replay_changed: dict[int, torch.Tensor] = {}   # probes/row_writes.py: state elements replays changed
         self.replay_left: dict[int, torch.Tensor] = {}      # ... and the state as the last compared replay left it
+        self.padded_left: dict[int, tuple] = {}     # ... and live data padded rows overwrote, not yet read back
         self.state_moved = False     # eager code wrote persistent state since a padded step's rows were last watched
         self.trace: list[dict] = []                 # per replay, under diagnose's padded-row probes
         self.diff = None                            # the eager run of a differential replay
@@ -118,7 +119,7 @@ class Doctor(RunnerEvents):
         self.failed_codes: set = set()              # the functions those errors were raised under
         self.derivations: dict[int, list] = {}      # tensors eager code computed from graph memory (reused.py)
         self.reused: Finding | None = None         # ... one read again after a replay rewrote its source
-        self.input_writes: dict[int, tuple] = {}    # static input -> (code that wrote data, last reset: clobbered.py)
+        self.input_writes: dict[int, tuple] = {}    # static input -> (code that wrote data, last reset, step: clobbered.py)
         self.setup_writes: dict[int, tuple] = {}    # storage -> the frames that last wrote it in set-up (unwritten.py)
         self.upload_guard = None                    # entered around a CUDA capture (rules/sync.py)
         self.explanation: tuple | None = None       # (id(error), finding, key): the last error explained where it was
@@ -379,7 +380,7 @@ class Doctor(RunnerEvents):
                 t.is_leaf and t.grad is not None for t in written_tensors(func, args, kwargs))   # see warmup_end
             if not self.real_warmup:                   # a dummy batch's writes into live memory are suspect
                 mutation.dummy_write(self, func, args, kwargs, targets)
-            if targets and not overwrites(func):    # an in-place update: does the next warmup build on it?
+            if targets and not overwrites(func, args, kwargs):    # an update: does the next warmup build on it?
                 out = mutation.eager_write(self, func, args, kwargs, run, targets)
             else:
                 out = undersized.write(self, func, targets, run)
@@ -409,7 +410,7 @@ class Doctor(RunnerEvents):
         else:
             if self.every and not self.state_moved:     # (only differential replay asks)
                 self.state_moved = any(buf.role == "state" for _, _, buf in targets)
-            if self.tracking_fresh or self.updates or not overwrites(func):
+            if self.tracking_fresh or self.updates or not overwrites(func, args, kwargs):
                 out = mutation.eager_write(self, func, args, kwargs, run, targets)
             else:   # a refresh (copy, fill) that no fresh-element tracking or in-place update follows
                 out = undersized.write(self, func, targets, run)

@@ -113,7 +113,7 @@ class _Tracer:
                 self.returned = (frame.f_code, frame.f_lineno, id(caller), caller.f_lineno if caller else None)
                 if self.decided:
                     self.decided.pop(id(frame), None)
-                if type(arg) is bool and doctor.reference is not None and caller is not None:
+                if doctor.reference is not None and caller is not None and (type(arg) is bool or _key(arg)):
                     self.decided[id(caller)] = location(frame)
                 if (info := doctor.capturing) is not None and type(arg) in (int, float) and arg not in (0, 1, -1):
                     # where a number the capture may bake in was computed (kept as launch signatures keep it)
@@ -244,11 +244,19 @@ def released_at(running) -> str | None:
 def decider(frames) -> str | None:
     """Among ``frames`` (the user's, innermost first: those a replay was asked from), where the last
     check one of them called answered: a function returning True or False (``can_reuse_graph``, a
-    graph-update check), whose answer chose to replay the graph it had. None if none did."""
+    graph-update check), or a key (a tuple of plain values: a graph cache's key function), whose
+    answer chose to replay the graph it had. None if none did."""
     for frame in frames:
         if (where := _tracer.decided.get(id(frame))) is not None:
             return where
     return None
+
+
+def _key(value) -> bool:
+    """Whether a returned value is a key: a non-empty tuple of numbers, strings, None or such tuples
+    (the shape and flags a runner keys its graphs on), never one holding a tensor or an object."""
+    return type(value) is tuple and bool(value) and all(
+        type(v) in (int, float, str, bool) or v is None or _key(v) for v in value)
 
 
 def tracing() -> bool:

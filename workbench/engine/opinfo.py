@@ -127,9 +127,26 @@ def shape_only(func) -> bool:
     return func.overloadpacket in _SHAPE_ONLY
 
 
-def overwrites(func) -> bool:
-    """Whether the op writes its destination without reading it (a copy or a fill, not ``+=``)."""
-    return func.overloadpacket in _OVERWRITES
+def overwrites(func, args=(), kwargs=None) -> bool:
+    """Whether the op writes its destination without reading it: a copy or a fill (not ``+=``); and,
+    given its arguments, an ``out=`` form whose destination shares no memory with what it reads
+    (``torch.exp(x, out=y)`` writes ``y`` as a copy would; ``torch.add(y, 1, out=y)`` reads it)."""
+    if func.overloadpacket in _OVERWRITES:
+        return True
+    if not (args or kwargs) or not _out_form(func):
+        return False
+    kwargs = kwargs or {}
+    keys = {storage_key(t) for t in written_tensors(func, args, kwargs)}
+    outs = {name for _, name, _ in _written_arguments(func)}
+    read = op_tensors(args, {k: v for k, v in kwargs.items() if k not in outs})    # (``out=`` is keyword-only)
+    return all(storage_key(t) not in keys for t in read)
+
+
+@functools.cache
+def _out_form(func) -> bool:
+    """An op whose only written arguments are keyword-only (``out=``): it writes no input in place."""
+    written = _written_arguments(func)
+    return bool(written) and all(kwarg_only for _, _, kwarg_only in written)
 
 
 @dataclasses.dataclass(frozen=True)

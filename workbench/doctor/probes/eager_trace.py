@@ -41,7 +41,9 @@ class EagerRun:
     extra: dict = dataclasses.field(default_factory=dict)    # other storages it wrote: key -> (whole, before)
     described: dict = dataclasses.field(default_factory=dict)
     row_writes: list = dataclasses.field(default_factory=list)   # padded rows' writes of owned state (row_writes)
-    padded_writes: list = dataclasses.field(default_factory=list)   # ... of any state: (op, line, key, mask)
+    padded_writes: list = dataclasses.field(default_factory=list)   # ... of any state: (op, line, key, state,
+    #                                                                  mask, values written)
+    carried: list = dataclasses.field(default_factory=list)   # an earlier step's padded_writes real rows read back
     real_reads: dict = dataclasses.field(default_factory=dict)     # state elements real rows looked up: key -> mask
     real_writes: dict = dataclasses.field(default_factory=dict)    # ... and wrote: key -> mask
     read_outputs: list = dataclasses.field(default_factory=list)  # ops that read ``outputs`` before writing them

@@ -36,11 +36,13 @@ the same step on both sides (``reference_causes.py``):
    padded layout explains): ``host-work-frozen``, at the frame of the captured code that held the
    number when the capture ran;
 4. else a tensor the graph only reads, which it neither owns nor is given as a static input (a
-   parameter, a table), holds other values than the reference gives the same op: the capture
-   bound that tensor, and this step's eager form reads another -- ``warmup-divergence``, at the
-   line that last wrote it after the capture if eager code did (the runner prepared it otherwise),
-   else at the line that replayed the graph for this step (it serves inputs the graph was not
-   captured with: a graph keyed on the wrong property of its inputs).
+   parameter, a table, state announced as persistent that no graph writes: prepared metadata),
+   holds other values than the reference gives the same op: the capture bound that tensor, and
+   this step's eager form reads another -- ``warmup-divergence``, at the line that last wrote it
+   after the capture if eager code did (the runner prepared it otherwise), else where the graph
+   was chosen for this step (it serves inputs it was not captured with: a graph keyed on the wrong
+   property of its inputs): the check or key function whose answer chose it (``raised.decider``),
+   else the line that replayed it.
 
 A PIECEWISE step (several graphs, eager code between them) is one call of the root: its inputs are
 those its first piece reads, its outputs what the runner hands out after the last, and only the
@@ -199,7 +201,7 @@ class Reference:
         bound = []                               # small tensors it only references: (position, storage, geometry)
         for j, t in enumerate(op_tensors(args, kwargs)):
             key = storage_key(t)
-            if key in info.externals and doctor.buffer(key) is None and t.numel() <= _SMALL:
+            if key in info.externals and _only_read(doctor.buffer(key)) and t.numel() <= _SMALL:
                 bound.append((j, key, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype))
         plain = {v for _, v in numbers(signature(func, args, kwargs))}
         # Where each number came from: a variable of the captured code that held it, else the function
@@ -258,6 +260,8 @@ class Reference:
             expected = self.returned_values.get((code, number))
             if expected is not None and len(expected) > len(got):
                 expected = announced_of(got, expected)
+            elif expected is not None and len(expected) < len(got):
+                got, expected = _root_outputs(got, expected)
             differs = _differs(got, expected)
             if differs is None:
                 pending.agreed = _comparable(got, expected)
@@ -381,6 +385,13 @@ class Reference:
         return self.roots[info]
 
 
+def _only_read(buf) -> bool:
+    """Whether a tensor the capture references may be one it only reads (``bound``): not announced,
+    or announced as state -- persistent memory that a graph which never writes it only reads, like a
+    table or metadata prepared eagerly (which writes it is known once the capture ends)."""
+    return buf is None or buf.role == "state"
+
+
 def _capture_batch(info) -> bool:
     """Whether this is a graph's first replay with nothing written into its static inputs since the
     capture (differential replay notes the writes, ``info.step``): the capture's own dummy batch
@@ -406,6 +417,19 @@ def _comparable(got: list, expected: list | None) -> bool:
     announces its padded rows as real, and they come after the real ones)."""
     return expected is not None and len(got) == len(expected) and all(
         e is not None and g.dtype == e.dtype and rows_like(g, e) is not None for g, e in zip(got, expected))
+
+
+def _root_outputs(got: list, expected: list) -> tuple[list, list | None]:
+    """A graph that hands out more than its root returned (work after the root inside the capture:
+    a sampler writing the token beside the logits) is compared on what the root returned: each of
+    those is the one output of its shape and dtype (None where one is not: no pairing is guessed)."""
+    mine = []
+    for e in expected:
+        same = [g for g in got if e is not None and g.shape == e.shape and g.dtype == e.dtype]
+        if len(same) != 1:
+            return got, None
+        mine.append(same[0])
+    return mine, expected
 
 
 def _differs(got: list, expected: list | None) -> tuple | None:

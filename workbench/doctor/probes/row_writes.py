@@ -79,7 +79,7 @@ def indexed_write(doctor, func, args, kwargs, run, rows: tuple[int, int, bool]):
         if every and bool(hit.any()):
             d.row_writes.append((str(func), user_frame(), key, state, int(hit.sum()), real, size))
         elif bool((over := by_padded & held).any()):
-            d.padded_writes.append((str(func), user_frame(), key, state, onto(over, state)))
+            d.padded_writes.append((str(func), user_frame(), key, state, onto(over, state), onto(state, state)))
     return out
 
 
@@ -128,7 +128,23 @@ def indexed_read(doctor, func, args, rows: tuple[int, int, bool]) -> None:
             mask[tuple(i[:real] if i is not None else slice(None) for i in indices)] = True
         except (RuntimeError, IndexError):
             return
-        doctor.diff.real_reads[key] = _union(doctor.diff.real_reads.get(key), onto(mask, state))
+        read = onto(mask, state)
+        doctor.diff.real_reads[key] = _union(doctor.diff.real_reads.get(key), read)
+        _read_back(doctor, key, state, read)
+
+
+def _read_back(doctor, key: int, state: torch.Tensor, read: torch.Tensor) -> None:
+    """Real rows of this step read elements that padded rows of an earlier step overwrote while they
+    held live data, and that still hold what the padded rows wrote (nobody rewrote them since): the
+    padded rows' write reaches a real request one step later (a stale slot that wrote into a page
+    eager code had just filled, read by the request that owns it now)."""
+    left = doctor.padded_left.get(key)
+    if left is None or left[2].shape != read.shape:
+        return
+    op, source, mask, values, replay = left
+    hit = read & mask & ~changed(onto(state, state), values)
+    if bool(hit.any()):
+        doctor.diff.carried.append((op, source, key, state, int(hit.sum()), replay))
 
 
 def report(doctor, info, pending, run) -> None:
@@ -139,16 +155,17 @@ def report(doctor, info, pending, run) -> None:
     live data, and elements real rows both read and write are their own slots (a dummy step whose
     real rows sit on the null slot with the padded rows)."""
     if not run.row_writes:
-        for op, source, key, state, mask in run.padded_writes:
+        for op, source, key, state, mask, values in run.padded_writes:
             read, wrote = run.real_reads.get(key), run.real_writes.get(key)
             if wrote is not None and wrote.shape == mask.shape:
                 mask = mask & ~wrote
             if read is not None and read.shape == mask.shape and bool((hit := read & mask).any()):
                 run.row_writes.append((op, source, key, state, int(hit.sum()), pending.real, pending.size))
                 break
+            if bool(mask.any()):                  # live data no real row read this step: followed (``_read_back``)
+                doctor.padded_left[key] = (op, source, mask, values, info.replays)
     for op, source, key, state, elements, real, size in run.row_writes[:1]:
-        buf = doctor.buffer(key)
-        label = f"`{buf.name}`" if buf is not None else f"the state {describe(state)}"
+        label = _label(doctor, key, state)
         evidence = (f"sampled replay {info.replays} of {info.name} ({real} real rows of {size}): in an eager run of "
                     f"the step, {op} changed {elements} element(s) of {label} for its padded rows alone, element(s) "
                     "that real rows write or read in this step, or wrote in an earlier one")
@@ -156,6 +173,22 @@ def report(doctor, info, pending, run) -> None:
                            explain.padding_writes_owned(label, op),
                            {"replay": info.replays, "elements": elements, "real": real, "size": size}),
                    ("stale-padding", op, source))
+        return
+    for op, source, key, state, elements, replay in run.carried[:1]:
+        label = _label(doctor, key, state)
+        evidence = (f"replay {replay} of {info.name}: in an eager run of that step, {op} wrote for its padded rows "
+                    f"alone into live data of {label}; replay {info.replays} ({pending.real} real rows of "
+                    f"{pending.size}) reads {elements} of those element(s) for its real rows, as the padded rows "
+                    "left them")
+        doctor.add(Finding("stale-padding", info.name, op, label, source, evidence,
+                           explain.padding_writes_owned(label, op),
+                           {"replay": replay, "read_at": info.replays, "elements": elements}),
+                   ("stale-padding", op, source))
+
+
+def _label(doctor, key: int, state: torch.Tensor) -> str:
+    buf = doctor.buffer(key)
+    return f"`{buf.name}`" if buf is not None else f"the state {describe(state)}"
 
 
 def _is_state(doctor, key: int) -> bool:

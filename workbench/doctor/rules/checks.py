@@ -6,7 +6,8 @@ message may state the numbers or not: a bare ``assert`` has none, unless pytest 
 it reads ``assert 6 >= 8``), and a diagnosis must not depend on that. So the condition is found in
 the source -- the ``assert`` at the failing line, or the ``if`` whose body raised -- and its two
 operands are evaluated in the frame where they are plain reads: names, attributes, constant
-subscripts, ``len(x)``, ``x.numel()``, ``x.size(d)``, ``x.dim()``, and sums or products of those.
+subscripts, ``len(x)``, ``x.numel()``, ``x.size(d)`` (``d`` a constant or a local, as in a loop over
+dimensions), ``x.dim()``, and sums or products of those.
 No other call runs.
 """
 from __future__ import annotations
@@ -75,9 +76,10 @@ def _read(node: ast.expr, frame):
         return _read(node.value, frame)[node.slice.value]
     if isinstance(node, ast.BinOp) and type(node.op) in _ARITHMETIC:
         return _ARITHMETIC[type(node.op)](_read(node.left, frame), _read(node.right, frame))
-    if isinstance(node, ast.Call) and not node.keywords and all(isinstance(a, ast.Constant) for a in node.args):
-        args = [a.value for a in node.args]
-        if isinstance(node.func, ast.Attribute) and node.func.attr in _METHODS:
+    if isinstance(node, ast.Call) and not node.keywords and all(isinstance(a, (ast.Constant, ast.Name))
+                                                                for a in node.args):
+        args = [_read(a, frame) for a in node.args]
+        if isinstance(node.func, ast.Attribute) and node.func.attr in _METHODS and all(type(a) is int for a in args):
             return getattr(_read(node.func.value, frame), node.func.attr)(*args)
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "len" \
             and len(node.args) == 1 and not node.keywords:

@@ -11,6 +11,8 @@ Without a reference run this shows only as a failure: the program's own check (a
 ``raise``) fails in a frame that holds a view of the buffer, and the elements it views were last
 written by such a reset, in a function other than the one that wrote the step's data there. The
 finding names the reset, and is reported once the error proves a failure (``failures.explained``).
+Only a reset of data written for the same step counts: one between a replay and the next step's data
+is the runner clearing the buffer before it refills it (the standard fix for stale rows).
 Writes are followed during set-up (before the first replay: where captures are prepared) and, with
 differential replay on, throughout; a served step with it off pays nothing for them.
 """
@@ -37,12 +39,13 @@ def wrote(doctor, func, targets: list) -> None:
         frame = frame or user_code_frame()
         if frame is None:
             return
+        step = doctor.report.replays
         if func.overloadpacket in _RESETS:
             filled = doctor.input_writes.get(key)
-            if filled is not None and filled[0] is not frame.f_code:
-                doctor.input_writes[key] = (filled[0], (frame.f_code, location(frame), span(t), str(func)))
-        else:
-            doctor.input_writes[key] = (frame.f_code, None)
+            if filled is not None and filled[0] is not frame.f_code and filled[2] == step:
+                doctor.input_writes[key] = (filled[0], (frame.f_code, location(frame), span(t), str(func)), step)
+        else:       # (a reset after a replay, before the next step's data, is the runner's refresh: no clobber)
+            doctor.input_writes[key] = (frame.f_code, None, step)
 
 
 def failed_check(doctor, error: BaseException, frame) -> None:

@@ -32,7 +32,7 @@ def eager_write(doctor, func, args, kwargs, run, targets: list):
     changes that its previous call wrote and no other write outside warmups and captures has
     touched since (a warmup runs the model's own code, so its writes are not a runner's refresh)."""
     inputs = [(key, t, buf) for key, t, buf in targets if buf.role == "input"]
-    accumulate = bool(inputs) and not overwrites(func)
+    accumulate = bool(inputs) and not overwrites(func, args, kwargs)
     with _disable_current_modes():
         before = [buf.ref().clone() for _, _, buf in inputs] if accumulate else None
     out = undersized.write(doctor, func, targets, run)

@@ -303,28 +303,32 @@ def failed_fit_check(doctor, error: BaseException, frame) -> None:
     compared = checks.condition(frame)
     if compared is not None and compared[0] == "equal":
         return                                # two counts that must agree: no data past a buffer
-    numbers = [int(n) for n in _NUMBER.findall(first_line(error))] + (compared[1] if compared else [])
+    numbers = [int(n) for n in _NUMBER.findall(first_line(error))]
     held = [t for t in frame.f_locals.values() if isinstance(t, torch.Tensor) and t.dim()]
     sizes = {n for t in held for n in (t.shape[0], t.numel())}
-    # (two tensors' sizes that must match -- ``bitmask 6 rows, logits 2 rows`` -- are no data past a buffer)
-    numbers = [n for n in numbers if not any(n > m for m in numbers) or n not in sizes]
+    # (two tensors' sizes a message states may be sizes that must match -- ``bitmask 6 rows, logits 2
+    # rows`` -- no data past a buffer; an ordering the check's source compares says which must hold which)
+    numbers = [n for n in numbers if not any(n > m for m in numbers) or n not in sizes] + (
+        compared[1] if compared else [])
     for name, t in list(frame.f_locals.items()):
         if not isinstance(t, torch.Tensor) or t.dim() == 0 or not numbers:
             continue
         buf = doctor.buffer(storage_key(t))
         if not preparing and (buf is None or buf.role != "input"):
             continue
-        size = next((n for n in (t.shape[0], t.numel()) if n in numbers), None)
+        size = next((n for n in (*t.shape, t.numel()) if n in numbers), None)     # (a row or a column short)
         if size is None or not any(n > size for n in numbers):
             continue
         source, graph, when = location(frame), where(doctor), where(doctor)
         if preparing and graph == "eager":
             graph, when = "the first capture", "the set-up of the captures (a graph pool made, nothing captured yet)"
         what = f"{buf.name if buf is not None else name}: {describe(t)}"
+        said = first_line(error) or (f"a bare {type(error).__name__}; the check compared {compared[1][0]} with "
+                                     f"{compared[1][1]}" if compared else f"a bare {type(error).__name__}")
         finding = Finding(
             "undersized-buffer", graph, "check", what, source,
-            f"during {when}, the program's check that data fits {what} failed: {first_line(error)}",
-            explain.unfit_write(first_line(error)), {"size": size, "asked": max(numbers)})
+            f"during {when}, the program's check that data fits {what} failed: {said}",
+            explain.unfit_write(said), {"size": size, "asked": max(numbers)})
         doctor.explanation = (id(error), finding, ("undersized-buffer", "check", source))
         return
 
