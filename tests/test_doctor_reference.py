@@ -374,6 +374,54 @@ def test_a_graph_cache_key_that_leaves_a_property_out_is_named_at_the_key_functi
     assert "nothing wrote it since the capture bound it" in finding.evidence, finding
 
 
+class SkippingTableRunner:
+    """Static ``q`` and ``table``; ``bug`` skips the table's upload when it has as many entries as the
+    last one uploaded (a new request with as many blocks, on other pages, keeps the old table)."""
+
+    def __init__(self, cache, variant: str):
+        self.cache, self.variant, self.last = cache, variant, None
+        self.q, self.table = torch.zeros(1, 4), torch.zeros(1, 2, dtype=torch.long)
+        events.static_buffers("runner", {"q": self.q, "table": self.table})
+        self.step = lambda: paged_score(self.q, self.cache, self.table)  # noqa: E731
+        self.graph = new_graph("cpu")
+        with graph(self.graph, name="decode"):
+            self.out = self.step()
+
+    def __call__(self, q, table):
+        self.q.copy_(q)
+        if self.variant == "fix" or self.last is None or len(table) != len(self.last):
+            self.table[0].copy_(table)
+        self.last = table
+        events.serve(self.graph, 1, 1, padded={}, outputs=self.out, eager=self.step)
+        self.graph.replay()
+        return self.out.clone()
+
+
+def paged_score(q, cache, table):
+    return (cache[table[0]] * q).sum(-1, keepdim=True).sum(0)
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_replay_is_aligned_with_its_step_by_the_inputs_that_step_wrote(variant):
+    """Request A decodes twice, then request B once, with the same query as A's first step (a token
+    repeated by chance). ``bug`` leaves A's table for B: B's replay reads exactly the inputs of A's
+    first step, and gives its answer. Aligned by every input it reads, it would be A's first step,
+    which it agrees with, and nothing is found; aligned by the inputs the step wrote (the query), it
+    is B's step, which it does not agree with: the table is stale input."""
+    def workload():
+        cache = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+        q0, q1 = (torch.randn(1, 4, generator=torch.Generator().manual_seed(s)) for s in (1, 2))
+        steps = [(q0, torch.tensor([0, 1])), (q1, torch.tensor([0, 1])), (q0, torch.tensor([2, 3]))]
+        with events.reference():
+            expected = [paged_score(q, cache, t[None]) for q, t in steps]
+        runner = SkippingTableRunner(cache, variant)
+        return expected, [runner(q, t) for q, t in steps]
+    finding = _finding(workload, variant)
+    if finding is None:
+        return
+    assert finding.kind == "stale-input" and finding.tensor.startswith("table"), finding
+
+
 def requantize(weights):
     """Round each weight to a coarse grid in place: the served run does it, the reference does not."""
     for w in weights:

@@ -252,7 +252,8 @@ class Reference:
         k, values, replayed = entry
         ops = [info.ops[info.paths[i][0]] for i in under]
         with _disable_current_modes():
-            match = self._step(code, k, ops, under, values)
+            wrote = {key for key, mask in (info.step or {}).items() if key in info.externals and bool(mask.any())}
+            match = self._step(code, k, ops, under, values, wrote)
             if match is None:
                 return
             number, ref, compared = match
@@ -283,17 +284,22 @@ class Reference:
         self.found[info.name] = (info, *found, text, {"replay": info.replays, "output": differs[0],
                                                       "max_abs_diff": differs[1], "reference_call": number})
 
-    def _step(self, code, k: int, ops: list, under: tuple, values: dict) -> tuple | None:
+    def _step(self, code, k: int, ops: list, under: tuple, values: dict, wrote: set) -> tuple | None:
         """(call number, its ops, its comparisons) of the reference's call of ``code`` that this replay
         serves: the call whose inputs agree with most of the static inputs the graph reads (the
         served run's count of steps breaks a tie: a training loop whose warmup was a real step is one
         ahead), or None when no call agrees with any (nothing ties the replay to a step). What the
-        replay gives is not asked: a graph replayed for the wrong step gives another step's answer."""
+        replay gives is not asked: a graph replayed for the wrong step gives another step's answer.
+        Where the step wrote static inputs the graph reads (``wrote``), only those tell which step it
+        is: one it left as an earlier step wrote them is what may be wrong, and must not tie the
+        replay to the step that wrote it (a block table left from another request whose token and
+        position this step happens to repeat)."""
         best, calls = None, self.calls[code]
         for c, number in sorted(enumerate(calls), key=lambda e: abs(e[0] - k))[:_CANDIDATES]:
             ref = self._ops_of(code, number)
             compared = compare_views(ops, under, ref, values)
-            agree = sum(same for _, _, _, _, same, _ in compared)
+            agree = sum(same for _, buf, _, _, same, _ in compared
+                        if not wrote or (t := buf.ref()) is not None and storage_key(t) in wrote)
             if agree and (best is None or agree > best[0]):
                 best = (agree, number, ref, compared)
         return best[1:] if best is not None else None
