@@ -422,6 +422,50 @@ def test_a_replay_is_aligned_with_its_step_by_the_inputs_that_step_wrote(variant
     assert finding.kind == "stale-input" and finding.tensor.startswith("table"), finding
 
 
+def test_a_graph_that_hands_out_more_than_its_root_returned_is_compared_on_what_the_root_returned():
+    """A runner skips the table's upload when the table is the one it uploaded last (a request's next
+    step), and its graph hands out the step's scores and, beside them, the argmax a sampler took
+    inside the capture. The reference's root returns the scores only. The step depends on the table
+    it carried over, as it should: every replay gives the reference's scores, so what the probes
+    found about the carried table is held, and nothing is reported."""
+    class Runner:
+        def __init__(self, cache):
+            self.cache, self.last = cache, None
+            self.q, self.table = torch.zeros(1, 4), torch.zeros(1, 2, dtype=torch.long)
+            events.static_buffers("runner", {"q": self.q, "table": self.table})
+            self.step = lambda: self.sampled(paged_score(self.q, self.cache, self.table))  # noqa: E731
+            self.graph = new_graph("cpu")
+            with graph(self.graph, name="decode"):
+                self.out = self.step()
+
+        @staticmethod
+        def sampled(scores):
+            return scores, scores.argmax(-1)
+
+        def __call__(self, q, table):
+            self.q.copy_(q)
+            if self.last is None or not torch.equal(table, self.last):
+                self.table[0].copy_(table)
+            self.last = table
+            events.serve(self.graph, 1, 1, padded={}, outputs=self.out, eager=self.step)
+            self.graph.replay()
+            return self.out[0].clone()
+
+    def workload():
+        cache = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+        qs = [torch.randn(1, 4, generator=torch.Generator().manual_seed(s)) for s in (1, 2, 3)]
+        steps = [(qs[0], torch.tensor([0, 1])), (qs[1], torch.tensor([0, 1])), (qs[2], torch.tensor([2, 3]))]
+        with events.reference():
+            expected = [paged_score(q, cache, t[None]) for q, t in steps]
+        runner = Runner(cache)
+        got = [runner(q, t) for q, t in steps]
+        assert all(torch.equal(e, g) for e, g in zip(expected, got))
+        return expected, got
+    report = doctor.diagnose(workload)
+    assert report.findings == [], report
+    assert any("held" in note and "table" in note for note in report.notes), report
+
+
 def requantize(weights):
     """Round each weight to a coarse grid in place: the served run does it, the reference does not."""
     for w in weights:
