@@ -2847,6 +2847,71 @@ def test_a_weak_reference_taken_during_a_capture_to_memory_it_then_hands_on_is_d
 
 
 @pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_pieces_output_kept_weakly_and_read_by_the_next_pieces_capture_is_dangling(variant):
+    """Two pieces of a step, captured one after the other into one pool. ``bug`` hands the first
+    piece's outputs on as weak references (only the last piece's may be: nothing runs after it), so
+    their memory goes back to the pool when the capture ends; the second piece's capture gives that
+    block to its first temporary, and then reads the weak reference, which now points at it. ``fix``
+    keeps the first piece's outputs."""
+    from workbench.engine import graph_pool_handle
+    x, w = torch.zeros(4, 4), torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
+
+    def first():
+        out = x @ w
+        return _weak(out) if variant == "bug" else out
+
+    def workload():
+        events.static_buffers("runner", {"x": x})
+        pool, graphs = graph_pool_handle("cpu"), []
+        graphs.append(new_graph("cpu"))
+        with graph(graphs[0], pool=pool, name="piece 0"):
+            h = first()
+        graphs.append(new_graph("cpu"))
+        with graph(graphs[1], pool=pool, name="piece 1"):
+            t = x @ w.t()                               # a temporary: the pool's first free block
+            out = t + h
+        for s in range(2):
+            x.copy_(rows(4, 4, seed=s))
+            for g in graphs:
+                g.replay()
+        return out.clone()
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.of("dangling-reference") == [], report
+        return
+    (finding,) = report.of("dangling-reference")
+    assert "out = t + h" in finding.source and "does not own its memory" in finding.evidence, finding
+    assert "t = x @ w.t()" in finding.evidence and finding.graph == "piece 1", finding
+
+
+def test_an_eager_step_that_hands_out_a_weak_reference_is_not_compared_on_it():
+    """The last piece of a step hands its output out as a weak reference (vLLM's piecewise backend:
+    the graph's pool keeps that memory until the next replay, and the caller copies it at once).
+    The eager form of the step does the same, but nothing keeps its memory: by the time differential
+    replay looks, it is freed. That output is not compared, and nothing is found."""
+    x, w = torch.zeros(4, 4), torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
+
+    def step():
+        return _weak(torch.tanh(x @ w) * 3.0)
+
+    def workload():
+        events.static_buffers("runner", {"x": x})
+        g = new_graph("cpu")
+        with graph(g, name="last piece"):
+            out = step()
+        got = []
+        for s in range(3):
+            x.copy_(rows(4, 4, seed=s))
+            events.serve(g, 4, 4, padded={}, outputs=out, eager=step)
+            g.replay()
+            got.append(out.clone())
+            torch.randn(64, 64)                        # eager work after the step, as a sampler's
+        return got
+    report = doctor.diagnose(workload)
+    assert report.findings == [], report
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
 def test_a_buffer_asked_for_with_a_negative_size_is_an_undersized_buffer(variant):
     """The runner sizes a graph's input buffer from the span of the batch's view, ``(rows - 1) *
     stride + width``: for a batch of no rows the span is negative and the allocation fails (the

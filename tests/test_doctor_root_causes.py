@@ -374,3 +374,50 @@ def test_an_attribute_set_on_a_tensor_by_the_captured_step_is_host_work_frozen()
         (finding,) = report.findings
         assert finding.kind == "host-work-frozen" and finding.tensor == "Tensor.grad_ref", finding
         assert " in attach: self.w.grad_ref = self.grad" in finding.source, finding
+
+
+# ------------------------------------------------------------------ a tensor reference fetched from a global context
+_CONTEXT: dict = {}
+
+
+def _gather(q, cache, meta):
+    slots = meta.slots
+    return cache[slots] * q
+
+
+def _attend(q, cache):
+    meta = _CONTEXT["meta"]                  # the step's metadata, read from a global forward context
+    return _gather(q, cache, meta)
+
+
+def test_a_tensor_the_capture_fetched_from_a_context_is_named_where_it_was_fetched():
+    """The step reads its slots from a global forward context, not from its arguments: the capture
+    binds the tensors the context held then. ``bug`` sets a new metadata record per step, which the
+    replays never see; ``fix`` writes the new slots into the captured record's tensor. The finding
+    names the line that fetched the record (the reference frozen at capture), not the op that
+    indexes with it."""
+    from collections import namedtuple
+    Meta = namedtuple("Meta", ["slots"])
+    for variant in ("bug", "fix"):
+        def workload():
+            cache = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+            q = torch.zeros(2, 4)
+            _CONTEXT["meta"], kept = Meta(torch.tensor([0, 1])), []
+            m = Manager(lambda size: _attend(q[:size], cache), [2], {"q": q})
+            m.capture()
+            for step in range(3):
+                slots = torch.tensor([2 * step, 2 * step + 1])
+                if variant == "bug":
+                    kept.append(_CONTEXT["meta"])       # (kept alive: stale, not freed)
+                    _CONTEXT["meta"] = Meta(slots)
+                else:
+                    _CONTEXT["meta"].slots.copy_(slots)
+                q.copy_(rows(2, seed=step))
+                m.replay(2)
+        report = doctor.diagnose(workload)
+        if variant == "fix":
+            assert report.findings == [], report
+            continue
+        (finding,) = report.findings
+        assert finding.kind == "warmup-divergence" and " in _attend: return _gather(q, cache, meta)" in finding.source
+        assert "The step fetches that tensor at" in finding.evidence + finding.cause, finding

@@ -15,6 +15,7 @@ from ..engine.opinfo import describe, op_tensors, storage_key, tensors, written_
 from ..engine.source import user_frame
 from .records import External, Op
 from .rules import dangling, padded_scatter, sync, uncomputed, undersized, unread
+from .rules.pool import block
 from .tensors import by_value, host_memory, signature
 
 aten = torch.ops.aten
@@ -43,6 +44,7 @@ def recorded(doctor, func, args, kwargs, run):
             info.created.add(storage_key(t))
             info.constants.add(storage_key(t))
     constant = func is not _COPY
+    repointed = func.overloadpacket is aten.set_     # a tensor pointed at memory: no allocation, and no read
     for t in inputs:
         if constant and by_value(t, info.cuda):
             if len(info.by_value) < 4:            # its value is the graph's (``signature``), not its memory
@@ -63,10 +65,10 @@ def recorded(doctor, func, args, kwargs, run):
         ext = info.externals.get(key)
         if ext is None:
             ext = info.externals[key] = External(StorageWeakRef(t.untyped_storage()), describe(t), t.dtype,
-                                                 str(func), source, memory.origin_of(t), func.is_view,
+                                                 str(func), source, memory.origin_of(t), func.is_view or repointed,
                                                  (str(func), source))
             dangling.aliased(doctor, info, key, t, str(func), source)
-        elif ext.view_only and not func.is_view:      # name the first op that really reads it
+        elif ext.view_only and not func.is_view and not repointed:      # name the first op that really reads it
             ext.op, ext.source, ext.tensor, ext.view_only = str(func), source, describe(t), False
         if not ext.host_copy and func is _COPY and t is args[1] and host_memory(t, info.cuda) \
                 and not host_memory(args[0], info.cuda):
@@ -77,15 +79,15 @@ def recorded(doctor, func, args, kwargs, run):
     for key in written:
         if doctor.owner_of(key) is None:
             info.writes.setdefault(key, Op(str(func), source))
-    info.unwritten -= written
-    repointed = func.overloadpacket is aten.set_     # a tensor pointed at memory: no allocation of the capture
+    for key in written & info.unwritten.keys():
+        del info.unwritten[key]
     for o in tensors(out):
         key = storage_key(o)
         if key not in in_keys and doctor.owner_of(key) is None and not repointed:
             doctor.owned[key] = (StorageWeakRef(o.untyped_storage()), info)
             info.created.add(key)
             if func.overloadpacket in ALLOCATIONS:
-                info.unwritten.add(key)
+                info.unwritten[key] = block(o)
     if not func.is_view:
         doctor.warm.captured_op(info)
     if doctor.reference is not None and not func.is_view:

@@ -372,8 +372,9 @@ def past_extent(buffer: str, has: int, reached: int) -> str:
 
 def aliased_in_capture(tensor: str, taker: str) -> str:
     return (f"The {tensor} was made from a pointer (a weak reference such as vLLM's weak_ref_tensors, or from_blob): "
-            "it keeps nobody's memory alive. Its owner, a tensor of the same capture, was released before the capture "
-            f"ended, and the allocator gave that memory to the output of {taker}: the graph now reads and writes it "
-            "through both, on every replay. Keep a strong reference until the capture ends, and take weak references "
-            "only after it (the caching allocator may place things differently on another machine: the numbers can "
-            "look right here and be wrong there).")
+            "it keeps nobody's memory alive. Its owner, a tensor of this capture or of an earlier one in the same pool, "
+            f"was released, and the allocator gave that memory to the output of {taker} in this capture: the graph now "
+            "reads and writes it through both, on every replay. Keep a strong reference for as long as a graph reads "
+            "it (until the capture ends, or until the last graph of the pool that reads it is captured), and take "
+            "weak references only after that (the caching allocator may place things differently on another "
+            "machine: the numbers can look right here and be wrong there).")

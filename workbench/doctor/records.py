@@ -144,7 +144,7 @@ class GraphInfo:
         self.liveness = Liveness()                  # of the externals, for the check before each replay
         self.writes: dict[int, Op] = {}             # external storage -> first op writing it
         self.created: set[int] = set()              # storages this capture created
-        self.unwritten: set[int] = set()            # ... by an allocation alone, and written by no op of it since
+        self.unwritten: dict[int, tuple] = {}       # ... by an allocation alone, written by no op of it since: its block
         self.constants: set[int] = set()            # ... of those, Python data lifted in it (host values on CUDA)
         self.foreign: dict[int, tuple] = {}         # storage of another graph's pool -> (graph, op, source, tensor)
         self.owners: tuple[int, tuple] = (0, ())    # rules.dangling's cache: (len(foreign), their graphs)
@@ -190,3 +190,10 @@ class GraphInfo:
         self.scatters: list = []                    # captured writes into state through an index (rules/padded_scatter.py)
         self.live_slots: dict = {}                  # scatter -> slots real rows wrote
         self.shared_slots: dict = {}                # scatter -> {slot a padded row shared: (finding, key)}
+
+
+def unwritten_blocks(info, pending) -> set:
+    """The memory blocks of a step's outputs that its graphs only allocate and no op of theirs writes
+    (an attention output a later eager region fills): they hold no result, in a replay or in an eager
+    run, and are not compared. By block: a runner may hand out a pointer-made alias of the output."""
+    return set().union(*(p.unwritten.values() for p in pending.span or (info,)))

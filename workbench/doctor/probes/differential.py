@@ -46,10 +46,10 @@ import torch
 from torch._C import _pop_torch_dispatch_stack, _push_on_torch_dispatch_stack
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
-from ...engine.opinfo import storage_key, tensors
-from ..tensors import (alias, announced_of, changed, disagrees, first_line, max_abs_diff, real_rows, rng_state,
-                       set_rng_state, whole)
+from ...engine.opinfo import storage_key
+from ..tensors import alias, changed, disagrees, first_line, max_abs_diff, rng_state, set_rng_state, whole
 from . import captured_state, launch, nonfinite, pystate, rootcause, row_writes, unpadded
+from .compare import compare, rows_of, without_unwritten
 from .eager_trace import EagerRun
 
 TRACE_EVERY = 8         # a graph's compared replays between two whose launch traces are recorded
@@ -91,7 +91,7 @@ def finish(doctor, info, pending) -> None:
     pre = pending.pre
     with _disable_current_modes():
         replayed = {key: w.clone() for key, (w, _, _) in pre.items()}
-        graph_out = _without_unwritten(info, pending, _rows(pending.outputs, pending.real, pending.size))
+        graph_out = without_unwritten(info, pending, rows_of(pending.outputs, pending.real, pending.size))
         rng_after = rng_state(info.cuda)
     _replayed_host(info, pending)
     padded = pending.real < pending.size
@@ -111,7 +111,7 @@ def finish(doctor, info, pending) -> None:
             eager_out, eager_state, extra = got
             with _disable_current_modes():          # the doctor's own arithmetic: not ops of the watched code
                 scratch = {k for k in extra if k not in run.read_first and k not in info.externals} if traced else ()
-                what = _compare(graph_out, eager_out, replayed, eager_state,
+                what = compare(graph_out, eager_out, replayed, eager_state,
                                 {k: v for k, v in extra.items() if k not in scratch}, pre)
         if traced or error is not None or (what is None and not changed):
             break
@@ -134,6 +134,11 @@ def finish(doctor, info, pending) -> None:
         numbers = tuple(e for g, e in zip(divergence.graph_op.sig, divergence.eager_op.sig) if g != e)
         again, _, _ = _eager(doctor, info, pending, replayed, rng_after, traced=True,
                              origin_of=(divergence.index, numbers, sys._getframe()))
+        divergence.origin = again.origin
+    if what is not None and divergence is not None and divergence.how == "reference" and divergence.eager_keys:
+        again, _, _ = _eager(doctor, info, pending, replayed, rng_after, traced=True,     # where it was fetched
+                             origin_of=(divergence.index, ("tensor", next(iter(divergence.eager_keys))),
+                                        sys._getframe()))
         divergence.origin = again.origin
     row_writes.report(doctor, info, pending, run)
     if padded and nonfinite.outputs_hit(graph_out):    # once more, to see where the NaN came from
@@ -306,7 +311,7 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
                     _push_on_torch_dispatch_stack(doctor.mode)
         with _disable_current_modes():
             size = pending.size if step is None else pending.real      # an unpadded step has only real rows
-            got = (_rows(out, pending.real, size), {key: w.clone() for key, (w, _, _) in pre.items()},
+            got = (rows_of(out, pending.real, size, owned=True), {key: w.clone() for key, (w, _, _) in pre.items()},
                    {key: (before, w.clone()) for key, (w, before) in doctor.diff.extra.items()})
     except Exception as e:  # noqa: BLE001 - the eager step's failure is evidence, reported by the caller
         error = e
@@ -403,47 +408,5 @@ def _carried_over(doctor, info, pending, replayed: dict, rng_after, graph_out, c
         return None
     eager_out, eager_state, _ = got
     with _disable_current_modes():
-        return _compare(graph_out, eager_out, {k: v for k, v in replayed.items() if k not in carried}, eager_state,
+        return compare(graph_out, eager_out, {k: v for k, v in replayed.items() if k not in carried}, eager_state,
                         {}, pending.pre)
-
-
-def _rows(out, real: int, size: int) -> list | None:
-    if out is None:
-        return None
-    return [real_rows(o, real, size).detach().clone() for o in tensors(out)]
-
-
-def _without_unwritten(info, pending, rows: list | None) -> list | None:
-    """The replay's outputs, with None for those the step's graphs only allocate and no op of theirs
-    writes (an attention output a later eager region fills): memory that holds no result, in the
-    replay or in the eager run, and is not compared."""
-    blank = set().union(*(p.unwritten for p in pending.span or (info,)))
-    if rows is None or not blank:
-        return rows
-    return [None if storage_key(o) in blank else r for o, r in zip(tensors(pending.outputs), rows)]
-
-
-def _compare(graph_out, eager_out, replayed, eager_state, extra, pre) -> tuple | None:
-    """(what differs, numbers) -- outputs first, then state -- or None when all agree."""
-    if graph_out is not None and eager_out is not None:
-        if len(graph_out) != len(eager_out):
-            if (handed := announced_of(graph_out, eager_out)) is None:
-                return f"the replay has {len(graph_out)} outputs, the eager step {len(eager_out)}", {}, None
-            eager_out = handed
-        for i, (g, e) in enumerate(zip(graph_out, eager_out)):
-            if g is None:
-                continue
-            if g.shape != e.shape or bool(disagrees(g, e).any()):
-                return (f"output {i} (real rows) differs by max |diff| = {max_abs_diff(g, e):.3g}",
-                        {"output": i, "max_abs_diff": max_abs_diff(g, e)}, None)
-    for key, g in replayed.items():
-        mask = disagrees(g, eager_state[key])
-        if bool(mask.any()):
-            label = pre[key][1]
-            return (f"state `{label}` differs in {int(mask.sum())} element(s)",
-                    {"state": label, "elements": int(mask.sum())}, key)
-    for key, (before, after) in extra.items():
-        if bool((before != after).any()):
-            return ("the eager step writes memory the graph never writes", {"elements": int((before != after).sum())},
-                    key)
-    return None

@@ -107,7 +107,8 @@ def on_op(doctor, func, args, kwargs, run):
     if i in d.stacks_at:
         _stack(d, i)
     if d.origin_of and i == d.origin_of[0]:
-        d.origin = number_origin(*d.origin_of[1:])
+        values, top = d.origin_of[1:]
+        d.origin = tensor_origin(values[1], top) if values[:1] == ("tensor",) else number_origin(values, top)
     same = i < len(d.graph_ops) and d.graph_ops[i].name == name and d.graph_ops[i].sig == sig
     if not same and d.branch_at and d.branch is None:
         d.branch = branched(*d.branch_at)
@@ -180,6 +181,38 @@ def number_origin(values: tuple, top) -> str | None:
                for name in code.co_varnames[given:] + code.co_cellvars):
             return location(frame)
     return None
+
+
+def tensor_origin(key: int, top) -> str | None:
+    """Where a tensor an op reads (``key``: its storage) was fetched: the line of the outermost user
+    frame inside the step that holds it, or an object holding it as an attribute (a metadata record
+    read from a global context), in a variable of its own (not a parameter: it was handed that). The
+    function that bound the tensor the capture froze; a tensor handed down from outside stays at the
+    op."""
+    for frame in (frames_within(top) or [])[::-1]:
+        code, local = frame.f_code, frame.f_locals
+        given = (code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & inspect.CO_VARARGS)
+                 + bool(code.co_flags & inspect.CO_VARKEYWORDS))
+        for name in code.co_varnames[given:] + code.co_cellvars:
+            if _holds(local.get(name), key):
+                return location(frame)
+    return None
+
+
+def _holds(value, key: int) -> bool:
+    """Whether ``value`` is the tensor, or holds it one level down: an element of a tuple or list (a
+    named tuple of metadata), a value of a dict, an attribute of an object."""
+    if isinstance(value, torch.Tensor):
+        return storage_key(value) == key
+    if isinstance(value, (tuple, list)):
+        inner = value
+    elif isinstance(value, dict):
+        inner = value.values()
+    elif isinstance(getattr(value, "__dict__", None), dict) and not isinstance(value, type):
+        inner = vars(value).values()
+    else:
+        return False
+    return any(isinstance(v, torch.Tensor) and storage_key(v) == key for v in inner)
 
 
 def _untraced(d: EagerRun, func, args, kwargs, run):

@@ -72,14 +72,16 @@ from ...engine.opinfo import describe, mutable, op_tensors, storage_key, tensors
 from ...engine.source import frames_within, location, user_frame, user_frames
 from .. import explain
 from ..raised import decider
-from ..records import Op
+from ..records import Op, unwritten_blocks
 from ..report import Finding
 from ..rules import reused
+from ..rules.pool import block
 from ..tensors import announced_of, disagrees, host_only, max_abs_diff, real_rows, signature
+from .compare import comparable, differs_from, root_outputs
 from .coverage import Coverage
 from .eager_trace import number_origin
 from .reference_causes import (bound, compare_views, frozen_number, frozen_scalar, moved_view, narrower, numbers,
-                               padded_result, parting, rows_like, static_input)
+                               padded_result, parting, static_input)
 
 _LIFTS = (torch.ops.aten.lift_fresh, torch.ops.aten.lift_fresh_copy)     # constants made from Python data
 _SMALL = 1 << 16          # elements of an op's input kept as a value (metadata, ids, lengths; not activations)
@@ -257,15 +259,17 @@ class Reference:
             if match is None:
                 return
             number, ref, compared = match
-            got = [real_rows(o, pending.real, pending.size) for o in tensors(pending.outputs)]
+            blank = unwritten_blocks(info, pending)
+            got = [None if block(o) in blank else real_rows(o, pending.real, pending.size)
+                   for o in tensors(pending.outputs)]
             expected = self.returned_values.get((code, number))
             if expected is not None and len(expected) > len(got):
                 expected = announced_of(got, expected)
             elif expected is not None and len(expected) < len(got):
-                got, expected = _root_outputs(got, expected)
-            differs = _differs(got, expected)
+                got, expected = root_outputs(got, expected)
+            differs = differs_from(got, expected)
             if differs is None:
-                pending.agreed = _comparable(got, expected)
+                pending.agreed = comparable(got, expected)
                 return
         _release(doctor, info.held, info.held_state)   # what earlier replays' probes found, now borne out
         with _disable_current_modes():           # a PIECEWISE step's other pieces are not in ``ops``: no trace
@@ -415,35 +419,3 @@ def _release(doctor, *held: list, why: str = "") -> None:
         for finding, key in findings:
             doctor.add(dataclasses.replace(finding, evidence=finding.evidence + why) if why else finding, key)
         findings.clear()
-
-
-def _comparable(got: list, expected: list | None) -> bool:
-    """Whether the replay's real rows and the reference's return can be compared: as many outputs,
-    each of the same dtype and laid out alike (``rows_like``: a runner that pads a step itself
-    announces its padded rows as real, and they come after the real ones)."""
-    return expected is not None and len(got) == len(expected) and all(
-        e is not None and g.dtype == e.dtype and rows_like(g, e) is not None for g, e in zip(got, expected))
-
-
-def _root_outputs(got: list, expected: list) -> tuple[list, list | None]:
-    """A graph that hands out more than its root returned (work after the root inside the capture:
-    a sampler writing the token beside the logits) is compared on what the root returned: each of
-    those is the one output of its shape and dtype (None where one is not: no pairing is guessed)."""
-    mine = []
-    for e in expected:
-        same = [g for g in got if e is not None and g.shape == e.shape and g.dtype == e.dtype]
-        if len(same) != 1:
-            return got, None
-        mine.append(same[0])
-    return mine, expected
-
-
-def _differs(got: list, expected: list | None) -> tuple | None:
-    """(output, max |diff|) of the first output that differs from the reference's, or None (also
-    when they cannot be compared)."""
-    if not _comparable(got, expected):
-        return None
-    for i, (g, e) in enumerate(zip(got, expected)):
-        if bool(disagrees(g := rows_like(g, e), e).any()):
-            return i, max_abs_diff(g, e)
-    return None

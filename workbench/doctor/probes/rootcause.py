@@ -80,8 +80,10 @@ def _parted(doctor, info, d, run) -> tuple:
         return ("host-work-frozen", op, _read_by(doctor, info, d.graph_op),
                 f"{site} {what}; the eager step computes it again now.{came}")
     if d.how == "reference":
-        return _frozen_reference(doctor, info, d.graph_op, next(iter(d.graph_keys)), next(iter(d.eager_keys)), run,
-                                 site)
+        op = d.graph_op if d.origin is None else dataclasses.replace(d.graph_op, source=d.origin)
+        if d.origin is not None and d.origin != d.graph_op.source:
+            site += f" The step fetches that tensor at {d.origin}."
+        return _frozen_reference(doctor, info, op, next(iter(d.graph_keys)), next(iter(d.eager_keys)), run, site)
     if d.how == "skipped":
         gone = d.graph_op.ext - d.after.ext
         if gone and d.after.reads - d.after.ext:      # the graph's pre-existing tensor, eager's fresh one

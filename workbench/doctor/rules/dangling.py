@@ -47,26 +47,35 @@ def _handed_on(doctor, info) -> None:
     info.handed_on.clear()
 
 
+_REPORTED = 1 << 62      # an alias already reported: no later re-hand is after it
+
+
 def aliased(doctor, info, key: int, t, op: str, source: str) -> None:
-    """A capture's op uses a storage it did not allocate, on a block it did: a reference that does
-    not own its memory (made from a pointer: ``weak_ref_tensors``, ``from_blob``). Noted when first
-    seen; used again after the capture gave that block to a new tensor (its owner was released
-    during the capture), every replay's use of it lands on that tensor: a workspace kept weakly
-    across a capture and a later layer's activation (vllm-ascend #5522)."""
+    """A capture's op uses a storage it did not allocate, on a block a capture did (this one, or an
+    earlier one of the pool): a reference that does not own its memory (made from a pointer:
+    ``weak_ref_tensors``, ``from_blob``). Noted when first seen; used again after this capture gave
+    that block to a new tensor (its owner was released), every replay's use of it lands on that
+    tensor: a workspace kept weakly across a capture and a later layer's activation (vllm-ascend
+    #5522), a piece's output kept weakly and read by the next piece, whose capture took its block
+    for a temporary (vLLM #10048)."""
     b = block(t)
     if key not in info.aliases:
-        if b in info.own_blocks:
-            info.aliases[key] = len(info.ops)
-        return
+        earlier = b in doctor.pool.allocated and not t.untyped_storage().resizable()   # made by another capture
+        if b not in info.own_blocks and not earlier:
+            return
+        # Made in this capture (``set_`` onto a pointer: seen first where it is made), it points at what the
+        # block holds then; made before it, at what an earlier capture left there, which this capture's
+        # new tensor has replaced if it took the block already.
+        info.aliases[key] = -1 if earlier and b in info.rehanded and not op.startswith("aten.set_") else len(info.ops)
     taken = info.rehanded.get(b)
     if taken is None or taken[1] <= info.aliases[key]:
         return
-    del info.aliases[key]                          # (one finding per alias)
+    info.aliases[key] = _REPORTED                   # (one finding per alias)
     doctor.add(Finding(
         "dangling-reference", info.name, op, describe(t), source,
         f"during the capture of {info.name}, {op} uses a {describe(t)} that does not own its memory, at an address "
-        f"the capture allocated, freed and gave to the output of {taken[0].name} at {taken[0].source} since the "
-        "reference was made", explain.aliased_in_capture(describe(t), taken[0].name), {}),
+        f"a capture of the pool allocated, freed and gave to the output of {taken[0].name} at {taken[0].source} "
+        "since the reference was made", explain.aliased_in_capture(describe(t), taken[0].name), {}),
         ("dangling-reference", "aliased", source))
 
 
@@ -126,8 +135,8 @@ def _when(info, before_replay: bool) -> str:
 
 def _released(doctor, info, before_replay: bool) -> None:
     for ext in info.externals.values():
-        if ext.reported or not ext.weak.expired():
-            continue
+        if ext.reported or ext.view_only or not ext.weak.expired():
+            continue                    # (memory it only took views of, or pointed a tensor at: no kernel reads it)
         ext.reported = True
         origin = ext.origin or "before watch() (its creation was not seen)"
         op, source = ext.touched_at       # where the capture took its address, as a faulting replay names it

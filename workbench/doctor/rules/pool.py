@@ -68,12 +68,12 @@ class PoolReads:
 
     def settle(self, info) -> None:
         """Take in the previous op's new outputs, where they now live: memory the capture allocated.
-        A new output at an address the capture allocated before was given memory freed since: the
-        block was handed on inside the capture (``dangling.aliased`` asks)."""
+        A new output at an address a capture of the pool allocated before was given memory freed since:
+        the block was handed on (``dangling.aliased`` asks)."""
         for ref, op in self.pending:
             if (t := ref()) is not None:
-                if block(t) in info.own_blocks and t.numel():
-                    info.rehanded[block(t)] = (op, len(info.ops))
+                if (block(t) in info.own_blocks or block(t) in self.allocated) and t.numel():
+                    info.rehanded[block(t)] = (op, len(info.ops))     # (memory freed since: handed on)
                 info.own_blocks.add(block(t))
                 self.allocated.add(block(t))
                 self._wrote(info, t, op)

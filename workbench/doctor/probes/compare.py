@@ -1,0 +1,89 @@
+"""What a replay and the eager run of its step are compared on: the real rows of each output (not
+those that hold no result, ``records.unwritten_blocks``, nor an eager output made from a pointer),
+then the state each wrote, then memory only the eager run wrote (``differential``); and a replay's
+outputs with what the workload's run without graphs returned at the same step (``reference``)."""
+from __future__ import annotations
+
+from ...engine.opinfo import tensors
+from ..records import unwritten_blocks
+from ..rules.pool import block
+from ..tensors import announced_of, disagrees, max_abs_diff, real_rows
+from .reference_causes import rows_like
+
+
+def rows_of(out, real: int, size: int, owned: bool = False) -> list | None:
+    """The real rows of each output. ``owned``: of an eager run, whose output made from a pointer (a
+    storage that does not own its memory: ``weak_ref_tensors``, ``from_blob``) points at memory the
+    run has let go by now -- under a capture the graph's pool keeps it, eagerly nothing does: None,
+    not compared."""
+    if out is None:
+        return None
+    return [None if owned and not o.untyped_storage().resizable() else real_rows(o, real, size).detach().clone()
+            for o in tensors(out)]
+
+
+def without_unwritten(info, pending, rows: list | None) -> list | None:
+    """The replay's outputs, with None for those that hold no result (``records.unwritten_blocks``)."""
+    blank = unwritten_blocks(info, pending)
+    if rows is None or not blank:
+        return rows
+    return [None if block(o) in blank else r for o, r in zip(tensors(pending.outputs), rows)]
+
+
+def compare(graph_out, eager_out, replayed, eager_state, extra, pre) -> tuple | None:
+    """(what differs, numbers) -- outputs first, then state -- or None when all agree."""
+    if graph_out is not None and eager_out is not None:
+        if len(graph_out) != len(eager_out):
+            if (handed := announced_of(graph_out, eager_out)) is None:
+                return f"the replay has {len(graph_out)} outputs, the eager step {len(eager_out)}", {}, None
+            eager_out = handed
+        for i, (g, e) in enumerate(zip(graph_out, eager_out)):
+            if g is None or e is None:
+                continue
+            if g.shape != e.shape or bool(disagrees(g, e).any()):
+                return (f"output {i} (real rows) differs by max |diff| = {max_abs_diff(g, e):.3g}",
+                        {"output": i, "max_abs_diff": max_abs_diff(g, e)}, None)
+    for key, g in replayed.items():
+        mask = disagrees(g, eager_state[key])
+        if bool(mask.any()):
+            label = pre[key][1]
+            return (f"state `{label}` differs in {int(mask.sum())} element(s)",
+                    {"state": label, "elements": int(mask.sum())}, key)
+    for key, (before, after) in extra.items():
+        if bool((before != after).any()):
+            return ("the eager step writes memory the graph never writes", {"elements": int((before != after).sum())},
+                    key)
+    return None
+
+
+def comparable(got: list, expected: list | None) -> bool:
+    """Whether the replay's real rows and the reference's return can be compared: as many outputs,
+    each of the same dtype and laid out alike (``rows_like``: a runner that pads a step itself
+    announces its padded rows as real, and they come after the real ones)."""
+    return expected is not None and len(got) == len(expected) and all(
+        g is None or e is not None and g.dtype == e.dtype and rows_like(g, e) is not None
+        for g, e in zip(got, expected))
+
+
+def root_outputs(got: list, expected: list) -> tuple[list, list | None]:
+    """A graph that hands out more than its root returned (work after the root inside the capture:
+    a sampler writing the token beside the logits) is compared on what the root returned: each of
+    those is the one output of its shape and dtype (None where one is not: no pairing is guessed)."""
+    mine = []
+    for e in expected:
+        same = [g for g in got if e is not None and g is not None and g.shape == e.shape and g.dtype == e.dtype]
+        if len(same) != 1:
+            return got, None
+        mine.append(same[0])
+    return mine, expected
+
+
+def differs_from(got: list, expected: list | None) -> tuple | None:
+    """(output, max |diff|) of the first output that differs from the reference's, or None (also
+    when they cannot be compared)."""
+    if not comparable(got, expected):
+        return None
+    for i, (g, e) in enumerate(zip(got, expected)):
+        if g is not None and bool(disagrees(g := rows_like(g, e), e).any()):
+            return i, max_abs_diff(g, e)
+    return None
