@@ -786,3 +786,41 @@ def test_padded_rows_read_by_a_reduction_over_all_rows_are_stale_padding(variant
         return
     (finding,) = report.findings
     assert finding.kind == "stale-padding" and "h.abs().amax()" in finding.source, report
+
+
+def _out_of_range_replay_on_cuda() -> dict:
+    """(In a child process: a device-side assert would end the CUDA context.) A graph gathers rows of
+    a table through a static index buffer; the runner then writes an index past the table's end.
+    Under ``diagnose`` the sampled replay raises the CPU's ``IndexError`` instead of launching, the
+    context lives on, and the failure is the workload's."""
+    from workbench.engine import graph, new_graph
+    table = torch.randn(4, 8, device="cuda")
+    idx = torch.zeros(2, dtype=torch.int64, device="cuda")
+    seen = {}
+
+    def workload():
+        events.static_buffers("runner", {"idx": idx})
+        step = lambda: table.index_select(0, idx) * 2  # noqa: E731
+        with events.warmup():
+            step()
+        g = new_graph("cuda")
+        with graph(g, name="gather"):
+            out = step()
+        idx.copy_(torch.tensor([1, 9]))
+        events.serve(g, 2, 2, padded={}, outputs=out, eager=step)
+        try:
+            g.replay()
+        except IndexError as e:
+            seen["error"] = type(e).__name__
+    report = doctor.diagnose(workload)
+    torch.cuda.synchronize()                       # the context is alive
+    return {"error": seen.get("error"), "failure": report.failure, "caught": list(report.caught)}
+
+
+@pytest.mark.cuda
+def test_a_replay_whose_indices_run_past_a_table_raises_the_cpus_error_on_cuda():
+    from workbench.childproc import run_in_child
+    result = run_in_child(_out_of_range_replay_on_cuda)
+    assert result.ok, result
+    assert result.value["error"] == "IndexError" and result.value["failure"] is None, result.value
+    assert any("IndexError" in c for c in result.value["caught"]), result.value

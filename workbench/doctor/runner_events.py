@@ -131,6 +131,23 @@ class RunnerEvents:
         if isinstance(t, torch.Tensor) and (key := storage_key(t)) not in self.buffers:
             self.buffers[key] = Buffer(name, "serve", weakref.ref(t), "padded")
 
+    def launching(self, graph) -> None:
+        """(``events.launching``, CUDA) A sampled step whose eager form indexes out of range raises the
+        CPU's error instead of launching (``differential.before_launch``): the same failure as on the
+        CPU, where the rules explain it, and a CUDA context that lives on."""
+        info = self.info(graph)
+        if self.failure is not None or self.phase != "replay" or info is None or not info.cuda or info.pending is None:
+            return                      # (a replay the doctor's own runs make, or one of a step's eager form)
+        try:
+            error = differential.before_launch(self, info)
+        except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
+            self.fail(e, "launching")
+            return
+        finally:
+            self.phase = "replay"
+        if error is not None:
+            raise error
+
     @contained
     def handed_out(self, graph, tensors_out) -> None:
         info = self.info(graph)

@@ -50,6 +50,7 @@ class CUDAGraph(torch.cuda.CUDAGraph):
             raise GraphError(f"replay() called {what}.")
         events.replay_begin(self)
         try:
+            events.launching(self)
             super().replay()
             self.replays += 1
         finally:

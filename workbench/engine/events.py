@@ -10,7 +10,7 @@ Who calls what, and when (a runner built on the graph manager gets all of this f
 * the engine itself: ``capture_begin``/``capture_end``/``capture_abort`` (``graph()``),
   ``capture_refused`` (a capture that could not begin: its pool handle refused),
   ``pool_made`` (``graph_pool_handle()``), ``pool_used`` (the pool a capture that began was given)
-  and ``replay_begin``/``replay_end`` (both graph classes). ``capture_end`` comes once the capture has
+  and ``replay_begin``/``replay_end`` (both graph classes), with ``launching`` between them on CUDA. ``capture_end`` comes once the capture has
   closed, on both backends: what an observer does then is not recorded, and an observer that
   raises leaves no capture open.
 * a runner, **once, before its first warmup**, names what its tensors *mean*:
@@ -55,7 +55,7 @@ from typing import Any
 
 _observers: list[Any] = []
 _EVENTS = ("capture_begin", "capture_end", "capture_abort", "capture_refused", "pool_made", "pool_used",
-           "replay_begin", "replay_end", "static_buffers",
+           "replay_begin", "launching", "replay_end", "static_buffers",
            "persistent_state", "shared_outputs", "written_metadata", "warmup_begin", "warmup_end",
            "dummy_run_begin", "dummy_run_end", "reference_begin", "reference_end", "results", "serve", "handed_out",
            "engine_op")
@@ -117,6 +117,14 @@ def pool_used(graph: Any, pool: Any) -> None:
 
 def replay_begin(graph: Any) -> None:
     for handler in _handlers["replay_begin"]:
+        handler(graph)
+
+
+def launching(graph: Any) -> None:
+    """A CUDA graph about to launch (after ``replay_begin``): an observer may raise, instead of the
+    launch, the error its kernels would give (an index out of range ends the CUDA context on a
+    device-side assert; the CPU raises at the op). ``replay_end`` follows either way."""
+    for handler in _handlers["launching"]:
         handler(graph)
 
 

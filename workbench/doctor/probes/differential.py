@@ -215,6 +215,25 @@ def _from_other_memory(doctor, info, pending, replayed: dict, rng_after, graph_o
         _from_before_warmups(doctor, info, pending, replayed, rng_after, graph_out)
 
 
+def before_launch(doctor, info) -> BaseException | None:
+    """On CUDA, before a sampled replay launches a graph that indexes: its step's eager form, run
+    from the state before it with every index checked (``rules/bounds.py``), gives the CPU's error
+    where an index is out of range -- the replay's own, which its kernel would raise as a device-side
+    assert that ends the CUDA context. None where every index is in range (the replay then runs)."""
+    pending = info.pending
+    if pending is None or not pending.pre or pending.span or not any(o.name.startswith(_INDEXING) for o in info.ops):
+        return None
+    with _disable_current_modes():
+        now = {key: w.clone() for key, (w, _, _) in pending.pre.items()}
+        rng = rng_state(info.cuda)
+    _replayed_host(info, pending)
+    run, _, _ = _eager(doctor, info, pending, now, rng, traced=True)
+    return run.out_of_range
+
+
+_INDEXING = ("aten.index", "aten.gather", "aten.embedding")     # (index, index_put_, index_select, ...)
+
+
 def failed(doctor, info, pending, error: BaseException) -> None:
     """A sampled padded replay raised: is it the padded rows? (``unpadded.crashed``; the state the
     failed replay left is put back after.)"""
@@ -287,7 +306,8 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
     # replay does not (``extra``, kept and put back only by the mode): the run must leave no trace.
     aside = not traced and not info.traced_always and _get_current_dispatch_mode() is doctor.mode
     doctor.diff, doctor.phase = (EagerRun(set(pre), launch.graph_ops(info, pending), traced, not aside, rows,
-                                          _unread_outputs(info, pending), stacks_at=stacks, origin_of=origin_of,
+                                          bounds=info.cuda and traced, outputs=_unread_outputs(info, pending),
+                                          stacks_at=stacks, origin_of=origin_of,
                                           nonfinite=nonfinite,
                                           branch_at=(info, sys._getframe()) if traced and not pending.span else ()),
                                   "differential")

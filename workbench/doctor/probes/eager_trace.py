@@ -20,6 +20,7 @@ from ...engine.source import frames_within, location, user_frame, user_frames
 from ..records import Op
 from ..skipped import parted
 from ..tensors import alias, host_only, signature
+from ..rules import bounds
 from . import nonfinite, row_writes
 
 aten = torch.ops.aten
@@ -34,6 +35,8 @@ class EagerRun:
     traced: bool = True                          # record the launch trace (else only new and extra storages)
     seen: bool = True                            # its ops went through the doctor's mode
     rows: tuple | None = None                    # (real, size, sampled) of a padded step whose writes are attributed
+    bounds: bool = False                         # check indices before each op (CUDA: ``rules/bounds.py``)...
+    out_of_range: BaseException | None = None    # ... and the CPU's error for the first past its dimension
     outputs: frozenset = frozenset()             # memory the graph owns and never reads: its previous outputs
     ops: list = dataclasses.field(default_factory=list)
     new: set = dataclasses.field(default_factory=set)
@@ -95,6 +98,12 @@ def on_op(doctor, func, args, kwargs, run):
     if lifted:                                   # a constant made from Python data in this run
         d.new.update(keys)
     _accessed(d, func, args, kwargs, inputs)
+    if d.bounds:
+        try:
+            bounds.check(func, args, kwargs, run)
+        except (IndexError, RuntimeError) as e:
+            d.out_of_range = e
+            raise
     if d.rows:
         row_writes.indexed_read(doctor, func, args, d.rows)
     out = row_writes.indexed_write(doctor, func, args, kwargs, run, d.rows) if d.rows else run()
