@@ -10,9 +10,9 @@ Who calls what, and when (a runner built on the graph manager gets all of this f
 * the engine itself: ``capture_begin``/``capture_end``/``capture_abort`` (``graph()``),
   ``capture_refused`` (a capture that could not begin: its pool handle refused),
   ``pool_made`` (``graph_pool_handle()``), ``pool_used`` (the pool a capture that began was given)
-  and ``replay_begin``/``replay_end`` (both graph classes), with ``launching`` between them on CUDA. ``capture_end`` comes once the capture has
-  closed, on both backends: what an observer does then is not recorded, and an observer that
-  raises leaves no capture open.
+  and ``replay_begin``/``replay_end`` (both graph classes), with ``launching`` between them on
+  CUDA. ``capture_end`` comes once the capture has closed, on both backends: what an observer
+  does then is not recorded, and an observer that raises leaves no capture open.
 * a runner, **once, before its first warmup**, names what its tensors *mean*:
 
   - ``static_buffers``: inputs it rewrites every step and the graphs read through views: a step
