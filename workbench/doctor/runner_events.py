@@ -1,7 +1,8 @@
 """What the runners announce (``workbench.engine.events``): the meaning of their tensors, warmups,
-dummy runs, the workload's reference run, each served step and the outputs handed out. The
-``Doctor`` takes these handlers from this class; the engine's own events and the dispatch mode's
-work are in ``intake.py``."""
+dummy runs, the workload's reference run, each served step and the outputs handed out; and the
+check before a CUDA launch, which runs the eager form a served step announced. The ``Doctor`` takes
+these handlers from this class; the engine's other events and the dispatch mode's work are in
+``intake.py``."""
 from __future__ import annotations
 
 import weakref

@@ -48,6 +48,7 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 
 from ...engine.opinfo import storage_key
 from ..tensors import alias, changed, disagrees, first_line, max_abs_diff, rng_state, set_rng_state, whole
+from ..rules import bounds
 from . import captured_state, launch, nonfinite, pystate, rootcause, row_writes, unpadded
 from .compare import compare, rows_of, without_unwritten
 from .eager_trace import EagerRun
@@ -221,7 +222,7 @@ def before_launch(doctor, info) -> BaseException | None:
     where an index is out of range -- the replay's own, which its kernel would raise as a device-side
     assert that ends the CUDA context. None where every index is in range (the replay then runs)."""
     pending = info.pending
-    if pending is None or not pending.pre or pending.span or not any(o.name.startswith(_INDEXING) for o in info.ops):
+    if pending is None or not pending.pre or pending.span or not any(bounds.indexes(o.name) for o in info.ops):
         return None
     with _disable_current_modes():
         now = {key: w.clone() for key, (w, _, _) in pending.pre.items()}
@@ -229,9 +230,6 @@ def before_launch(doctor, info) -> BaseException | None:
     _replayed_host(info, pending)
     run, _, _ = _eager(doctor, info, pending, now, rng, traced=True)
     return run.out_of_range
-
-
-_INDEXING = ("aten.index", "aten.gather", "aten.embedding")     # (index, index_put_, index_select, ...)
 
 
 def failed(doctor, info, pending, error: BaseException) -> None:

@@ -182,14 +182,20 @@ def number_origin(values: tuple, top) -> str | None:
     ints = {v for v in values if type(v) is int} - {0, 1, -1}
     if not floats and not ints:
         return None
+    for frame, own in _own_variables(top):
+        if any(type(v) is float and repr(v) in floats or type(v) is int and v in ints for v in own):
+            return location(frame)
+    return None
+
+
+def _own_variables(top):
+    """Each user frame inside the step (below ``top``), outermost first, with the values of its own
+    variables: not its parameters (what it was handed), but what it read or computed itself."""
     for frame in (frames_within(top) or [])[::-1]:
         code, local = frame.f_code, frame.f_locals
         given = (code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & inspect.CO_VARARGS)
                  + bool(code.co_flags & inspect.CO_VARKEYWORDS))
-        if any(type(v := local.get(name)) is float and repr(v) in floats or type(v) is int and v in ints
-               for name in code.co_varnames[given:] + code.co_cellvars):
-            return location(frame)
-    return None
+        yield frame, [local.get(name) for name in code.co_varnames[given:] + code.co_cellvars]
 
 
 def tensor_origin(key: int, top) -> str | None:
@@ -198,13 +204,9 @@ def tensor_origin(key: int, top) -> str | None:
     read from a global context), in a variable of its own (not a parameter: it was handed that). The
     function that bound the tensor the capture froze; a tensor handed down from outside stays at the
     op."""
-    for frame in (frames_within(top) or [])[::-1]:
-        code, local = frame.f_code, frame.f_locals
-        given = (code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & inspect.CO_VARARGS)
-                 + bool(code.co_flags & inspect.CO_VARKEYWORDS))
-        for name in code.co_varnames[given:] + code.co_cellvars:
-            if _holds(local.get(name), key):
-                return location(frame)
+    for frame, own in _own_variables(top):
+        if any(_holds(v, key) for v in own):
+            return location(frame)
     return None
 
 

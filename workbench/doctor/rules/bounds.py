@@ -29,6 +29,14 @@ _INDEXED = {aten.index: _per_dimension, aten.index_put_: _per_dimension, aten.in
             aten.embedding: lambda a: (a[0], [(0, a[1])])}      # (weight, indices)
 
 
+def indexes(op_name: str) -> bool:
+    """Whether a recorded op (``aten.index_select.default``) is one whose indices ``check`` checks."""
+    return op_name.rsplit(".", 1)[0] in _NAMES
+
+
+_NAMES = frozenset(str(packet) for packet in _INDEXED)
+
+
 def check(func, args, kwargs, run) -> None:
     """Raise the CPU's error for an op of a CUDA warmup whose indices run past their dimension."""
     indexed = _INDEXED.get(func.overloadpacket)
