@@ -1150,3 +1150,51 @@ def test_gpu_piecewise_record_matches_the_cpu_evaluation(piecewise):
     cpu = graph_doctor.record(piecewise)
     strip = [{k: v for k, v in r.items() if k != "seconds"} for r in cpu]
     assert [{k: v for k, v in r.items() if k != "seconds"} for r in record["results"]["evaluation"]] == strip
+
+
+class CaptureHelper:
+    """A capture helper kept for the whole program (a singleton): it remembers the last graph it
+    opened, and, with ``keep_runner``, the runner it captured for too."""
+    last = None
+    runner = None
+
+
+class WeightRunner:
+    """Static ``x``, a weight of its own; one graph captured through ``CaptureHelper``."""
+
+    def __init__(self, keep_runner: bool):
+        self.x, self.w = torch.zeros(2, 3), torch.randn(3, 3, generator=torch.Generator().manual_seed(0))
+        events.static_buffers("runner", {"x": self.x})
+        self.g = new_graph("cpu")
+        with graph(self.g, name="step"):
+            self.out = self.x @ self.w
+        CaptureHelper.last = self.g
+        if keep_runner:
+            CaptureHelper.runner = self
+
+    def __call__(self, x):
+        self.x.copy_(x)
+        self.g.replay()
+        return self.out.clone()
+
+
+@pytest.mark.parametrize("keep_runner", [False, True])
+def test_a_graph_left_only_to_a_capture_helper_reads_nothing_that_matters_at_the_end(keep_runner):
+    """The workload drops its runner, and with it the weight, after the last replay. Where the
+    helper keeps only the graph, nothing can serve it again (its static input went with the
+    runner): no finding. Where the helper keeps the runner, the graph can be replayed with the
+    weight gone: ``dangling-reference`` at the end of the watch."""
+    def workload():
+        runner = WeightRunner(keep_runner)
+        runner(torch.ones(2, 3))
+        runner.w = None                             # the weight goes; a kept runner could replay again
+
+    try:
+        report = doctor.diagnose(workload)
+    finally:
+        CaptureHelper.last = CaptureHelper.runner = None
+    if not keep_runner:
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "dangling-reference" and "at the end of watch()" in finding.evidence, finding

@@ -17,6 +17,7 @@ import torch
 from test_doctor_setup_and_warmups import only_finding
 from workbench import doctor
 from workbench.engine import events, graph, graph_pool_handle, new_graph
+from workbench.engine.source import function_of
 
 BLOCK, CONTEXT = 2, 8
 LENGTHS = ([3, 5], [4, 6], [5, 7])          # two requests' sequence lengths at each step
@@ -1411,3 +1412,67 @@ def test_a_padded_rows_write_into_state_the_real_rows_read_is_stale_padding_at_t
     if finding is None:
         return
     assert finding.kind == "stale-padding" and "cache.index_put_((slot,), keys[i].view(1, -1))" in finding.source
+
+
+def scaled_features(side, w):
+    return (side @ w) * 2
+
+
+def doubled(w):
+    return w * 2
+
+
+class HoistingRunner:
+    """Static ``x``; the step is ``relu(x) @ w2 + scaled_features(side, w)``, where ``side`` is the
+    step's second input, which the runner copies into a staging buffer of its own (as a JIT copies
+    a host input in). ``bug`` decides at capture that the features do not depend on the step (as a
+    dependence walk that misses the copy would), computes them once there and captures only the
+    rest; ``fix`` captures them too. Both hoist ``doubled(w)`` (weights only: computing it once is
+    right), which the run without graphs computes at every step."""
+
+    def __init__(self, w, variant: str):
+        self.x, self.side, self.w = torch.zeros(2, 3), torch.zeros(2, 3), w
+        events.static_buffers("runner", {"x": self.x})
+        self.w2 = doubled(w)
+        self.graph = new_graph("cpu")
+        if variant == "bug":
+            self.feat = self.hoist()
+            step = lambda: torch.relu(self.x) @ self.w2 + self.feat  # noqa: E731
+        else:
+            step = lambda: torch.relu(self.x) @ self.w2 + scaled_features(self.side, self.w)  # noqa: E731
+        with graph(self.graph, name="step"):
+            self.out = step()
+        self.step = step
+
+    def hoist(self):
+        return scaled_features(self.side, self.w)
+
+    def __call__(self, x, side):
+        self.x.copy_(x)
+        self.side.copy_(side)
+        events.serve(self.graph, 2, 2, padded={}, outputs=self.out, eager=self.step)
+        self.graph.replay()
+        return self.out.clone()
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_work_the_reference_does_every_step_and_the_runner_did_once_at_capture_is_named(variant):
+    """The step's eager form is the graph's own code, so differential replay agrees with the graph,
+    and the features are computed from no announced buffer; the run without graphs computes them at
+    every step. ``bug``'s finding is at ``hoist``, the function that computed them once, which the
+    run without graphs never calls; ``doubled(w)``, hoisted by both and the same at every step, is none."""
+    def workload():
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(3, 3, generator=gen)
+        steps = [(torch.randn(2, 3, generator=gen), torch.randn(2, 3, generator=gen)) for _ in range(3)]
+        with events.reference():
+            expected = [torch.relu(x) @ doubled(w) + scaled_features(side, w) for x, side in steps]
+        runner = HoistingRunner(w, variant)
+        got = [runner(x, side) for x, side in steps]
+        events.results(expected, got)                     # (the workload's own comparison)
+        return expected, got
+    finding = _finding(workload, variant)
+    if finding is None:
+        return
+    assert finding.kind == "warmup-divergence" and function_of(finding.location) == "hoist", finding
+    assert "none once replays began" in finding.evidence, finding

@@ -68,6 +68,12 @@ def diagnose(target: Callable[[], Any], make_batch: Callable[[int, int], Mapping
             report.failure = failed
             report.not_checked["stale-padding"] = f"the doctor stopped early in a padded-row run ({failed})"
             return report
+        if report.replays and not any(r[1].trace for r in runs):
+            # Both ended before their first replay, before any padded row was filled: whatever stopped them
+            # (state a program keeps across runs, such as a capture helper's last graph) is not the padding.
+            why = "; ".join(f"pattern {p}: {(_failed(r[0]) or ['no replay'])[0]}" for p, r in enumerate(runs))
+            report.not_checked["stale-padding"] = f"both padded-row runs ended before their first replay ({why})"
+            return report
         finding = compare_runs(*(r[1].trace for r in runs), *(_failed(r[0]) for r in runs))
         if finding is None and _failed(report) and not any(_failed(r[0]) for r in runs):
             finding = crashed_only_as_left(_failed(report)[0], runs[0][1].trace[-1] if runs[0][1].trace else None, 2)

@@ -354,6 +354,14 @@ def capture_path(function: str, graph: str) -> str:
             "on what decides the branch), or run such steps eagerly.")
 
 
+def dropped_work(op: str, function: str) -> str:
+    return (f"The run without graphs launches {op} at every step, on that step's inputs. The served run launched it "
+            f"only while {function} prepared the graph, outside any capture, and the graph reads its result: "
+            "every replay gets the value of that one run. Whatever decided the work does not depend on the step "
+            "(a dependence walk that missed a path, a plan hoisted out of the step) was wrong: capture the work "
+            "inside the graph, or redo it before every replay.")
+
+
 def stale_pool(graph: str, first: str) -> str:
     return (f"A graph pool lives while a graph captured into it does. {first} and the others captured into this pool "
             f"were reset or dropped while memory of the pool is still held (an output kept), so the pool is waiting "

@@ -50,7 +50,8 @@ def _final_checks(doctor) -> None:
     for info in list(doctor.graphs.values()):
         if info.ref() is None:
             continue
-        dangling.check(doctor, info, before_replay=False)
+        if not _unserved(doctor, info):
+            dangling.check(doctor, info, before_replay=False)
         if not info.probed:
             mutation.unprobed(doctor, info)
     mutation.warmup_updates(doctor)
@@ -82,3 +83,14 @@ def _not_checked(doctor) -> dict[str, str]:
     if not doctor.handed_any:
         why["overwritten-output"] = "no runner handed graph outputs out"
     return why
+
+
+def _unserved(doctor, info) -> bool:
+    """Whether everything that fed the graph has gone: every announced static input it reads, and
+    every graph whose outputs it reads (the earlier pieces of a step). The runner that served it let
+    go of it, and only a stray reference (a capture helper's last graph) keeps the graph: what else
+    it read going away with the runner is no hazard, since nothing can prepare a replay of it."""
+    inputs = [key for key in info.externals if (buf := doctor.buffers.get(key)) is not None and buf.role == "input"]
+    feeders = [owner for owner, *_ in info.foreign.values()]
+    return bool(inputs or feeders) and all(doctor.buffer(key) is None for key in inputs) \
+        and all(owner.ref() is None for owner in feeders)

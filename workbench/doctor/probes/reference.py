@@ -68,7 +68,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ...engine.opinfo import describe, mutable, op_tensors, storage_key, tensors, written_tensors
+from ...engine.opinfo import describe, mutable, op_tensors, overwrites, storage_key, tensors, written_tensors
 from ...engine.source import frames_within, location, user_frame, user_frames
 from .. import explain
 from ..raised import decider
@@ -79,6 +79,7 @@ from ..rules.pool import block
 from ..tensors import announced_of, disagrees, host_only, max_abs_diff, real_rows, signature
 from .compare import comparable, differs_from, root_outputs
 from .coverage import Coverage
+from .dropped import Dropped
 from .eager_trace import number_origin
 from .reference_causes import (bound, compare_views, frozen_number, frozen_scalar, moved_view, narrower, numbers,
                                padded_result, parting, static_input)
@@ -93,11 +94,13 @@ _VIEWS = 1 << 14          # views' lines kept in set-up
 @dataclasses.dataclass(frozen=True)
 class Step:
     """One op of the reference: its trace entry, the calls it ran in (``(code, call number,
-    line)``, outermost first) and the values of its small tensor inputs (None for the others)."""
+    line)``, outermost first), the values of its small tensor inputs (None for the others) and which
+    of them it overwrites."""
 
     op: Op
     path: tuple
     values: tuple
+    overwritten: tuple = ()       # positions of the inputs it writes without reading (a copy's destination)
 
 
 class Reference:
@@ -129,6 +132,7 @@ class Reference:
         self.number = 0                           # the last call number given
         self.views: dict[tuple, str] = {}         # (storage, offset, shape, stride) -> the line that took the view
         self.coverage = Coverage()                # the lines each run ran (``coverage.py``)
+        self.dropped = Dropped()                  # the served run's eager launches (``dropped.py``)
 
     # ------------------------------------------------------------------ recording the reference
     def called(self, doctor, frame) -> None:
@@ -152,7 +156,10 @@ class Reference:
         static input names the line that prepared it."""
         if self.recording:
             self._record(func, args, kwargs)
-        elif (doctor.buffers or doctor.graph_reads) and mutable(func):
+            return
+        if not func.is_view and (func.overloadpacket in _LIFTS or not host_only(op_tensors(args, kwargs), cuda=False)):
+            self.dropped.launched(doctor, func, args, kwargs)
+        if (doctor.buffers or doctor.graph_reads) and mutable(func):
             for t in written_tensors(func, args, kwargs):
                 buf = doctor.buffer(key := storage_key(t))
                 if buf is not None and buf.role == "input" or buf is None and key in doctor.graph_reads:
@@ -165,7 +172,9 @@ class Reference:
         path = tuple((f.f_code, self.call.get(id(f)), f.f_lineno) for f in reversed(user_frames()))
         self.steps.append(Step(Op(str(func), location(path[-1][0], path[-1][2]) if path else "<unknown>",
                                   sig=signature(func, args, kwargs)),
-                               path, tuple(self._keep(t) for t in inputs)))
+                               path, tuple(self._keep(t) for t in inputs),
+                               tuple(j for j, t in enumerate(inputs) if any(t is w for w in written_tensors(
+                                   func, args, kwargs))) if overwrites(func, args, kwargs) else ()))
 
     def _keep(self, t: torch.Tensor, always: bool = False) -> torch.Tensor | None:
         if not isinstance(t, torch.Tensor) or (not always and t.numel() > _SMALL) or t.numel() > self.budget:
@@ -370,6 +379,8 @@ class Reference:
         failed = bool(doctor.failed_ops or doctor.report.errors)
         if not doctor.report.findings and (failed or self.verdict or self.unexplained):
             self.coverage.parted(doctor, self, failed)
+        if not doctor.report.findings and self.verdict:
+            self.dropped.report(doctor, self)
         if not doctor.report.findings and self.verdict:
             frozen_scalar(doctor, self.verdict)
         found = {g for f in doctor.report.findings for g in f.graph.split(", ")}

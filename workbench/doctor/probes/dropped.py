@@ -1,0 +1,102 @@
+"""Work the run without graphs does at every step, which the served run stopped doing: a result
+computed once, around a capture, and read by every replay after.
+
+A capture records the kernels its step launches; what the runner runs outside it -- eagerly, once,
+while it prepares the graph -- is not replayed. Where the runner decides at capture that some work
+does not depend on the step (it prunes kernels whose inputs it thinks constant, it hoists a plan
+out of the step), the graph reads that work's result as the capture left it. Differential replay
+cannot see it: the step's eager form is the graph's own code, without the work either. The run
+without graphs (``events.reference()``) can: it launches that op at every step.
+
+Under ``diagnose``, with a reference announced, every op is counted by its op and line: in the
+reference; in the served run, eagerly (warmups and captures' own eager work included) and once per
+replay of each graph whose launch trace holds it. An op the reference launches more often than
+the served run, and whose inputs the reference gave other values at different steps (so its
+result depends on the step: a weight-only kernel run once is a standard optimisation, not a bug),
+was dropped from the steps. Only where the workload's results differ from the reference's and no
+other finding explains them, it is reported as ``warmup-divergence``: at the innermost function of
+the served run's last launch of that op that the reference never called (the runner's code that
+ran the work once and left it out of the graph), else at the op's line.
+"""
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from ...engine.opinfo import mutable, storage_key, written_tensors
+from ...engine.source import function_name, location, user_frames
+from .. import explain
+from ..report import Finding
+
+
+class Dropped:
+    """The served run's eager launches, by op and line; for the last of each, the stack it ran
+    under and the storages it wrote; and the launches made once graphs were being replayed."""
+
+    def __init__(self) -> None:
+        self.eager: collections.Counter = collections.Counter()
+        self.replaying: collections.Counter = collections.Counter()
+        self.last: dict[tuple, tuple] = {}     # (op, line) -> ((code, line number) outermost first, written storages)
+
+    def launched(self, doctor, func, args, kwargs) -> None:
+        frames = user_frames()
+        if not frames:
+            return
+        key = (str(func), location(frames[0].f_code, frames[0].f_lineno))
+        self.eager[key] += 1
+        if doctor.report.replays:
+            self.replaying[key] += 1
+        written = frozenset(map(storage_key, written_tensors(func, args, kwargs))) if mutable(func) else frozenset()
+        self.last[key] = (tuple((f.f_code, f.f_lineno) for f in reversed(frames)), written)
+
+    def report(self, doctor, reference) -> None:
+        launched = collections.Counter((s.op.name, s.op.source) for s in reference.steps)
+        served = collections.Counter(self.eager)
+        for info in doctor.graphs.values():
+            for op in info.ops:
+                served[(op.name, op.source)] += info.replays + 1         # (its capture ran it too)
+        short = [(n - served[key], key) for key, n in launched.items()
+                 if n > served[key] and key in self.last and not self.replaying[key]]
+        for _, key in sorted(short, key=lambda e: -e[0]):
+            readers = _readers(doctor, key, self.last[key][1])
+            if not readers or not _varies([tuple(v for j, v in enumerate(s.values) if j not in s.overwritten)
+                                           for s in reference.steps if (s.op.name, s.op.source) == key]):
+                continue
+            called = set(reference.calls)
+            stack = self.last[key][0]
+            site = next((location(code, line) for code, line in reversed(stack) if code not in called), key[1])
+            name, source = key
+            function = function_name(_code(stack, site))
+            evidence = (f"the workload's results differ from its run without graphs'; that run launched {name} at "
+                        f"{source} {launched[key]} time(s), with other inputs at different steps, and the served run "
+                        f"{served[key]} time(s), none once replays began, the last under {function} at {site}; "
+                        f"{', '.join(readers)} read(s) what it wrote: every replay reads what that run left")
+            tensor = next(iter(readers.values()))
+            doctor.add(Finding("warmup-divergence", ", ".join(readers), name, tensor, site, evidence,
+                               explain.dropped_work(name, function),
+                               {"reference_launches": launched[key], "served_launches": served[key]}),
+                       ("warmup-divergence", "dropped", site))
+            return
+
+
+def _readers(doctor, key: tuple, written: frozenset) -> dict[str, str]:
+    """The graphs that read what the op wrote (its destination) or a tensor it made (by origin),
+    each with that tensor."""
+    made, out = f"at {key[1]}", {}
+    for info in doctor.graphs.values():
+        if (ext := next((e for k, e in info.externals.items() if k in written or e.origin == made), None)):
+            out[info.name] = ext.tensor
+    return out
+
+
+def _varies(values: list) -> bool:
+    """Whether the kept inputs of an op's launches are not all the same (a launch whose inputs were
+    too large to keep tells nothing)."""
+    kept = [v for v in values if v and all(t is not None for t in v)]
+    return any(len(v) != len(kept[0]) or any(a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b)
+                                             for a, b in zip(v, kept[0])) for v in kept[1:])
+
+
+def _code(stack: tuple, site: str):
+    return next((code for code, line in reversed(stack) if location(code, line) == site), stack[-1][0])
