@@ -1476,3 +1476,119 @@ def test_work_the_reference_does_every_step_and_the_runner_did_once_at_capture_i
         return
     assert finding.kind == "warmup-divergence" and function_of(finding.location) == "hoist", finding
     assert "none once replays began" in finding.evidence, finding
+
+
+def shifted(x, pos, w):
+    return (x + pos[:, None]) @ w
+
+
+class CaptureOnCall:
+    """A wrapper that captures on the first call of each shape and replays for that call too (as
+    HPU's ``wrap_in_hpu_graph`` does): static ``x`` and ``pos``, cloned from the first call."""
+
+    def __init__(self, w):
+        self.w, self.graphs = w, {}
+
+    def __call__(self, x, pos):
+        if x.shape not in self.graphs:
+            static = {"x": x.clone(), "pos": pos.clone()}
+            events.static_buffers("wrapper", static)
+            g = new_graph("cpu")
+            with graph(g, name=f"rows {x.shape[0]}"):
+                out = shifted(static["x"], static["pos"], self.w)
+            self.graphs[x.shape] = (g, static, out)
+        g, static, out = self.graphs[x.shape]
+        static["x"].copy_(x)
+        static["pos"].copy_(pos)
+        events.serve(g, x.shape[0], x.shape[0], padded={}, outputs=out,
+                     eager=lambda: shifted(static["x"], static["pos"], self.w))
+        g.replay()
+        return out.clone()
+
+
+def test_a_capture_replayed_for_its_own_dummy_call_is_no_step_of_the_reference():
+    """The served run warms the wrapper up with a dummy call (zeros, the real steps' positions),
+    which captures and replays; the run without graphs makes no dummy call. Aligned by the count,
+    the dummy replay would be the reference's first step, which shares its positions and not its
+    data: a finding on a correct runner. Its inputs are the capture's own, so it is no step."""
+    def workload():
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(3, 3, generator=gen)
+        pos = torch.arange(2.0)
+        xs = [torch.randn(2, 3, generator=gen) for _ in range(3)]
+        with events.reference():
+            expected = [shifted(x, pos, w) for x in xs]
+        wrapper = CaptureOnCall(w)
+        wrapper(torch.zeros(2, 3), pos)                    # warm-up: the dummy call captures
+        got = [wrapper(x, pos) for x in xs]
+        events.results(expected, got)
+        return expected, got
+    expected, got = workload()
+    assert all(torch.equal(e, g) for e, g in zip(expected, got))
+    report = doctor.diagnose(workload)
+    assert report.findings == [] and report.clean, report
+
+
+def embed_token(tok, table):
+    return table[tok]
+
+
+def decode_head(x, cache, w):
+    return (x + cache) @ w
+
+
+class BoundCacheDecoder:
+    """Static ``tok``, read only by the embedding, outside ``decode_head`` (the graph's root, which
+    the run without graphs calls once a step): no static input ties a replay to its step. The graph
+    binds the cache of the ``generate`` that captured it; ``bug`` keeps the graph for later calls,
+    each with a fresh cache, ``fix`` drops it at the end of each call."""
+
+    def __init__(self, table, w, variant: str):
+        self.table, self.w, self.variant, self.graph = table, w, variant, None
+        self.tok = torch.zeros(1, dtype=torch.long)
+        events.static_buffers("decoder", {"tok": self.tok})
+
+    def forward(self):
+        return decode_head(embed_token(self.tok, self.table), self.cache, self.w)
+
+    def step(self, tok):
+        if self.graph is None:
+            self.graph = new_graph("cpu")
+            with graph(self.graph, name="decode"):
+                self.out = self.forward()
+        self.tok.copy_(tok)
+        events.serve(self.graph, 1, 1, padded={}, outputs=self.out, eager=self.forward)
+        self.graph.replay()
+        return self.out.clone()
+
+    def generate(self, prompt, toks):
+        if self.graph is None:
+            self.cache = prompt.clone()               # this call's cache, which a capture binds
+        outs = [self.step(t) for t in toks]
+        if self.variant == "fix":
+            self.graph = None
+        return outs
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_replay_no_static_input_ties_to_a_step_is_aligned_by_the_count(variant):
+    """Nothing under the root is a static input, so each replay is compared with the reference's
+    call at the served run's count: the second ``generate``'s replays read the first call's cache,
+    a tensor the graph only reads, where the run without graphs reads the new one. (Had the second
+    call repeated the first one's tokens, its replays would give the first call's answers, which a
+    call near the count gives too: the count is then no evidence, and nothing is claimed.)"""
+    def workload():
+        gen = torch.Generator().manual_seed(0)
+        table, w = torch.randn(5, 3, generator=gen), torch.randn(3, 3, generator=gen)
+        prompts = [torch.randn(1, 3, generator=gen) for _ in range(2)]
+        toks = [[torch.tensor([1]), torch.tensor([3])], [torch.tensor([2]), torch.tensor([4])]]
+        with events.reference():
+            expected = [decode_head(embed_token(t, table), p, w) for p, ts in zip(prompts, toks) for t in ts]
+        decoder = BoundCacheDecoder(table, w, variant)
+        got = [o for p, ts in zip(prompts, toks) for o in decoder.generate(p, ts)]
+        events.results(expected, got)
+        return expected, got
+    finding = _finding(workload, variant)
+    if finding is None:
+        return
+    assert finding.kind == "warmup-divergence" and "call 3 of decode_head" in finding.evidence, finding

@@ -232,6 +232,7 @@ class Doctor(RunnerEvents):
         derived.captured(self, info)
         if self.reference is not None:
             self.reference.coverage.captured(info)
+            self.reference.capture_ended(info)
         unread.capture_end(self, info)
         self.copied.clear()
         self.copied_lines.clear()

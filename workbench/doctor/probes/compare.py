@@ -4,11 +4,16 @@ then the state each wrote, then memory only the eager run wrote (``differential`
 outputs with what the workload's run without graphs returned at the same step (``reference``)."""
 from __future__ import annotations
 
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
 from ...engine.opinfo import tensors
 from ..records import unwritten_blocks
 from ..rules.pool import block
 from ..tensors import announced_of, disagrees, max_abs_diff, real_rows
 from .reference_causes import rows_like
+
+_NEAR = 32          # reference calls either side of the served run's count that may have given a replay's answer
 
 
 def rows_of(out, real: int, size: int, owned: bool = False) -> list | None:
@@ -87,3 +92,37 @@ def differs_from(got: list, expected: list | None) -> tuple | None:
         if g is not None and bool(disagrees(g := rows_like(g, e), e).any()):
             return i, max_abs_diff(g, e)
     return None
+
+
+def paired(got: list, expected: list | None) -> tuple:
+    """A replay's outputs and what a reference call returned, paired: the announced ones of a call
+    that returned more, the root's own of a graph that hands out more (``root_outputs``)."""
+    if expected is not None and len(expected) > len(got):
+        return got, announced_of(got, expected)
+    if expected is not None and len(expected) < len(got):
+        return root_outputs(got, expected)
+    return got, expected
+
+
+def calls_near(calls: list, k: int) -> list:
+    """The reference's calls of a root around the served run's count, but the k-th itself: where no
+    static input ties a replay to its step, one of them giving the replay's answer means the count
+    missed (the run without graphs made other calls: a dummy step, a layer's call of the root)."""
+    return [n for c, n in enumerate(calls) if c != k and abs(c - k) <= _NEAR]
+
+
+def verdict(reference: list, served: list) -> tuple[tuple, tuple | None]:
+    """A workload's own comparison of its results (``events.results``): its first result that
+    differs from the reference run's, as (index, max |diff|), or () when all agree; and the
+    (served, reference) shapes of that result where they differ."""
+    if len(reference) != len(served):
+        return (len(served), float("inf")), None
+    with _disable_current_modes():
+        for i, (e, g) in enumerate(zip(reference, served)):
+            if not (isinstance(e, torch.Tensor) and isinstance(g, torch.Tensor)):
+                continue
+            if e.shape != g.shape:
+                return (i, float("inf")), (tuple(g.shape), tuple(e.shape))
+            if bool(disagrees(g.cpu(), e.cpu()).any()):
+                return (i, max_abs_diff(g.cpu().double(), e.cpu().double())), None
+    return (), None

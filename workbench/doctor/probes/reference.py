@@ -14,7 +14,11 @@ the zoo kit's ``compare`` does); under ``diagnose`` the doctor records it:
 
 A graph's *root* is the outermost function of its captured code that the reference also called
 (the model's forward, under the runner's lambda). The k-th step that runs the root in the served
-run -- eagerly, or as a replay of a graph with that root -- is the reference's k-th call of it.
+run -- eagerly, or as a replay of a graph with that root -- is near the reference's k-th call of
+it: the static inputs the replay reads pick the call among those near it (``_step``). Where the
+root reads no static input, the count alone picks it, and a replay that gives the answer of a call
+near the count is not said to differ (the count missed: the run without graphs made a dummy call).
+A first replay whose inputs hold what the capture read is the capture's own batch, no step.
 Where a replay's real rows differ from what that call returned, the doctor looks for why, with
 the same step on both sides (``reference_causes.py``):
 
@@ -51,8 +55,10 @@ first cause (a static input) is looked for (the other pieces' ops are not beside
 At the end, where no rule found anything: a result of the workload with a padded replay's rows
 where the reference has the real ones is ``padded-shape-mismatch`` at the line that replayed it;
 a tensor eager code computed from a graph's output, read again after a replay rewrote that
-output, is ``stale-input`` where it was computed (``rules/reused.py``); and a served run that
-failed or differs is compared with the reference line by line (``coverage.py``).
+output, is ``stale-input`` where it was computed (``rules/reused.py``); a served run that
+failed or differs is compared with the reference line by line (``coverage.py``); and one that
+differs, op by op: work the reference does at every step, which the served run did only while it
+prepared a graph that reads its result, is ``warmup-divergence`` where it was done (``dropped.py``).
 
 Only a graph no other rule has a finding for gets one (one failure, one finding). A replay whose
 outputs agree with the reference gives none, whatever its trace: a graph that launches more work
@@ -76,8 +82,8 @@ from ..records import Op, unwritten_blocks
 from ..report import Finding
 from ..rules import reused
 from ..rules.pool import block
-from ..tensors import announced_of, disagrees, host_only, max_abs_diff, real_rows, signature
-from .compare import comparable, differs_from, root_outputs
+from ..tensors import host_only, real_rows, signature
+from .compare import calls_near, comparable, differs_from, paired, verdict
 from .coverage import Coverage
 from .dropped import Dropped
 from .eager_trace import number_origin
@@ -131,6 +137,7 @@ class Reference:
         self.span: tuple | None = None            # (Pending, first piece) of the PIECEWISE step being replayed
         self.number = 0                           # the last call number given
         self.views: dict[tuple, str] = {}         # (storage, offset, shape, stride) -> the line that took the view
+        self.captured_with: dict[int, dict] = {}  # id(GraphInfo) -> static-input views' values at capture, to its 1st replay
         self.coverage = Coverage()                # the lines each run ran (``coverage.py``)
         self.dropped = Dropped()                  # the served run's eager launches (``dropped.py``)
 
@@ -209,6 +216,8 @@ class Reference:
             buf = doctor.buffer(key := storage_key(t))
             if buf is not None and buf.role == "input":
                 views.append((j, buf, key, t.storage_offset(), tuple(t.shape), t.stride()))
+                if t.numel() <= _SMALL:           # what the capture's own batch gave it: kept at its end
+                    self.captured_with.setdefault(id(info), {})[(len(info.paths), j)] = t
         bound = []                               # small tensors it only references: (position, storage, geometry)
         for j, t in enumerate(op_tensors(args, kwargs)):
             key = storage_key(t)
@@ -220,6 +229,13 @@ class Reference:
         origins = {v: number_origin((v,), opened) or info.returned_numbers.get(v)
                    for v in plain} if opened is not None else {}
         info.paths.append((len(info.ops), path, tuple(views), origins, tuple(bound)))
+
+    def capture_ended(self, info) -> None:
+        """Copies of what the capture's static-input views held (a copy made during a CUDA capture
+        would be a node of the graph, run only at replay)."""
+        with _disable_current_modes():
+            kept = self.captured_with.get(id(info), {})
+            kept.update((view, t.clone()) for view, t in kept.items())
 
     def replay_begin(self, doctor, info) -> None:
         pending = info.pending
@@ -234,6 +250,7 @@ class Reference:
         code, under = root
         k = self.served.get(code, 0) + self.replayed.get(code, 0)
         self.replayed[code] = self.replayed.get(code, 0) + 1
+        captured_with = self.captured_with.pop(id(info), {})
         if info.name in self.found or _capture_batch(info):
             return
         first_write: dict = {}                   # a buffer the graph writes is its input only until then
@@ -248,6 +265,9 @@ class Reference:
                     t = buf.ref()
                     if t is not None and storage_key(t) == key and first_write.get(key, at) >= at:
                         values[(i, j)] = (buf, t.as_strided(shape, stride, offset).clone(), (shape, stride, offset))
+            if values and all(torch.equal(captured_with.get(view, now.new_empty(0)), now)
+                              for view, (_, now, _) in values.items()):
+                return                           # the capture's own batch again, rewritten with the same data
         self.at_replay[id(info)] = (k, values, (user_frame(), decider(user_frames())))
 
     def replay_end(self, doctor, info, pending) -> None:
@@ -269,17 +289,18 @@ class Reference:
                 return
             number, ref, compared = match
             blank = unwritten_blocks(info, pending)
-            got = [None if block(o) in blank else real_rows(o, pending.real, pending.size)
-                   for o in tensors(pending.outputs)]
-            expected = self.returned_values.get((code, number))
-            if expected is not None and len(expected) > len(got):
-                expected = announced_of(got, expected)
-            elif expected is not None and len(expected) < len(got):
-                got, expected = root_outputs(got, expected)
+            outputs = [None if block(o) in blank else real_rows(o, pending.real, pending.size)
+                       for o in tensors(pending.outputs)]
+            got, expected = paired(outputs, self.returned_values.get((code, number)))
             differs = differs_from(got, expected)
             if differs is None:
                 pending.agreed = comparable(got, expected)
                 return
+            if compared is None:                 # aligned by the count alone: a guess, which a near call may beat
+                near = calls_near(self.calls[code], k)
+                if any(differs_from(*paired(outputs, self.returned_values.get((code, n)))) is None for n in near):
+                    return
+                compared = []
         _release(doctor, info.held, info.held_state)   # what earlier replays' probes found, now borne out
         with _disable_current_modes():           # a PIECEWISE step's other pieces are not in ``ops``: no trace
             found = static_input(self.writers, info, compared) or narrower(ops, under, ref, values, self.views) or (
@@ -308,6 +329,9 @@ class Reference:
         replay to the step that wrote it (a block table left from another request whose token and
         position this step happens to repeat)."""
         best, calls = None, self.calls[code]
+        if not values and k < len(calls):         # no static input under the root: the count is all there is
+            number = calls[k]
+            return number, self._ops_of(code, number), None
         for c, number in sorted(enumerate(calls), key=lambda e: abs(e[0] - k))[:_CANDIDATES]:
             ref = self._ops_of(code, number)
             compared = compare_views(ops, under, ref, values)
@@ -329,22 +353,8 @@ class Reference:
         return self.by_call[1].get(number, [])
 
     def results(self, reference: list, served: list) -> None:
-        """The workload's verdict (``events.results``): its first result that differs from the
-        reference run's, as (index, max |diff|), or () when all agree."""
-        if len(reference) != len(served):
-            self.verdict = (len(served), float("inf"))
-            return
-        with _disable_current_modes():
-            for i, (e, g) in enumerate(zip(reference, served)):
-                if not (isinstance(e, torch.Tensor) and isinstance(g, torch.Tensor)):
-                    continue
-                if e.shape != g.shape:
-                    self.verdict, self.misshaped = (i, float("inf")), (tuple(g.shape), tuple(e.shape))
-                    return
-                if bool(disagrees(g.cpu(), e.cpu()).any()):
-                    self.verdict = (i, max_abs_diff(g.cpu().double(), e.cpu().double()))
-                    return
-        self.verdict = ()
+        """The workload's verdict (``events.results``): ``compare.verdict``."""
+        self.verdict, self.misshaped = verdict(reference, served)
 
     def conclude(self, doctor) -> None:
         """Findings for the graphs that no other rule found anything in; the replays that differ from
@@ -415,8 +425,8 @@ def _only_read(buf) -> bool:
 
 def _capture_batch(info) -> bool:
     """Whether this is a graph's first replay with nothing written into its static inputs since the
-    capture (differential replay notes the writes, ``info.step``): the capture's own dummy batch
-    replayed, which is no step of the reference."""
+    capture (``info.step``): the capture's own dummy batch replayed, which is no step of the
+    reference (rewritten with the values the capture read, it is too: ``captured_with``)."""
     if info.replays or info.step is None:
         return False
     with _disable_current_modes():
