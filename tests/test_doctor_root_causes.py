@@ -8,6 +8,7 @@ import torch
 
 from workbench import doctor
 from workbench.engine import graph, graph_pool_handle, host, new_graph
+from workbench.engine.source import function_of
 
 from test_doctor_mechanisms import Manager, rows
 
@@ -54,6 +55,54 @@ def test_an_attribute_rebound_by_the_step_is_host_work_frozen():
         assert finding.kind == "host-work-frozen" and finding.numbers["rebound"] == 1
         assert finding.tensor.startswith("Keeps.hidden: float32[2, 4]")
         assert "h = self.x[:size] * 2" in finding.source       # the op that made the new value
+
+
+# ------------------------------------------------------------------ a cursor Python advances each step
+class Cursor:
+    """A ring-buffer cursor: ``read`` scales the input by it, ``advance`` moves it on. As a host int
+    (the bug) a replay keeps the capture's value; as a one-element tensor advanced in place it moves."""
+
+    def __init__(self, on_device: bool):
+        self.x, self.on_device = torch.zeros(2, 4), on_device
+        self.idx = torch.zeros(1) if on_device else 0
+
+    def read(self, size):
+        return self.x[:size] * self.idx                 # the number reaches the op straight from the attribute
+
+    def advance(self):
+        if self.on_device:
+            self.idx.copy_((self.idx + 1) % 3)
+        else:
+            self.idx = (self.idx + 1) % 3
+
+    def forward(self, size):
+        out = self.read(size)
+        self.advance()
+        return out
+
+
+def test_a_number_python_advances_each_step_is_named_where_it_advances():
+    """The replay launches the scale with the capture's number and the eager step with this step's;
+    no frame of the step holds that number in a variable of its own, and the eager step rebinds a
+    number the replay leaves alone: ``host-work-frozen`` at ``advance``, where the cursor moves."""
+    for on_device in (False, True):
+        def workload():
+            model = Cursor(on_device)
+            m = Manager(model.forward, [2], {"x": model.x})
+            m.capture()
+            if on_device:                                # the warmup and the capture moved it: start over
+                model.idx.zero_()
+            else:
+                model.idx = 0
+            for step in range(3):
+                model.x.copy_(rows(2, seed=step))
+                m.replay(2)
+        report = doctor.diagnose(workload)
+        if on_device:
+            assert report.findings == [], report
+            continue
+        finding = next(f for f in report.findings if f.kind == "host-work-frozen")
+        assert function_of(finding.location) == "advance" and "self.idx = (self.idx + 1) % 3" in finding.source, finding
 
 
 # ------------------------------------------------------------------ dummy batches write what real steps read

@@ -236,12 +236,14 @@ def first_line(error: BaseException) -> str:
 
 
 def device_to_host(func, args, kwargs) -> bool:
-    """A copy from a CUDA tensor to host memory (``.cpu()``, ``.to("cpu")``)."""
+    """A copy from a CUDA tensor to host memory that waits for it (``.cpu()``, ``.to("cpu")``). A
+    ``copy_(..., non_blocking=True)`` into pinned memory does not wait: a capture records it as a
+    copy node, which each replay runs."""
     if func is aten._to_copy.default:
         device = kwargs.get("device")
         return args[0].is_cuda and device is not None and torch.device(device).type == "cpu"
     if func is aten.copy_.default:
-        return args[1].is_cuda and not args[0].is_cuda
+        return args[1].is_cuda and not args[0].is_cuda and not (non_blocking(args, kwargs) and args[0].is_pinned())
     return False
 
 

@@ -254,13 +254,13 @@ def _made_as_at_capture(info, pending, run, new) -> bool:
 
 
 def _host_work(doctor, info, pending, replayed: dict, rng_after, run, only: set | None = None) -> tuple | None:
-    """(container's name, what changed, where) for the first Python container the eager step
-    changed and the replay left alone (a queue drained, a counter moved), found by running the
-    step once more, traced (``only``: among the containers of these ids, changed by a function the
-    capture also ran in -- that ran an op there, or, under ``diagnose``'s tracer, any line: host
+    """(container's name, what changed, where, whether it rebinds a number) for the first Python
+    container the eager step changed and the replay left alone (a queue drained, a counter moved),
+    found by running the step once more, traced (``only``: among the containers of these ids,
+    changed by a function the capture also ran in -- that ran an op there, or, under ``diagnose``'s tracer, any line: host
     work a path outside the capture does for itself, such as growing a cache only eager code uses,
     is not the graph's)."""
-    for container, label, change in run.host:
+    for container, label, change, number in run.host:
         if only is not None and id(container) not in only:
             continue
         kept = next((entry for entry in pending.host if entry[0] is container), None)
@@ -269,7 +269,7 @@ def _host_work(doctor, info, pending, replayed: dict, rng_after, run, only: set 
             if again.host_line is not None and (only is None or any(
                     again.host_code in p.called or any(code is again.host_code for code, _ in p.lines_run)
                     for p in pending.span or (info,))):
-                return label, change, again.host_line
+                return label, change, again.host_line, number
     return None
 
 
@@ -348,7 +348,8 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
         captured_state.give_back(given)
         changed = pystate.differ(pending.replayed_host)
         run.rebound = pystate.changes(changed, run.new if run.seen else None)
-        run.host = [(entry[0], entry[1], pystate.what_changed(entry)) for entry in changed]
+        run.host = [(entry[0], entry[1], pystate.what_changed(entry), pystate.rebinds_number(entry))
+                    for entry in changed]
         run.settings = pystate.settings(changed)
         pystate.put_back(changed)
     return run, got, error

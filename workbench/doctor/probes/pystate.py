@@ -266,6 +266,12 @@ def what_changed(entry) -> str:
     return f"changes {label} ({len(was)} -> {len(now)} item(s))"
 
 
+def rebinds_number(entry) -> bool:
+    """Whether the change (``differ``'s entry) binds a key or attribute that held a plain number to
+    another number: a cursor or counter Python advances each step."""
+    return any(type(old) in (int, float) and type(new) in (int, float) for *_, old, new in _rebinds([entry]))
+
+
 def short(value) -> str:
     text = repr(value) if not isinstance(value, torch.Tensor) else f"a tensor {tuple(value.shape)}"
     return text if len(text) <= 40 else text[:37] + "..."

@@ -32,7 +32,9 @@ from . import pystate
 
 def classify(doctor, info, pending, what: tuple, divergence, run, host: tuple | None = None) -> None:
     """A finding for a replay whose outputs or state differ from the eager step's (``what``).
-    ``host``: (name, what changed, where) of Python state the eager step changed and the replay did not."""
+    ``host``: (name, what changed, where, whether it rebinds a number) of Python state the eager step
+    changed and the replay did not: where a number baked into the graph has no known origin, a number
+    the step's Python rebinds is named as that origin."""
     text, numbers, key = what
     handed = next(((k, e) for k, e in info.externals.items() if e.host_copy and k in doctor.touched), None)
     if handed is not None:
@@ -51,8 +53,14 @@ def classify(doctor, info, pending, what: tuple, divergence, run, host: tuple | 
     else:
         kind, op, tensor, site = _parted(doctor, info, divergence, run)
         numbers = {**numbers, "launch": divergence.index + 1, "how": divergence.how}
+        if divergence.how == "arguments" and divergence.origin is None and host is not None and host[3]:
+            # a number no frame of the step holds, beside a number the step's Python rebinds each step
+            _, change, line, _ = host
+            op = dataclasses.replace(op, source=line)
+            site += (f" The eager step {change} at {line}: host bookkeeping a replay never runs, so the number "
+                     "it advances stays as the capture left it.")
     if kind == "warmup-divergence" and host is not None:
-        tensor, change, line = host
+        tensor, change, line, _ = host
         kind, op = "host-work-frozen", Op("-", line)
         site = (f"{site} The eager step {change} at {line}; a replay runs no Python, so that host work ran once, "
                 "at capture, and what it decided then is what every replay repeats.")
@@ -138,7 +146,7 @@ def rebound(doctor, info, pending, changed: list, run) -> None:
 def host_set(doctor, info, pending, settings: list, host: tuple) -> None:
     """Outputs and state agree, but the eager step set Python values that the replay leaves as they
     are: host work inside the captured region that ran once, at capture (``pystate.settings``)."""
-    _, change, line = host
+    _, change, line, _ = host
     names = ", ".join(f"{where} ({pystate.short(old)} -> {pystate.short(new)})" for _, where, old, new in settings[:3])
     names += ", ..." if len(settings) > 3 else ""
     text = f"outputs and state agree, but the eager step sets {names}, which the replay leaves as it found them"
