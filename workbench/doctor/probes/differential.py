@@ -257,9 +257,9 @@ def _host_work(doctor, info, pending, replayed: dict, rng_after, run, only: set 
     """(container's name, what changed, where, whether it rebinds a number) for the first Python
     container the eager step changed and the replay left alone (a queue drained, a counter moved),
     found by running the step once more, traced (``only``: among the containers of these ids,
-    changed by a function the capture also ran in -- that ran an op there, or, under ``diagnose``'s tracer, any line: host
-    work a path outside the capture does for itself, such as growing a cache only eager code uses,
-    is not the graph's)."""
+    changed by a function the capture also ran in -- that ran an op there, or, under ``diagnose``'s
+    tracer, any line: host work a path outside the capture does for itself, such as growing a cache
+    only eager code uses, is not the graph's)."""
     for container, label, change, number in run.host:
         if only is not None and id(container) not in only:
             continue

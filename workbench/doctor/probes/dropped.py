@@ -58,12 +58,12 @@ class Dropped:
                 served[(op.name, op.source)] += info.replays + 1         # (its capture ran it too)
         short = [(n - served[key], key) for key, n in launched.items()
                  if n > served[key] and key in self.last and not self.replaying[key]]
+        called = set(reference.calls)
         for _, key in sorted(short, key=lambda e: -e[0]):
             readers = _readers(doctor, key, self.last[key][1])
             if not readers or not _varies([tuple(v for j, v in enumerate(s.values) if j not in s.overwritten)
                                            for s in reference.steps if (s.op.name, s.op.source) == key]):
                 continue
-            called = set(reference.calls)
             stack = self.last[key][0]
             site = next((location(code, line) for code, line in reversed(stack) if code not in called), key[1])
             name, source = key

@@ -137,7 +137,7 @@ class Reference:
         self.span: tuple | None = None            # (Pending, first piece) of the PIECEWISE step being replayed
         self.number = 0                           # the last call number given
         self.views: dict[tuple, str] = {}         # (storage, offset, shape, stride) -> the line that took the view
-        self.captured_with: dict[int, dict] = {}  # id(GraphInfo) -> static-input views' values at capture, to its 1st replay
+        self.captured_with: dict[int, dict] = {}  # id(GraphInfo) -> its static-input views' values at capture
         self.coverage = Coverage()                # the lines each run ran (``coverage.py``)
         self.dropped = Dropped()                  # the served run's eager launches (``dropped.py``)
 
@@ -177,11 +177,11 @@ class Reference:
         if func.is_view or func.overloadpacket not in _LIFTS and host_only(inputs, cuda=False):
             return                                # no launch (a view), or host work: in no graph's trace either
         path = tuple((f.f_code, self.call.get(id(f)), f.f_lineno) for f in reversed(user_frames()))
+        written = {id(w) for w in written_tensors(func, args, kwargs)} if overwrites(func, args, kwargs) else ()
         self.steps.append(Step(Op(str(func), location(path[-1][0], path[-1][2]) if path else "<unknown>",
                                   sig=signature(func, args, kwargs)),
                                path, tuple(self._keep(t) for t in inputs),
-                               tuple(j for j, t in enumerate(inputs) if any(t is w for w in written_tensors(
-                                   func, args, kwargs))) if overwrites(func, args, kwargs) else ()))
+                               tuple(j for j, t in enumerate(inputs) if id(t) in written)))
 
     def _keep(self, t: torch.Tensor, always: bool = False) -> torch.Tensor | None:
         if not isinstance(t, torch.Tensor) or (not always and t.numel() > _SMALL) or t.numel() > self.budget:
@@ -234,8 +234,8 @@ class Reference:
         """Copies of what the capture's static-input views held (a copy made during a CUDA capture
         would be a node of the graph, run only at replay)."""
         with _disable_current_modes():
-            kept = self.captured_with.get(id(info), {})
-            kept.update((view, t.clone()) for view, t in kept.items())
+            if (views := self.captured_with.get(id(info))) is not None:
+                self.captured_with[id(info)] = {view: t.clone() for view, t in views.items()}
 
     def replay_begin(self, doctor, info) -> None:
         pending = info.pending
