@@ -376,7 +376,9 @@ def test_dangling_reference_is_recorded_and_the_engine_then_raises():
     assert finding.graph == "matmul"
     assert finding.op == "aten.mm.default"
     assert finding.tensor == "float32[3, 3]"
-    assert finding.location == where(capture_matmul, "out = x @ w")
+    # the finding stands where the weight was let go; the read the replay would fault on is in the evidence
+    assert finding.location == where(test_dangling_reference_is_recorded_and_the_engine_then_raises, "del w")
+    assert f"through aten.mm.default at {where(capture_matmul, 'out = x @ w')}" in finding.evidence
     assert f"created at {where(gathered_weight, 'torch.randn(3, 3) * 1')}" in finding.evidence
     assert finding.numbers == {"replays_before": 1}
 
@@ -409,8 +411,9 @@ def test_a_dangling_reference_is_named_where_the_capture_took_its_address_and_sa
             g.replay()
     (finding,) = report.findings
     assert finding.kind == "dangling-reference" and finding.op == "aten.slice.Tensor"
-    assert finding.location == where(Residual.zero_residual, "return self.buf[:x.numel()].view_as(x)")
-    released = where(Residual.zero_residual, "self.buf = torch.zeros(x.numel())")    # and where it went
+    released = where(Residual.zero_residual, "self.buf = torch.zeros(x.numel())")    # where it went,
+    read = where(Residual.zero_residual, "return self.buf[:x.numel()].view_as(x)")  # and where the graph took it
+    assert finding.location == released and f"through aten.slice.Tensor at {read}" in finding.evidence
     assert f"released at {released}" in finding.evidence and f"released it at {released}" in finding.cause
 
 
@@ -465,7 +468,9 @@ def test_guard_stops_the_replay_before_it_reads_released_memory():
             g.replay()
     assert g.replays == 1 and torch.equal(out, before)         # the replay did not run
     assert caught.value.finding is report.findings[0]
-    assert caught.value.finding.location == where(capture_matmul, "out = x @ w")
+    assert caught.value.finding.location == where(test_guard_stops_the_replay_before_it_reads_released_memory,
+                                                  "del w")
+    assert where(capture_matmul, "out = x @ w") in str(caught.value)                   # what it would read
     assert where(gathered_weight, "torch.randn") in str(caught.value)
 
 

@@ -935,9 +935,9 @@ def test_a_static_input_no_graph_reads_is_noted(variant):
     report = doctor.diagnose(workload)
     assert report.findings == [], report
     noted = [n for n in report.notes if "no graph reads embeds" in n]
-    assert bool(noted) == (variant == "bug"), report.notes
+    assert len(noted) == (variant == "bug"), report.notes            # one note, however many replays
     if noted:
-        assert "with graph(g, pool=self.pool" in noted[0]
+        assert "with graph(g, pool=self.pool" in noted[0] and "(24 element(s) of new data before 2 replays" in noted[0]
 
 
 class _Batch:
@@ -1710,8 +1710,8 @@ def test_a_graph_warmed_up_and_captured_on_a_worker_thread_is_watched(kept):
         assert report.findings == [], report
         return
     (finding,) = report.findings
-    assert finding.kind == "dangling-reference" and "local.workspace.copy_(x * 2)" in finding.source, finding
-    assert "del local.workspace" in finding.evidence, finding
+    assert finding.kind == "dangling-reference" and "del local.workspace" in finding.source, finding
+    assert "local.workspace.copy_(x * 2)" in finding.evidence, finding
 
 
 def test_a_worker_thread_whose_warmup_never_ended_is_left_alone_after_the_watch(monkeypatch):

@@ -376,6 +376,35 @@ def test_eager_code_failing_on_padded_and_real_rows_is_padded_shape_mismatch(com
     assert "its outputs have 4 rows" in finding.cause and "built for the 3 real rows" in finding.cause
 
 
+def launch(query, cu_lengths):
+    """A kernel launcher's host check (TND layout): the query's tokens end where the lengths do."""
+    if query.shape[0] != cu_lengths[-1]:
+        raise RuntimeError(f"tiling failed: queryT ({query.shape[0]}) != last length ({cu_lengths[-1]})")
+
+
+def update_params(query, cu_lengths):
+    """Before a replay: the captured task is launched again with this step's metadata."""
+    launch(query, cu_lengths)
+
+
+@pytest.mark.parametrize("tokens, last, found", [(4, 3, True), (4, 4, None), (5, 6, False)])
+def test_a_count_check_failing_on_a_graphs_size_and_the_real_count_before_its_replay(tokens, last, found):
+    """Before a padded replay, the launcher is given the graph's padded query (4 tokens) and lengths
+    that stop at the real requests (3): ``padded-shape-mismatch`` at the check. Lengths padded to
+    the graph's size do not fail; counts of which neither is a graph's size are no padding."""
+    q = torch.zeros(4, 2)
+
+    def workload():
+        captured(lambda: q * 2, {"q": q})
+        update_params(q if tokens == 4 else torch.zeros(tokens, 2), list(range(1, last + 1)))
+    report = doctor.diagnose(workload)
+    assert report.headline().startswith("Graph doctor: the workload failed: RuntimeError") == (found is not None)
+    mismatch = report.of("padded-shape-mismatch")
+    assert bool(mismatch) == bool(found), report
+    if found:
+        assert mismatch[0].location.endswith("in launch") and mismatch[0].numbers == {"size": 4, "real": 3}
+
+
 def test_a_failure_the_workload_catches_itself_is_found_by_diagnose_and_the_fix_is_clean():
     def workload(variant):
         m = Mixer()

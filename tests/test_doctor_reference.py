@@ -1592,3 +1592,59 @@ def test_a_replay_no_static_input_ties_to_a_step_is_aligned_by_the_count(variant
     if finding is None:
         return
     assert finding.kind == "warmup-divergence" and "call 3 of decode_head" in finding.evidence, finding
+
+
+class Rope:
+    """A position table warmed up for 4 positions and grown lazily for longer sequences."""
+
+    def __init__(self):
+        self.table = torch.arange(4.0)
+
+    def get(self, positions: int) -> torch.Tensor:
+        if positions > self.table.numel():
+            self.table = torch.arange(float(positions)) * 0.5       # (inside a capture: recorded, never run)
+        return self.table
+
+
+def decode(rope: Rope, x: torch.Tensor) -> torch.Tensor:
+    return rope.get(2)[:2] * x
+
+
+def _rope_steps(variant: str):
+    """A graph traced once at the longest length to size memory (``bug``: it grows the table inside
+    that trace) and discarded unreplayed; the decode graph then reads the module's table."""
+    from workbench.zoo.kit import capture, compare, replay
+
+    xs = [torch.randn(2, generator=torch.Generator().manual_seed(20 + i)) for i in range(3)]
+
+    def served():
+        rope, x = Rope(), torch.zeros(2)
+        if variant == "bug":
+            estimate, _ = capture(lambda: rope.get(8)[:2] * x, device="cpu", static={"x": x}, warmups=0,
+                                  name="estimate")
+            del estimate
+        g, out = capture(lambda: decode(rope, x), device="cpu", static={"x": x}, warmups=0, name="decode")
+        outs = []
+        for step in xs:
+            x.copy_(step)
+            outs.append(replay(g, out).clone())
+        return outs
+
+    def eager():
+        rope = Rope()
+        return [decode(rope, step) for step in xs]
+
+    return lambda: compare("rope", variant, "cpu", served, eager)
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_tensor_a_discarded_capture_made_and_no_kernel_computed_is_named_where_it_was_made(variant):
+    """The decode graph reads a table another capture made and bound on the module; that graph never
+    replayed, so nothing computed it, and the run without graphs reads its warmed-up table:
+    ``warmup-divergence`` at the line that made it inside that capture."""
+    finding = only_finding(_rope_steps(variant), variant)
+    if finding is None:
+        return
+    assert finding.kind == "warmup-divergence" and function_of(finding.location) == "get"
+    assert "self.table = torch.arange(float(positions)) * 0.5" in finding.source
+    assert "the capture of estimate made it" in finding.evidence and "never replayed" in finding.evidence

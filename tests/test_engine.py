@@ -616,3 +616,20 @@ def test_the_upload_guard_refuses_python_data_copied_to_a_gpu_and_nothing_else()
             torch.tensor(3, device=torch.device("cuda", 0))
         assert torch.tensor([1, 2], device="cpu").tolist() == [1, 2]
         assert torch.as_tensor(torch.ones(2), device="cpu").shape == (2,)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_the_engine_says_a_capture_is_open_on_either_backend(device):
+    """``is_capturing()`` answers for a real CUDA capture too: code that skips its host work while
+    capturing must skip it on a GPU as on the emulation (on CUDA, a host copy of pageable memory
+    inside a capture is refused)."""
+    from workbench.engine import is_capturing
+
+    seen = []
+    g, x = new_graph(device), torch.ones(3, device=device)
+    assert not is_capturing()
+    with graph(g):
+        seen.append(is_capturing())
+        y = x * 2
+    g.replay()
+    assert seen == [True] and not is_capturing() and y.sum().item() == 6.0

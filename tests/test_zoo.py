@@ -181,7 +181,7 @@ def test_eager_diff_and_doctor_on_known_programs():
     imp = zoo.program("imp_1648_per_step_metadata_alloc")
     assert detectors.eager_diff(imp, "bug").found and not detectors.eager_diff(imp, "fix").found
     d = detectors.doctor_detector(imp, "bug")
-    assert d.found and d.kind == "dangling-reference" and d.site.endswith(" in decode")
+    assert d.found and d.kind == "dangling-reference" and d.site.endswith(" in prepare")   # where the old buffer went
     assert not detectors.doctor_detector(imp, "fix").found
 
 
@@ -203,7 +203,7 @@ def test_benchmark_table_summary_and_figures(monkeypatch):
     summary = {s["detector"]: s for s in bench.summary(rows)}
     assert summary["eager_diff"]["bugs"] == 2                 # the engine-gap program is left out
     assert summary["eager_diff"]["found"] == 2 and summary["eager_diff"]["right_kind"] == 0
-    assert summary["doctor"]["right_site"] == 2               # imp: decode; warp: solver_step (differential replay)
+    assert summary["doctor"]["right_site"] == 2               # imp: prepare (the release); warp: solver_step (differential replay)
     assert summary["input_liveness"]["findings_on_fixes"] == 0
     assert "| doctor | 2 / 2 |" in bench.markdown(bench.summary(rows))
     assert bench.misses(rows) == ["none: doctor gives every bug its expected kind and no fix a finding"]
@@ -238,7 +238,7 @@ def test_gpu_record_runs_each_program_in_a_child_and_is_json():
     assert row["bug"]["verdict"] == zoo.MISBEHAVES and row["bug"]["error"][0] == "IllegalMemoryAccess"
     assert row["fix"] == {"verdict": zoo.EQUALS, "max_abs_error": 0.0, "error": None,
                           "doctor": {"found": False, "kind": None, "site": None}}
-    assert row["bug"]["doctor"] == {"found": True, "kind": "dangling-reference", "site": "decode"}
+    assert row["bug"]["doctor"] == {"found": True, "kind": "dangling-reference", "site": "prepare"}
     assert json.loads(json.dumps(rec)) == rec and rec["device"] == "cpu"
 
 

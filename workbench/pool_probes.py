@@ -157,7 +157,7 @@ def probe_shared_retained(device: str) -> dict:
 
 
 POOL_REUSE = ("empty_first", "two_graphs_one_reset", "reset", "del", "del_outputs_too", "del_all_empty_cache",
-              "del_empty_cache_output_held")
+              "del_empty_cache_output_held", "first_dropped_output_held")
 
 
 def probe_pool_handle_reuse(device: str) -> dict:
@@ -196,6 +196,11 @@ def _pool_reuse(name: str, device: str) -> str:
                 g1.reset()
             elif name in ("del_outputs_too", "del_all_empty_cache"):
                 del out1
+            elif name == "first_dropped_output_held":    # g1 goes first, its output held; then g2, with its
+                g2, out2 = captured(3)                  # output: the pool's graphs are gone, out1 still holds
+                del g1                                  # a block the pool allocated
+                gc.collect()
+                g1, g2, out2 = g2, None, None
             del g1
             gc.collect()
             if name in ("del_all_empty_cache", "del_empty_cache_output_held") and torch.device(device).type == "cuda":

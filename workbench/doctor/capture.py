@@ -5,6 +5,8 @@ the op runs (host syncs, writes into static buffers, the pool, scatters into sta
 ran that the capture does not)."""
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
@@ -85,6 +87,7 @@ def recorded(doctor, func, args, kwargs, run):
         key = storage_key(o)
         if key not in in_keys and doctor.owner_of(key) is None and not repointed:
             doctor.owned[key] = (StorageWeakRef(o.untyped_storage()), info)
+            info.made[key] = (weakref.ref(o), str(func), source)
             info.created.add(key)
             if func.overloadpacket in ALLOCATIONS:
                 info.unwritten[key] = block(o)

@@ -85,6 +85,7 @@ class Doctor(RunnerEvents):
         self.replay_wrote: dict[int, tuple] = {}    # ... -> (graph, elements its last replay changed)
         self.copy_sources: dict[int, tuple] = {}    # ... -> the tensor the last copy into it took, as it was
         self.unread: dict[int, tuple] = {}          # ... copied, not read by the graph replayed since: held
+        self.unread_noted: dict[tuple, list] = {}   # (graph, input) -> [its note's index, replays, elements]
         self.startup = Startup()                    # what warmups wrote into memory older than them
         self.carried = CarriedInputs()              # what steps wrote into static inputs (differential)
         self.pool = PoolReads()                     # pool memory read across graphs

@@ -161,6 +161,7 @@ class _Tracer:
                 undersized.failed_fit_check(doctor, error, frame)
                 clobbered.failed_check(doctor, error, frame)
                 shapes.failed_size_check(doctor, error, frame)
+                shapes.failed_count_check(doctor, error, frame)
         if watched and (doctor.graphs or doctor.pools or doctor.buffers or doctor.phase != "eager") \
                 and (shapes.explainable(error) or failures.pending(doctor, error)):
             where = f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} in {function_name(frame.f_code)}"

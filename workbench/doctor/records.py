@@ -144,6 +144,8 @@ class GraphInfo:
         self.liveness = Liveness()                  # of the externals, for the check before each replay
         self.writes: dict[int, Op] = {}             # external storage -> first op writing it
         self.created: set[int] = set()              # storages this capture created
+        self.made: dict[int, tuple] = {}            # ... -> (the tensor it made there, which the program may
+                                                    # hold, the op that made it, its line)
         self.unwritten: dict[int, tuple] = {}       # ... by an allocation alone, written by no op of it since: its block
         self.constants: set[int] = set()            # ... of those, Python data lifted in it (host values on CUDA)
         self.foreign: dict[int, tuple] = {}         # storage of another graph's pool -> (graph, op, source, tensor)

@@ -49,6 +49,7 @@ class Pool:
         self._blocks: dict[int, Block] = {}
         self._graphs: set[int] = set()      # id(graph ref) of the graphs captured into it, until reset or dropped
         self._left: list = []               # the blocks it still had when its last graph went (``_enter``)
+        self._loose: list = []              # blocks no graph uses whose tensors live: still the pool's
 
     def _enter(self, graph) -> weakref.ref:
         """A capture into this pool begins: the graph's weak reference, by which the pool forgets it
@@ -89,11 +90,13 @@ class Pool:
             self._graphs.discard(id(graph_ref))
             if not self._graphs:
                 self._left = [StorageWeakRef(b.whole.untyped_storage()) for b in self._blocks.values()]
+                self._left += [ref for ref in self._loose if not ref.expired()]
+        self._loose = [ref for ref in self._loose if not ref.expired()]
         for key in list(self._blocks):
             users = self._blocks[key].users
             users.pop(id(graph_ref), None)
-            if not users:
-                del self._blocks[key]
+            if not users:       # (a tensor still holding it keeps it the pool's: CUDA counts it at ``_enter``)
+                self._loose.append(StorageWeakRef(self._blocks.pop(key).whole.untyped_storage()))
 
     def _free_block(self, nbytes: int, busy: set, aliases) -> torch.UntypedStorage | None:
         """A block of exactly ``nbytes`` that no user tensor holds (see module doc), not in

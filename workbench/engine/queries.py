@@ -30,8 +30,13 @@ def current_graph():
 
 
 def is_capturing() -> bool:
-    """True while a ``CPUGraph`` capture is open on this thread."""
-    return getattr(_state, "graph", None) is not None
+    """True while a capture is open on this thread: a ``CPUGraph``'s or, on CUDA, one on the current
+    stream (torch's answer). Code that asks the engine (a launcher that skips its host-side work
+    while capturing) then takes the path a real capture takes on either backend; answering only for
+    the emulation sent such code, on a GPU, into the host work that CUDA refuses in a capture."""
+    if getattr(_state, "graph", None) is not None:
+        return True
+    return torch.cuda.is_initialized() and bool(_cuda_graphs._cuda_isCurrentStreamCapturing())
 
 
 def set_capturing(graph) -> None:

@@ -332,7 +332,7 @@ def gpu_record(device: str = "cuda") -> dict:
 # --------------------------------------------------------------------------- graph doctor
 # What the graph doctor should find in the bug variant: the kind, the op, and the file (in this
 # package) and function of the source line the finding names. The fix variant: no finding.
-DOCTOR_EXPECTED = ("dangling-reference", "aten.", "upstream.py", "_select_and_score")
+DOCTOR_EXPECTED = ("dangling-reference", "aten.", "upstream.py", "_setup_centroids_cuda_graphs")
 
 
 def doctor_workload(variant: str, device: str = "cpu") -> Callable[[], None]:

@@ -45,7 +45,7 @@ def captured(info) -> None:
     kept = {}
     with warnings.catch_warnings():     # (a library's deprecated attribute warns when looked at: not the program's)
         warnings.simplefilter("ignore")
-        for obj in pystate.reached(nodes):
+        for obj in pystate.reached(nodes, roots):
             attrs = getattr(obj, "__dict__", None)
             if not isinstance(attrs, dict) or isinstance(obj, (torch.Tensor, type)):
                 continue

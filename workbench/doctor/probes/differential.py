@@ -80,7 +80,7 @@ def begin(doctor, info) -> None:
         doctor.carried.replay_begins(doctor, info)
     if info.python is None:
         info.python = pystate.watched(info.pending.eager)
-    info.pending.host = pystate.keep(info.python)
+    info.pending.host = pystate.keep(info.python, info.pending.eager)
     with _disable_current_modes():
         pending = info.pending
         pending.pre = {key: (w, label, w.clone()) for key, (w, label) in _state(doctor, info).items()}
@@ -276,7 +276,7 @@ def _host_work(doctor, info, pending, replayed: dict, rng_after, run, only: set 
 def _replayed_host(info, pending) -> None:
     """The host state the replay left, which each eager run puts back when it is done. A graph's
     replay runs no Python: without eager regions in the step it is the state before the step."""
-    pending.replayed_host = pystate.keep(info.python) if pending.span else pending.host
+    pending.replayed_host = pystate.keep(info.python, pending.eager) if pending.span else pending.host
 
 
 def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None = None, traced: bool = False,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import sys
 import types
+import weakref
 from operator import is_
 
 import torch
@@ -65,7 +66,7 @@ def watched(root: object) -> list:
     keep alive what the program has let go (a buffer object the runner replaced, which a graph may
     still read: the doctor must not change when memory is released)."""
     seen, nodes, far, ours, near = {}, [], [], set(), True
-    stack = [(root, True, "the step", None, root)]
+    stack = [(root, True, "the step", None, _ROOT)]
     while (stack or far) and len(seen) < _MAX_OBJECTS:
         if not stack:                   # what the step holds first; then what its functions' globals hold
             stack, far, near = far[::-1], [], False
@@ -83,18 +84,19 @@ def watched(root: object) -> list:
             if not (obj.__module__ or "").startswith(_LIBRARIES) and _package(obj) in ours:
                 far += [(obj.__globals__[n], watch, n, None, _Global(obj.__globals__, n))
                         for n in _names(obj.__code__) if n in obj.__globals__]
-            cells = zip(obj.__code__.co_freevars, obj.__closure__ or ())
-            stack += [(c.cell_contents, watch, n, None, c) for n, c in cells if _filled(c)]
-            stack += [(d, watch, f"{obj.__name__}'s default", None, d) for d in obj.__defaults__ or ()]
+            cells = enumerate(zip(obj.__code__.co_freevars, obj.__closure__ or ()))
+            stack += [(c.cell_contents, watch, n, me, _Cell(i)) for i, (n, c) in cells if _filled(c)]
+            stack += [(d, watch, f"{obj.__name__}'s default", me, _Default(i))
+                      for i, d in enumerate(obj.__defaults__ or ())]
         elif isinstance(obj, types.MethodType):
-            stack += [(obj.__self__, watch, type(obj.__self__).__name__, me, _SELF), (obj.__func__, watch, label, None,
-                                                                                     obj.__func__)]
+            stack += [(obj.__self__, watch, type(obj.__self__).__name__, me, _SELF),
+                      (obj.__func__, watch, label, me, _FUNC)]
         elif isinstance(obj, functools.partial):
-            stack += [(v, watch, label, None, v) for v in (obj.func, *obj.args, *obj.keywords.values())]
+            stack += [(v, watch, label, me, _Part(i)) for i, v in enumerate(_parts(obj))]
         elif isinstance(obj, (dict, list, tuple, set)):
             nodes[me][3] = watch and not isinstance(obj, tuple)
             if isinstance(obj, set):            # (a set's members are reached, never found again by a key)
-                stack += [(v, watch, f"{label}[{_key(v)}]", None, v) for v in obj]
+                stack += [(v, watch, f"{label}[{_key(v)}]", None, _weak(v)) for v in obj]
                 continue
             items = obj.items() if isinstance(obj, dict) else enumerate(obj)
             stack += [(v, watch, f"{label}[{_key(k)}]", me, k) for k, v in items]
@@ -110,7 +112,7 @@ def watched(root: object) -> list:
             if mine:
                 nodes[me][2], nodes[me][3] = type(obj).__name__, True
                 if not tensor:
-                    far += [(f, True, f.__name__, None, f) for f in _methods(type(obj))]
+                    far += [(f, True, f.__name__, None, _weak(f)) for f in _methods(type(obj))]
             skip = _REGISTRIES if isinstance(obj, torch.nn.Module) else ()
             stack += [(v, mine, f"{type(obj).__name__}.{k}", me, _Attr(k)) for k, v in attrs.items() if k not in skip]
     return _ways(nodes)
@@ -139,7 +141,33 @@ class _Attr(str):
     """A step that is an attribute (an entry of an object's ``__dict__``), not a key."""
 
 
-_SELF = _Attr("__self__")
+_SELF, _FUNC = _Attr("__self__"), _Attr("__func__")
+_ROOT = object()        # the walk's root, given again at each look (a step's eager form may be made per step)
+
+
+class _Cell(int):
+    """A step into a function's closure: the contents of its cell at this index."""
+
+
+class _Default(int):
+    """A step to a function's default argument at this index."""
+
+
+class _Part(int):
+    """A step to a ``functools.partial``'s function, or one of its arguments (``_parts``)."""
+
+
+def _parts(p: functools.partial) -> tuple:
+    return (p.func, *p.args, *p.keywords.values())
+
+
+def _weak(obj):
+    """A root of the walk, held weakly where Python allows: the way to a container must not keep
+    alive what the program lets go (a graphed callable's wrapper, and the graph its methods close over)."""
+    try:
+        return weakref.WeakMethod(obj) if isinstance(obj, types.MethodType) else weakref.ref(obj)
+    except TypeError:
+        return obj
 
 
 class _Global(tuple):
@@ -149,17 +177,28 @@ class _Global(tuple):
         return super().__new__(cls, (namespace, name))
 
 
-def _found(nodes: list) -> list:
-    """Each node's object now (``_MISSING`` where the way to it is gone), parents first."""
+def _found(nodes: list, root) -> list:
+    """Each node's object now (``_MISSING`` where the way to it is gone), parents first, from ``root``
+    (what ``watched`` was given, or its equal now)."""
     out = []
     for parent, step, _, _ in nodes:
         if parent is None:
-            obj = (step.cell_contents if _filled(step) else _MISSING) if isinstance(step, types.CellType) \
-                else _get(*step) if isinstance(step, _Global) else step
+            obj = root if step is _ROOT else _get(*step) if isinstance(step, _Global) \
+                else step() if isinstance(step, weakref.ref) else step
+            obj = _MISSING if obj is None else obj
         elif (obj := out[parent]) is _MISSING:
             pass
-        elif step is _SELF:
-            obj = getattr(obj, "__self__", _MISSING)
+        elif step is _SELF or step is _FUNC:
+            obj = getattr(obj, step, _MISSING)
+        elif isinstance(step, _Cell):
+            cells = getattr(obj, "__closure__", None) or ()
+            obj = cells[step].cell_contents if step < len(cells) and _filled(cells[step]) else _MISSING
+        elif isinstance(step, _Default):
+            defaults = getattr(obj, "__defaults__", None) or ()
+            obj = defaults[step] if step < len(defaults) else _MISSING
+        elif isinstance(step, _Part):
+            parts = _parts(obj) if isinstance(obj, functools.partial) else ()
+            obj = parts[step] if step < len(parts) else _MISSING
         elif isinstance(step, _Attr):
             obj = _get(attrs, step) if isinstance(attrs := getattr(obj, "__dict__", None), dict) else _MISSING
         elif isinstance(obj, dict):
@@ -172,9 +211,9 @@ def _found(nodes: list) -> list:
     return out
 
 
-def reached(containers: list) -> list:
-    """The watched objects and containers of ``watched``, found again now."""
-    return [c for c, (_, _, _, watch) in zip(_found(containers), containers) if watch and c is not _MISSING]
+def reached(containers: list, root) -> list:
+    """The watched objects and containers of ``watched``, found again now from ``root``."""
+    return [c for c, (_, _, _, watch) in zip(_found(containers, root), containers) if watch and c is not _MISSING]
 
 
 def _package(obj) -> str:
@@ -183,21 +222,27 @@ def _package(obj) -> str:
     return (module or "").partition(".")[0]
 
 
-@functools.cache
+_METHODS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()     # class -> (its MRO index, name) of each
+
+
 def _methods(cls: type) -> tuple:
     """The functions a class of the program (not a library's) defines, its bases' included: what
     its objects' steps run, and through them the module globals they use (a tracker kept in a
-    module global, reached through a method that calls ``get_tracker()``)."""
-    out = []
-    for klass in cls.__mro__:
-        module = klass.__module__ or ""
-        if module.startswith(_LIBRARIES) or module.partition(".")[0] in sys.stdlib_module_names:
-            continue
-        for v in vars(klass).values():
-            v = v.__func__ if isinstance(v, (staticmethod, classmethod)) else v
-            if isinstance(v, types.FunctionType):
-                out.append(v)
-    return tuple(out)
+    module global, reached through a method that calls ``get_tracker()``). Cached by name, weakly:
+    a cache holding the class would keep a class defined in a function alive, and with it what its
+    methods' closures hold (a graph whose drop the program relies on)."""
+    found = _METHODS.get(cls)
+    if found is None:
+        found = _METHODS[cls] = tuple(
+            (i, k) for i, klass in enumerate(cls.__mro__)
+            if not (klass.__module__ or "").startswith(_LIBRARIES)
+            and (klass.__module__ or "").partition(".")[0] not in sys.stdlib_module_names
+            for k, v in vars(klass).items() if isinstance(_function(v), types.FunctionType))
+    return tuple(_function(vars(cls.__mro__[i])[k]) for i, k in found)
+
+
+def _function(v):
+    return v.__func__ if isinstance(v, (staticmethod, classmethod)) else v
 
 
 @functools.cache
@@ -214,12 +259,12 @@ def _filled(cell) -> bool:
     return True
 
 
-def keep(containers: list) -> list:
+def keep(containers: list, root) -> list:
     """``(container, name, a copy of its contents, the live contents)`` for each of ``watched``'s
-    containers, found again by its path (the live contents: the container, or an object's
-    ``__dict__``); held only until the step's comparison ends."""
+    containers, found again by its path from ``root`` (the live contents: the container, or an
+    object's ``__dict__``); held only until the step's comparison ends."""
     out, seen = [], set()
-    for c, (_, _, label, watch) in zip(_found(containers), containers):
+    for c, (_, _, label, watch) in zip(_found(containers, root), containers):
         if not watch or c is _MISSING or id(c) in seen:
             continue
         live = c if isinstance(c, (dict, list, set)) else getattr(c, "__dict__", None)

@@ -221,7 +221,9 @@ class Reference:
         bound = []                               # small tensors it only references: (position, storage, geometry)
         for j, t in enumerate(op_tensors(args, kwargs)):
             key = storage_key(t)
-            if key in info.externals and _only_read(doctor.buffer(key)) and t.numel() <= _SMALL:
+            made_by = doctor.owner_of(key)       # (a tensor another graph's capture made: one it only reads too)
+            if (key in info.externals or made_by not in (None, info)) and _only_read(doctor.buffer(key)) \
+                    and t.numel() <= _SMALL:
                 bound.append((j, key, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype))
         plain = {v for _, v in numbers(signature(func, args, kwargs))}
         # Where each number came from: a variable of the captured code that held it, else the function

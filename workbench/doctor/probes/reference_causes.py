@@ -276,6 +276,10 @@ def bound(writers: dict, doctor, info, ops: list, under: tuple, ref: list, repla
         for j, key, offset, shape, stride, dtype in info.paths[i][4]:
             given = step.values[j] if j < len(step.values) else None
             ext = info.externals.get(key)
+            if given is not None and given.dtype == dtype and ext is None and key in info.foreign:
+                if (found := _never_computed(doctor, info, key, op, given, (shape, stride, offset))) is not None:
+                    return found
+                continue
             if given is None or given.dtype != dtype or ext is None or key in doctor.graph_writes:
                 continue
             flat = whole(ext.weak, dtype)
@@ -295,6 +299,31 @@ def bound(writers: dict, doctor, info, ops: list, under: tuple, ref: list, repla
                     f"{_replayed(replayed)}) for a step whose eager form reads another tensor there -- inputs it was "
                     "not captured with")
     return None
+
+
+def _never_computed(doctor, info, key: int, op, given: torch.Tensor, geometry: tuple) -> tuple | None:
+    """A tensor another graph's capture made, which this graph reads, holds other values than the
+    reference gives the op, and that graph never replayed: nothing ever computed it. The capture
+    decided to make it (a table rebuilt lazily inside a trace) and bound it where the program keeps
+    it; every later step reads it, while the step's eager form reads one it computes. Where the owner
+    has replayed, its own comparison speaks for what it computed."""
+    owner, _, _, tensor = info.foreign[key]
+    held = doctor.owned.get(key)
+    if owner.replays or key in owner.constants or held is None or held[1] is not owner \
+            or (flat := whole(held[0], given.dtype)) is None:
+        return None
+    mine = rows_like(flat.as_strided(*geometry), given)      # (None: the reference's op reads another shape)
+    if mine is not None and not bool(disagrees(mine, given).any()):
+        return None
+    if (made := owner.made.get(key)) is None:
+        return None
+    _, maker, source = made
+    differ = (f"{int(disagrees(mine, given).sum())} element(s) differ" if mine is not None else
+              f"the reference's op reads a {describe(given)} there")
+    return ("warmup-divergence", maker, tensor, source,
+            f"{tensor} read by {op.name} at {op.source} holds other values than the reference gives that op "
+            f"({differ}); the capture of {owner.name} made it ({maker} at {source}) and that graph never "
+            "replayed: no kernel ever computed it, and every step reads it")
 
 
 def frozen_scalar(doctor, verdict: tuple) -> None:

@@ -74,6 +74,9 @@ def _read(node: ast.expr, frame):
         return getattr(_read(node.value, frame), node.attr)
     if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
         return _read(node.value, frame)[node.slice.value]
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.UnaryOp) \
+            and isinstance(node.slice.op, ast.USub) and isinstance(node.slice.operand, ast.Constant):
+        return _read(node.value, frame)[-node.slice.operand.value]         # ``lengths[-1]``
     if isinstance(node, ast.BinOp) and type(node.op) in _ARITHMETIC:
         return _ARITHMETIC[type(node.op)](_read(node.left, frame), _read(node.right, frame))
     if isinstance(node, ast.Call) and not node.keywords and all(isinstance(a, (ast.Constant, ast.Name))

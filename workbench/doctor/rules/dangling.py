@@ -17,8 +17,8 @@ class DanglingReferenceError(GraphError):
     """Raised by ``watch(guard=True)`` instead of a replay that would read released memory."""
 
     def __init__(self, finding: Finding) -> None:
-        super().__init__(f"replay stopped by the graph doctor: {finding.evidence}\n  read by {finding.op} at "
-                         f"{finding.source}\n  {finding.cause}")
+        super().__init__(f"replay stopped by the graph doctor: {finding.evidence}\n  at {finding.source}\n  "
+                         f"{finding.cause}")
         self.finding = finding
 
 
@@ -141,11 +141,13 @@ def _released(doctor, info, before_replay: bool) -> None:
         origin = ext.origin or "before watch() (its creation was not seen)"
         op, source = ext.touched_at       # where the capture took its address, as a faulting replay names it
         released = info.liveness.where.get(ext.weak.cdata)     # and the line that let it go, where seen
+        # The decisive act is the release, so the finding stands there; the read is in the evidence.
+        # Unseen (released before the watch, or by the garbage collector), the read is all there is.
         let_go = f"; it was released at {released}" if released else ""
         finding = doctor.add(Finding(
-            "dangling-reference", info.name, op, ext.tensor, source,
-            f"{_when(info, before_replay)}: the {ext.tensor} storage the graph reads has no owner left; it was "
-            f"created {origin}{let_go}", explain.dangling(ext.tensor, op, origin, released),
+            "dangling-reference", info.name, op, ext.tensor, released or source,
+            f"{_when(info, before_replay)}: the {ext.tensor} storage the graph reads (through {op} at {source}) "
+            f"has no owner left; it was created {origin}{let_go}", explain.dangling(ext.tensor, op, origin, released),
             {"replays_before": info.replays}), ("dangling-reference", op, source))
         _stop(doctor, finding, before_replay)
 
@@ -165,9 +167,16 @@ def _owners_captured(info) -> bool:
 
 
 def _other_graph(doctor, info, before_replay: bool) -> None:
+    """A dropped or reset graph frees none of its outputs: a tensor still held keeps its block
+    (CUDA's allocator returns a block to the pool only when its tensor goes). The read dangles
+    once that holder has let go too (the block may have gone to a new capture's tensor already);
+    until then the output is checked again before each replay."""
     for key, (owner, op, source, tensor) in list(info.foreign.items()):
         graph = owner.ref()
         if graph is not None and getattr(graph, "captured", True):
+            continue
+        made = owner.made.get(key)
+        if made is not None and made[0]() is not None:  # the tensor its capture made is still the program's
             continue
         del info.foreign[key]
         how = "dropped" if graph is None else "reset"

@@ -251,6 +251,31 @@ def failed_size_check(doctor, error: BaseException, frame) -> None:
         return
 
 
+def failed_count_check(doctor, error: BaseException, frame) -> None:
+    """The program's own check that two counts are equal fails in eager code after the captures,
+    before any padded replay: one count is the rows a graph was captured for, the other fewer and
+    no graph's size. The step being prepared for that graph built one side for its padded size (a
+    query of the padded token count) and the other for the real requests (lengths that stop at the
+    last real one): ``padded-shape-mismatch``, at the check. (More data than a graph's size is
+    ``undersized-buffer``'s.) Reported once the error proves a failure (``failures.explained``)."""
+    if doctor.phase != "eager" or doctor.padded_step is not None or not doctor.graphs or not explainable(error):
+        return
+    compared = checks.condition(frame)
+    if compared is None or compared[0] != "equal":
+        return
+    size, real = max(compared[1]), min(compared[1])
+    sizes = {n for info in doctor.graphs.values() for n in info.rows}
+    graph = next((info for info in doctor.graphs.values() if size in info.rows), None)
+    if graph is None or real <= 0 or real in sizes:
+        return
+    finding = Finding(
+        "padded-shape-mismatch", graph.name, "check", f"counts {size} and {real}", location(frame),
+        f"after the captures, the program's check that two counts are equal failed on {size} ({graph.name} was "
+        f"captured for {size} rows) and {real}: {first_line(error)}",
+        explain.padded_layout_mismatch(graph.name, size, real), {"size": size, "real": real})
+    doctor.explanation = (id(error), finding, ("padded-shape-mismatch", "check", location(frame)))
+
+
 def explainable(error: BaseException) -> bool:
     """What a broken shape contract raises; not the engine's own errors (a refused capture, a guarded
     replay, a replay that read released memory), which the other rules explain."""

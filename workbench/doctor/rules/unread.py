@@ -260,11 +260,7 @@ def _dropped(doctor, key: int) -> None:
             {"elements_dropped": n}), ("warmup-divergence", graph, name, "passed over"))
         return
     if captured_at is not None:      # a note: a runner may keep a buffer the captured kernels do not use
-        note = (f"the runner fills the static input {name} for the steps {graph} serves ({n} element(s) of new data "
-                f"before replay {replay}, at {source}), but no graph reads {name}, nor anything computed from it: if "
-                f"the step needs it, the capture took a path without it ({captured_at})")
-        if note not in doctor.report.notes:
-            doctor.report.notes.append(note)
+        _note_unread(doctor, graph, name, n, replay, source, captured_at)
         return
     doctor.add(Finding(
         "undersized-buffer", graph, "aten.copy_.default", f"{name}: {shape}", source,
@@ -272,3 +268,19 @@ def _dropped(doctor, key: int) -> None:
         f"(it reads {read} element(s) of it, the views its capture read), and nothing read them before they were "
         "overwritten or the watch ended", explain.unread_copy(name, graph),
         {"elements_dropped": n, "elements_read": read}), ("undersized-buffer", graph, "copied, never read"))
+
+
+def _note_unread(doctor, graph: str, name: str, n: int, replay: int, source: str, captured_at: str) -> None:
+    """One note per graph and input, however many replays it was filled for (a note per replay
+    buries the report): the first replay, and how many and how much since."""
+    noted = doctor.unread_noted.get((graph, name))
+    if noted is None:
+        noted = doctor.unread_noted[(graph, name)] = [len(doctor.report.notes), 0, 0, replay]
+        doctor.report.notes.append("")
+    noted[1] += 1
+    noted[2] += n
+    when = f"before replay {replay}" if noted[1] == 1 else f"before {noted[1]} replays from replay {noted[3]} on"
+    doctor.report.notes[noted[0]] = (
+        f"the runner fills the static input {name} for the steps {graph} serves ({noted[2]} element(s) of new data "
+        f"{when}, at {source}), but no graph reads {name}, nor anything computed from it: if the step needs it, "
+        f"the capture took a path without it ({captured_at})")

@@ -6,7 +6,7 @@ Symptom: with graphs on, decoding with the NVFP4 KV residual path produces illeg
 Mechanism: the scheduler allocated the residual-metadata buffer afresh on every step
 (``cudaMallocAsync``) and freed the previous one. The captured graph keeps the address of the buffer
 of the step it was captured on. Later replays read a buffer that has been freed.
-Doctor: dangling-reference, at ``decode`` (the kernel reading the metadata buffer).
+Doctor: dangling-reference, at ``prepare`` (the fresh buffer per step lets the captured one go; ``decode`` reads it).
 Fix (upstream): one persistent metadata buffer sized for the maximum batch, refreshed in place each step.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ..kit import capture, compare, generator, randn, release_to_driver, own_seg
 UPSTREAM = "https://github.com/kekzl/imp/issues/1648"
 FAMILY = "dangling references"
 KIND = "dangling-reference"
-SITE = "decode"
+SITE = "prepare"
 SYMPTOM = "illegal memory access: replay reads a per-step metadata buffer freed on the next step"
 DIM, ROWS = 6, 3
 

@@ -6,7 +6,7 @@ captured on the same stream was destroyed (PyTorch nightly, Aug 2026).
 Mechanism: cuBLAS workspaces are cached per stream, and a graph's GEMMs embed the workspace address.
 Destroying a graph clears the workspaces of the stream it was captured on, whichever graphs still use
 them. The surviving graph then replays against a released workspace.
-Doctor: dangling-reference, at ``gemm`` (the kernel using the workspace).
+Doctor: dangling-reference, at ``destroy`` (clearing the stream's workspaces lets go of the one ``gemm`` reads).
 Fix (what the report's analysis implies; the issue was open when read): tie a workspace's lifetime to
 the graphs that captured it (each graph holds a reference), instead of clearing by stream.
 """
@@ -20,7 +20,7 @@ from ..kit import compare, generator, randn, release_to_driver, own_segment_elem
 UPSTREAM = "https://github.com/pytorch/pytorch/issues/193402"
 FAMILY = "dangling references"
 KIND = "dangling-reference"
-SITE = "gemm"
+SITE = "destroy"
 SYMPTOM = "illegal address in a live graph's replay after another graph on its stream was destroyed"
 DIM = 6
 _workspaces: dict[str, torch.Tensor] = {}      # the library's per-stream workspace cache

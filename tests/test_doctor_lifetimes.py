@@ -1,0 +1,111 @@
+"""What lives and what goes while the doctor watches: graphs and pool blocks let go of as CUDA
+lets go of them, and nothing of the workload's kept alive by the doctor itself."""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from workbench import doctor
+from workbench.engine import events, graph, graph_pool_handle, new_graph
+from workbench.engine.errors import GraphError
+
+
+def test_a_class_defined_in_a_function_goes_with_its_graph_under_diagnose():
+    """The doctor's walk of the step's Python state looks at the methods of the program's classes;
+    a class made in a function (a graphed-callable wrapper closing over its graph) must still go
+    when the program drops it: a capture into the pool afterwards relies on its graph being gone."""
+    gone = {}
+
+    def make(x):
+        g = new_graph("cpu")
+        with graph(g, name="wrapped"):
+            out = x * 2
+
+        class Wrapper:
+            def eager(self):
+                return x * 2
+
+            def __call__(self):
+                events.serve(g, 3, 3, outputs=(out,), eager=self.eager)     # its step, for differential replay
+                g.replay()
+                return out
+        return Wrapper()
+
+    def workload():
+        x = torch.ones(3)
+        wrapped = make(x)
+        for _ in range(2):
+            wrapped()
+        probe = weakref.ref(wrapped)
+        del wrapped
+        gc.collect()
+        gone["wrapper"] = probe() is None
+
+    doctor.diagnose(workload)
+    assert gone == {"wrapper": True}
+
+
+@pytest.mark.parametrize("dropped_first", ["reader", "owner"])
+def test_a_pool_block_whose_graph_went_first_still_counts_while_its_tensor_lives(dropped_first):
+    """CUDA's allocator keeps a block in its private pool until its tensor is freed, whichever graph
+    of the pool captured it went first: with every graph gone and that tensor held, a capture given
+    the pool's handle is refused (``pool_probes``' ``first_dropped_output_held``, on an H200)."""
+    pool = graph_pool_handle("cpu")
+    x = torch.ones(4)
+    a, b = new_graph("cpu"), new_graph("cpu")
+    with graph(a, pool=pool):
+        held = x * 2
+    with graph(b, pool=pool):
+        freed = x * 3
+    del freed
+    if dropped_first == "owner":
+        del a
+        gc.collect()
+        del b
+    else:
+        del b
+        gc.collect()
+        del a
+    gc.collect()
+    with pytest.raises(GraphError, match="use_count > 0"):
+        with graph(new_graph("cpu"), pool=pool):
+            x + 1
+    del held
+    gc.collect()
+    c = new_graph("cpu")
+    with graph(c, pool=pool):                        # its memory all free: the handle starts a new pool
+        x + 1
+
+
+def _pipeline(keep_output: bool):
+    """A graph reading another graph's output, whose graph is then dropped (its static inputs were
+    copied in a capture of their own, as graphed callables do); the program keeps that output or not."""
+    x = torch.ones(2, 3)
+    pool = graph_pool_handle("cpu")
+    staging = new_graph("cpu")
+    with graph(staging, pool=pool, name="staging"):
+        static = x.clone()
+    head = new_graph("cpu")
+    with graph(head, pool=pool, name="head"):
+        out = static.sum(-1)
+    del staging
+    gc.collect()
+    if not keep_output:
+        del static
+        gc.collect()
+    head.replay()
+    return out
+
+
+def test_a_dropped_graphs_output_the_program_still_holds_is_no_dangling_read():
+    with doctor.watch() as kept:
+        _pipeline(keep_output=True)
+    assert kept.findings == [], kept
+    with doctor.watch() as dropped:
+        _pipeline(keep_output=False)
+    (finding,) = dropped.findings
+    assert finding.kind == "dangling-reference" and finding.graph == "head"
+    assert "output of staging, which was dropped" in finding.evidence
