@@ -1648,3 +1648,53 @@ def test_a_tensor_a_discarded_capture_made_and_no_kernel_computed_is_named_where
     assert finding.kind == "warmup-divergence" and function_of(finding.location) == "get"
     assert "self.table = torch.arange(float(positions)) * 0.5" in finding.source
     assert "the capture of estimate made it" in finding.evidence and "never replayed" in finding.evidence
+
+
+def cast(w: torch.Tensor) -> torch.Tensor:
+    return w * 2
+
+
+def use(cached: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return cached + x
+
+
+def _cached_outputs(variant: str):
+    """Two models share a graph that casts their weights (a miss) and a graph that reads a cast each
+    model cached (a hit). ``bug``: the cache keeps the cast graph's output itself, which its next
+    replay, for the other model, overwrites; ``fix``: a copy."""
+    from workbench.zoo.kit import capture, compare, replay
+
+    weights = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])]
+    xs = [torch.randn(2, generator=torch.Generator().manual_seed(30 + i)) for i in range(2)]
+
+    def served():
+        w, x, cache = weights[0].clone(), torch.zeros(2), {}
+        miss, made = capture(lambda: cast(w), device="cpu", static={"w": w}, warmups=0, name="cast")
+        for model, weight in enumerate(weights):
+            w.copy_(weight)
+            out = replay(miss, made)
+            cache[model] = out if variant == "bug" else out.clone()
+        hit, used = capture(lambda: use(cache[0], x), device="cpu", static={"x": x}, warmups=0, name="use")
+        outs = []
+        for step in xs:
+            x.copy_(step)
+            outs.append(replay(hit, used).clone())
+        return outs
+
+    def eager():
+        cache = {model: cast(weight) for model, weight in enumerate(weights)}
+        return [use(cache[0], step) for step in xs]
+
+    return lambda: compare("cached", variant, "cpu", served, eager)
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_graph_output_cached_past_its_graphs_next_replay_is_overwritten_where_it_was_made(variant):
+    """The hit graph reads the cast graph's output, which holds the other model's cast: the cast
+    graph's own replays gave the eager steps' answers, so the values are another step's, kept past
+    the replay that overwrote them: ``overwritten-output`` at the line that made the output."""
+    finding = only_finding(_cached_outputs(variant), variant)
+    if finding is None:
+        return
+    assert finding.kind == "overwritten-output" and function_of(finding.location) == "cast"
+    assert "it is an output of cast" in finding.evidence and "gave the eager steps' answers" in finding.evidence

@@ -15,6 +15,7 @@ from ...engine.source import function_of, location
 from .. import explain
 from ..records import Op
 from ..report import Finding
+from ..rules.pool import block
 from ..tensors import TensorArg, disagrees, onto, whole
 from . import launch
 
@@ -277,7 +278,7 @@ def bound(writers: dict, doctor, info, ops: list, under: tuple, ref: list, repla
             given = step.values[j] if j < len(step.values) else None
             ext = info.externals.get(key)
             if given is not None and given.dtype == dtype and ext is None and key in info.foreign:
-                if (found := _never_computed(doctor, info, key, op, given, (shape, stride, offset))) is not None:
+                if (found := _made_elsewhere(doctor, info, key, op, given, (shape, stride, offset))) is not None:
                     return found
                 continue
             if given is None or given.dtype != dtype or ext is None or key in doctor.graph_writes:
@@ -301,16 +302,19 @@ def bound(writers: dict, doctor, info, ops: list, under: tuple, ref: list, repla
     return None
 
 
-def _never_computed(doctor, info, key: int, op, given: torch.Tensor, geometry: tuple) -> tuple | None:
+def _made_elsewhere(doctor, info, key: int, op, given: torch.Tensor, geometry: tuple) -> tuple | None:
     """A tensor another graph's capture made, which this graph reads, holds other values than the
-    reference gives the op, and that graph never replayed: nothing ever computed it. The capture
+    reference gives the op. Where that graph never replayed, nothing ever computed it: its capture
     decided to make it (a table rebuilt lazily inside a trace) and bound it where the program keeps
-    it; every later step reads it, while the step's eager form reads one it computes. Where the owner
-    has replayed, its own comparison speaks for what it computed."""
+    it, and every later step reads it (``warmup-divergence`` where it was made). Where that graph's
+    own replays were compared and gave the eager steps' answers, it computes right, and what this
+    step reads is what its latest replay wrote for another step: an output kept past the next replay
+    of its graph (a cache of graph outputs), ``overwritten-output`` where it was made."""
     owner, _, _, tensor = info.foreign[key]
     held = doctor.owned.get(key)
-    if owner.replays or key in owner.constants or held is None or held[1] is not owner \
-            or (flat := whole(held[0], given.dtype)) is None:
+    if owner.replays and (not owner.compared or owner.disagreed) or key in owner.constants or held is None \
+            or held[1] is not owner or (flat := whole(held[0], given.dtype)) is None \
+            or block(flat) in info.blocks:          # (a block of the pool this graph writes itself: its own)
         return None
     mine = rows_like(flat.as_strided(*geometry), given)      # (None: the reference's op reads another shape)
     if mine is not None and not bool(disagrees(mine, given).any()):
@@ -318,12 +322,17 @@ def _never_computed(doctor, info, key: int, op, given: torch.Tensor, geometry: t
     if (made := owner.made.get(key)) is None:
         return None
     _, maker, source = made
-    differ = (f"{int(disagrees(mine, given).sum())} element(s) differ" if mine is not None else
-              f"the reference's op reads a {describe(given)} there")
+    differ = (f"{tensor} read by {op.name} at {op.source} holds other values than the reference gives that op ("
+              + (f"{int(disagrees(mine, given).sum())} element(s) differ)" if mine is not None else
+                 f"the reference's op reads a {describe(given)} there)"))
+    if owner.replays:
+        return ("overwritten-output", maker, tensor, source,
+                f"{differ}; it is an output of {owner.name} ({maker} at {source}), whose {owner.compared} compared "
+                f"replay(s) gave the eager steps' answers: it holds what replay {owner.replays} of {owner.name} "
+                "wrote for another step, kept and read past that replay")
     return ("warmup-divergence", maker, tensor, source,
-            f"{tensor} read by {op.name} at {op.source} holds other values than the reference gives that op "
-            f"({differ}); the capture of {owner.name} made it ({maker} at {source}) and that graph never "
-            "replayed: no kernel ever computed it, and every step reads it")
+            f"{differ}; the capture of {owner.name} made it ({maker} at {source}) and that graph never replayed: "
+            "no kernel ever computed it, and every step reads it")
 
 
 def frozen_scalar(doctor, verdict: tuple) -> None:
