@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ...engine import events, is_capturing
+from ...engine import events
 from ...engine.opinfo import written_tensors
 from . import split_kv
 
@@ -25,13 +25,6 @@ class LoggedOp(NamedTuple):
     name: str          # the aten op, as ``RecordedOp.name``
     function: str      # the ``split_kv`` function that ran it ("-": none)
     line: int          # its line in split_kv.py (0: none)
-
-
-def capture_open(device: torch.device) -> bool:
-    """True while a graph capture is open on ``device`` (a CUDA stream capture, or a CPU one)."""
-    if device.type == "cuda":
-        return torch.cuda.is_current_stream_capturing()
-    return is_capturing()
 
 
 class OpLog(TorchDispatchMode):

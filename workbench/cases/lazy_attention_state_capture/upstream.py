@@ -21,8 +21,8 @@ import dataclasses
 import torch
 
 from .. import check_variant
-from ...engine import CUDAGraphMode, GraphManager
-from .oplog import LoggedOp, OpLog, capture_open
+from ...engine import CUDAGraphMode, GraphManager, is_capturing
+from .oplog import LoggedOp, OpLog
 from .split_kv import SplitKVLM, SplitKVSchedule, empty_schedule
 
 
@@ -102,7 +102,7 @@ class CudaGraphManager:
         ids, pos = self.input_ids[:size], self.positions[:size]
         if self.manager.capturing != size:           # a re-run of the step without graphs: fresh state
             state = AttentionState(self.seq_lens[:size], empty_schedule())
-        elif not capture_open(self.device):          # the warmup: the state create_forward_fn built
+        elif not is_capturing():                     # the warmup: the state create_forward_fn built
             state = self.attn_states[size]
         elif self.mode is CUDAGraphMode.PIECEWISE:
             return self.model.decode_step(ids, pos, self._eager_attention)
