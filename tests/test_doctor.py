@@ -23,6 +23,8 @@ from workbench import doctor, plots
 from workbench import cases
 from workbench.cases import graph_doctor
 from workbench.engine import CaptureError, GraphRunner, IllegalMemoryAccess, events, graph, new_graph
+from workbench.engine.queries import is_capturing
+from workbench.engine.source import user_frame
 
 ROOT = pathlib.Path(workbench.__file__).resolve().parent.parent
 HERE = os.path.relpath(__file__, ROOT)
@@ -705,6 +707,30 @@ def test_a_sync_in_a_function_named_for_it_is_named_where_it_was_called():
     assert finding.kind == "sync-in-capture"
     assert finding.location == where(benchmark_in_capture, "stream_synchronize(x)")
     assert "the synchronisation itself" in finding.evidence
+
+
+def cudaMalloc(x):
+    """A library's stand-in for a runtime call that a capture refuses (its own check, its own error)."""
+    if is_capturing():
+        raise CaptureError("cudaMalloc: operation not permitted when stream is capturing", op="cudaMalloc",
+                           source=user_frame())
+    return torch.empty_like(x)
+
+
+def lazy_workspace(x):
+    return cudaMalloc(x).copy_(x) * 2          # the code that decided to allocate here
+
+
+def test_a_refused_call_in_a_function_named_for_it_is_named_where_it_was_called():
+    """The refused op is a function of the workload's own, named for the runtime call it stands for:
+    the site is the line that called it, as for a function named for a sync."""
+    with doctor.watch() as report:
+        runner = make_runner(lazy_workspace)
+        with pytest.raises(CaptureError):
+            runner.capture()
+    (finding,) = report.findings
+    assert finding.kind == "sync-in-capture" and finding.op == "cudaMalloc"
+    assert finding.location == where(lazy_workspace, "cudaMalloc(x)")
 
 
 def test_capture_error_leaving_watch_is_listed_in_the_report():

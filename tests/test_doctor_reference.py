@@ -16,7 +16,7 @@ import torch
 
 from test_doctor_setup_and_warmups import only_finding
 from workbench import doctor
-from workbench.engine import events, graph, graph_pool_handle, new_graph
+from workbench.engine import CaptureError, events, graph, graph_pool_handle, new_graph
 from workbench.engine.source import function_of
 
 BLOCK, CONTEXT = 2, 8
@@ -1476,6 +1476,186 @@ def test_work_the_reference_does_every_step_and_the_runner_did_once_at_capture_i
         return
     assert finding.kind == "warmup-divergence" and function_of(finding.location) == "hoist", finding
     assert "none once replays began" in finding.evidence, finding
+
+
+def matvec(out, w, x):
+    out.copy_(x @ w)
+
+
+class RecordingRunner:
+    """A graph built from a recorded kernel list (no stream capture): one eager pass with recording
+    on, each launch site appending its kernel after launching it; the graph replays the list. Both
+    projections launch the same kernel (``matvec``, one line); in ``bug`` the second launch site
+    forgets to record itself, so no replay writes ``out``, which the runner hands out every step."""
+
+    def __init__(self, w1, w2, variant: str):
+        self.w1, self.w2, self.variant = w1, w2, variant
+        self.x, self.h, self.out = torch.zeros(1, 3), torch.zeros(1, 3), torch.zeros(1, 3)
+        self.recording, self.kernels, self.graph = False, [], None
+
+    def first(self):
+        matvec(self.h, self.w1, self.x)
+        if self.recording:
+            self.kernels.append((matvec, (self.h, self.w1, self.x)))
+
+    def second(self):
+        matvec(self.out, self.w2, self.h)
+        if self.recording and self.variant == "fix":
+            self.kernels.append((matvec, (self.out, self.w2, self.h)))
+
+    def forward(self):
+        self.first()
+        self.second()
+
+    def eager(self, x):
+        self.x.copy_(x)
+        self.forward()
+        return self.out.clone()
+
+    def __call__(self, x):
+        self.x.copy_(x)
+        if self.graph is None:
+            events.static_buffers("runner", {"x": self.x})
+            self.recording = True
+            self.forward()
+            self.recording = False
+            kernels = list(self.kernels)
+
+            def replay_list():
+                for kernel, args in kernels:
+                    kernel(*args)
+                return self.out
+            self.graph = new_graph("cpu")
+            with graph(self.graph, name="decode"):
+                replay_list()
+            self.step = replay_list
+            return self.out.clone()
+        events.serve(self.graph, 1, 1, padded={}, outputs=self.out, eager=self.step)
+        self.graph.replay()
+        return self.out.clone()
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_kernel_one_launch_site_left_out_of_a_recorded_graph_is_named_at_that_site(variant):
+    """The graph's eager form is its own kernel list, so differential replay agrees with it; the run
+    without graphs launches ``matvec``'s line twice a step, the served run's replays once. The graph
+    hands out ``out``, which none of its ops writes: every replay hands out what the recording pass
+    left. The site is the launch site that recorded nothing (``second``), not the kernel's line,
+    which the graph replays from the other site, nor the runner that recorded."""
+    def workload():
+        gen = torch.Generator().manual_seed(0)
+        w1, w2 = torch.randn(3, 3, generator=gen), torch.randn(3, 3, generator=gen)
+        steps = [torch.randn(1, 3, generator=gen) for _ in range(4)]
+        eager = RecordingRunner(w1, w2, variant)
+        with events.reference():
+            expected = [eager.eager(x) for x in steps]
+        runner = RecordingRunner(w1, w2, variant)
+        got = [runner(x) for x in steps]
+        events.results(expected, got)
+        return expected, got
+    finding = _finding(workload, variant)
+    if finding is None:
+        return
+    assert finding.kind == "warmup-divergence" and function_of(finding.location) == "second", finding
+    assert "as an output no op of theirs writes" in finding.evidence, finding
+
+
+class FallbackRunner:
+    """Tries to capture a step that reads a scale on the host (``.item()``, refused in a capture);
+    when the capture fails, ``fix`` runs every step eagerly (a fallback), ``bug`` keeps serving the
+    output buffer the failed capture left, unwritten since."""
+
+    def __init__(self, variant: str):
+        self.x, self.variant, self.out = torch.zeros(2, 3), variant, None
+        events.static_buffers("runner", {"x": self.x})
+        g = new_graph("cpu")
+        try:
+            with graph(g, name="step"):
+                self.out = self.step()
+            self.graph = g
+        except CaptureError:
+            self.graph = None
+            self.out = torch.zeros(2, 3)
+
+    def step(self):
+        return self.x * self.x.abs().max().item()
+
+    def __call__(self, x):
+        self.x.copy_(x)
+        if self.graph is not None:
+            self.graph.replay()
+            return self.out.clone()
+        return self.step() if self.variant == "fix" else self.out.clone()
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_refused_capture_the_workload_falls_back_from_is_a_note_when_its_results_agree(variant):
+    """Both capture attempts are refused for the host read. ``fix`` falls back to eager steps and
+    gives the run without graphs' results: the refusal is a note (falling back is a fix idiom).
+    ``bug`` serves what the failed capture left: its results differ, and the refusal is the finding."""
+    def workload():
+        gen = torch.Generator().manual_seed(0)
+        steps = [torch.randn(2, 3, generator=gen) for _ in range(3)]
+        with events.reference():
+            expected = [x * x.abs().max().item() for x in steps]
+        runner = FallbackRunner(variant)
+        got = [runner(x) for x in steps]
+        events.results(expected, got)
+        return expected, got
+    expected, got = workload()
+    assert all(torch.equal(e, g) for e, g in zip(expected, got)) == (variant == "fix")
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [] and any("handled, not reported" in n for n in report.notes), report
+    else:
+        assert [f.kind for f in report.findings] == ["sync-in-capture"], report
+
+
+class RotatingScratch:
+    """A step that stages its input in a scratch buffer taken from a rotating free list (bounce
+    pages): the graph keeps the one its capture took, its eager form takes the next one. The scratch
+    is written whole before it is read, in every run: which one a step uses changes nothing."""
+
+    def __init__(self):
+        self.free = [torch.zeros(2, 3) for _ in range(2)]
+        self.x = torch.zeros(2, 3)
+        events.static_buffers("runner", {"x": self.x})
+        with events.warmup():
+            self.step()
+        self.graph = new_graph("cpu")
+        with graph(self.graph, name="step"):
+            self.out = self.step()
+
+    def step(self):
+        scratch = self.free.pop(0)
+        self.free.append(scratch)
+        scratch.copy_(self.x)
+        return scratch.flip(0) * 2
+
+    def __call__(self, x):
+        self.x.copy_(x)
+        events.serve(self.graph, 2, 2, padded={}, outputs=self.out, eager=self.step)
+        self.graph.replay()
+        return self.out.clone()
+
+
+def test_state_an_eager_step_stages_elsewhere_is_no_finding_when_the_results_agree():
+    """Differential replay sees the graph's scratch keep other values than the eager step leaves in
+    it, including at the first replay, which serves the capture's own batch again and is paired with
+    no step of the run without graphs. The workload's results equal that run's: held, a note."""
+    def workload():
+        gen = torch.Generator().manual_seed(0)
+        steps = [torch.zeros(2, 3)] + [torch.randn(2, 3, generator=gen) for _ in range(3)]
+        with events.reference():
+            expected = [x.flip(0) * 2 for x in steps]
+        runner = RotatingScratch()
+        got = [runner(x) for x in steps]
+        events.results(expected, got)
+        return expected, got
+    expected, got = workload()
+    assert all(torch.equal(e, g) for e, g in zip(expected, got))
+    report = doctor.diagnose(workload)
+    assert report.findings == [], report
 
 
 def shifted(x, pos, w):

@@ -5,6 +5,7 @@ import gc
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from workbench import expect_failure
 from workbench.engine import (CaptureError, CPUGraph, GraphError, IllegalMemoryAccess, graph,
@@ -158,6 +159,33 @@ def test_liveness_is_per_storage_not_per_tensor_object():
     gc.collect()
     with pytest.raises(IllegalMemoryAccess):
         g.replay()
+
+
+def test_storage_keys_are_never_reused_while_the_doctor_watches():
+    """A released storage's handle may be given to the next tensor made, and so its key: records
+    keyed by storage would then take the new tensor for the dead one (a finding that came and went
+    with the garbage collector). Under ``unique_storage_keys`` (every ``watch``) keys stay unique,
+    and the memory is still freed with the last tensor."""
+    from workbench.doctor import watch
+    from workbench.engine.opinfo import storage_key, unique_storage_keys
+
+    def keys_of_released(n: int) -> set[int]:
+        keys = set()
+        for _ in range(n):
+            t = torch.ones(4)
+            keys.add(storage_key(t))
+            del t
+        return keys
+
+    with unique_storage_keys():
+        assert len(keys_of_released(50)) == 50
+        t = torch.ones(4)
+        weak = StorageWeakRef(t.untyped_storage())
+        storage_key(t)
+        del t
+        assert weak.expired()
+    with watch():
+        assert len(keys_of_released(50)) == 50
 
 
 def test_reuse_mode_reads_the_next_allocation_of_the_freed_block():
@@ -600,6 +628,41 @@ def test_capture_end_is_announced_once_the_capture_has_closed():
         x.fill_(5.0)
         g.replay()
         assert torch.equal(y, torch.full((3,), 10.0))
+
+
+def test_a_warmup_left_open_ends_only_for_the_observers_that_saw_it_begin():
+    """A thread that stops inside ``warmup()`` leaves its block open; the block ends when its
+    generator is collected, at whatever moment that is. An observer subscribed since (the next
+    watch) must not be told a warmup of its own ended: it would take the ops of a capture it is
+    watching for eager ones. Observers that saw the begin and are still subscribed are told."""
+    import gc
+
+    from workbench.engine import events
+
+    class Observer:
+        def __init__(self):
+            self.seen = []
+
+        def warmup_begin(self):
+            self.seen.append("begin")
+
+        def warmup_end(self):
+            self.seen.append("end")
+
+    first, later, both = Observer(), Observer(), Observer()
+    events.subscribe(first)
+    events.subscribe(both)
+    left_open = events.warmup()
+    left_open.__enter__()
+    events.unsubscribe(first)
+    events.subscribe(later)
+    try:
+        del left_open
+        gc.collect()
+    finally:
+        events.unsubscribe(later)
+        events.unsubscribe(both)
+    assert (first.seen, later.seen, both.seen) == (["begin"], [], ["begin", "end"])
 
 
 def test_the_upload_guard_refuses_python_data_copied_to_a_gpu_and_nothing_else():

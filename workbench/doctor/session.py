@@ -10,6 +10,7 @@ from torch._C import _pop_torch_dispatch_stack, _push_on_torch_dispatch_stack
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from ..engine import events
+from ..engine.opinfo import unique_storage_keys
 from . import failures
 from .failures import DELIBERATE
 from .intake import _ASIDE, Doctor
@@ -146,7 +147,10 @@ def watch(*, guard: bool = False, differential: int = 0) -> Iterator[Report]:
 
 @contextlib.contextmanager
 def watching(doctor: Doctor) -> Iterator[Doctor]:
-    """``watch()`` with a given observer (``diagnose`` keeps its probe records)."""
+    """``watch()`` with a given observer (``diagnose`` keeps its probe records). Storage keys are
+    unique until the observer has finished: its records are keyed by storage."""
+    keys = unique_storage_keys()
+    keys.__enter__()
     mode = doctor.mode = _Watch(doctor)
     original, checked = _item_assignment(doctor)
     reads = _host_reads(doctor)
@@ -169,5 +173,8 @@ def watching(doctor: Doctor) -> Iterator[Doctor]:
         for name, (kept, _) in reads.items():
             setattr(torch.Tensor, name, kept)
         events.unsubscribe(doctor)
-        doctor.finish()
+        try:
+            doctor.finish()
+        finally:
+            keys.__exit__(None, None, None)
         doctor.report.seconds = time.perf_counter() - start

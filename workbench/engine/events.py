@@ -163,33 +163,40 @@ def written_metadata(owner: str, buffers: Mapping[str, Any]) -> None:
 
 
 @contextlib.contextmanager
+def _bracket(begin: str, end: str, **kwargs: Any) -> Iterator[None]:
+    """A begin event, the block, then the end event for the observers that saw the begin and are
+    still subscribed. A block a thread left without ending it ends when its generator is collected,
+    whenever that is: an observer subscribed since must not take that end for one of its own."""
+    if not _observers:
+        yield
+        return
+    saw = _handlers[end]
+    _emit(begin, **kwargs)
+    try:
+        yield
+    finally:
+        for handler in _handlers[end]:
+            if handler in saw:
+                handler()
+
+
+@contextlib.contextmanager
 def warmup(real: bool = False) -> Iterator[None]:
     """The eager run(s) a runner makes before capturing the next graph. ``real=True``: the run is a
     real step, not a dummy batch (a runner that captures lazily on the first batch of a shape and
     hands that run's results to the caller), so what it writes into state is real data that later
     steps may read."""
-    if not _observers:
+    # (``real`` is passed only when set: observers written before the flag take no argument)
+    with _bracket("warmup_begin", "warmup_end", **({"real": True} if real else {})):
         yield
-        return
-    _emit("warmup_begin", **({"real": True} if real else {}))     # observers written before the flag
-    try:
-        yield
-    finally:
-        _emit("warmup_end")
 
 
 @contextlib.contextmanager
 def dummy_run() -> Iterator[None]:
     """Eager code run on a capture's dummy batch outside the graphs being captured (the graph
     manager wraps each eager region of a PIECEWISE capture in it)."""
-    if not _observers:
+    with _bracket("dummy_run_begin", "dummy_run_end"):
         yield
-        return
-    _emit("dummy_run_begin")
-    try:
-        yield
-    finally:
-        _emit("dummy_run_end")
 
 
 @contextlib.contextmanager
@@ -198,14 +205,8 @@ def reference() -> Iterator[None]:
     model calls, eagerly. Differential replay can only run the captured callable again, which
     carries what capture decided and reads what the runner's replay path prepared; this run is what
     the workload gives when neither is involved (see ``doctor/probes/reference.py``)."""
-    if not _observers:
+    with _bracket("reference_begin", "reference_end"):
         yield
-        return
-    _emit("reference_begin")
-    try:
-        yield
-    finally:
-        _emit("reference_end")
 
 
 def results(reference: Sequence[Any], served: Sequence[Any]) -> None:

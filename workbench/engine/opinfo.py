@@ -9,11 +9,13 @@ destination; ``copy_`` and ``fill_`` do not need to, see ``overwrites``).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Iterator
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 aten = torch.ops.aten
 
@@ -22,9 +24,34 @@ _OVERWRITES = frozenset({aten.copy_, aten.fill_, aten.zero_, aten.index_put_, at
                          aten.masked_fill_, aten.set_, aten.resize_, aten.random_, aten.uniform_, aten.normal_})
 
 
+# Storages keyed inside ``unique_storage_keys()``, each held by a weak reference: its memory is
+# freed with its last tensor, but its handle stays allocated, so its key is never given to a new
+# storage. Otherwise records keyed by storage take a new tensor for a released one, and what is
+# found depends on when the garbage collector ran.
+_keyed: dict[int, StorageWeakRef] | None = None
+
+
 def storage_key(t: torch.Tensor) -> int:
     """Identity of a tensor's memory: views of one storage share it."""
-    return t.untyped_storage()._cdata
+    storage = t.untyped_storage()
+    key = storage._cdata
+    if _keyed is not None and key not in _keyed:
+        _keyed[key] = StorageWeakRef(storage)
+    return key
+
+
+@contextlib.contextmanager
+def unique_storage_keys() -> Iterator[None]:
+    """Inside the block (and blocks nested in it), no two storages ever get the same key."""
+    global _keyed
+    outermost = _keyed is None
+    if outermost:
+        _keyed = {}
+    try:
+        yield
+    finally:
+        if outermost:
+            _keyed = None
 
 
 def describe(t: torch.Tensor) -> str:

@@ -13,10 +13,14 @@ reference; in the served run, eagerly (warmups and captures' own eager work incl
 replay of each graph whose launch trace holds it. An op the reference launches more often than
 the served run, and whose inputs the reference gave other values at different steps (so its
 result depends on the step: a weight-only kernel run once is a standard optimisation, not a bug),
-was dropped from the steps. Only where the workload's results differ from the reference's and no
-other finding explains them, it is reported as ``warmup-divergence``: at the innermost function of
-the served run's last launch of that op that the reference never called (the runner's code that
-ran the work once and left it out of the graph), else at the op's line.
+was dropped from the steps, if a graph reads what it wrote, or hands it out as an output that no op
+of the graph writes (a replay then hands out what that launch left). Only where the workload's
+results differ from the reference's and no other finding explains them, it is reported as
+``warmup-divergence``. Where a graph replays the same op at the same line (a kernel recorded from
+one launch site and left out from another), the site is the innermost function of the last launch
+that no capture ran: the launch site that recorded nothing. Otherwise it is the innermost function
+of that launch that the reference never called (the runner's code that ran the work once and left
+it out of the graph), else the op's line.
 """
 from __future__ import annotations
 
@@ -24,20 +28,24 @@ import collections
 
 import torch
 
-from ...engine.opinfo import mutable, storage_key, written_tensors
+from ...engine.opinfo import mutable, storage_key, tensors, written_tensors
 from ...engine.source import function_name, location, user_frames
 from .. import explain
 from ..report import Finding
+from ..rules.pool import block
 
 
 class Dropped:
     """The served run's eager launches, by op and line; for the last of each, the stack it ran
-    under and the storages it wrote; and the launches made once graphs were being replayed."""
+    under and the storages and blocks it wrote; the launches made once graphs were being replayed;
+    and the blocks of outputs graphs handed out without writing them."""
 
     def __init__(self) -> None:
         self.eager: collections.Counter = collections.Counter()
         self.replaying: collections.Counter = collections.Counter()
-        self.last: dict[tuple, tuple] = {}     # (op, line) -> ((code, line number) outermost first, written storages)
+        self.last: dict[tuple, tuple] = {}     # (op, line) -> ((code, line number) outermost first, written storages,
+        #                                        written blocks)
+        self.unwritten_outputs: dict[tuple, str] = {}     # block -> the graph that handed it out unwritten
 
     def launched(self, doctor, func, args, kwargs) -> None:
         frames = user_frames()
@@ -47,8 +55,15 @@ class Dropped:
         self.eager[key] += 1
         if doctor.report.replays:
             self.replaying[key] += 1
-        written = frozenset(map(storage_key, written_tensors(func, args, kwargs))) if mutable(func) else frozenset()
-        self.last[key] = (tuple((f.f_code, f.f_lineno) for f in reversed(frames)), written)
+        written = written_tensors(func, args, kwargs) if mutable(func) else ()
+        self.last[key] = (tuple((f.f_code, f.f_lineno) for f in reversed(frames)),
+                          frozenset(map(storage_key, written)), frozenset(map(block, written)))
+
+    def served(self, info, pending) -> None:
+        """A replay's outputs that none of its step's graphs wrote."""
+        for o in tensors(pending.outputs):
+            if not any((b := block(o)) in p.blocks for p in pending.span or (info,)):
+                self.unwritten_outputs[b] = info.name
 
     def report(self, doctor, reference) -> None:
         launched = collections.Counter((s.op.name, s.op.source) for s in reference.steps)
@@ -60,24 +75,35 @@ class Dropped:
                  if n > served[key] and key in self.last and not self.replaying[key]]
         called = set(reference.calls)
         for _, key in sorted(short, key=lambda e: -e[0]):
-            readers = _readers(doctor, key, self.last[key][1])
+            handing = {name: "an output it never writes" for b, name in self.unwritten_outputs.items()
+                       if b in self.last[key][2]}
+            readers = _readers(doctor, key, self.last[key][1]) | handing
             if not readers or not _varies([tuple(v for j, v in enumerate(s.values) if j not in s.overwritten)
                                            for s in reference.steps if (s.op.name, s.op.source) == key]):
                 continue
             stack = self.last[key][0]
-            site = next((location(code, line) for code, line in reversed(stack) if code not in called), key[1])
+            site = _site(doctor, key, stack, called)
             name, source = key
             function = function_name(_code(stack, site))
+            how = ("hand(s) it out as an output no op of theirs writes" if readers.keys() <= handing.keys()
+                   else "read(s) what it wrote")
             evidence = (f"the workload's results differ from its run without graphs'; that run launched {name} at "
                         f"{source} {launched[key]} time(s), with other inputs at different steps, and the served run "
                         f"{served[key]} time(s), none once replays began, the last under {function} at {site}; "
-                        f"{', '.join(readers)} read(s) what it wrote: every replay reads what that run left")
+                        f"{', '.join(readers)} {how}: every replay reads what that run left")
             tensor = next(iter(readers.values()))
             doctor.add(Finding("warmup-divergence", ", ".join(readers), name, tensor, site, evidence,
                                explain.dropped_work(name, function),
                                {"reference_launches": launched[key], "served_launches": served[key]}),
                        ("warmup-divergence", "dropped", site))
             return
+
+
+def _site(doctor, key: tuple, stack: tuple, called: set) -> str:
+    if any((op.name, op.source) == key for info in doctor.graphs.values() for op in info.ops):
+        captured = set().union(*(info.called for info in doctor.graphs.values()))
+        return next((location(code, line) for code, line in reversed(stack) if code not in captured), key[1])
+    return next((location(code, line) for code, line in reversed(stack) if code not in called), key[1])
 
 
 def _readers(doctor, key: tuple, written: frozenset) -> dict[str, str]:

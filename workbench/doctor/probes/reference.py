@@ -80,7 +80,7 @@ from .. import explain
 from ..raised import decider
 from ..records import Op, unwritten_blocks
 from ..report import Finding
-from ..rules import reused
+from ..rules import reused, sync
 from ..rules.pool import block
 from ..tensors import host_only, real_rows, signature
 from .compare import calls_near, comparable, differs_from, paired, verdict
@@ -273,6 +273,8 @@ class Reference:
         self.at_replay[id(info)] = (k, values, (user_frame(), decider(user_frames())))
 
     def replay_end(self, doctor, info, pending) -> None:
+        if pending is not None:
+            self.dropped.served(info, pending)
         if self.span is not None:                # a PIECEWISE step: compared once its last piece has run
             if info is not self.span[0].span[-1]:
                 return
@@ -363,6 +365,8 @@ class Reference:
         the reference with no finding for their graph are the report's ``unexplained``. Held findings
         are reported where the workload's results differ from its reference run's (it said so:
         ``events.results``); held state differences also where it did not say."""
+        if self.verdict == () and not doctor.report.errors:
+            sync.handled(doctor)
         for info in doctor.graphs.values():
             if self.verdict:
                 i, diff = self.verdict

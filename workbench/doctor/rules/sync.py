@@ -74,7 +74,7 @@ def _aborted(doctor, graph: str, error) -> None:
     frames = _user_frames(error)
     t = error.tensor() if error.tensor is not None else None
     caller = handed_in(frames, lambda v: v is t) if t is not None else None
-    finding(doctor, graph, error.op, error.source or "<unknown>", caller, _stand_in(frames))
+    finding(doctor, graph, error.op, error.source or "<unknown>", caller, _stand_in(frames, error.op))
 
 
 # What CUDA, or torch's own check before it, raises for a host copy or synchronisation in a capture.
@@ -118,10 +118,12 @@ def handed_in(frames: list, same) -> str | None:
     return location(*frames[i])
 
 
-def _stand_in(frames: list) -> str | None:
+def _stand_in(frames: list, op: str | None = None) -> str | None:
     """``frames`` (innermost first): where the innermost one was called, when its function is named
-    for a synchronisation (it is the sync, not the code that decided to sync); else None."""
-    if len(frames) > 1 and "sync" in frames[0][0].f_code.co_name.lower():
+    for a synchronisation or for the refused op itself (it is the sync, a runtime call's stand-in, not
+    the code that decided to make it); else None."""
+    name = frames[0][0].f_code.co_name.lower() if frames else ""
+    if len(frames) > 1 and ("sync" in name or op is not None and name == op.lower()):
         return location(*frames[1])
     return None
 
@@ -154,3 +156,13 @@ def finding(doctor, graph: str, op: str, source: str, caller: str | None = None,
         evidence += f", at {source}, in a function that is the synchronisation itself, called at {stand_in}"
     doctor.add(Finding("sync-in-capture", graph, op, "-", caller or stand_in or source, evidence, explain.sync(op)),
                ("sync-in-capture", op, source))
+
+
+def handled(doctor) -> None:
+    """The workload went on without raising, and its results equal its run without graphs': a capture
+    refused for a host synchronisation was handled (falling back to eager is a fix idiom). It is a note."""
+    for f in doctor.report.of("sync-in-capture"):
+        doctor.report.findings.remove(f)
+        doctor.report.notes.append(f"sync-in-capture at {f.location} ({f.evidence}): the capture failed, the workload "
+                                   "went on without raising, and its results equal the run without graphs': handled, "
+                                   "not reported")
