@@ -791,6 +791,68 @@ def test_an_eager_write_into_a_cache_whose_trash_slot_padded_rows_wrote_reads_no
     assert report.findings == [], report
 
 
+def test_a_shape_error_in_the_doctors_own_eager_run_of_a_padded_step_is_no_finding():
+    """The captured step's model reads per-request weights from the runner's current context (as a
+    LoRA runner's model reads its adapters' mapping): the capture read the static copy, and each step
+    sets the context to the real rows' weights. Run eagerly at the padded size (differential replay),
+    the step fails on the shapes where it writes the padded-size output; the workload's replays
+    never did, and its results are right: the doctor's own run failing is no padded-shape-mismatch."""
+    from workbench.zoo.kit import capture, replay
+
+    def workload():
+        gen = torch.Generator().manual_seed(0)
+        x, static_w, out = torch.zeros(4, 2), torch.zeros(4, 2, 2), torch.zeros(4, 2)
+        context = {"w": static_w}
+
+        def model(h):
+            return torch.bmm(h[:, None, :], context["w"]).squeeze(1)
+
+        def step():
+            out[:4] = model(x)
+            return out
+        g, _ = capture(step, device="cpu", static={"x": x, "w": static_w})
+        steps = [(torch.randn(n, 2, generator=gen), torch.randn(n, 2, 2, generator=gen)) for n in (3, 4, 3)]
+        with events.reference():
+            expected = [torch.bmm(data[:, None, :], w).squeeze(1) for data, w in steps]
+        got = []
+        for data, w in steps:
+            n = data.shape[0]
+            x[:n], x[n:] = data, 0
+            static_w[:n], static_w[n:] = w, 0
+            context["w"] = w                              # the step's context: real rows only
+            got.append(replay(g, out, real=n, size=4)[:n].clone())
+        events.results(expected, got)
+        return expected, got
+    expected, got = workload()
+    assert all(torch.equal(e, g) for e, g in zip(expected, got))
+    report = doctor.diagnose(workload)
+    assert report.findings == [], report
+
+
+def test_a_runner_refreshing_its_inputs_with_one_foreach_copy_is_no_mutation():
+    """``torch._foreach_copy_`` (a wrapper copying every input at once) overwrites its destinations
+    as ``copy_`` does: a refresh, not an in-place update that builds on what was there."""
+    from workbench.zoo.kit import capture, replay
+
+    def workload():
+        gen = torch.Generator().manual_seed(0)
+        a, b = torch.zeros(3, 2), torch.zeros(3, 2)
+        g, out = capture(lambda: a * b + 1, device="cpu", static={"a": a, "b": b})
+        steps = [(torch.randn(3, 2, generator=gen), torch.randn(3, 2, generator=gen)) for _ in range(3)]
+        with events.reference():
+            expected = [x * y + 1 for x, y in steps]
+        got = []
+        for x, y in steps:
+            torch._foreach_copy_([a, b], [x, y])
+            got.append(replay(g, out).clone())
+        events.results(expected, got)
+        return expected, got
+    expected, got = workload()
+    assert all(torch.equal(e, g) for e, g in zip(expected, got))
+    report = doctor.diagnose(workload)
+    assert report.findings == [], report
+
+
 @pytest.mark.parametrize("variant", ["bug", "fix"])
 def test_padded_rows_read_by_a_reduction_over_all_rows_are_stale_padding(variant):
     """A per-tensor scale (the amax over every row, as an FP8 quantize takes it) of a buffer whose

@@ -144,7 +144,8 @@ class _Tracer:
 
     def _raised(self, doctor, frame, error: BaseException) -> None:
         key = (id(error), type(error))
-        if doctor.padded_step is not None and doctor.pattern is None and key not in self.explained:
+        if doctor.padded_step is not None and doctor.pattern is None and key not in self.explained \
+                and doctor.phase != "differential":        # (the doctor's own eager run of the step failed)
             if shapes.raised(doctor, error, frame):
                 self.explained.add(key)
         if key == self.leaving:                      # on its way out of the frame that raised it

@@ -21,7 +21,8 @@ aten = torch.ops.aten
 
 # In-place ops that write their destination without reading it: a runner refreshing its buffers.
 _OVERWRITES = frozenset({aten.copy_, aten.fill_, aten.zero_, aten.index_put_, aten.index_fill_,
-                         aten.masked_fill_, aten.set_, aten.resize_, aten.random_, aten.uniform_, aten.normal_})
+                         aten.masked_fill_, aten.set_, aten.resize_, aten.random_, aten.uniform_, aten.normal_,
+                         aten._foreach_copy_, aten._foreach_zero_})
 
 
 # Storages keyed inside ``unique_storage_keys()``, each held by a weak reference: its memory is
