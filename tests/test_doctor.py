@@ -669,6 +669,44 @@ def test_reading_a_view_of_an_output_after_the_next_call_is_overwritten_output()
     assert report.kinds == {"overwritten-output"}
 
 
+@pytest.mark.parametrize("clone", [False, True])
+def test_rows_split_off_an_output_and_read_on_the_host_later_are_overwritten_output(clone):
+    """An output's rows split off per request (``split`` returns views) and queued; the queue is read
+    on the host (``tolist``, which dispatches no op on the CPU) after the next call replayed over
+    them. Cloned first, the rows hold their own values."""
+    with doctor.watch() as report:
+        runner = make_runner(row_wise)
+        runner.capture()
+        out = runner(x=batch(3, 0))
+        queued = list((out.clone() if clone else out).split([1, 1, 1]))
+        runner(x=batch(3, 1))
+        rows = [row.tolist() for row in queued]
+    assert (rows[0] == (batch(3, 0) * 2 + 1)[:1].tolist()) == clone
+    if clone:
+        assert report.findings == []
+        return
+    (finding,) = report.findings
+    assert finding.kind == "overwritten-output" and finding.op == "Tensor.tolist"
+
+
+def test_an_output_copied_to_the_host_after_the_next_call_is_one_overwritten_output():
+    """``cpu()`` is where a CUDA program reads the output (the copy); on the CPU it returns the tensor
+    itself and dispatches nothing, so it is watched as a host read. Read again (``tolist``), the
+    stale output is the same hazard: one finding, at the first read, as on CUDA."""
+    def take_to_host(t):
+        return t.cpu()
+
+    with doctor.watch() as report:
+        runner = make_runner(row_wise)
+        runner.capture()
+        first = runner(x=batch(3, 0))
+        runner(x=batch(3, 1))
+        take_to_host(first).tolist()
+    (finding,) = report.findings
+    assert finding.kind == "overwritten-output" and finding.op == "Tensor.cpu"
+    assert finding.location == where(take_to_host, "return t.cpu()")
+
+
 # ----------------------------------------------------------------------------- sync-in-capture
 @pytest.mark.parametrize("model, op, code", [
     (sync_item, "Tensor.item()", "x.sum().item()"),
@@ -696,6 +734,27 @@ def stream_synchronize(x):
 def benchmark_in_capture(x):
     stream_synchronize(x)                      # the code that decided to sync
     return x * 2
+
+
+def host_list(x):
+    return x * len([row for row in x.tolist() if row[0] > 0])
+
+
+def host_copy(x):
+    return x * x.cpu().sum()
+
+
+@pytest.mark.parametrize("model", [host_list, host_copy], ids=["tolist", "cpu"])
+def test_a_host_read_the_doctor_also_watches_is_still_refused_in_a_capture(model):
+    """``tolist`` and ``cpu`` are wrapped while the doctor watches (host reads on the CPU dispatch no
+    op); inside a capture they are refused as without the doctor: the engine's guard knows them by
+    their name, which the wrappers keep."""
+    with pytest.raises(CaptureError):
+        make_runner(model).capture()
+    with doctor.watch() as report:
+        with pytest.raises(CaptureError):
+            make_runner(model).capture()
+    assert [f.kind for f in report.findings] == ["sync-in-capture"]
 
 
 def test_a_sync_in_a_function_named_for_it_is_named_where_it_was_called():

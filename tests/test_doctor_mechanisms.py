@@ -2567,6 +2567,44 @@ def test_a_frozen_number_is_named_where_the_step_read_it_from_the_host(fixed):
     assert "The number comes from" in finding.cause
 
 
+def as_scalar(value):
+    """A helper that lifts the number it is handed into a tensor (``torch.tensor(value)``)."""
+    return torch.tensor(value)
+
+
+class _Optimizer:
+    """A schedule kept in a dict of Python numbers; the step reads it and hands it straight to a
+    helper that makes it a tensor: no frame holds the number in a variable of its own."""
+
+    def __init__(self):
+        self.x = torch.zeros(2, 2)
+        self.group = {"decay": 0.37}
+
+    def step(self, size):
+        return self.decayed(self.x[:size])
+
+    def decayed(self, x):
+        return x * (1 - as_scalar(self.group["decay"]))     # the host read, passed down
+
+
+def test_a_frozen_number_passed_straight_down_is_named_where_it_was_passed():
+    """The lifted constant differs between the graph and the eager step. The op is in the helper,
+    which was handed the number; the function that read it from the dict and passed it is named
+    (not the step's entry, whose reads are the step's inputs)."""
+    def workload():
+        opt = _Optimizer()
+        m = Manager(opt.step, [2], {"x": opt.x})
+        m.capture()
+        for step, decay in enumerate((0.37, 0.61, 0.83)):
+            opt.group["decay"] = decay
+            opt.x.copy_(rows(2, 2, seed=step))
+            m.replay(2)
+    report = doctor.diagnose(workload)
+    (finding,) = report.findings
+    assert finding.kind == "host-work-frozen" and finding.op == "aten.lift_fresh.default", finding
+    assert finding.location.endswith("in decayed") and "as_scalar(self.group" in finding.source, finding
+
+
 def test_a_graph_the_program_let_go_of_is_not_kept_alive_by_the_doctor():
     """The eager step's closure holds the runner (and through it the graph) but not the input
     buffer, which the workload releases first when it returns. The doctor keeps the way to the

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from test_doctor_setup_and_warmups import finding_of
 from workbench import doctor
 from workbench.doctor import padding_record
 from workbench.engine import events, graph, new_graph
@@ -823,10 +824,7 @@ def test_a_shape_error_in_the_doctors_own_eager_run_of_a_padded_step_is_no_findi
             got.append(replay(g, out, real=n, size=4)[:n].clone())
         events.results(expected, got)
         return expected, got
-    expected, got = workload()
-    assert all(torch.equal(e, g) for e, g in zip(expected, got))
-    report = doctor.diagnose(workload)
-    assert report.findings == [], report
+    finding_of(workload, "fix")
 
 
 def test_a_runner_refreshing_its_inputs_with_one_foreach_copy_is_no_mutation():
@@ -847,10 +845,7 @@ def test_a_runner_refreshing_its_inputs_with_one_foreach_copy_is_no_mutation():
             got.append(replay(g, out).clone())
         events.results(expected, got)
         return expected, got
-    expected, got = workload()
-    assert all(torch.equal(e, g) for e, g in zip(expected, got))
-    report = doctor.diagnose(workload)
-    assert report.findings == [], report
+    finding_of(workload, "fix")
 
 
 @pytest.mark.parametrize("variant", ["bug", "fix"])

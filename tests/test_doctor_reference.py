@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from test_doctor_setup_and_warmups import only_finding
+from test_doctor_setup_and_warmups import finding_of, only_finding
 from workbench import doctor
 from workbench.engine import CaptureError, events, graph, graph_pool_handle, new_graph
 from workbench.engine.source import function_of
@@ -91,21 +91,13 @@ def _workload(runner_for, announce: bool = True, kernel=attend):
     return workload
 
 
-def _finding(workload, variant: str):
-    """The workload's bug misbehaves and its fix gives the reference's answers; under the doctor the
-    fix's report is empty, and the bug's one finding is returned (None for the fix)."""
-    expected, got = workload()
-    assert all(torch.equal(e, g) for e, g in zip(expected, got)) == (variant == "fix")
-    return only_finding(workload, variant)
-
-
 @pytest.mark.parametrize("variant", ["bug", "fix"])
 def test_a_replay_path_preparing_an_input_otherwise_is_named_where_it_wrote_it(variant):
     """``bug``: the replay path writes ``lens - 1`` (a count of accepted tokens where the kernel wants
     sequence lengths). The captured callable reads the same static buffer, so differential replay
     agrees with the graph; the reference run gives the attention the real lengths."""
     workload = _workload(lambda cache: Runner(cache, variant, lens_offset=1 if variant == "bug" else 0))
-    finding = _finding(workload, variant)
+    finding = finding_of(workload, variant)
     if finding is None:
         return
     assert finding.kind == "warmup-divergence" and " in prepare: " in finding.source, finding
@@ -136,7 +128,7 @@ def test_a_replay_of_the_capture_batch_is_no_step_of_the_reference(variant):
     """That first replay, with nothing written since the capture, is not aligned with a step of the
     reference (one whose length happened to match would make a finding on the fix); the steps after
     it are, and the bug's wrongly prepared lengths are found as before."""
-    finding = _finding(_workload(lambda cache: ReplaysItsCapture(cache, variant)), variant)
+    finding = finding_of(_workload(lambda cache: ReplaysItsCapture(cache, variant)), variant)
     if finding is None:
         return
     assert finding.kind == "warmup-divergence" and " in prepare: " in finding.source, finding
@@ -158,7 +150,7 @@ def test_an_input_the_replay_path_never_writes_is_stale_input_at_the_refresh_tha
     graph reads what was left there (no step ever wrote it, so the carried-input probe, which puts
     back what earlier steps wrote, has nothing to put back). ``attend`` reads ``lens`` and ``q``,
     which the step did write: the refresh that left ``lens`` out is ``prepare``'s copy into ``q``."""
-    finding = _finding(_workload(lambda cache: OmittingRunner(cache, variant)), variant)
+    finding = finding_of(_workload(lambda cache: OmittingRunner(cache, variant)), variant)
     if finding is None:
         return
     assert finding.kind == "stale-input" and "self.q.copy_(q)" in finding.source, finding
@@ -179,7 +171,7 @@ def _scale(lens):
 def test_an_omitted_input_read_apart_from_the_others_is_named_at_the_steps_refresh(variant):
     """No function that reads the omitted ``lens`` reads an input the step wrote: the refresh that
     left it out is the function that wrote the step's other static inputs (``prepare``)."""
-    finding = _finding(_workload(lambda cache: OmittingRunner(cache, variant, kernel=lengths_apart),
+    finding = finding_of(_workload(lambda cache: OmittingRunner(cache, variant, kernel=lengths_apart),
                                  kernel=lengths_apart), variant)
     if finding is None:
         return
@@ -196,7 +188,7 @@ def weighted(q, cache, lens, max_len: int):
 def test_an_input_skipped_beside_one_the_step_refreshed_is_named_where_that_one_was_refreshed(variant):
     """The op that reads the omitted ``lens`` also reads ``q``, which the replay path refreshed this
     step: the refresh that skipped ``lens`` is that one (``prepare``'s copy into ``q``)."""
-    finding = _finding(_workload(lambda cache: OmittingRunner(cache, variant, kernel=weighted), kernel=weighted),
+    finding = finding_of(_workload(lambda cache: OmittingRunner(cache, variant, kernel=weighted), kernel=weighted),
                        variant)
     if finding is None:
         return
@@ -312,7 +304,7 @@ def test_a_graph_replayed_for_a_tensor_it_was_not_captured_with_is_named_where_i
     weight. Its eager form is the captured closure (the same weight): differential replay agrees
     with the graph; the reference run's same step reads the layer's own weight."""
     workload = _layers(lambda: ShapeKeyedGraphs(variant))
-    finding = _finding(workload, variant)
+    finding = finding_of(workload, variant)
     if finding is None:
         return
     assert finding.kind == "warmup-divergence" and " in __call__: g.replay()" in finding.source, finding
@@ -368,7 +360,7 @@ def test_a_graph_cache_key_that_leaves_a_property_out_is_named_at_the_key_functi
             expected = [segmented(x, torch.arange(4) // layout) for x, layout in passes]
         runner = LayoutKeyedGraphs(variant)
         return expected, [runner(x, layout) for x, layout in passes]
-    finding = _finding(workload, variant)
+    finding = finding_of(workload, variant)
     if finding is None:
         return
     assert finding.kind == "warmup-divergence" and " in cache_key: return tuple(x.shape)" in finding.source, finding
@@ -417,7 +409,7 @@ def test_a_replay_is_aligned_with_its_step_by_the_inputs_that_step_wrote(variant
             expected = [paged_score(q, cache, t[None]) for q, t in steps]
         runner = SkippingTableRunner(cache, variant)
         return expected, [runner(q, t) for q, t in steps]
-    finding = _finding(workload, variant)
+    finding = finding_of(workload, variant)
     if finding is None:
         return
     assert finding.kind == "stale-input" and finding.tensor.startswith("table"), finding
@@ -479,7 +471,7 @@ def test_a_tensor_the_graph_reads_rewritten_after_capture_is_named_where_it_was_
     the weights in place, which the run without graphs never does: the graph reads what that write
     left, and the finding names the write, not the replay."""
     workload = _layers(lambda: ShapeKeyedGraphs("fix"), requantize if variant == "bug" else lambda weights: None)
-    finding = _finding(workload, variant)
+    finding = finding_of(workload, variant)
     if finding is None:
         return
     assert finding.kind == "warmup-divergence" and " in requantize: " in finding.source, finding
@@ -930,7 +922,7 @@ def test_a_runner_handing_out_one_of_the_outputs_is_compared_on_that_one(variant
             expected = [loss_terms(x, decay(k))[0] for k, x in enumerate(xs)]
         runner = DecayedLoss(variant)
         return expected, [runner(k, x) for k, x in enumerate(xs)]
-    finding = _finding(workload, variant)
+    finding = finding_of(workload, variant)
     if finding is None:
         return
     assert finding.kind == "host-work-frozen" and " in decay: " in finding.source, finding
@@ -1227,7 +1219,7 @@ def test_a_graph_replayed_on_another_view_than_the_step_takes_is_named_where_it_
     """``bug``: the graph built for sequence 0 is replayed for sequence 1, on sequence 0's state
     row. Its eager form is the captured closure (the same row): differential replay agrees with the
     graph; the reference run's same step takes the other row of the table."""
-    finding = _finding(_two_sequences(lambda: PerSequenceState(variant)), variant)
+    finding = finding_of(_two_sequences(lambda: PerSequenceState(variant)), variant)
     if finding is None:
         return
     assert finding.kind == "warmup-divergence" and " in __call__: g.replay()" in finding.source, finding
@@ -1268,7 +1260,7 @@ def test_a_graph_a_reuse_check_let_through_is_named_at_that_check(variant):
     """``bug``: the reuse check lets sequence 0's graph serve sequence 1, on sequence 0's state row.
     The replay happens in ``__call__``, but the choice was the check's answer: the finding names the
     line where ``can_reuse`` answered (the fix checks the sequence too, and rebuilds)."""
-    finding = _finding(_two_sequences(lambda: ReusedGraph(variant)), variant)
+    finding = finding_of(_two_sequences(lambda: ReusedGraph(variant)), variant)
     if finding is None:
         return
     assert finding.kind == "warmup-divergence" and " in can_reuse: return x.shape" in finding.source, finding
@@ -1307,7 +1299,7 @@ def test_a_host_scalar_taken_by_value_is_named_when_the_workloads_results_differ
             got.append(out.clone())
         events.results(expected, got)
         return expected, got
-    finding = _finding(workload, variant)
+    finding = finding_of(workload, variant)
     if finding is None:
         return
     assert finding.kind == "host-work-frozen" and finding.numbers == {"captured_value": 1.0}, finding
@@ -1353,7 +1345,7 @@ def test_a_value_cached_by_a_graph_outputs_identity_is_stale_input_where_it_was_
             previous = low
         events.results(expected, got)
         return expected, got
-    finding = _finding(workload, "fix" if variant != "bug" else "bug")
+    finding = finding_of(workload, "fix" if variant != "bug" else "bug")
     if finding is None:
         return
     assert finding.kind == "stale-input" and finding.source.endswith("self.casts[id(t)] = low = t.to(torch.bfloat16)")
@@ -1408,7 +1400,7 @@ def test_a_padded_rows_write_into_state_the_real_rows_read_is_stale_padding_at_t
             got.append(out[:3].clone())
         events.results(expected, got)
         return expected, got
-    finding = _finding(workload, variant)
+    finding = finding_of(workload, variant)
     if finding is None:
         return
     assert finding.kind == "stale-padding" and "cache.index_put_((slot,), keys[i].view(1, -1))" in finding.source
@@ -1471,7 +1463,7 @@ def test_work_the_reference_does_every_step_and_the_runner_did_once_at_capture_i
         got = [runner(x, side) for x, side in steps]
         events.results(expected, got)                     # (the workload's own comparison)
         return expected, got
-    finding = _finding(workload, variant)
+    finding = finding_of(workload, variant)
     if finding is None:
         return
     assert finding.kind == "warmup-divergence" and function_of(finding.location) == "hoist", finding
@@ -1553,7 +1545,7 @@ def test_a_kernel_one_launch_site_left_out_of_a_recorded_graph_is_named_at_that_
         got = [runner(x) for x in steps]
         events.results(expected, got)
         return expected, got
-    finding = _finding(workload, variant)
+    finding = finding_of(workload, variant)
     if finding is None:
         return
     assert finding.kind == "warmup-divergence" and function_of(finding.location) == "second", finding
@@ -1652,10 +1644,7 @@ def test_state_an_eager_step_stages_elsewhere_is_no_finding_when_the_results_agr
         got = [runner(x) for x in steps]
         events.results(expected, got)
         return expected, got
-    expected, got = workload()
-    assert all(torch.equal(e, g) for e, g in zip(expected, got))
-    report = doctor.diagnose(workload)
-    assert report.findings == [], report
+    finding_of(workload, "fix")
 
 
 def shifted(x, pos, w):
@@ -1768,7 +1757,7 @@ def test_a_replay_no_static_input_ties_to_a_step_is_aligned_by_the_count(variant
         got = [o for p, ts in zip(prompts, toks) for o in decoder.generate(p, ts)]
         events.results(expected, got)
         return expected, got
-    finding = _finding(workload, variant)
+    finding = finding_of(workload, variant)
     if finding is None:
         return
     assert finding.kind == "warmup-divergence" and "call 3 of decode_head" in finding.evidence, finding

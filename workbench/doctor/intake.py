@@ -355,7 +355,7 @@ class Doctor(RunnerEvents):
             undersized.check_slice(self, args)
         if phase == "eager" and pure_view(func):       # the hot path: eager code taking a view
             out = run()
-            if self.handed and isinstance(out, torch.Tensor):
+            if self.handed:
                 overwritten.tag_view(self, args[0], out)
             if self.reference is not None and not self.report.replays and isinstance(out, torch.Tensor):
                 self.reference.view_made(out)           # set-up: where the views a capture reads were taken
@@ -430,7 +430,7 @@ class Doctor(RunnerEvents):
         if (self.unread or self.copied) and not view:
             unread.touched(self, func, args, kwargs)
         if view:
-            if self.handed and isinstance(out, torch.Tensor):
+            if self.handed:
                 overwritten.tag_view(self, args[0], out)
         else:                                       # a view creates no storage
             memory.record_new_storages(func, args, kwargs, out)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Iterator
 
@@ -15,7 +16,7 @@ from . import failures
 from .failures import DELIBERATE
 from .intake import _ASIDE, Doctor
 from .report import Report
-from .rules import extent, undersized, unread
+from .rules import extent, overwritten, undersized, unread
 from .uninit import filled
 
 
@@ -93,16 +94,21 @@ def _item_assignment(doctor: Doctor):
 
 
 def _host_reads(doctor: Doctor) -> dict:
-    """``Tensor.tolist`` and ``Tensor.numpy`` that first tell the doctor's rules a host read the
-    tensor: on the CPU neither dispatches an op (on CUDA, ``tolist`` copies to the host through one),
-    so a runner's host read of a static buffer would otherwise go unseen."""
-    originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
+    """``Tensor.tolist``, ``Tensor.numpy`` and ``Tensor.cpu`` that first tell the doctor's rules a
+    host read the tensor: on the CPU none dispatches an op (``cpu()`` returns the tensor itself; on
+    CUDA each copies to the host through one, where the read happens), so a runner's host read of a
+    static buffer, or of a handed-out output, would otherwise go unseen, or be seen later."""
+    originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy", "cpu")}
 
     def wrap(name, original):
+        @functools.wraps(original)          # (its name: torch's function modes key on it, the engine's guard too)
         def read(self, *args, **kwargs):
-            if (doctor.copied or doctor.unread) and doctor.failure is None and doctor.phase == "eager":
+            if (doctor.copied or doctor.unread or doctor.handed) and doctor.failure is None \
+                    and doctor.phase == "eager":
                 try:
                     unread.host_read(doctor, self)
+                    if id(self) in doctor.handed:
+                        overwritten.check_read(doctor, f"Tensor.{name}", (self,), None)
                 except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
                     doctor.fail(e, f"watching Tensor.{name}")
             return original(self, *args, **kwargs)

@@ -192,9 +192,9 @@ def signature(func, args, kwargs) -> tuple:
     """The arguments of an op that Python decided and a replay keeps: scalars, shapes, dtypes, the
     geometry of tensor arguments, and the values of constants made from Python data
     (``torch.tensor([...])``)."""
-    if func.overloadpacket in (aten.lift_fresh, aten.lift_fresh_copy):
+    if func.overloadpacket in (aten.lift_fresh, aten.lift_fresh_copy):     # (a number lifted: by its value)
         with _disable_current_modes():
-            return tuple(digest(t) for t in tensors(args))
+            return tuple(("scalar", repr(t.item())) if t.dim() == 0 else digest(t) for t in tensors(args))
     if func.overloadpacket is not aten.copy_:
         cuda = any(t.is_cuda for t in tensors(args))
         return tuple(_plain(a, cuda) for a in (*args, *kwargs.items()))

@@ -135,7 +135,7 @@ def finish(doctor, info, pending) -> None:
         numbers = tuple(e for g, e in zip(divergence.graph_op.sig, divergence.eager_op.sig) if g != e)
         again, _, _ = _eager(doctor, info, pending, replayed, rng_after, traced=True,
                              origin_of=(divergence.index, numbers, sys._getframe()))
-        divergence.origin = again.origin
+        divergence.origin, divergence.passed = again.origin, again.passed
     if what is not None and divergence is not None and divergence.how == "reference" and divergence.eager_keys:
         again, _, _ = _eager(doctor, info, pending, replayed, rng_after, traced=True,     # where it was fetched
                              origin_of=(divergence.index, ("tensor", next(iter(divergence.eager_keys))),

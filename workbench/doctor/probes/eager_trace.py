@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import struct
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -57,6 +58,7 @@ class EagerRun:
     loop: str | None = None                      # the deepest frame both share: the one that looped
     origin_of: tuple = ()                        # (position in the trace, numbers it is given) to trace back...
     origin: str | None = None                    # ... to the outermost frame holding one as a local
+    passed: str | None = None                    # ... else to the frame that passed it down (``passed_down``)
     branch_at: tuple = ()                        # (the graph, the frame that runs the step): at its first op unlike
     branch: str | None = None                    # the capture's, the line where it left the capture's path (``branched``)
     nonfinite: tuple | None = None               # (real, size): find where padded rows' NaN reach real rows...
@@ -118,6 +120,7 @@ def on_op(doctor, func, args, kwargs, run):
     if d.origin_of and i == d.origin_of[0]:
         values, top = d.origin_of[1:]
         d.origin = tensor_origin(values[1], top) if values[:1] == ("tensor",) else number_origin(values, top)
+        d.passed = None if d.origin is not None or values[:1] == ("tensor",) else passed_down(values, top)
     same = i < len(d.graph_ops) and d.graph_ops[i].name == name and d.graph_ops[i].sig == sig
     if not same and d.branch_at and d.branch is None:
         d.branch = branched(*d.branch_at)
@@ -177,15 +180,55 @@ def number_origin(values: tuple, top) -> str | None:
     and passed it down. A number the step was given from outside (a training loop's count, passed
     in as an argument) stays at the op. Numbers reach the dispatcher as new objects, so they are
     matched by value; 0 and 1, which any frame may hold, are not traced."""
+    held = _matcher(values)
+    if held is None:
+        return None
+    for frame, own in _own_variables(top):
+        if held(own):
+            return location(frame)
+    return None
+
+
+def passed_down(values: tuple, top) -> str | None:
+    """Where no frame holds the number in a variable of its own (read from a container and passed
+    straight on, ``helper(group["decay"])``): the first frame inside the step, walking out from the
+    op's, that was not handed it as an argument, if the op's own frame was. None if that is the
+    step's own entry (what the step's callable reads is its input, as what it is handed is) or if
+    every frame inside the step was handed it: it came from outside the step."""
+    held = _matcher(values)
+    frames = (frames_within(top) or []) if held is not None else []
+    handed = 0
+    while handed < len(frames) and held(_arguments(frames[handed])):
+        handed += 1
+    return location(frames[handed]) if 0 < handed < len(frames) - 1 else None
+
+
+def _matcher(values: tuple):
+    """A test of a frame's values against the numbers (None when there is nothing to trace). A float
+    lifted into a float32 tensor (``torch.tensor(value)``) is held in Python unrounded."""
     values = [v[1] if isinstance(v, tuple) and len(v) == 2 and v[0] == "scalar" else v for v in values]
     floats = {v for v in values if isinstance(v, str)} - {"0.0", "1.0", "-1.0"}
     ints = {v for v in values if type(v) is int} - {0, 1, -1}
     if not floats and not ints:
         return None
-    for frame, own in _own_variables(top):
-        if any(type(v) is float and repr(v) in floats or type(v) is int and v in ints for v in own):
-            return location(frame)
-    return None
+    return lambda vs: any(type(v) is float and (repr(v) in floats or repr(_float32(v)) in floats)
+                          or type(v) is int and v in ints for v in vs)
+
+
+def _float32(v: float) -> float:
+    try:
+        return struct.unpack("f", struct.pack("f", v))[0]
+    except OverflowError:
+        return v
+
+
+def _arguments(frame) -> list:
+    """The values a frame was handed: its parameters and the elements of its ``*args``."""
+    code, local = frame.f_code, frame.f_locals
+    n = code.co_argcount + code.co_kwonlyargcount
+    given = [local.get(name) for name in code.co_varnames[:n]]
+    rest = local.get(code.co_varnames[n]) if code.co_flags & inspect.CO_VARARGS else None
+    return given + list(rest) if isinstance(rest, tuple) else given
 
 
 def _own_variables(top):

@@ -28,6 +28,7 @@ class Divergence:
     inserted: int = 0           # ``skipped``/``extra``: how many ops one trace has that the other has not
     loop: str | None = None     # the line of the frame whose loop ran another number of times (``repeats``)
     origin: str | None = None   # ``arguments``: the line of the outermost frame holding the value (``eager_trace``)
+    passed: str | None = None   # ... else of the frame that passed it down without holding it
 
     @property
     def eager_runs_more(self) -> bool:

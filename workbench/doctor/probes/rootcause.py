@@ -59,6 +59,9 @@ def classify(doctor, info, pending, what: tuple, divergence, run, host: tuple | 
             op = dataclasses.replace(op, source=line)
             site += (f" The eager step {change} at {line}: host bookkeeping a replay never runs, so the number "
                      "it advances stays as the capture left it.")
+        elif divergence.how == "arguments" and divergence.origin is None and divergence.passed is not None:
+            op = dataclasses.replace(op, source=divergence.passed)
+            site += f" The number is read and handed down at {divergence.passed}."
     if kind == "warmup-divergence" and host is not None:
         tensor, change, line, _ = host
         kind, op = "host-work-frozen", Op("-", line)

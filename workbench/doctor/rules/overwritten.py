@@ -25,11 +25,12 @@ def tag(doctor, t, info) -> None:
     _remember(doctor, t, key, doctor.generation.setdefault(key, 0), info, info.replays)
 
 
-def tag_view(doctor, base, view) -> None:
-    """A view of a handed-out output is one too."""
+def tag_view(doctor, base, out) -> None:
+    """A view of a handed-out output is one too, and so is each of the views a split returns."""
     entry = doctor.handed.get(id(base))
     if entry is not None and entry[0]() is base:
-        _remember(doctor, view, *entry[1:])
+        for view in (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (list, tuple)) else ():
+            _remember(doctor, view, *entry[1:])
 
 
 def _remember(doctor, t, key: tuple, generation: int, info, replays: int) -> None:
@@ -74,6 +75,8 @@ def _read(doctor, func, t) -> None:
     entry = doctor.handed[id(t)]
     if entry[0]() is t and doctor.generation.get(entry[1], 0) > entry[2] and block(t) == entry[1]:
         _stale(doctor, func, t, *entry[1:])
+        # (read once stale, reported once: later reads of the view, and views taken of it, are the same hazard)
+        doctor.handed[id(t)] = (entry[0], entry[1], doctor.generation[entry[1]], *entry[3:])
 
 
 def _stale(doctor, func, t, key: tuple, generation: int, info, handed_after: int) -> None:
