@@ -1647,6 +1647,41 @@ def test_state_an_eager_step_stages_elsewhere_is_no_finding_when_the_results_agr
     finding_of(workload, "fix")
 
 
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_an_input_announced_as_a_slice_taken_for_the_announcement_is_still_watched(variant):
+    """Each capture size announces its slice of one input (``delta[:bs]``, a view nobody keeps: it
+    goes with the announcement) and the smaller size's slice after the larger's. The runner refreshes
+    ``delta`` only after a step that had one (a flag): a text step after a shrink leaves rows an image
+    step wrote, which the size-8 graph reads. The buffer is watched whole for as long as its memory
+    lives: ``stale-input``; the fix refreshes every row the graph reads."""
+    from workbench.zoo.kit import capture, replay
+
+    def workload():
+        ids, delta = torch.zeros(8), torch.zeros(8)
+        graphs, dirty = {}, [False]
+        for bs in (8, 4):
+            graphs[bs] = capture(lambda bs=bs: ids[:bs] * 2 + delta[:bs], device="cpu", name=f"bs {bs}",
+                                 static={"ids": ids[:bs], "delta": delta[:bs]})
+        steps = [(torch.arange(8.0), torch.tensor([0, 0, 0, 0, 0, 3.0, 0, 0])),
+                 (torch.arange(4.0) + 10, torch.zeros(4)), (torch.arange(8.0) + 20, torch.zeros(8))]
+        with events.reference():
+            expected = [x * 2 + d for x, d in steps]
+        got = []
+        for x, d in steps:
+            bs, has = x.shape[0], bool(d.any())
+            ids[:bs] = x
+            if variant == "fix" or has or dirty[0]:
+                delta[:bs] = d
+            dirty[0] = has
+            g, out = graphs[bs]
+            got.append(replay(g, out).clone())
+        events.results(expected, got)
+        return expected, got
+    finding = finding_of(workload, variant)
+    if finding is not None:
+        assert finding.kind == "stale-input" and finding.graph == "bs 8", finding
+
+
 def shifted(x, pos, w):
     return (x + pos[:, None]) @ w
 

@@ -9,6 +9,7 @@ import weakref
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..engine.source import user_frame
 from .raised import released_at
@@ -52,9 +53,31 @@ class Buffer:
 
     name: str
     owner: str
-    ref: weakref.ref
+    ref: object             # () -> the tensor, None once its memory is released (``announced``)
     role: str
     source: str = ""        # where it was announced
+
+
+def announced(name: str, owner: str, t: torch.Tensor, role: str, source: str = "") -> Buffer:
+    """A ``Buffer`` whose ``ref`` is a weak reference to ``t``. A runner may announce a view taken
+    for the announcement (``self.ids[:bs]``), which goes at once while its storage, the buffer, lives
+    on: when the object goes, ``ref`` makes the same view of that storage again, until the storage
+    goes too."""
+    buf = Buffer(name, owner, None, role, source)
+    weak, geometry = StorageWeakRef(t.untyped_storage()), (t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
+
+    def gone(_ref) -> None:
+        buf.ref = functools.partial(_view_of, weak, *geometry)
+    buf.ref = weakref.ref(t, gone)
+    return buf
+
+
+def _view_of(weak, dtype, shape, stride, offset) -> torch.Tensor | None:
+    if weak.expired():
+        return None
+    with _disable_current_modes(), torch.inference_mode(False):
+        storage = torch.UntypedStorage._new_with_weak_ptr(weak.cdata)
+        return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, shape, stride)
 
 
 @dataclasses.dataclass(slots=True)

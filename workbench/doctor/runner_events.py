@@ -5,8 +5,6 @@ these handlers from this class; the engine's other events and the dispatch mode'
 ``intake.py``."""
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from ..engine.opinfo import storage_key
@@ -15,7 +13,7 @@ from . import raised
 from .failures import contained
 from .probes import differential, padding as padding_probe
 from .probes.reference import Reference
-from .records import Buffer, Pending
+from .records import Pending, announced
 from .rules import dangling, mutation, overwritten, undersized
 from . import tensors
 
@@ -31,7 +29,10 @@ class RunnerEvents:
             if (old := self.buffer(key)) is not None and role == old.role == "input" and name != old.name \
                     and tensors.overlap(tensors.span(old.ref()), tensors.span(t)):
                 dangling.handed_on(self, key, old, name, owner, source)
-            self.buffers[key] = Buffer(name, owner, weakref.ref(t), role, source)
+            if old is not None and (name, role) == (old.name, old.role) == (old.name, "input") \
+                    and _within(t, old.ref()):
+                continue            # (a graph's slice of an input announced whole: one per capture size)
+            self.buffers[key] = announced(name, owner, t, role, source)
         undersized.announced(self, owner, buffers)
 
     @contained
@@ -130,7 +131,7 @@ class RunnerEvents:
 
     def _padded(self, name: str, t) -> None:
         if isinstance(t, torch.Tensor) and (key := storage_key(t)) not in self.buffers:
-            self.buffers[key] = Buffer(name, "serve", weakref.ref(t), "padded")
+            self.buffers[key] = announced(name, "serve", t, "padded")
 
     def launching(self, graph) -> None:
         """(``events.launching``, CUDA) A sampled step whose eager form indexes out of range raises the
@@ -158,3 +159,10 @@ class RunnerEvents:
         for t in (tensors_out if isinstance(tensors_out, (tuple, list)) else (tensors_out,)):
             overwritten.tag(self, t, info)
         padding_probe.carry(self)
+
+
+def _within(t, whole) -> bool:
+    """Whether view ``t`` covers only bytes that ``whole`` (of the same storage, same layout) covers."""
+    inner, outer = tensors.span(t), tensors.span(whole) if whole is not None else None
+    return inner is not None and outer is not None and outer[0] <= inner[0] and inner[1] <= outer[1] \
+        and t.stride() == whole.stride()[len(whole.stride()) - t.dim():]
