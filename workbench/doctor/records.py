@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..engine.source import user_frame
 from .raised import released_at
+from .tensors import alias
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,9 +76,8 @@ def announced(name: str, owner: str, t: torch.Tensor, role: str, source: str = "
 def _view_of(weak, dtype, shape, stride, offset) -> torch.Tensor | None:
     if weak.expired():
         return None
-    with _disable_current_modes(), torch.inference_mode(False):
-        storage = torch.UntypedStorage._new_with_weak_ptr(weak.cdata)
-        return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, shape, stride)
+    with _disable_current_modes():
+        return alias(torch.UntypedStorage._new_with_weak_ptr(weak.cdata), dtype, shape, stride, offset)
 
 
 @dataclasses.dataclass(slots=True)

@@ -45,14 +45,14 @@ def whole(weak, dtype: torch.dtype = torch.uint8) -> torch.Tensor | None:
     return alias(storage, dtype, (n,), (1,))
 
 
-def alias(storage, dtype: torch.dtype, size=None, stride=None) -> torch.Tensor:
+def alias(storage, dtype: torch.dtype, size=None, stride=None, offset: int = 0) -> torch.Tensor:
     """A tensor over ``storage`` for the doctor's own reads and writes. Made outside inference mode,
     so that the doctor can write through it later wherever it is (code running under
     ``torch.inference_mode()`` would otherwise hand it an inference tensor, which refuses in-place
     writes outside that mode)."""
     with torch.inference_mode(False):
         t = torch.empty(0, dtype=dtype, device=storage.device)
-        return t.set_(storage) if size is None else t.set_(storage, 0, size, stride)
+        return t.set_(storage) if size is None else t.set_(storage, offset, size, stride)
 
 
 def region(view: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:

@@ -161,9 +161,11 @@ def finish(doctor, info, pending) -> None:
         # State it writes otherwise is held apart: the replay's outputs do not show what state holds, so
         # that is reported unless the workload says its results agree (``reference.conclude``), whether or not
         # this replay could be paired with a step of the run without graphs.
-        output = "output" in what[1]
-        with _held(doctor, info.held if output and pending.agreed else info.held_state
-                   if not output and (pending.agreed or doctor.reference is not None) else None):
+        if "output" in what[1]:
+            into = info.held if pending.agreed else None
+        else:
+            into = info.held_state if pending.agreed or doctor.reference is not None else None
+        with _held(doctor, into):
             rootcause.classify(doctor, info, pending, what, divergence, run,
                                _host_work(doctor, info, pending, replayed, rng_after, run))
     elif changed:       # host state the eager step leaves otherwise: held like state, as above

@@ -100,10 +100,12 @@ class Dropped:
 
 
 def _site(doctor, key: tuple, stack: tuple, called: set) -> str:
-    if any((op.name, op.source) == key for info in doctor.graphs.values() for op in info.ops):
-        captured = set().union(*(info.called for info in doctor.graphs.values()))
-        return next((location(code, line) for code, line in reversed(stack) if code not in captured), key[1])
-    return next((location(code, line) for code, line in reversed(stack) if code not in called), key[1])
+    """The innermost function of the dropped launch's stack outside ``skip``: what the captures ran,
+    where a graph replays the same op at the same line (the launch site that recorded nothing), else
+    what the run without graphs called (the runner's code that ran the work once); else the op's line."""
+    recorded = any((op.name, op.source) == key for info in doctor.graphs.values() for op in info.ops)
+    skip = set().union(*(info.called for info in doctor.graphs.values())) if recorded else called
+    return next((location(code, line) for code, line in reversed(stack) if code not in skip), key[1])
 
 
 def _readers(doctor, key: tuple, written: frozenset) -> dict[str, str]:

@@ -29,7 +29,7 @@ def tag_view(doctor, base, out) -> None:
     """A view of a handed-out output is one too, and so is each of the views a split returns."""
     entry = doctor.handed.get(id(base))
     if entry is not None and entry[0]() is base:
-        for view in (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (list, tuple)) else ():
+        for view in tensors(out):
             _remember(doctor, view, *entry[1:])
 
 
