@@ -10,7 +10,8 @@ import torch
 
 from workbench import doctor
 from workbench.engine import events, graph, graph_pool_handle, new_graph
-from workbench.engine.errors import GraphError
+from workbench.doctor.rules.dangling import DanglingReferenceError
+from workbench.engine.errors import GraphError, IllegalMemoryAccess
 
 
 def test_a_class_defined_in_a_function_goes_with_its_graph_under_diagnose():
@@ -109,3 +110,74 @@ def test_a_dropped_graphs_output_the_program_still_holds_is_no_dangling_read():
     (finding,) = dropped.findings
     assert finding.kind == "dangling-reference" and finding.graph == "head"
     assert "output of staging, which was dropped" in finding.evidence
+
+
+# ------------------------------------------------------------------ memory freed in place
+@pytest.mark.parametrize("how", ["storage resized to 0", "tensor grown past its storage"])
+def test_a_graph_reading_a_storage_given_other_memory_in_place_reads_freed_memory(how):
+    """``resize_`` keeps the storage object and moves its memory (frees it, at 0 bytes): a CUDA
+    graph keeps the old address, so the emulation's replay raises as after a release, and the
+    doctor names the line that moved it, before the replay (``guard``: instead of it)."""
+    def workload():
+        w, x = torch.ones(4), torch.zeros(4)
+        g = new_graph("cpu")
+        with graph(g, name="reads w"):
+            x + w
+        g.replay()
+        if how == "storage resized to 0":
+            w.untyped_storage().resize_(0)
+        else:
+            w.resize_(1 << 12)
+        g.replay()
+
+    with pytest.raises(IllegalMemoryAccess, match="given other memory after capture"):
+        workload()
+    with pytest.raises(DanglingReferenceError):
+        with doctor.watch(guard=True):
+            workload()
+    with doctor.watch() as report:
+        with pytest.raises(IllegalMemoryAccess):
+            workload()
+    (finding,) = report.findings
+    assert finding.kind == "dangling-reference" and "resize_(" in finding.source
+    assert "given other memory in place" in finding.evidence
+    assert "resize_" not in vars(torch.UntypedStorage)          # the doctor's wrapper is gone with the watch
+
+
+def test_a_read_of_a_tensor_whose_storage_was_freed_in_place_is_named_where_it_was_freed():
+    """A cache keeps a tensor whose storage another owner frees in place (a graph tree freeing its
+    previous generation's outputs): the eager read fails, and the finding stands at the release."""
+    cache = {}
+
+    def dealloc_previous_generation(outputs):
+        for t in outputs:
+            t.untyped_storage().resize_(0)
+
+    def workload():
+        pos = torch.ones(2, 3) * 2                 # made by the step, kept by the cache
+        cache["pos"] = pos
+        dealloc_previous_generation([pos])
+        try:
+            cache["pos"] @ torch.ones(3, 2)      # (an elementwise op would read address 0)
+        except RuntimeError:
+            pass
+
+    report = doctor.diagnose(workload)
+    (finding,) = report.findings
+    assert finding.kind == "dangling-reference"
+    assert "dealloc_previous_generation" in finding.source and "aten.mm.default" in finding.evidence
+
+
+def test_a_storage_freed_and_given_memory_again_before_any_read_is_no_finding():
+    """Freeing a parameter's storage between uses and restoring it before the next (FSDP's idiom,
+    eager only) reads no freed memory."""
+    def workload():
+        p = torch.ones(8)
+        saved = p.clone()
+        for _ in range(2):
+            p.untyped_storage().resize_(0)
+            p.untyped_storage().resize_(saved.untyped_storage().nbytes())
+            p.copy_(saved)
+            (p * 2).sum()
+
+    assert doctor.diagnose(workload).findings == []

@@ -45,18 +45,19 @@ def _weight(device: str) -> torch.Tensor:
     return ((torch.arange(_SHAPE[0] * _SHAPE[1]) % 1000).float().reshape(_SHAPE) / 1000).to(device)
 
 
-def _freed_reuse(device: str) -> dict:
-    """The gathered-temporary pattern: a graph reads ``w[idx]`` where ``w`` is a temporary."""
+def _freed_reuse(device: str, free=list.clear) -> dict:
+    """The gathered-temporary pattern: a graph reads ``w[idx]`` where ``w`` is a temporary; ``free``
+    lets its memory go (by default the list that alone holds it drops it)."""
     base = _weight(device)
     idx = torch.tensor([1, 2], device=device)
-    w = base * 1.0                                        # a temporary only this frame holds
+    held = [base * 1.0]                                   # a temporary only this list holds
     g = new_graph(device, on_freed="reuse")
     with graph(g):
-        out = w[idx].sum(1)
+        out = held[0][idx].sum(1)
     g.replay()
     synchronize(device)
     alive = _values(out)
-    del w
+    free(held)
     with reuse_freed_blocks():
         junk = torch.full(_SHAPE, 5.0, device=device)     # same size: the allocator hands the block on
     g.replay()
@@ -79,6 +80,14 @@ def _freed_release(device: str) -> dict:
     g.replay()
     synchronize(device)
     return {"replayed": _values(out)}
+
+
+def probe_freed_in_place(device: str) -> dict:
+    """A storage the graph reads is freed in place (``untyped_storage().resize_(0)``; the tensor
+    object stays): the graph keeps the old address, which the allocator hands to the next
+    allocation of its size, as after a release."""
+    result = _freed_reuse(device, lambda held: held[0].untyped_storage().resize_(0))
+    return {**result, "alive": [round(v, 2) for v in result["alive"]]}     # (sum order differs in the last bits)
 
 
 def probe_freed_input(device: str) -> dict:

@@ -12,8 +12,8 @@ import torch
 
 from .childproc import run_in_child
 from .engine import CPUGraph, graph, host, new_graph, reuse_freed_blocks, synchronize
-from .pool_probes import (_values, probe_freed_in_capture, probe_freed_input, probe_pool_handle_reuse,
-                          probe_recapture_pool, probe_shared_pool, probe_shared_retained)
+from .pool_probes import (_values, probe_freed_in_capture, probe_freed_in_place, probe_freed_input,
+                          probe_pool_handle_reuse, probe_recapture_pool, probe_shared_pool, probe_shared_retained)
 
 
 def probe_increment(device: str, replays: int = 3) -> dict:
@@ -325,6 +325,7 @@ PROBES = {
     "static_input": probe_static_input,
     "shared_pool": probe_shared_pool,
     "freed_input": probe_freed_input,
+    "freed_in_place": probe_freed_in_place,
     "host_sync": probe_host_sync,
     "capture_query": probe_capture_query,
     "host_memory": probe_host_memory,

@@ -63,6 +63,13 @@ def dangling(tensor: str, op: str, origin: str, released: str | None = None) -> 
             "the block).")
 
 
+def released_in_place(tensor: str, op: str, where: str) -> str:
+    return (f"{op} reads a {tensor} tensor whose storage was freed in place at {where} (its memory given up, "
+            "the tensor kept): whoever released it took the memory away from a reference still in use -- a graph "
+            "tree freeing the outputs of its previous generation while a cache or the next call still holds them. "
+            "On a GPU the read is of freed memory: an illegal memory access, or another tensor's data.")
+
+
 def warmup(missing: int, first: str) -> str:
     return (f"The warmup before this capture ran {missing} op(s) from code the capture never executed, first "
             f"{first}. Work done once during warmup (lazy initialisation of a state object that the capture "

@@ -12,7 +12,7 @@ import sys
 
 from ..engine.errors import CaptureError
 from ..engine.source import user_frame
-from .rules import lookups, shapes, undersized, unwritten
+from .rules import dangling, lookups, shapes, undersized, unwritten
 from .rules.dangling import DanglingReferenceError
 from .tensors import first_line
 
@@ -48,7 +48,8 @@ def op_failed(doctor, func, args, kwargs, error: BaseException) -> None:
     keep(doctor, id(error), lambda: f"{type(error).__name__}: {first_line(error)} (raised by {func} at {user_frame()}, "
                                     f"during {doctor.phase})")
     try:
-        if unwritten.failed(doctor, func, args, kwargs, error):
+        if unwritten.failed(doctor, func, args, kwargs, error) or \
+                doctor.moved and dangling.read_after_release(doctor, func, args, kwargs, error):
             return
         undersized.failed_write(doctor, func, args, kwargs, error)
         undersized.failed_read(doctor, func, args, kwargs, error)

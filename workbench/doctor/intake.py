@@ -95,6 +95,7 @@ class Doctor(RunnerEvents):
         self.touched: dict[int, str] = {}           # of those two, written outside graphs since: -> source line
         self.empty_inputs: list = []                # (finding, key) of empty capture inputs, until data is served
         self.handed: dict[int, tuple] = {}          # rules.overwritten
+        self.moved: dict[int, str] = {}             # storages given other memory in place -> where (rules.dangling)
         self.through: dict[int, tuple] = {}         # rules.extent: views past their base, followed
         self.generation: dict[tuple, int] = {}      # memory block -> replays that wrote it (handed-out ones)
         self.writers: dict[tuple, tuple] = {}       # memory block -> (graph, its replay) that wrote it last

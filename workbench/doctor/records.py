@@ -126,13 +126,14 @@ class Liveness:
     runs as the storage goes, so it also sees where the workload let it go (``released_at``): what
     a finding tells besides the op that reads the address."""
 
-    __slots__ = ("refs", "cdatas", "released", "where", "__weakref__")
+    __slots__ = ("refs", "cdatas", "released", "where", "moved", "__weakref__")
 
     def __init__(self) -> None:
         self.refs: list[weakref.ref] = []
         self.cdatas: tuple[int, ...] = ()
         self.released = False
         self.where: dict[int, str] = {}     # storage (cdata) -> the line that released it, where known
+        self.moved: set[int] = set()        # storages given other memory in place (``rules.dangling.moved``)
 
     def watch(self, externals: dict) -> None:
         """Follow the externals added since the last call (a graph's externals are only ever added)."""
@@ -153,7 +154,7 @@ class Liveness:
             self.where[cdata] = where
 
     def any_released(self) -> bool:
-        return self.released if _PRESERVED else any(map(torch.UntypedStorage._expired, self.cdatas))
+        return self.released or not _PRESERVED and any(map(torch.UntypedStorage._expired, self.cdatas))
 
 
 class GraphInfo:

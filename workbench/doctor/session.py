@@ -16,7 +16,7 @@ from . import failures
 from .failures import DELIBERATE
 from .intake import _ASIDE, Doctor
 from .report import Report
-from .rules import extent, overwritten, undersized, unread
+from .rules import dangling, extent, overwritten, undersized, unread
 from .uninit import filled
 
 
@@ -26,7 +26,47 @@ class _Watch(TorchDispatchMode):
         self.doctor = doctor
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _RESIZE:
+            return _resize(self.doctor, func, args, kwargs or {})
         return _watched(self.doctor, func, args, kwargs or {})
+
+
+_RESIZE = torch.ops.aten.resize_.default
+
+
+def _resize(doctor: Doctor, func, args, kwargs):
+    """``Tensor.resize_``: past its storage's size it gives the storage new memory and frees the
+    old, which graphs that read the storage still address (``rules/dangling.moved``)."""
+    storage = args[0].untyped_storage()
+    before = storage.data_ptr()
+    out = _watched(doctor, func, args, kwargs)
+    if before and storage.data_ptr() != before and doctor.failure is None:
+        dangling.moved(doctor, storage)
+    return out
+
+
+def _storage_resize(doctor: Doctor):
+    """``UntypedStorage.resize_``, which dispatches no op: the same move as ``_resize`` (to 0 bytes,
+    the idiom that frees a storage under the tensors that keep it)."""
+    original, own = torch.UntypedStorage.resize_, "resize_" in vars(torch.UntypedStorage)
+
+    @functools.wraps(original)
+    def resize_(self, size):
+        before = self.data_ptr()
+        out = original(self, size)
+        if before and self.data_ptr() != before and doctor.failure is None:
+            try:
+                dangling.moved(doctor, self)
+            except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
+                doctor.fail(e, "watching UntypedStorage.resize_")
+        return out
+
+    def restore():
+        if own:
+            torch.UntypedStorage.resize_ = original
+        else:
+            del torch.UntypedStorage.resize_        # (the method torch's base class defines)
+    return restore, resize_
 
 
 def _watched(doctor: Doctor, func, args, kwargs):
@@ -160,9 +200,11 @@ def watching(doctor: Doctor) -> Iterator[Doctor]:
     mode = doctor.mode = _Watch(doctor)
     original, checked = _item_assignment(doctor)
     reads = _host_reads(doctor)
+    restore_resize, resized = _storage_resize(doctor)
     doctor.engine_op = _engine_op(doctor)
     events.subscribe(doctor)
     torch.Tensor.__setitem__ = checked
+    torch.UntypedStorage.resize_ = resized
     for name, (_, watched) in reads.items():
         setattr(torch.Tensor, name, watched)
     mode.__enter__()
@@ -176,6 +218,7 @@ def watching(doctor: Doctor) -> Iterator[Doctor]:
     finally:
         mode.__exit__(None, None, None)
         torch.Tensor.__setitem__ = original
+        restore_resize()
         for name, (kept, _) in reads.items():
             setattr(torch.Tensor, name, kept)
         events.unsubscribe(doctor)

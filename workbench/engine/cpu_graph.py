@@ -19,8 +19,8 @@ What a CUDA graph is, reduced to the rules that cause bugs in serving stacks:
 * **The graph owns only what it allocated.** Storages created during capture are blocks of the
   graph's pool (shared by every graph captured into it); a block no user tensor holds any more is
   handed to the pool's next allocation, in the same capture or a later one (``pool``). Everything
-  else is merely *referenced*, by address. If its owner releases it, the next replay reads freed
-  memory: this raises ``IllegalMemoryAccess`` (CUDA after ``empty_cache``), or, with
+  else is merely *referenced*, by address. If its owner releases it, or gives its storage other
+  memory in place (``resize_``, which frees the old), the next replay reads freed memory: this raises ``IllegalMemoryAccess`` (CUDA after ``empty_cache``), or, with
   ``on_freed="reuse"``, silently reads whatever a later allocation put there (CUDA's caching
   allocator handing the block on; graphs that referenced one address share one retained block).
 * **No host synchronisation inside capture.** ``.item()``, ``.cpu()``, ``nonzero``, printing values
@@ -311,7 +311,7 @@ class CPUGraph:
             ref = ExternalRef(len(self._externals), StorageWeakRef(t.untyped_storage()), t.dtype,
                               tuple(t.shape), t.stride(), t.storage_offset(),
                               t.untyped_storage().nbytes(), f"{func} at {source}",
-                              memory.origin_of(t), host=host)
+                              memory.origin_of(t), host=host, address=t.untyped_storage().data_ptr())
             if host and storage_key(t) in self._host:
                 self._held.append(t.untyped_storage())   # its bytes are retained at capture end
             self._externals.append(ref)
@@ -355,17 +355,22 @@ class CPUGraph:
                             dst.copy_(src)
 
     def _materialize(self, ref: ExternalRef) -> torch.Tensor:
-        if ref.weak.expired() and ref.retained is None:
-            reader = next(op for op in self._ops if any(r is ref for r in op.external_refs()))
-            origin = ref.origin or "before capture (run the setup under workbench.engine.track_origins() to see where)"
-            raise IllegalMemoryAccess(
-                f"graph replay read freed memory: {reader.name} at {reader.source}\n"
-                f"  reads a {ref.describe()} tensor ({ref.nbytes} bytes) that the graph does not own;\n"
-                f"  it was created {origin},\n"
-                "  and its owner released it after capture. A graph keeps only the address of memory "
-                "it did not allocate.\n  Fix: keep a reference to the tensor for as long as the graph "
-                "lives, or create it inside the capture so the graph's pool owns it.")
-        return ref.materialize()
+        storage = ref.storage()
+        if storage is not None:
+            return ref.on(storage)
+        if ref.retained is not None:
+            return ref.on(ref.retained)
+        reader = next(op for op in self._ops if any(r is ref for r in op.external_refs()))
+        origin = ref.origin or "before capture (run the setup under workbench.engine.track_origins() to see where)"
+        how = ("its owner released it after capture" if ref.weak.expired() else
+               "its owner's storage was given other memory after capture (a resize_), which freed this")
+        raise IllegalMemoryAccess(
+            f"graph replay read freed memory: {reader.name} at {reader.source}\n"
+            f"  reads a {ref.describe()} tensor ({ref.nbytes} bytes) that the graph does not own;\n"
+            f"  it was created {origin},\n"
+            f"  and {how}. A graph keeps only the address of memory "
+            "it did not allocate.\n  Fix: keep a reference to the tensor, and its memory, for as long as the "
+            "graph lives, or create it inside the capture so the graph's pool owns it.")
 
     # ------------------------------------------------------------------- admin
     def reset(self) -> None:

@@ -115,7 +115,7 @@ def _free_block(nbytes: int, host: bool):
         ref = r()
         if ref is None or ref.retained is None:
             _retained.remove(r)
-        elif ref.weak.expired() and ref.nbytes == nbytes and ref.host == host:
+        elif ref.nbytes == nbytes and ref.host == host and ref.storage() is None:
             block = ref.retained
             _retained[:] = [s for s in _retained if s() is not None and s().retained is not block]
             return block

@@ -24,16 +24,22 @@ class ExternalRef:
     origin: str | None
     retained: torch.UntypedStorage | None = None   # on_freed="reuse": the block's bytes
     host: bool = False                              # host memory (a captured copy's host address)
+    address: int = 0                                # the storage's data pointer at capture
 
     def describe(self) -> str:
         return ("host " if self.host else "") + f"{str(self.dtype).replace('torch.', '')}[{', '.join(map(str, self.size))}]"
 
-    def materialize(self) -> torch.Tensor:
-        """The tensor for this replay; the caller has checked that it is alive or retained."""
+    def storage(self) -> torch.UntypedStorage | None:
+        """The owner's storage while it still holds the memory the graph captured; None once that
+        memory is gone: the storage was released, or reallocated in place (``resize_``, which
+        gives the storage new memory and frees the old: a CUDA graph keeps the old address)."""
         if self.weak.expired():
-            storage = self.retained
-        else:
-            storage = torch.UntypedStorage._new_with_weak_ptr(self.weak.cdata)
+            return None
+        storage = torch.UntypedStorage._new_with_weak_ptr(self.weak.cdata)
+        return storage if storage.data_ptr() == self.address else None
+
+    def on(self, storage: torch.UntypedStorage) -> torch.Tensor:
+        """The captured view of ``storage`` (the owner's, or the retained block)."""
         return torch.empty(0, dtype=self.dtype).set_(storage, self.offset, self.size, self.stride)
 
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from .. import explain
 from ...engine.errors import GraphError
-from ...engine.opinfo import describe
+from ...engine.opinfo import describe, op_tensors, storage_key
+from ...engine.source import user_frame
 from ..report import Finding
 from ..tensors import first_line
+from . import where as during
 from .pool import block
 
 
@@ -135,7 +137,7 @@ def _when(info, before_replay: bool) -> str:
 
 def _released(doctor, info, before_replay: bool) -> None:
     for ext in info.externals.values():
-        if ext.reported or ext.view_only or not ext.weak.expired():
+        if ext.reported or ext.view_only or not (ext.weak.expired() or ext.weak.cdata in info.liveness.moved):
             continue                    # (memory it only took views of, or pointed a tensor at: no kernel reads it)
         ext.reported = True
         origin = ext.origin or "before watch() (its creation was not seen)"
@@ -144,12 +146,52 @@ def _released(doctor, info, before_replay: bool) -> None:
         # The decisive act is the release, so the finding stands there; the read is in the evidence.
         # Unseen (released before the watch, or by the garbage collector), the read is all there is.
         let_go = f"; it was released at {released}" if released else ""
+        gone = ("was given other memory in place, which freed what the graph addresses" if ext.weak.cdata in
+                info.liveness.moved else "has no owner left")
         finding = doctor.add(Finding(
             "dangling-reference", info.name, op, ext.tensor, released or source,
             f"{_when(info, before_replay)}: the {ext.tensor} storage the graph reads (through {op} at {source}) "
-            f"has no owner left; it was created {origin}{let_go}", explain.dangling(ext.tensor, op, origin, released),
+            f"{gone}; it was created {origin}{let_go}", explain.dangling(ext.tensor, op, origin, released),
             {"replays_before": info.replays}), ("dangling-reference", op, source))
         _stop(doctor, finding, before_replay)
+
+
+def moved(doctor, storage) -> None:
+    """``storage`` was given other memory in place (``resize_``: a tensor grown past its storage, a
+    storage resized to 0 to free it) and its old memory is free. A graph that reads it keeps the old
+    address: its replays read freed memory, as after a release (``check``, at the line that did
+    it). An op that fails on a tensor of it, left without the memory its elements need, is
+    ``read_after_release``."""
+    if doctor.phase in ("probe", "differential"):      # (the doctor's own runs)
+        return
+    key, where = storage._cdata, user_frame()
+    doctor.moved[key] = where
+    for info in doctor.graphs.values():
+        if key in info.externals:
+            live = info.liveness
+            live.moved.add(key)
+            live.where[key] = where
+            live.released = True
+
+
+def read_after_release(doctor, func, args, kwargs, error: BaseException) -> bool:
+    """An op of the watched code failed on a tensor whose storage was freed in place while the
+    tensor lived (``moved``): a reference kept to memory its owner let go under it -- an output a
+    graph tree freed at a new generation while a cache or the next layer still held it, a
+    parameter's storage released after a step. The finding stands where the memory was released
+    (the decisive act, as for ``check``); the failing read is the evidence."""
+    for t in op_tensors(args, kwargs):
+        where = doctor.moved.get(storage_key(t))
+        if where is None or not t.numel() or t.untyped_storage().nbytes():
+            continue
+        doctor.add(Finding(
+            "dangling-reference", during(doctor), str(func), describe(t), where,
+            f"during {during(doctor)}, {func} at {user_frame()} failed on a {describe(t)} tensor whose storage was "
+            f"freed in place at {where} while the tensor lived: {first_line(error)}",
+            explain.released_in_place(describe(t), str(func), where), {}),
+            ("dangling-reference", "in place", where))
+        return True
+    return False
 
 
 def _owners_captured(info) -> bool:
