@@ -1902,3 +1902,38 @@ def test_a_graph_output_cached_past_its_graphs_next_replay_is_overwritten_where_
         return
     assert finding.kind == "overwritten-output" and function_of(finding.location) == "cast"
     assert "it is an output of cast" in finding.evidence and "gave the eager steps' answers" in finding.evidence
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_number_frozen_at_capture_against_a_zero_the_step_now_passes_is_named_at_its_op(variant):
+    """A scale captured as a Python number (2.0) in a graph reused after the step set it to 0 and
+    then to 1 (``bug``), or re-captured when it changes (``fix``): a captured number against one of
+    the numbers any code holds is evidence too, unless the layout explains it."""
+    from workbench.zoo.kit import capture, compare, replay
+
+    def scaled(x, scale):
+        return torch.mul(x, scale)
+
+    steps = [(torch.arange(4.0) + k, scale) for k, scale in enumerate((2.0, 0.0, 1.0))]
+
+    def run():
+        def served():
+            x, graphs, outs = torch.zeros(4), {}, []
+            for data, scale in steps:
+                x.copy_(data)
+                key = 4 if variant == "bug" else (4, scale)         # the reuse check: shape alone (bug)
+                if key not in graphs:
+                    graphs[key] = capture(lambda s=scale: scaled(x, s), device="cpu", name="scale", static={"x": x})
+                outs.append(replay(*graphs[key]).clone())
+            return outs
+
+        return compare("frozen scale", variant, "cpu", served, lambda: [scaled(d, s) for d, s in steps])
+
+    assert run().verdict == ("misbehaves" if variant == "bug" else "equals eager")
+    report = doctor.diagnose(run)
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "host-work-frozen" and " in scaled: " in finding.source, finding
+    assert "runs with 2.0 in the graph where the reference step passes 0.0" in finding.evidence, finding

@@ -696,3 +696,18 @@ def test_the_engine_says_a_capture_is_open_on_either_backend(device):
         y = x * 2
     g.replay()
     assert seen == [True] and not is_capturing() and y.sum().item() == 6.0
+
+
+def test_a_replay_while_another_graph_is_capturing_is_refused_as_on_cuda():
+    """CUDA refuses every replay while a capture is open ("Cannot prepare for replay during capturing
+    stage", probe ``replay_in_capture``): a wrapper replaying its own graph inside an outer capture
+    fails at startup there, and must here too, not be recorded into the outer graph."""
+    x = torch.ones(2)
+    inner, outer = new_graph("cpu"), new_graph("cpu")
+    with graph(inner):
+        y = x * 2
+    with pytest.raises(GraphError, match="Cannot prepare for replay during capturing stage"):
+        with graph(outer):
+            inner.replay()
+    inner.replay()                                  # the capture is over: replays are allowed again
+    assert torch.equal(y, x * 2)

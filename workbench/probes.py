@@ -115,6 +115,28 @@ def _host_sync(device: str) -> dict:
         return {"raised": True}
 
 
+def probe_replay_in_capture(device: str) -> dict:
+    """A graph replayed while another graph's capture is open (a wrapper that replays its own graph
+    inside an outer capture) is refused (on CUDA in a child: a refusal may break the capture)."""
+    if device == "cuda":
+        return run_in_child(_replay_in_capture, device, timeout=300).raise_if_failed()
+    return _replay_in_capture(device)
+
+
+def _replay_in_capture(device: str) -> dict:
+    x = torch.ones(2, device=device)
+    inner, outer = new_graph(device), new_graph(device)
+    with graph(inner):
+        y = x * 2
+    try:
+        with graph(outer):
+            inner.replay()
+            y + 1
+        return {"refused": False}
+    except Exception:  # noqa: BLE001 - CUDA raises a RuntimeError, the CPU a GraphError
+        return {"refused": True}
+
+
 def probe_capture_query(device: str) -> dict:
     """``torch.cuda.is_current_stream_capturing()`` as libraries ask it: True on the capturing
     thread only, for the duration of the capture (on CUDA in a child: a query from another thread
@@ -327,6 +349,7 @@ PROBES = {
     "freed_input": probe_freed_input,
     "freed_in_place": probe_freed_in_place,
     "host_sync": probe_host_sync,
+    "replay_in_capture": probe_replay_in_capture,
     "capture_query": probe_capture_query,
     "host_memory": probe_host_memory,
     "host_made_in_capture": probe_host_made_in_capture,

@@ -40,9 +40,17 @@ def _resize(doctor: Doctor, func, args, kwargs):
     storage = args[0].untyped_storage()
     before = storage.data_ptr()
     out = _watched(doctor, func, args, kwargs)
-    if before and storage.data_ptr() != before and doctor.failure is None:
-        dangling.moved(doctor, storage)
+    _moved(doctor, storage, before)
     return out
+
+
+def _moved(doctor: Doctor, storage, before: int) -> None:
+    """Tell the rules when a resize moved memory a storage had (``before``: its old address)."""
+    if before and storage.data_ptr() != before and doctor.failure is None:
+        try:
+            dangling.moved(doctor, storage)
+        except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
+            doctor.fail(e, "watching resize_")
 
 
 def _storage_resize(doctor: Doctor):
@@ -54,11 +62,7 @@ def _storage_resize(doctor: Doctor):
     def resize_(self, size):
         before = self.data_ptr()
         out = original(self, size)
-        if before and self.data_ptr() != before and doctor.failure is None:
-            try:
-                dangling.moved(doctor, self)
-            except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
-                doctor.fail(e, "watching UntypedStorage.resize_")
+        _moved(doctor, self, before)
         return out
 
     def restore():

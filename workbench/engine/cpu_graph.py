@@ -12,6 +12,8 @@ What a CUDA graph is, reduced to the rules that cause bugs in serving stacks:
 * **Python is frozen at capture.** Replay runs no Python of the captured function: a branch or a
   lazy ``if state is None`` check keeps the outcome it had during capture. Libraries that ask
   ``torch.cuda.is_current_stream_capturing()`` get True on the capturing thread (``queries``).
+* **No replay while a capture is open** (on any thread): CUDA refuses it ("Cannot prepare for replay
+  during capturing stage"), so a wrapper that replays its own graph inside an outer capture fails.
 * **Capture launches nothing that lasts.** A CUDA capture does not execute kernels. The emulation
   has to execute ops (later Python needs their outputs), so it snapshots every pre-existing storage
   before the first write to it and restores it when capture ends; memory the graph allocated is
@@ -20,9 +22,10 @@ What a CUDA graph is, reduced to the rules that cause bugs in serving stacks:
   graph's pool (shared by every graph captured into it); a block no user tensor holds any more is
   handed to the pool's next allocation, in the same capture or a later one (``pool``). Everything
   else is merely *referenced*, by address. If its owner releases it, or gives its storage other
-  memory in place (``resize_``, which frees the old), the next replay reads freed memory: this raises ``IllegalMemoryAccess`` (CUDA after ``empty_cache``), or, with
-  ``on_freed="reuse"``, silently reads whatever a later allocation put there (CUDA's caching
-  allocator handing the block on; graphs that referenced one address share one retained block).
+  memory in place (``resize_``, which frees the old), the next replay reads freed memory: this
+  raises ``IllegalMemoryAccess`` (CUDA after ``empty_cache``), or, with ``on_freed="reuse"``,
+  silently reads whatever a later allocation put there (CUDA's caching allocator handing the block
+  on; graphs that referenced one address share one retained block).
 * **No host synchronisation inside capture.** ``.item()``, ``.cpu()``, ``nonzero``, printing values
   and boolean-mask indexing of device memory raise ``CaptureError`` naming the op and the user's
   source line -- except a mask filled with one host value (``x[mask] = 0``), which PyTorch runs as
@@ -41,6 +44,8 @@ What a CUDA graph is, reduced to the rules that cause bugs in serving stacks:
   elements raises, as on CUDA.
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -63,6 +68,7 @@ __all__ = ["CPUGraph", "ExternalRef", "Pool", "RecordedOp", "describe", "host_sy
 aten = torch.ops.aten
 queries.install()
 
+_CAPTURING: weakref.WeakSet = weakref.WeakSet()     # graphs whose capture is open, on any thread
 _LIFTS = frozenset({aten.lift_fresh, aten.lift_fresh_copy})
 _DETACHES = frozenset({aten.detach, aten.detach_})
 # Ops that only allocate: a CUDA capture records no kernel for them, so replay runs nothing and the
@@ -120,6 +126,7 @@ class CPUGraph:
         self._ref = self._pool._enter(self)      # the pool forgets a dropped graph
         self._state = "capturing"
         queries.set_capturing(self)
+        _CAPTURING.add(self)
         self._modes = (HostSyncGuard(), _Recorder(self))
         for mode in self._modes:
             mode.__enter__()
@@ -154,6 +161,7 @@ class CPUGraph:
             mode.__exit__(None, None, None)
         self._modes = ()
         queries.set_capturing(None)
+        _CAPTURING.discard(self)
 
     def _is_host(self, t: torch.Tensor) -> bool:
         return type(t) is HostTensor or (bool(self._host) and storage_key(t) in self._host)
@@ -328,6 +336,11 @@ class CPUGraph:
         if self._state != "captured":
             raise GraphError("replay() called before capture (or after reset): capture the graph "
                              "first with `with graph(g): ...`.")
+        if _CAPTURING:
+            raise GraphError("Cannot prepare for replay during capturing stage: another graph's capture is "
+                             "open, and CUDA refuses every replay while one is (on any thread: the device's "
+                             "random-number state is registered with both graphs). Replay after that capture "
+                             "ends, or run the step eagerly while capturing (is_capturing()).")
         events.replay_begin(self)
         try:
             self._run()

@@ -199,9 +199,12 @@ def parting(info, ops: list, ref: list, padded: bool) -> tuple | None:
     return "warmup-divergence", op.name, "-", op.source, f"{why}: Python took another path at capture"
 
 
-def numbers(sig: tuple) -> list:
+_COMMON = (0, 1, -1, "0.0", "1.0", "-1.0")       # numbers any code holds
+
+
+def numbers(sig: tuple, common: bool = False) -> list:
     """(position, value) of the plain numbers among an op's Python-decided arguments (a keyword
-    argument's too); not shapes (lists), dtypes, or 0, 1 and -1, which any code holds."""
+    argument's too); not shapes (lists), dtypes, nor (unless ``common``) 0, 1 and -1."""
     out = []
     for n, a in enumerate(sig):
         if isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], str) and not isinstance(a, TensorArg):
@@ -213,7 +216,7 @@ def numbers(sig: tuple) -> list:
                 continue
         elif type(a) is not int:
             continue
-        if a not in (0, 1, -1, "0.0", "1.0", "-1.0"):
+        if common or a not in _COMMON:
             out.append((n, a))
     return out
 
@@ -221,15 +224,20 @@ def numbers(sig: tuple) -> list:
 def frozen_number(info, ops: list, under: tuple, ref: list, size: int) -> tuple | None:
     """The first op (by line and occurrence) that the graph runs with another plain number than the
     reference step gives it: a value Python computed at capture. A number the padded layout explains
-    (the graph's size, a dimension of the op's own tensors) is no evidence."""
+    (the graph's size, a dimension of the op's own tensors) is no evidence, nor a difference between
+    two of the numbers any code holds (0, 1, -1); one of them against another number is (a scale
+    captured at 2.0 that the step now sets to 0), unless the layout explains that one too (the
+    graph's size less one: a last index)."""
     for op, i, step in aligned(ops, under, ref):
         other = step.op
         if len(other.sig) != len(op.sig):
             continue
         dims = {size} | {d for a in op.sig if isinstance(a, TensorArg) for d in a.shape}
-        theirs = dict(numbers(other.sig))
-        for position, mine in numbers(op.sig):
-            if position in theirs and theirs[position] != mine and mine not in dims:
+        near = dims | {d - 1 for d in dims} | {d + 1 for d in dims}      # (a count, a last index, offsets)
+        theirs = dict(numbers(other.sig, common=True))
+        for position, mine in numbers(op.sig, common=True):
+            if position in theirs and theirs[position] != mine and mine not in dims and \
+                    not (theirs[position] in _COMMON and (mine in _COMMON or mine in near)):
                 origin = info.paths[i][3].get(mine) or op.source
                 return ("host-work-frozen", op.name, "-", origin,
                         f"{op.name} at {op.source} runs with {mine} in the graph where the reference step passes "
