@@ -14,7 +14,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from workbench import doctor
-from workbench.engine import GraphRunner, events, graph, graph_pool_handle, new_graph
+from workbench.engine import GraphRunner, events, graph, graph_pool_handle, is_capturing, new_graph, opinfo
 from workbench.engine.errors import GraphError, IllegalMemoryAccess
 
 
@@ -3067,3 +3067,70 @@ def test_a_graphs_output_fed_to_the_next_graph_as_its_static_input_is_not_its_st
             g1.replay()
     report = doctor.diagnose(workload)
     assert report.findings == [] and report.failure is None, report
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_per_request_table_scattered_into_each_step_is_written_not_updated(variant):
+    """The runner writes each step's lengths into a static per-request table by request slot
+    (``index_copy_``, ``fix``: the rows named are overwritten, the others kept) and the graph reads
+    the step's slots: a write, not an update that builds on what the rows held. ``bug``: the table
+    takes each step's increment (``index_add_``), which the next step builds on."""
+    table, slots = torch.zeros(6), torch.zeros(2, dtype=torch.long)
+
+    def forward(size):
+        return table[slots[:size]] * 2
+
+    def workload():
+        m = Manager(forward, [2], {"lengths_by_slot": table, "slots": slots})
+        m.capture()
+        for step in range(3):
+            slots.copy_(torch.tensor([1, 3]))
+            lengths = torch.tensor([5.0, 7.0]) + step
+            if variant == "fix":
+                table.index_copy_(0, slots, lengths)
+            else:
+                table.index_add_(0, slots, torch.ones(2))
+            m.replay(2)
+
+    report = doctor.diagnose(workload)
+    mutations = report.of("persistent-mutation")
+    assert (mutations == []) == (variant == "fix"), report
+
+
+def test_only_an_index_write_told_to_combine_reads_its_destination():
+    aten, x, i, v = torch.ops.aten, torch.zeros(3), torch.tensor([0]), torch.ones(1)
+    assert opinfo.overwrites(aten.index_copy_.default, (x, 0, i, v))
+    assert opinfo.overwrites(aten.index_put_.default, (x, [i], v))
+    assert not opinfo.overwrites(aten.index_put_.default, (x, [i], v, True))
+    assert opinfo.overwrites(aten.scatter_.src, (x, 0, i, v))
+    assert not opinfo.overwrites(aten.scatter_.value_reduce, (x, 0, i, 1.0), {"reduce": "add"})
+    assert not opinfo.overwrites(aten.index_add_.default, (x, 0, i, v))
+
+
+def test_a_workspace_one_capture_allocated_and_every_graph_updates_is_state_they_share():
+    """A kernel library's counters allocated (zeroed) inside the first capture and read and
+    restored by every graph of the pool: each graph finds what the last one left, by design, as
+    with a KV cache; a graph reading another's *output* after a third overwrote it is the hazard
+    (``test_doctor_lifetimes``, the pool tests)."""
+    x, cache = torch.zeros(4, 3), {}
+
+    def workspace():                         # one per stream, as the library keys it: the capture's is new
+        key = is_capturing()
+        if key not in cache:
+            cache[key] = torch.zeros(2)
+        return cache[key]
+
+    def forward(size):
+        ws = workspace()
+        out = x[:size] * 2 + ws[0]
+        ws.copy_(ws * 0)                    # the last tile restores the counters
+        return out
+
+    def workload():
+        m = Manager(forward, [1, 2, 4], {"x": x})
+        m.capture()
+        for step, n in enumerate((4, 2, 1, 2, 4)):
+            x.copy_(rows(4, 3, seed=step))
+            m.replay(n)
+
+    assert doctor.diagnose(workload).findings == []

@@ -20,9 +20,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 aten = torch.ops.aten
 
 # In-place ops that write their destination without reading it: a runner refreshing its buffers.
-_OVERWRITES = frozenset({aten.copy_, aten.fill_, aten.zero_, aten.index_put_, aten.index_fill_,
-                         aten.masked_fill_, aten.set_, aten.resize_, aten.random_, aten.uniform_, aten.normal_,
-                         aten._foreach_copy_, aten._foreach_zero_})
+_OVERWRITES = frozenset({aten.copy_, aten.fill_, aten.zero_, aten.index_put_, aten.index_fill_, aten.index_copy_,
+                         aten.scatter_, aten.masked_fill_, aten.set_, aten.resize_, aten.random_, aten.uniform_,
+                         aten.normal_, aten._foreach_copy_, aten._foreach_zero_})
+# ... unless told to combine with what is there: ``index_put_(..., accumulate=True)``, ``scatter_(..., reduce=)``
+_COMBINES = {aten.index_put_: ("accumulate", 3), aten.scatter_: ("reduce", 4)}
 
 
 # Storages keyed inside ``unique_storage_keys()``, each held by a weak reference: its memory is
@@ -159,8 +161,13 @@ def overwrites(func, args=(), kwargs=None) -> bool:
     """Whether the op writes its destination without reading it: a copy or a fill (not ``+=``); and,
     given its arguments, an ``out=`` form whose destination shares no memory with what it reads
     (``torch.exp(x, out=y)`` writes ``y`` as a copy would; ``torch.add(y, 1, out=y)`` reads it)."""
-    if func.overloadpacket in _OVERWRITES:
-        return True
+    packet = func.overloadpacket
+    if packet in _OVERWRITES:
+        name, position = _COMBINES.get(packet, (None, 0))
+        if name is None:
+            return True
+        kwargs = kwargs or {}
+        return not (kwargs.get(name) or len(args) > position and args[position])
     if not (args or kwargs) or not _out_form(func):
         return False
     kwargs = kwargs or {}

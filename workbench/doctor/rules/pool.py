@@ -4,7 +4,9 @@ Graphs of one pool hand memory on: a block one capture freed (a temporary) may h
 the next capture, and a graph may read another graph's output (PIECEWISE pieces do, every step).
 Both are safe while every replay that reads pool memory finds there what the graph it read from
 at capture wrote -- the producer. (Memory older than the captures, such as a KV cache every graph
-updates, is state, not pool memory: any graph may have written it last.) The doctor notes, per capture, each pool block it reads before
+updates, is state, not pool memory: any graph may have written it last; so is a block of the pool
+that the graph which wrote it last had read first, as the reader does: a workspace or a set of
+counters one capture allocated and every graph updates.) The doctor notes, per capture, each pool block it reads before
 writing it and which capture wrote that block last (the producer), and, per replay, which graph
 wrote each such block last. A reader that finds another graph's writes there reads someone else's
 data: a graph whose capture freed the block and whose replays still write it
@@ -94,8 +96,8 @@ class PoolReads:
         """Before ``info`` replays: blocks it reads whose last writer is not their producer."""
         for b, (producer, op, tensor) in info.expects.items():
             last = self.last.get(b)
-            if last is None or last is producer or last is info:
-                continue
+            if last is None or last is producer or last is info or b in last.expects:
+                continue                # (a block the last writer read first, too: state the graphs share)
             handed_on = b in last.own_blocks
             kind = "dangling-reference" if handed_on else "overwritten-output"
             evidence = (f"before replay {info.replays + 1} of {info.name}: it reads the {tensor} that {producer.name}'s "
