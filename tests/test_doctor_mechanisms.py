@@ -3134,3 +3134,46 @@ def test_a_workspace_one_capture_allocated_and_every_graph_updates_is_state_they
             m.replay(n)
 
     assert doctor.diagnose(workload).findings == []
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_graph_that_advances_its_own_inputs_is_judged_by_the_workload_s_results(variant):
+    """A decode loop on the device: each replay samples the next token into its static input and
+    advances its position (written on purpose; the runner sets both only when a request starts).
+    With a run without graphs announced, the mutation probe's finding is held: ``fix`` resets the
+    position for each request and gives that run's answers, no finding; ``bug`` carries the first
+    request's position into the second, and the finding is reported."""
+    from workbench.zoo.kit import capture, compare, replay
+    table = torch.arange(40.0).reshape(10, 4) / 10
+
+    def step(tok, pos):
+        logits = table[(tok + pos) % 10].sum(-1, keepdim=True) * torch.arange(1.0, 6.0)
+        tok.copy_(logits.argmax(-1) % 10)
+        pos.add_(1)
+        return logits
+
+    def generate(tok, pos, first, run_step, reset=True):
+        tok.fill_(first)
+        if reset:
+            pos.zero_()
+        return [run_step().clone() for _ in range(3)]
+
+    def served():
+        tok, pos = torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+        g, out = capture(lambda: step(tok, pos), device="cpu", name="decode loop", static={"tok": tok, "pos": pos})
+        return [o for first in (2, 5) for o in generate(tok, pos, first, lambda: replay(g, out),
+                                                         reset=variant == "fix" or first == 2)]
+
+    def eager():
+        tok, pos = torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+        return [o for first in (2, 5) for o in generate(tok, pos, first, lambda: step(tok, pos))]
+
+    def run():
+        return compare("device loop", variant, "cpu", served, eager)
+
+    assert run().verdict == ("misbehaves" if variant == "bug" else "equals eager")
+    report = doctor.diagnose(run)
+    if variant == "fix":
+        assert report.findings == [] and any("held" in n for n in report.notes), report
+        return
+    assert "persistent-mutation" in report.kinds, report
