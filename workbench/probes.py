@@ -97,11 +97,16 @@ def probe_static_input(device: str) -> dict:
     return {"outputs": results}
 
 
-def probe_host_sync(device: str) -> dict:
-    """``.item()`` inside capture fails on both backends (on CUDA in a child: it breaks the capture)."""
+def _in_a_child_on_cuda(probe, device: str) -> dict:
+    """``probe(device)``, on CUDA in a child process: a refused op may break the capture, or the context."""
     if device == "cuda":
-        return run_in_child(_host_sync, device, timeout=300).raise_if_failed()
-    return _host_sync(device)
+        return run_in_child(probe, device, timeout=300).raise_if_failed()
+    return probe(device)
+
+
+def probe_host_sync(device: str) -> dict:
+    """``.item()`` inside capture fails on both backends."""
+    return _in_a_child_on_cuda(_host_sync, device)
 
 
 def _host_sync(device: str) -> dict:
@@ -117,10 +122,8 @@ def _host_sync(device: str) -> dict:
 
 def probe_replay_in_capture(device: str) -> dict:
     """A graph replayed while another graph's capture is open (a wrapper that replays its own graph
-    inside an outer capture) is refused (on CUDA in a child: a refusal may break the capture)."""
-    if device == "cuda":
-        return run_in_child(_replay_in_capture, device, timeout=300).raise_if_failed()
-    return _replay_in_capture(device)
+    inside an outer capture) is refused on both backends."""
+    return _in_a_child_on_cuda(_replay_in_capture, device)
 
 
 def _replay_in_capture(device: str) -> dict:

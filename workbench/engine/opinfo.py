@@ -24,7 +24,8 @@ _OVERWRITES = frozenset({aten.copy_, aten.fill_, aten.zero_, aten.index_put_, at
                          aten.scatter_, aten.masked_fill_, aten.set_, aten.resize_, aten.random_, aten.uniform_,
                          aten.normal_, aten._foreach_copy_, aten._foreach_zero_})
 # ... unless told to combine with what is there: ``index_put_(..., accumulate=True)``, ``scatter_(..., reduce=)``
-_COMBINES = {aten.index_put_: ("accumulate", 3), aten.scatter_: ("reduce", 4)}
+# (the flag's name, and its position where it may be passed positionally)
+_COMBINES = {aten.index_put_: ("accumulate", 3), aten.scatter_: ("reduce", None)}
 
 
 # Storages keyed inside ``unique_storage_keys()``, each held by a weak reference: its memory is
@@ -167,7 +168,7 @@ def overwrites(func, args=(), kwargs=None) -> bool:
         if name is None:
             return True
         kwargs = kwargs or {}
-        return not (kwargs.get(name) or len(args) > position and args[position])
+        return not (kwargs.get(name) or position is not None and len(args) > position and args[position])
     if not (args or kwargs) or not _out_form(func):
         return False
     kwargs = kwargs or {}

@@ -39,7 +39,6 @@ replay of that graph gives another answer than the run without graphs, and noted
 """
 from __future__ import annotations
 
-import contextlib
 import sys
 
 import torch
@@ -49,7 +48,7 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 from ...engine.opinfo import storage_key
 from ..tensors import alias, changed, disagrees, first_line, max_abs_diff, rng_state, set_rng_state, whole
 from ..rules import bounds
-from . import captured_state, launch, nonfinite, pystate, rootcause, row_writes, unpadded
+from . import captured_state, held, launch, nonfinite, pystate, rootcause, row_writes, unpadded
 from .compare import compare, rows_of, without_unwritten
 from .eager_trace import EagerRun
 
@@ -165,16 +164,16 @@ def finish(doctor, info, pending) -> None:
             into = info.held if pending.agreed else None
         else:
             into = info.held_state if pending.agreed or doctor.reference is not None else None
-        with _held(doctor, into):
+        with held(doctor, into):
             rootcause.classify(doctor, info, pending, what, divergence, run,
                                _host_work(doctor, info, pending, replayed, rng_after, run))
     elif changed:       # host state the eager step leaves otherwise: held like state, as above
-        with _held(doctor, info.held_state if pending.agreed else None):
+        with held(doctor, info.held_state if pending.agreed else None):
             rootcause.rebound(doctor, info, pending, changed, run)
     elif run.settings and (host := _host_work(doctor, info, pending, replayed, rng_after, run,
                                               {id(c) for c, *_ in run.settings})) is not None:
         # (with a run without graphs, held until the workload's own results say whether the value mattered)
-        with _held(doctor, info.held_state if pending.agreed or doctor.reference is not None else None):
+        with held(doctor, info.held_state if pending.agreed or doctor.reference is not None else None):
             rootcause.host_set(doctor, info, pending, run.settings, host)
     else:
         if divergence is not None:
@@ -183,7 +182,7 @@ def finish(doctor, info, pending) -> None:
         # What the step would give from other starting memory (the static inputs' carried elements, the
         # state before the warmups) is held while the replay gives what the workload's run without graphs
         # gives at the same step (that run may build on the same memory): reported once a replay does not.
-        with _held(doctor, info.held if pending.agreed else None):
+        with held(doctor, info.held if pending.agreed else None):
             _from_other_memory(doctor, info, pending, replayed, rng_after, graph_out)
         if not padded:
             unpadded.owned_by_full_step(doctor, pending, replayed)
@@ -191,18 +190,6 @@ def finish(doctor, info, pending) -> None:
             unpadded.check(doctor, info, pending, replayed, graph_out,
                            lambda step: _eager(doctor, info, pending, replayed, rng_after, step=step))
     row_writes.replays_wrote(doctor, pending, replayed)
-
-
-@contextlib.contextmanager
-def _held(doctor, into: list | None):
-    """What ``doctor.add`` is given goes to ``into`` (a graph's ``held`` or ``held_state``), when
-    given one: ``probes/reference.py`` reports it once a replay of that graph gives another answer
-    than the run without graphs."""
-    doctor.holding = into
-    try:
-        yield
-    finally:
-        doctor.holding = None
 
 
 def _from_other_memory(doctor, info, pending, replayed: dict, rng_after, graph_out) -> None:

@@ -14,6 +14,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..rules import mutation
+from . import held
 from ..tensors import changed, rng_state, set_rng_state, whole
 
 
@@ -65,8 +66,7 @@ def probe(doctor, info, graph) -> None:
     # With a run without graphs announced, what the probe finds is held as state is, reported unless the
     # workload's results say they agree with that run's: a graph that advances its own inputs on purpose
     # (a decode loop keeping its token and position on the device) gives that run's answers.
-    outer, doctor.holding = doctor.holding, info.held_state if doctor.reference is not None else None
-    try:
+    with held(doctor, info.held_state if doctor.reference is not None else None):
         for key, buf in inputs.items():
             b0, b1, b2 = (s[key] for s in states)
             kept = None if fresh[key] is None else ~fresh[key]
@@ -77,8 +77,6 @@ def probe(doctor, info, graph) -> None:
                                            "held): an output kept in an input buffer, not a mutation of one")
             elif found is not None:
                 mutation.probed(doctor, info, key, buf, *found, b0)
-    finally:
-        doctor.holding = outer
 
 
 def _owned(doctor, key: int):
