@@ -18,6 +18,7 @@ from test_doctor_setup_and_warmups import finding_of
 from workbench import doctor
 from workbench.doctor import padding_record
 from workbench.engine import events, graph, new_graph
+from workbench.engine.source import function_of
 
 def captured(forward, static, *, name="size 4"):
     """A graph of ``forward`` (a warmup, then the capture) over announced static buffers."""
@@ -245,9 +246,38 @@ def test_a_padded_row_naming_a_real_rows_state_slot(form, padding):
         return
     (finding,) = report.findings
     assert finding.kind == "stale-padding" and finding.op.startswith(f"aten.{form}")
-    assert finding.location.endswith("in update") and finding.tensor == "index: int64[4]"
+    assert finding.location.endswith("in test_a_padded_row_naming_a_real_rows_state_slot"), finding.location
+    assert "aimed the padded row there" in finding.evidence and finding.tensor == "index: int64[4]"
     assert finding.numbers == {"replay": 1, "real": 3, "size": 4, "padded_row": 3, "real_row": 1,
                                "slot": (0, 0) if form == "scatter_add_" else 0}   # scatter: an element
+
+
+def aim_padded_row(index):
+    index[3] = 0
+
+
+@pytest.mark.parametrize("aimed", [True, False])
+def test_a_padded_rows_slot_is_named_where_the_step_aimed_it_else_at_the_scatter(aimed):
+    """Step 1 serves four requests; in step 2 the fourth has finished and its row is padded: the
+    runner either aims it at slot 0 (``aim_padded_row``), a live request's, or leaves it naming the
+    finished request's slot 3, which a request of step 3 takes over. The finding is where the
+    padded row's slot was decided: the step's write, or else the scatter that used what was left."""
+    state, index, x = torch.zeros(5, 3), torch.zeros(4, dtype=torch.int64), torch.ones(4, 3)
+    update = state_update("index_add_")
+    with doctor.watch() as report:
+        g, out = captured(lambda: update(state, index, x), {"index": index, "x": x})
+        events.persistent_state("Runner", {"state": state})
+        index.copy_(torch.tensor([2, 0, 1, 3]))
+        replay(g, out, 4, 4, {})
+        index[:3] = torch.tensor([2, 0, 1])
+        if aimed:
+            aim_padded_row(index)
+        replay(g, out, 3, 4, {})
+        index.copy_(torch.tensor([2, 0, 3, 4]))
+        replay(g, out, 3, 4, {})
+    (finding,) = report.findings
+    assert finding.kind == "stale-padding" and finding.numbers["slot"] == (0 if aimed else 3)
+    assert function_of(finding.location) == ("aim_padded_row" if aimed else "update"), finding.location
 
 
 def test_a_dummy_batch_whose_real_row_writes_the_null_slot_is_no_finding():

@@ -1470,6 +1470,68 @@ def test_work_the_reference_does_every_step_and_the_runner_did_once_at_capture_i
     assert "none once replays began" in finding.evidence, finding
 
 
+def zero_grad(grad):
+    grad.zero_()
+
+
+class AccumulatingTrainer:
+    """A training step captured whole: the backward adds its gradient into a persistent buffer
+    (gradient-accumulation fusion) and the update reads it. The run without graphs zeroes the
+    buffer before every step; ``bug`` zeroes it once, eagerly, just before the capture (as a
+    callback does that expects the reset to launch nothing), ``fix`` inside the capture."""
+
+    def __init__(self, w, variant: str):
+        self.w, self.x, self.grad = w.clone(), torch.zeros(2, 3), torch.zeros(3, 3)
+        events.static_buffers("trainer", {"x": self.x})
+        self.variant, self.graph = variant, None
+
+    def step(self):
+        if self.variant == "fix":
+            zero_grad(self.grad)
+        self.grad.add_(self.x.t() @ (self.x @ self.w))
+        self.w.sub_(0.1 * self.grad)
+        return self.w
+
+    def optimizer_step(self, x):
+        self.x.copy_(x)
+        if self.graph is None:
+            zero_grad(self.grad)
+            self.graph = new_graph("cpu")
+            with graph(self.graph, name="train"):
+                self.step()
+        events.serve(self.graph, 2, 2, padded={}, outputs=self.w, eager=self.step)
+        self.graph.replay()
+        return self.w.clone()
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_reset_the_reference_runs_every_step_and_the_runner_ran_once_before_capture_is_stale_input(variant):
+    """The reset has no input that varies (a fill), so computing it once would be right if nothing
+    else wrote what it wrote; but the graph reads the buffer and adds into it, so each replay starts
+    from what the one before left. ``bug``'s finding is ``stale-input`` at ``optimizer_step``, the
+    function that ran the reset once and which the run without graphs never calls."""
+    def workload():
+        gen = torch.Generator().manual_seed(0)
+        w0 = torch.randn(3, 3, generator=gen) * 0.3
+        xs = [torch.randn(2, 3, generator=gen) for _ in range(4)]
+        with events.reference():
+            w, grad, expected = w0.clone(), torch.zeros(3, 3), []
+            for x in xs:
+                zero_grad(grad)
+                grad.add_(x.t() @ (x @ w))
+                w.sub_(0.1 * grad)
+                expected.append(w.clone())
+        trainer = AccumulatingTrainer(w0, variant)
+        got = [trainer.optimizer_step(x) for x in xs]
+        events.results(expected, got)
+        return expected, got
+    finding = finding_of(workload, variant)
+    if finding is None:
+        return
+    assert finding.kind == "stale-input" and function_of(finding.location) == "optimizer_step", finding
+    assert "what the replay before it left" in finding.evidence, finding
+
+
 def matvec(out, w, x):
     out.copy_(x @ w)
 

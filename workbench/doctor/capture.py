@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..engine import memory
 from ..engine.cpu_graph import ALLOCATIONS
-from ..engine.opinfo import describe, op_tensors, storage_key, tensors, written_tensors
+from ..engine.opinfo import describe, op_tensors, overwrites, storage_key, tensors, written_tensors
 from ..engine.source import user_frame
 from .records import External, Op
 from .rules import dangling, padded_scatter, sync, uncomputed, undersized, unread
@@ -78,6 +78,8 @@ def recorded(doctor, func, args, kwargs, run):
     if doctor.followed:
         for key in in_keys:
             uncomputed.capture_reads(doctor, key)
+    read = in_keys - written if written and overwrites(func, args, kwargs) else in_keys
+    info.read_first.update(key for key in read if key in info.externals and key not in info.writes)
     for key in written:
         if doctor.owner_of(key) is None:
             info.writes.setdefault(key, Op(str(func), source))

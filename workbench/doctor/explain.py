@@ -361,7 +361,13 @@ def capture_path(function: str, graph: str) -> str:
             "on what decides the branch), or run such steps eagerly.")
 
 
-def dropped_work(op: str, function: str) -> str:
+def dropped_work(op: str, function: str, carried: bool = False) -> str:
+    if carried:
+        return (f"The run without graphs launches {op} at every step: a reset of memory the step then adds into. "
+                f"The served run launched it only while {function} prepared the graph, outside any capture, and the "
+                "graph reads and rewrites what it wrote: every replay starts from what the replay before it left "
+                "(gradients accumulate across steps). Capture the reset inside the graph, or redo it before every "
+                "replay.")
     return (f"The run without graphs launches {op} at every step, on that step's inputs. The served run launched it "
             f"only while {function} prepared the graph, outside any capture, and the graph reads its result: "
             "every replay gets the value of that one run. Whatever decided the work does not depend on the step "

@@ -81,6 +81,7 @@ class Doctor(RunnerEvents):
         self.computed_from: dict[int, tuple] = {}   # rules/derived.py: what set-up code computed each storage from
         self.copied: dict[int, tuple] = {}          # rules/unread.py: static-input elements copied since the last replay
         self.copied_lines: dict[int, dict] = {}     # ... the same, per source line (a line that overwrites its own data)
+        self.aimed: dict[int, list] = {}            # rules/padded_scatter.py: captured scatters' indices -> writes
         self.before_replay: dict[int, torch.Tensor] = {}    # rules/mutation.py: static inputs a graph writes, before it
         self.replay_wrote: dict[int, tuple] = {}    # ... -> (graph, elements its last replay changed)
         self.copy_sources: dict[int, tuple] = {}    # ... -> the tensor the last copy into it took, as it was
@@ -306,6 +307,8 @@ class Doctor(RunnerEvents):
         self.fresh.clear()
         self.copied.clear()
         self.copied_lines.clear()
+        for writes in self.aimed.values():
+            writes.clear()
         info = self.info(graph)
         error = sys.exc_info()[1]
         if info is None:
@@ -370,6 +373,8 @@ class Doctor(RunnerEvents):
             clobbered.wrote(self, func, targets)
         if targets and self.every and phase == "eager":
             self.carried.wrote(self, func, args, targets)
+        if targets and self.aimed and phase == "eager":
+            padded_scatter.aimed(self, targets)
         if targets and func is _COPY:
             undersized.check_fit(self, args[0], args[1])
             padding_probe.copied(self, args[0], args[1])

@@ -167,6 +167,7 @@ class GraphInfo:
         self.externals: dict[int, External] = {}
         self.liveness = Liveness()                  # of the externals, for the check before each replay
         self.writes: dict[int, Op] = {}             # external storage -> first op writing it
+        self.read_first: set[int] = set()           # externals its ops read before it first wrote them
         self.created: set[int] = set()              # storages this capture created
         self.made: dict[int, tuple] = {}            # ... -> (the tensor it made there, which the program may
                                                     # hold, the op that made it, its line)

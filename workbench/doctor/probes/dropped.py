@@ -16,7 +16,9 @@ result depends on the step: a weight-only kernel run once is a standard optimisa
 was dropped from the steps, if a graph reads what it wrote, or hands it out as an output that no op
 of the graph writes (a replay then hands out what that launch left). Only where the workload's
 results differ from the reference's and no other finding explains them, it is reported as
-``warmup-divergence``. Where a graph replays the same op at the same line (a kernel recorded from
+``warmup-divergence``. A fill whose inputs never vary was dropped too where a graph reads what it
+wrote before writing it itself (a gradient buffer zeroed before every step, which the graph adds
+into): each replay starts from what the replay before it left, ``stale-input`` (a refresh skipped). Where a graph replays the same op at the same line (a kernel recorded from
 one launch site and left out from another), the site is the innermost function of the last launch
 that no capture ran: the launch site that recorded nothing. Otherwise it is the innermost function
 of that launch that the reference never called (the runner's code that ran the work once and left
@@ -78,8 +80,10 @@ class Dropped:
             handing = {name: "an output it never writes" for b, name in self.unwritten_outputs.items()
                        if b in self.last[key][2]}
             readers = _readers(doctor, key, self.last[key][1]) | handing
-            if not readers or not _varies([tuple(v for j, v in enumerate(s.values) if j not in s.overwritten)
-                                           for s in reference.steps if (s.op.name, s.op.source) == key]):
+            carried = _carried(doctor, self.last[key][1])
+            if not readers or not carried and not _varies(
+                    [tuple(v for j, v in enumerate(s.values) if j not in s.overwritten)
+                     for s in reference.steps if (s.op.name, s.op.source) == key]):
                 continue
             stack = self.last[key][0]
             site = _site(doctor, key, stack, called)
@@ -87,15 +91,19 @@ class Dropped:
             function = function_name(_code(stack, site))
             how = ("hand(s) it out as an output no op of theirs writes" if readers.keys() <= handing.keys()
                    else "read(s) what it wrote")
+            kind = "stale-input" if carried else "warmup-divergence"
             evidence = (f"the workload's results differ from its run without graphs'; that run launched {name} at "
-                        f"{source} {launched[key]} time(s), with other inputs at different steps, and the served run "
-                        f"{served[key]} time(s), none once replays began, the last under {function} at {site}; "
-                        f"{', '.join(readers)} {how}: every replay reads what that run left")
+                        f"{source} {launched[key]} time(s), "
+                        + (f"and {', '.join(carried)} read(s) and write(s) what it wrote" if carried else
+                           "with other inputs at different steps") +
+                        f", and the served run {served[key]} time(s), none once replays began, the last under "
+                        f"{function} at {site}; {', '.join(readers)} {how}: every replay reads what "
+                        + ("the replay before it left" if carried else "that run left"))
             tensor = next(iter(readers.values()))
-            doctor.add(Finding("warmup-divergence", ", ".join(readers), name, tensor, site, evidence,
-                               explain.dropped_work(name, function),
+            doctor.add(Finding(kind, ", ".join(readers), name, tensor, site, evidence,
+                               explain.dropped_work(name, function, bool(carried)),
                                {"reference_launches": launched[key], "served_launches": served[key]}),
-                       ("warmup-divergence", "dropped", site))
+                       (kind, "dropped", site))
             return
 
 
@@ -116,6 +124,12 @@ def _readers(doctor, key: tuple, written: frozenset) -> dict[str, str]:
         if (ext := next((e for k, e in info.externals.items() if k in written or e.origin == made), None)):
             out[info.name] = ext.tensor
     return out
+
+
+def _carried(doctor, written: frozenset) -> list[str]:
+    """The graphs that read what the op wrote before they write it themselves (a sum they add into,
+    a counter they advance): its result is the start of every step, not a value computed once."""
+    return [info.name for info in doctor.graphs.values() if any(k in info.writes for k in written & info.read_first)]
 
 
 def _varies(values: list) -> bool:

@@ -24,9 +24,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ...engine.opinfo import describe, storage_key
+from ...engine.source import user_frame
 from .. import explain
 from ..report import Finding
-from ..tensors import whole
+from ..tensors import onto, whole
 
 aten = torch.ops.aten
 
@@ -85,11 +86,36 @@ def captured(doctor, info, func, args, kwargs, source: str) -> None:
     if not indices or 0 in dims or any(i.dtype in (torch.bool, torch.uint8) or storage_key(i) in info.created
                                        or storage_key(i) in info.writes for i in indices):
         return                      # a mask, or an index the graph computes itself: no value before the replay
+    for i in indices:
+        doctor.aimed.setdefault(storage_key(i), [])
     buf = doctor.buffer(storage_key(state))
     info.scatters.append(Scatter(
         str(func), source, f"`{buf.name}`" if buf is not None else f"the state {describe(state)}", form, dim, dims,
         tuple(Index(storage_key(i), StorageWeakRef(i.untyped_storage()), i.dtype, tuple(i.shape), i.stride(),
                     i.storage_offset()) for i in indices)))
+
+
+def aimed(doctor, targets: list) -> None:
+    """An eager write into a captured scatter's index buffer since the last replay: its line and the
+    elements it writes (a flat mask of the storage), so that a padded row's slot is named where the
+    runner aimed it."""
+    for key, dst, _ in targets:
+        if (writes := doctor.aimed.get(key)) is not None:
+            with _disable_current_modes():
+                writes.append((user_frame(), onto(torch.ones((), dtype=torch.bool, device=dst.device), dst)))
+
+
+def _aimed_at(doctor, scatter: Scatter, row: int) -> str | None:
+    """The line of this step's last eager write into a padded row's index elements, if any."""
+    for i in scatter.indices:
+        writes = doctor.aimed.get(i.key) or ()
+        if not writes or (flat := whole(i.weak, i.dtype)) is None or not i.shape or row >= i.shape[0]:
+            continue
+        elements = torch.arange(flat.numel()).as_strided(i.shape, i.stride, i.offset)[row].reshape(-1)
+        for source, mask in reversed(writes):
+            if mask.numel() == flat.numel() and bool(mask.cpu()[elements].any()):
+                return source
+    return None
 
 
 def check(doctor, info) -> None:
@@ -136,10 +162,12 @@ def _check(doctor, info, n: int, scatter: Scatter, real: int, size: int) -> None
         whose = f"as real row {numbers['real_row']} does"
     else:
         whose = "which real rows of an earlier replay wrote (a request not in this batch holds it)"
+    site = _aimed_at(doctor, scatter, row)
     finding = Finding(
-        "stale-padding", info.name, scatter.op, f"{padded_by.name}: {describe(padded_by.ref())}", scatter.source,
+        "stale-padding", info.name, scatter.op, f"{padded_by.name}: {describe(padded_by.ref())}", site or scatter.source,
         f"before replay {numbers['replay']} of {info.name} ({real} real rows of {size}): padded row {row} of the "
-        f"index names slot {where} of {scatter.state}, {whose}, so {scatter.op} writes that slot for a padded row",
+        f"index names slot {where} of {scatter.state}, {whose}, so {scatter.op} at {scatter.source} writes that "
+        "slot for a padded row" + (": this step's eager code aimed the padded row there" if site else ""),
         explain.padded_scatter(scatter.op, padded_by.name, scatter.state), numbers)
     suspects = info.shared_slots.setdefault(n, {})     # reported once a later step's real rows name one again
     for s in slots[real:][shared].unique().tolist():

@@ -40,7 +40,11 @@ class PaddedStep:
     real: int
     size: int
     keys: set
+    created: set = dataclasses.field(default_factory=set)     # the graph's own storages (not copied: per step)
     seen: tuple | None = None
+
+    def holds(self, key: int) -> bool:
+        return key in self.keys or key in self.created
 
 
 def replayed(doctor, info, pending) -> None:
@@ -52,8 +56,8 @@ def replayed(doctor, info, pending) -> None:
         return
     # Its outputs, and all memory it owns: a PIECEWISE piece hands its own tensors (not the step's
     # outputs) to the eager code that runs before the next piece.
-    keys = {storage_key(t) for t in tensors(pending.outputs)} | info.created
-    doctor.padded_step = PaddedStep(info.name, info.replays, pending.real, pending.size, keys)
+    keys = {storage_key(t) for t in tensors(pending.outputs)}
+    doctor.padded_step = PaddedStep(info.name, info.replays, pending.real, pending.size, keys, info.created)
 
 
 def derived(doctor, func, args, kwargs, out) -> None:
@@ -61,11 +65,11 @@ def derived(doctor, func, args, kwargs, out) -> None:
     carry the padded rows too; its combining them with ``real`` rows is noted."""
     step = doctor.padded_step
     inputs = op_tensors(args, kwargs)
-    padded = [t for t in inputs if _rows(t) == step.size and storage_key(t) in step.keys]
+    padded = [t for t in inputs if _rows(t) == step.size and step.holds(storage_key(t))]
     if not padded:
         return
     if step.seen is None:
-        real = next((t for t in inputs if _rows(t) == step.real and storage_key(t) not in step.keys), None)
+        real = next((t for t in inputs if _rows(t) == step.real and not step.holds(storage_key(t))), None)
         if real is not None:
             step.seen = (str(func), user_frame(), describe(padded[0]), describe(real))
     step.keys.update(storage_key(o) for o in tensors(out) if _rows(o) == step.size)
@@ -116,7 +120,7 @@ def _in_frame(step: PaddedStep, frame, line: int, message: str = "") -> tuple[st
         return None
     named = [(n, t, _key(t)) for n, t in _named_tensors(frame.f_locals)]
     padded = next(((n, t) for n, t, k in named if _padded(step, t)), None)
-    real = next(((n, t) for n, t, k in named if _rows(t) == step.real and k not in step.keys), None)
+    real = next(((n, t) for n, t, k in named if _rows(t) == step.real and not step.holds(k)), None)
     code = linecache.getline(filename, line).strip()
     if padded is not None and real is not None:
         what = (f"`{padded[0]}` {describe(padded[1])} (the graph's {step.size} rows) and `{real[0]}` "
@@ -164,7 +168,7 @@ def _size(value) -> int | None:
 def _padded(step: PaddedStep, value) -> bool:
     """A number equal to the graph's padded size, or the replay's (or a derived) tensor of its rows."""
     if isinstance(value, torch.Tensor):
-        return _rows(value) == step.size and _key(value) in step.keys
+        return _rows(value) == step.size and step.holds(_key(value))
     return _number(value) == step.size
 
 
