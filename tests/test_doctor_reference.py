@@ -16,7 +16,7 @@ import torch
 
 from test_doctor_setup_and_warmups import finding_of, only_finding
 from workbench import doctor
-from workbench.engine import CaptureError, events, graph, graph_pool_handle, new_graph
+from workbench.engine import CaptureError, events, graph, graph_pool_handle, host, new_graph
 from workbench.engine.source import function_of
 
 BLOCK, CONTEXT = 2, 8
@@ -1468,6 +1468,62 @@ def test_work_the_reference_does_every_step_and_the_runner_did_once_at_capture_i
         return
     assert finding.kind == "warmup-divergence" and function_of(finding.location) == "hoist", finding
     assert "none once replays began" in finding.evidence, finding
+
+
+def timestep_key(t, variant: str):
+    key = (t.device.type, t.dtype, t.shape)
+    return key + (t.item(),) if variant == "fix" else key
+
+
+class KeyedDenoiser:
+    """One graph per key of the step's input, as a graphed-callable cache keeps them. The timestep is
+    a 0-dim host tensor, which the captured multiply takes by value; ``bug`` keys the cache on the
+    tensor's device, dtype and shape only, so every timestep replays the graph captured for the
+    first; ``fix`` keys on its value too."""
+
+    def __init__(self, w, variant: str):
+        self.w, self.variant, self.graphs = w, variant, {}
+
+    def step(self, x, t):
+        return torch.tanh(x @ self.w) * t
+
+    def __call__(self, x, t):
+        key = timestep_key(t, self.variant)
+        if key not in self.graphs:
+            sx, st = x.clone(), t.clone()
+            events.static_buffers("denoiser", {"x": sx, "t": st})
+            g = new_graph("cpu")
+            with graph(g, name=f"denoise {len(self.graphs)}"):
+                out = self.step(sx, st)
+            self.graphs[key] = (g, sx, st, out)
+        g, sx, st, out = self.graphs[key]
+        sx.copy_(x)
+        st.copy_(t)
+        events.serve(g, 2, 2, padded={}, outputs=out, eager=lambda: self.step(sx, st))
+        g.replay()
+        return out.clone()
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_refreshed_input_taken_by_value_names_the_key_that_chose_the_graph(variant):
+    """Differential replay sees the multiply run with the capture's timestep; that number is a static
+    input the runner writes every step, and a key function chose the graph: ``bug``'s finding is
+    ``host-work-frozen`` at ``timestep_key``, the key that cannot tell two timesteps apart."""
+    def workload():
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(3, 3, generator=gen)
+        steps = [(torch.randn(2, 3, generator=gen), host(torch.tensor(float(t)))) for t in (999, 666, 333, 999)]
+        with events.reference():
+            expected = [torch.tanh(x @ w) * t for x, t in steps]
+        denoiser = KeyedDenoiser(w, variant)
+        got = [denoiser(x, t) for x, t in steps]
+        events.results(expected, got)
+        return expected, got
+    finding = finding_of(workload, variant)
+    if finding is None:
+        return
+    assert finding.kind == "host-work-frozen" and function_of(finding.location) == "timestep_key", finding
+    assert "the key that chose this graph" in finding.cause, finding
 
 
 def zero_grad(grad):

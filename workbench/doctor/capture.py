@@ -52,6 +52,8 @@ def recorded(doctor, func, args, kwargs, run):
             if len(info.by_value) < 4:            # its value is the graph's (``signature``), not its memory
                 with _disable_current_modes(), torch._C.DisableTorchFunctionSubclass():
                     info.by_value.append((Op(str(func), source), t.item()))
+            if (buf := doctor.buffer(storage_key(t))) is not None and buf.role == "input":
+                info.taken_by_value.add((str(func), source))
             continue
         key = storage_key(t)
         if info.aliases and key in info.aliases:

@@ -34,6 +34,8 @@ import os
 import sys
 import sysconfig
 
+import torch
+
 from ..engine.source import SKIP_DIRS, function_name, location, mine, short_path
 from . import failures
 from .rules import clobbered, shapes, size_table, undersized
@@ -254,11 +256,17 @@ def decider(frames) -> str | None:
     return None
 
 
+_PLAIN = (int, float, str, bool, torch.dtype, torch.device)
+
+
 def _key(value) -> bool:
-    """Whether a returned value is a key: a non-empty tuple of numbers, strings, None or such tuples
-    (the shape and flags a runner keys its graphs on), never one holding a tensor or an object."""
-    return type(value) is tuple and bool(value) and all(
-        type(v) in (int, float, str, bool) or v is None or _key(v) for v in value)
+    """Whether a returned value is a key: a non-empty tuple of numbers, strings, None, dtypes, devices,
+    shapes or such tuples (what a runner keys its graphs on), never one holding a tensor or an object."""
+    return type(value) is tuple and bool(value) and all(_plain(v) for v in value)
+
+
+def _plain(value) -> bool:
+    return type(value) in _PLAIN or value is None or type(value) in (tuple, torch.Size) and all(map(_plain, value))
 
 
 def tracing() -> bool:

@@ -185,6 +185,7 @@ class GraphInfo:
         self.lines_run: set = set()                 # (function, line) run inside the capture, under diagnose's tracer
         self.returned_numbers: dict = {}            # a Python number a function returned inside it -> that return
         self.by_value: list = []                    # (Op, value) of 0-dim host tensors its ops take by value
+        self.taken_by_value: set = set()            # (op, line) taking a static input's value: the runner's data
         self.writes_inputs = False                  # it writes a static input (rules/mutation.py)
         self.unread_outputs: frozenset | None = None    # storages it created and never reads (differential)
         self.replays = 0

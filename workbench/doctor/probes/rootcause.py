@@ -24,7 +24,9 @@ import dataclasses
 
 from ...engine import memory
 from ...engine.opinfo import describe, storage_key
+from ...engine.source import user_frames
 from .. import explain
+from ..raised import decider
 from ..records import Op
 from ..report import Finding
 from . import pystate
@@ -88,6 +90,11 @@ def _parted(doctor, info, d, run) -> tuple:
                 "the graph")
         op = d.graph_op if d.origin is None else dataclasses.replace(d.graph_op, source=d.origin)
         came = f" The number comes from {d.origin}." if d.origin is not None and d.origin != d.graph_op.source else ""
+        if (d.graph_op.name, d.graph_op.source) in info.taken_by_value and (key := decider(user_frames())):
+            op = dataclasses.replace(d.graph_op, source=key)
+            came += (f" It is the value of a static input the runner refreshes every step, which the graph took by "
+                     f"value at capture; the key that chose this graph ({key}) does not hold that value, so a step "
+                     "with another one replays a graph captured for this one.")
         return ("host-work-frozen", op, _read_by(doctor, info, d.graph_op),
                 f"{site} {what}; the eager step computes it again now.{came}")
     if d.how == "reference":
