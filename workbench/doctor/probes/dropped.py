@@ -18,7 +18,8 @@ of the graph writes (a replay then hands out what that launch left). Only where 
 results differ from the reference's and no other finding explains them, it is reported as
 ``warmup-divergence``. A fill whose inputs never vary was dropped too where a graph reads what it
 wrote before writing it itself (a gradient buffer zeroed before every step, which the graph adds
-into): each replay starts from what the replay before it left, ``stale-input`` (a refresh skipped). Where a graph replays the same op at the same line (a kernel recorded from
+into): each replay starts from what the replay before it left, ``stale-input`` (a refresh skipped).
+Where a graph replays the same op at the same line (a kernel recorded from
 one launch site and left out from another), the site is the innermost function of the last launch
 that no capture ran: the launch site that recorded nothing. Otherwise it is the innermost function
 of that launch that the reference never called (the runner's code that ran the work once and left

@@ -13,7 +13,9 @@ is made once a later step's real rows name that slot again: a request lives on i
 update it never asked for. A slot no later request names held nothing anyone reads (an idle rank's
 dummy batch, whose one row counts as real, writes the null slot its padded rows write). Only
 indices the graph reads from memory it does not own have values before the replay; an index
-computed inside the graph is not checked.
+computed inside the graph is not checked. The finding is named where this step's eager code wrote
+the padded row's index (the runner aimed it at that slot: ``aimed``), else at the scatter, which
+used what an earlier step left there.
 """
 from __future__ import annotations
 
