@@ -81,7 +81,7 @@ class Doctor(RunnerEvents):
         self.computed_from: dict[int, tuple] = {}   # rules/derived.py: what set-up code computed each storage from
         self.copied: dict[int, tuple] = {}          # rules/unread.py: static-input elements copied since the last replay
         self.copied_lines: dict[int, dict] = {}     # ... the same, per source line (a line that overwrites its own data)
-        self.aimed: dict[int, list] = {}            # rules/padded_scatter.py: captured scatters' indices -> writes
+        self.aimed: dict[int, list] = {}            # rules/padded_scatter.py: scatter indices -> the step's writes
         self.before_replay: dict[int, torch.Tensor] = {}    # rules/mutation.py: static inputs a graph writes, before it
         self.replay_wrote: dict[int, tuple] = {}    # ... -> (graph, elements its last replay changed)
         self.copy_sources: dict[int, tuple] = {}    # ... -> the tensor the last copy into it took, as it was
@@ -173,20 +173,6 @@ class Doctor(RunnerEvents):
         self.failure = self.report.failure = f"{type(error).__name__} in {where}{at}: {first_line(error)}"
 
     # ------------------------------------------------------------------ engine events
-    @contained
-    def pool_made(self, pool) -> None:
-        self.pools[dangling.pool_key(pool)] = (user_frame(), [])
-
-    @contained
-    def pool_used(self, graph, pool) -> None:
-        info = self.info(graph)
-        if info is not None and (made := self.pools.get(dangling.pool_key(pool))) is not None:
-            made[1].append(info.name)
-
-    @contained
-    def capture_refused(self, graph, pool, name: str | None, error: BaseException) -> None:
-        dangling.refused(self, pool, name or f"graph #{len(self.graphs) + 1}", error)
-
     @contained
     def capture_begin(self, graph, name: str | None) -> None:
         self.threads.enter(self.mode, sum(isinstance(m, TorchDispatchMode) for m in getattr(graph, "_modes", ())))
@@ -307,8 +293,6 @@ class Doctor(RunnerEvents):
         self.fresh.clear()
         self.copied.clear()
         self.copied_lines.clear()
-        for writes in self.aimed.values():
-            writes.clear()
         info = self.info(graph)
         error = sys.exc_info()[1]
         if info is None:

@@ -1,8 +1,8 @@
-"""What the runners announce (``workbench.engine.events``): the meaning of their tensors, warmups,
-dummy runs, the workload's reference run, each served step and the outputs handed out; and the
-check before a CUDA launch, which runs the eager form a served step announced. The ``Doctor`` takes
-these handlers from this class; the engine's other events and the dispatch mode's work are in
-``intake.py``."""
+"""What the runners announce (``workbench.engine.events``): the meaning of their tensors, the pools
+they make and give captures, warmups, dummy runs, the workload's reference run, each served step
+and the outputs handed out; and the check before a CUDA launch, which runs the eager form a served
+step announced. The ``Doctor`` takes these handlers from this class; the engine's other events and
+the dispatch mode's work are in ``intake.py``."""
 from __future__ import annotations
 
 import torch
@@ -34,6 +34,20 @@ class RunnerEvents:
                 continue            # (a graph's slice of an input announced whole: one per capture size)
             self.buffers[key] = announced(name, owner, t, role, source)
         undersized.announced(self, owner, buffers)
+
+    @contained
+    def pool_made(self, pool) -> None:
+        self.pools[dangling.pool_key(pool)] = (user_frame(), [])
+
+    @contained
+    def pool_used(self, graph, pool) -> None:
+        info = self.info(graph)
+        if info is not None and (made := self.pools.get(dangling.pool_key(pool))) is not None:
+            made[1].append(info.name)
+
+    @contained
+    def capture_refused(self, graph, pool, name: str | None, error: BaseException) -> None:
+        dangling.refused(self, pool, name or f"graph #{len(self.graphs) + 1}", error)
 
     @contained
     def static_buffers(self, owner: str, buffers: dict) -> None:

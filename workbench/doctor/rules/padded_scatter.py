@@ -98,19 +98,22 @@ def captured(doctor, info, func, args, kwargs, source: str) -> None:
 
 
 def aimed(doctor, targets: list) -> None:
-    """An eager write into a captured scatter's index buffer since the last replay: its line and the
-    elements it writes (a flat mask of the storage), so that a padded row's slot is named where the
-    runner aimed it."""
+    """An eager write into a captured scatter's index buffer: its line and the elements it writes (a
+    flat mask of the storage), kept until the next replay (of any graph) ends the step, so that a
+    padded row's slot is named where the runner aimed it."""
+    step = doctor.report.replays
     for key, dst, _ in targets:
         if (writes := doctor.aimed.get(key)) is not None:
+            if writes and writes[0][0] != step:
+                writes.clear()                  # (an earlier step's)
             with _disable_current_modes():
-                writes.append((user_frame(), onto(torch.ones((), dtype=torch.bool, device=dst.device), dst)))
+                writes.append((step, user_frame(), onto(torch.ones((), dtype=torch.bool, device=dst.device), dst)))
 
 
 def _aimed_at(doctor, scatter: Scatter, row: int) -> str | None:
     """The line of this step's last eager write into a padded row's index elements, if any."""
     for i in scatter.indices:
-        writes = doctor.aimed.get(i.key) or ()
+        writes = [(source, mask) for step, source, mask in doctor.aimed.get(i.key, ()) if step == doctor.report.replays]
         if not writes or (flat := whole(i.weak, i.dtype)) is None or not i.shape or row >= i.shape[0]:
             continue
         elements = torch.arange(flat.numel()).as_strided(i.shape, i.stride, i.offset)[row].reshape(-1)
@@ -166,7 +169,8 @@ def _check(doctor, info, n: int, scatter: Scatter, real: int, size: int) -> None
         whose = "which real rows of an earlier replay wrote (a request not in this batch holds it)"
     site = _aimed_at(doctor, scatter, row)
     finding = Finding(
-        "stale-padding", info.name, scatter.op, f"{padded_by.name}: {describe(padded_by.ref())}", site or scatter.source,
+        "stale-padding", info.name, scatter.op, f"{padded_by.name}: {describe(padded_by.ref())}",
+        site or scatter.source,
         f"before replay {numbers['replay']} of {info.name} ({real} real rows of {size}): padded row {row} of the "
         f"index names slot {where} of {scatter.state}, {whose}, so {scatter.op} at {scatter.source} writes that "
         "slot for a padded row" + (": this step's eager code aimed the padded row there" if site else ""),
