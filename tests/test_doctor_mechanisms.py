@@ -2170,18 +2170,26 @@ def test_a_warmup_that_runs_backward_is_a_training_step(train):
 
 
 @pytest.mark.parametrize("fixed", [False, True])
-def test_a_graph_whose_view_of_a_per_token_input_is_shorter_than_its_real_rows(fixed):
+@pytest.mark.parametrize("cut_inside", [False, True])
+def test_a_graph_whose_view_of_a_per_token_input_is_shorter_than_its_real_rows(fixed, cut_inside):
     """A graph of 4 tokens captured on ``slots[:2]`` (sliced by the request count, not the tokens):
-    a step of 3 real tokens writes a slot the graph never reads. The window is fixed at capture."""
+    a step of 3 real tokens writes a slot the graph never reads. The window is fixed at capture, and
+    the finding names the line that cut it: set-up code's (``sliced``), or the captured op's that
+    reads it when the captured code cuts it itself."""
     slots, cache, x = torch.zeros(4, dtype=torch.long), torch.zeros(6, 2), torch.zeros(4, 2)
+    n_view = 4 if fixed else 2
+
+    def sliced():
+        return slots[:n_view]
 
     def workload():
         events.static_buffers("runner", {"slots": slots, "x": x})
         events.persistent_state("runner", {"cache": cache})
-        view = slots[:4] if fixed else slots[:2]
+        view = None if cut_inside else sliced()
 
         def forward():
-            cache.index_copy_(0, view, x[:view.shape[0]])
+            v = slots[:n_view] if cut_inside else view
+            cache.index_copy_(0, v, x[:v.shape[0]])
             return cache[:4] * 1.0
         with events.warmup():
             forward()
@@ -2201,7 +2209,8 @@ def test_a_graph_whose_view_of_a_per_token_input_is_shorter_than_its_real_rows(f
         assert report.of("undersized-buffer") == [], report
     else:
         found = report.of("undersized-buffer")
-        assert found and "in workload" in found[0].source and found[0].numbers["rows_read"] == 2, report
+        assert found and found[0].numbers["rows_read"] == 2, report
+        assert ("in forward" if cut_inside else "in sliced") in found[0].source, report
 
 
 def test_an_eager_steps_copies_past_a_graphs_window_are_not_the_next_replays_data():

@@ -59,7 +59,7 @@ def recorded(doctor, func, args, kwargs, run):
         if info.aliases and key in info.aliases:
             dangling.aliased(doctor, info, key, t, str(func), source)
         if doctor.every and not func.is_view:
-            unread.read_view(doctor, info, key, t)
+            unread.read_view(doctor, info, key, t, source)
         owner = doctor.owner_of(key)
         if owner is info:
             continue

@@ -130,6 +130,7 @@ class Doctor(RunnerEvents):
         self.pools: dict = {}                       # pool key -> (line that made the handle, graphs captured into it)
         self.found: dict[tuple, Finding] = {}        # each hazard once (``add``), by its key
         self.reference: Reference | None = None     # the workload's run without graphs (probes/reference.py)
+        self.views: dict[tuple, str] = {}           # set-up views: (storage, offset, shape, stride) -> the line
         self.holding: list | None = None            # where ``add`` puts findings while they are held
         self.uncomputed: dict[tuple, GraphInfo] = {}    # pool blocks a capture allocated, no replay wrote yet
         self.followed: dict = {}                    # ... and those eager code computed from them (rules/uncomputed.py)
@@ -345,8 +346,8 @@ class Doctor(RunnerEvents):
             out = run()
             if self.handed:
                 overwritten.tag_view(self, args[0], out)
-            if self.reference is not None and not self.report.replays and isinstance(out, torch.Tensor):
-                self.reference.view_made(out)           # set-up: where the views a capture reads were taken
+            if self.every and not self.report.replays and isinstance(out, torch.Tensor):
+                unread.view_taken(self, out)            # set-up: where the views a capture reads were taken
             return out
         if phase == "capture":
             return capture.recorded(self, func, args, kwargs, run)

@@ -206,6 +206,7 @@ class GraphInfo:
         self.read_views: dict = {}                  # static input -> views of it the capture read (rules/unread.py)
         self.rows: frozenset = frozenset()          # ... their rows: the size the graph was captured for
         self.reads: dict = {}                       # ... as masks of the elements the graph reads
+        self.windows: dict = {}                     # ... and the line that cut each one-view window
         self.derived: list = []                     # storages it reads that set-up code computed from a static input
         self.window: dict | None = None             # static-input elements written since its last replay
         self.step: dict | None = None               # ... as they were when its current replay began

@@ -94,7 +94,6 @@ _LIFTS = (torch.ops.aten.lift_fresh, torch.ops.aten.lift_fresh_copy)     # const
 _SMALL = 1 << 16          # elements of an op's input kept as a value (metadata, ids, lengths; not activations)
 _CANDIDATES = 64          # reference calls, nearest the served run's count first, tried for a replay
 _BUDGET = 1 << 24         # elements kept in all (values and returns): past it, the reference keeps no more
-_VIEWS = 1 << 14          # views' lines kept in set-up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +135,6 @@ class Reference:
         self.padded: dict[tuple, tuple] = {}      # (size, real) of a padded replay -> (graph, line that replayed it)
         self.span: tuple | None = None            # (Pending, first piece) of the PIECEWISE step being replayed
         self.number = 0                           # the last call number given
-        self.views: dict[tuple, str] = {}         # (storage, offset, shape, stride) -> the line that took the view
         self.captured_with: dict[int, dict] = {}  # id(GraphInfo) -> its static-input views' values at capture
         self.coverage = Coverage()                # the lines each run ran (``coverage.py``)
         self.dropped = Dropped()                  # the served run's eager launches (``dropped.py``)
@@ -198,12 +196,6 @@ class Reference:
         return held[1]
 
     # ------------------------------------------------------------------ the served run
-    def view_made(self, view: torch.Tensor) -> None:
-        """Eager code took a view before the first replay: where, by its geometry (``narrower``)."""
-        if not self.recording and len(self.views) < _VIEWS:
-            self.views.setdefault((storage_key(view), view.storage_offset(), tuple(view.shape), view.stride()),
-                                  user_frame())
-
     def captured(self, doctor, info, func, args, kwargs) -> None:
         """A captured op: the functions it ran in inside the capture, and the static-input views it
         reads (which are looked at before each replay)."""
@@ -307,7 +299,7 @@ class Reference:
                 compared = []
         _release(doctor, info.held, info.held_state)   # what earlier replays' probes found, now borne out
         with _disable_current_modes():           # a PIECEWISE step's other pieces are not in ``ops``: no trace
-            found = static_input(self.writers, info, compared) or narrower(ops, under, ref, values, self.views) or (
+            found = static_input(self.writers, info, compared) or narrower(ops, under, ref, values, doctor.views) or (
                 None if pending.span else (
                 parting(info, ops, ref, pending.real < pending.size) or frozen_number(info, ops, under, ref, pending.size)
                 or bound(self.writers, doctor, info, ops, under, ref, replayed)

@@ -38,12 +38,14 @@ from . import derived
 from ..tensors import broadcasts, onto, region
 
 _HOST_READ = torch.ops.aten.alias.default      # a read-only op standing for a host read in ``touched``
-def read_view(doctor, info, key: int, t: torch.Tensor) -> None:
+def read_view(doctor, info, key: int, t: torch.Tensor, source: str) -> None:
     """During a capture: a tensor a captured op reads; a view of a static input is kept as its
-    geometry (masks are made after the capture, whose stream must record none of the doctor's work)."""
+    geometry (masks are made after the capture, whose stream must record none of the doctor's work),
+    with the line of the first op that read it."""
     buf = doctor.buffers.get(key)
     if buf is not None and buf.role == "input":
-        info.read_views.setdefault(key, set()).add((tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype))
+        geometry = (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+        info.read_views.setdefault(key, {}).setdefault(geometry, source)
 
 
 def capture_end(doctor, info) -> None:
@@ -54,6 +56,7 @@ def capture_end(doctor, info) -> None:
             buf = doctor.buffer(key)
             if buf is None or len(views) != 1:
                 continue
+            info.windows[key] = _window_made(doctor, key, *views.items())
             whole = buf.ref()
             mask = torch.zeros(whole.shape, dtype=torch.bool, device=whole.device)
             for shape, stride, offset, dtype in views:
@@ -64,6 +67,25 @@ def capture_end(doctor, info) -> None:
     # (their rows: the size the graph was captured for, which ``shapes.failed_op`` looks for)
     info.rows = frozenset(shape[0] for views in info.read_views.values() for shape, *_ in views if shape)
     info.read_views = {}
+
+
+_VIEWS = 1 << 14          # set-up views' lines kept
+
+
+def view_taken(doctor, view: torch.Tensor) -> None:
+    """Eager set-up code took a view (before the first replay, with differential replay on; not in
+    the run without graphs): where, by its geometry."""
+    if len(doctor.views) < _VIEWS and (doctor.reference is None or not doctor.reference.recording):
+        doctor.views.setdefault((storage_key(view), view.storage_offset(), tuple(view.shape), view.stride()),
+                                user_frame())
+
+
+def _window_made(doctor, key: int, view: tuple) -> str:
+    """Where the one view of a static input a graph reads was cut: the line of set-up code that took
+    it (``view_taken``), else the captured op that read it (a view taken inside the captured code is
+    taken where it is used)."""
+    (shape, stride, offset, _), reader = view
+    return doctor.views.get((key, offset, shape, stride)) or reader
 
 
 def copied(doctor, targets: list, src) -> None:
@@ -178,19 +200,20 @@ def _short_window(doctor, info, key: int, past, reads) -> None:
     have been an eager step's, a prefill's lengths) into rows of a static input that the graph's
     window of it ends before, among the step's real rows: the capture read a view of fewer rows than
     the graph serves (a per-token slot mapping sliced by the request count), and every replay leaves
-    those rows' data unread. The window was fixed when the graph was captured: the capture's line is
-    named (the view is made there or in what it calls)."""
+    those rows' data unread. The window was fixed when the graph was captured: the line that cut it
+    is named (``_window_made``), else the capture's."""
     pending = info.pending
     if pending is None or reads.dim() == 0 or not reads.any():
         return
     window = int(reads.reshape(reads.shape[0], -1).any(1).nonzero().max()) + 1
     if window >= pending.real or not bool(past[window:pending.real].any()) or (buf := doctor.buffer(key)) is None:
         return
+    made = info.windows.get(key, info.site)
     doctor.add(Finding(
-        "undersized-buffer", info.name, "-", f"{buf.name}: {describe(buf.ref())}", info.site,
+        "undersized-buffer", info.name, "-", f"{buf.name}: {describe(buf.ref())}", made,
         f"replay {info.replays + 1} of {info.name} serves {pending.real} real rows, and the step copied data into rows "
         f"{window}..{pending.real - 1} of {buf.name}, but the graph reads only its first {window} row(s): the view "
-        "its capture read", explain.short_window(buf.name, info.name),
+        f"its capture read, cut at {made}", explain.short_window(buf.name, info.name),
         {"real": pending.real, "rows_read": window}), ("undersized-buffer", info.name, buf.name, "window"))
 
 
