@@ -122,11 +122,12 @@ def gather_grouped_gemm_swiglu(a, b, experts, token_id_mapping, total_num_padded
 
 
 def grouped_gemm_finalize(a, b, experts, permuted_idx_to_expanded_idx, token_final_scales, topk, out):
-    """GEMM2 + finalize: scatter-add of each permuted row, weighted, into its token's output row."""
+    """GEMM2 + finalize: scatter-add of each permuted row, weighted, into its token's output row. Rows
+    of no tile are never touched (masked by ``where``: the GEMM1 output there may be uninitialised)."""
     valid = permuted_idx_to_expanded_idx >= 0
     expanded = permuted_idx_to_expanded_idx.clamp(min=0)
     y = torch.bmm(a[:, None, :], b[experts[expanded]])[:, 0]
-    y = y * (token_final_scales.reshape(-1)[expanded] * valid)[:, None]
+    y = torch.where(valid[:, None], y * token_final_scales.reshape(-1)[expanded][:, None], 0.0)
     out.index_add_(0, expanded // topk, y)
 
 
