@@ -38,6 +38,9 @@ from . import derived
 from ..tensors import broadcasts, onto, region
 
 _HOST_READ = torch.ops.aten.alias.default      # a read-only op standing for a host read in ``touched``
+_VIEWS = 1 << 14                               # set-up views' lines kept (``view_taken``)
+
+
 def read_view(doctor, info, key: int, t: torch.Tensor, source: str) -> None:
     """During a capture: a tensor a captured op reads; a view of a static input is kept as its
     geometry (masks are made after the capture, whose stream must record none of the doctor's work),
@@ -67,9 +70,6 @@ def capture_end(doctor, info) -> None:
     # (their rows: the size the graph was captured for, which ``shapes.failed_op`` looks for)
     info.rows = frozenset(shape[0] for views in info.read_views.values() for shape, *_ in views if shape)
     info.read_views = {}
-
-
-_VIEWS = 1 << 14          # set-up views' lines kept
 
 
 def view_taken(doctor, view: torch.Tensor) -> None:
