@@ -1,10 +1,13 @@
 """Where the doctor names a branch that a capture decided: the frame whose ``if`` went another way
 (not the function the extra work runs in), and a path the run without graphs took that the served
-run never did (not the lazy set-up its warmup already ran); and the line that asked for a copy
-CUDA refused in a capture where no op the doctor watches showed it. Workloads are written here, on
+run never did (not the lazy set-up its warmup already ran); the line that asked for a copy CUDA
+refused in a capture where no op the doctor watches showed it; and the frame that built a step's
+state whose decision a runner's own check finds unlike its graph's. Workloads are written here, on
 the engine's public API; each bug has a fix that must give no finding."""
 from __future__ import annotations
 
+import dataclasses
+import enum
 import sys
 import types
 
@@ -250,3 +253,75 @@ def test_a_storage_handed_to_set_is_signed_by_its_size_not_its_contents():
     t = torch.empty(0)
     sig = signature(torch.ops.aten.set_.source_Storage_storage_offset, (t, storage, 0, [6], [1]), {})
     assert sig[1] == ("storage", 24) and all("0.0" not in str(a) for a in sig), sig
+
+
+class _Layout(enum.Enum):
+    PLAIN = "plain"
+    SHARDED = "sharded"
+
+
+@dataclasses.dataclass
+class _Plan:
+    layout: _Layout = _Layout.PLAIN
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix", "harness check"])
+def test_a_runner_check_that_a_steps_decision_matches_its_graph_names_where_the_step_got_it(variant):
+    """Graphs of 2 and 4 rows are captured with a plain and a sharded output layout; the runner
+    checks, before each replay, that the step's plan chose its graph's layout. A background step
+    builds its plan without routing it (bug): the check fails on the way to the graph of 4, and
+    the frame that made that plan is named. Routed (fix), it replays. A check of decisions outside
+    any replay path (a harness comparing two strings) is no evidence."""
+    x = torch.zeros(4)
+
+    def workload():
+        events.static_buffers("runner", {"x": x})
+        graphs, outs, layouts = {}, {}, {}
+        for size, layout in ((2, _Layout.PLAIN), (4, _Layout.SHARDED)):
+            def forward(size=size, layout=layout):
+                return x[:size] * (2.0 if layout is _Layout.SHARDED else 1.0)
+            with events.warmup():
+                forward()
+            g = new_graph("cpu")
+            with graph(g, name=f"rows {size}"):
+                outs[size] = forward()
+            graphs[size], layouts[size] = g, layout
+
+        def serve(n, plan):
+            size = 2 if n <= 2 else 4
+            assert plan.layout == layouts[size], "the plan's layout is not its graph's"
+            x[:n].copy_(torch.arange(n, dtype=torch.float32))
+            events.serve(graphs[size], n, size, outputs=outs[size])
+            graphs[size].replay()
+            return outs[size][:n].clone()
+
+        def routed(n):
+            return _Plan(_Layout.SHARDED if n > 2 else _Layout.PLAIN)
+
+        def foreground_step(n):
+            return serve(n, routed(n))
+
+        def background_step(n):
+            plan = routed(n) if variant == "fix" else _Plan()
+            return serve(n, plan)
+        foreground_step(2)
+        if variant == "harness check":
+            def judge(verdict):
+                assert verdict == "equals eager"
+            try:
+                judge("misbehaves")
+            except AssertionError:
+                pass
+            return
+        try:
+            background_step(3)
+        except AssertionError:
+            if variant == "fix":
+                raise
+    report = doctor.diagnose(workload)
+    if variant != "bug":
+        assert report.findings == [], report
+        return
+    [finding] = report.findings
+    assert finding.kind == "warmup-divergence" and finding.op == "check", report
+    assert "in background_step" in finding.source and "plan.layout" in finding.tensor, report

@@ -338,6 +338,13 @@ def padded_scatter(op: str, index: str, state: str) -> str:
             "share).")
 
 
+def decision_mismatch(decision: str, graph: str) -> str:
+    return (f"The runner checks, before replaying {graph}, that the step decided as the capture did, and "
+            f"{decision} says otherwise: the code that built this step's state never took the decision the "
+            "capture of that graph took (a route, a mode, a layout left at its default). Take that decision "
+            "the same way on every path that reaches the graph (an idle or dummy step too), or key the graphs on it.")
+
+
 def padded_layout_mismatch(graph: str, size: int, real: int) -> str:
     return (f"{graph} was captured for {size} rows, and eager code preparing a step for it combined a tensor of those "
             f"{size} rows (padded rows included) with one of {real} rows, sized for the real requests only: the "

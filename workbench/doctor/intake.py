@@ -36,8 +36,8 @@ from .failures import contained
 from .report import Finding, Report
 from .runner_events import RunnerEvents
 from .threads import Threads
-from .rules import (bounds, clobbered, dangling, derived, mutation, overwritten, padded_scatter, reused, shapes,
-                    sync, uncomputed, undersized, unread, unwritten, warmup)
+from .rules import (bounds, clobbered, dangling, decisions, derived, mutation, overwritten, padded_scatter, reused,
+                    shapes, sync, uncomputed, undersized, unread, unwritten, warmup)
 from .rules.pool import PoolReads
 from .tensors import first_line
 
@@ -131,6 +131,7 @@ class Doctor(RunnerEvents):
         self.found: dict[tuple, Finding] = {}        # each hazard once (``add``), by its key
         self.reference: Reference | None = None     # the workload's run without graphs (probes/reference.py)
         self.views: dict[tuple, str] = {}           # set-up views: (storage, offset, shape, stride) -> the line
+        self.replay_paths: dict = {}                # code of a function that asked for a replay -> the graph
         self.holding: list | None = None            # where ``add`` puts findings while they are held
         self.uncomputed: dict[tuple, GraphInfo] = {}    # pool blocks a capture allocated, no replay wrote yet
         self.followed: dict = {}                    # ... and those eager code computed from them (rules/uncomputed.py)
@@ -255,6 +256,8 @@ class Doctor(RunnerEvents):
             dangling.check(self, info, before_replay=True)
             if info.expects:
                 self.pool.check(self, info)
+            if not info.replays:
+                decisions.replayed(self, info)
             if not info.probed:
                 mutation_probe.probe(self, info, graph)
             if self.pattern is not None:

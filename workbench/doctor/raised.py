@@ -13,7 +13,8 @@ an ``assert`` and then left that frame, not those the same function caught (a pr
 code that is not the workload's caught it (a harness around the step, such as the zoo's
 ``compare``): it left two or more of the workload's frames, then a library's, and never reached
 the workload's frame above. The program's own checks are also handed to the rules that read them
-(``undersized.failed_fit_check``, ``clobbered.failed_check``, ``shapes.failed_size_check``).
+(``undersized.failed_fit_check``, ``clobbered.failed_check``, ``shapes.failed_size_check``,
+``decisions.failed_flag_check``).
 After a padded replay it also hands each frame to ``rules/shapes.py``, which may tie the error
 to the padded rows; an item assignment that failed (into a NumPy staging array, which dispatches
 no op) goes to ``rules/undersized.py``'s write contract.
@@ -38,7 +39,7 @@ import torch
 
 from ..engine.source import SKIP_DIRS, function_name, location, mine, short_path
 from . import failures
-from .rules import clobbered, shapes, size_table, undersized
+from .rules import clobbered, decisions, shapes, size_table, undersized
 from .tensors import first_line
 
 _RAISES = {dis.opmap[name] for name in ("RAISE_VARARGS", "RERAISE")}
@@ -165,6 +166,7 @@ class _Tracer:
                 clobbered.failed_check(doctor, error, frame)
                 shapes.failed_size_check(doctor, error, frame)
                 shapes.failed_count_check(doctor, error, frame)
+                decisions.failed_flag_check(doctor, error, frame)
         if watched and (doctor.graphs or doctor.pools or doctor.buffers or doctor.phase != "eager") \
                 and (shapes.explainable(error) or failures.pending(doctor, error)):
             where = f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} in {function_name(frame.f_code)}"

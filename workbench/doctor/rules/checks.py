@@ -5,8 +5,8 @@ contract the rules read (``undersized.failed_fit_check``, ``shapes.failed_size_c
 message may state the numbers or not: a bare ``assert`` has none, unless pytest rewrote it (then
 it reads ``assert 6 >= 8``), and a diagnosis must not depend on that. So the condition is found in
 the source -- the ``assert`` at the failing line, or the ``if`` whose body raised -- and its two
-operands are evaluated in the frame where they are plain reads: names, attributes, constant
-subscripts, ``len(x)``, ``x.numel()``, ``x.size(d)`` (``d`` a constant or a local, as in a loop over
+operands are evaluated in the frame where they are plain reads: names, attributes, subscripts by a
+constant or a name, ``len(x)``, ``x.numel()``, ``x.size(d)`` (``d`` a constant or a local, as in a loop over
 dimensions), ``x.dim()``, and sums or products of those.
 No other call runs.
 """
@@ -26,7 +26,7 @@ _ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.
 def condition(frame) -> tuple[str, list[int]] | None:
     """``("equal" | "order", [left, right])`` of the check that failed in ``frame``; None where the
     failing line is no single comparison of two numbers."""
-    test = _checks(frame.f_code.co_filename).get(frame.f_lineno)
+    test = test_at(frame)
     if not isinstance(test, ast.Compare) or len(test.ops) != 1:
         return None
     kind = "equal" if isinstance(test.ops[0], _EQUAL) else "order" if isinstance(test.ops[0], _ORDER) else None
@@ -34,6 +34,22 @@ def condition(frame) -> tuple[str, list[int]] | None:
     if kind is None or not all(isinstance(v, int) for v in values):
         return None
     return kind, values
+
+
+UNREAD = object()          # an operand that is no plain read (``read``)
+
+
+def test_at(frame) -> ast.expr | None:
+    """The test of the check that failed in ``frame``: the ``assert`` at its line, or the ``if`` whose body raised."""
+    return _checks(frame.f_code.co_filename).get(frame.f_lineno)
+
+
+def read(node: ast.expr, frame):
+    """An operand's value where it is a plain read, of any type; ``UNREAD`` otherwise."""
+    try:
+        return _read(node, frame)
+    except Exception:  # noqa: BLE001 - an operand that cannot be read plainly says nothing
+        return UNREAD
 
 
 @functools.lru_cache(maxsize=128)
@@ -56,11 +72,8 @@ def _checks(filename: str) -> dict[int, ast.expr]:
 
 
 def _value(node: ast.expr, frame):
-    """The operand's value where it is a plain read (see the module docstring), else None."""
-    try:
-        value = _read(node, frame)
-    except Exception:  # noqa: BLE001 - an operand that cannot be read plainly says nothing
-        return None
+    """The operand's value where it is a plain read (see the module docstring) of a count, else None."""
+    value = read(node, frame)
     return int(value) if isinstance(value, int) or type(value).__name__ == "SymInt" else None
 
 
@@ -74,6 +87,8 @@ def _read(node: ast.expr, frame):
         return getattr(_read(node.value, frame), node.attr)
     if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
         return _read(node.value, frame)[node.slice.value]
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Name):     # ``captured_with[size]``
+        return _read(node.value, frame)[_read(node.slice, frame)]
     if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.UnaryOp) \
             and isinstance(node.slice.op, ast.USub) and isinstance(node.slice.operand, ast.Constant):
         return _read(node.value, frame)[-node.slice.operand.value]         # ``lengths[-1]``
