@@ -16,6 +16,7 @@ import torch
 
 from test_doctor_setup_and_warmups import finding_of, only_finding
 from workbench import doctor
+from workbench.zoo import trials
 from workbench.engine import CaptureError, events, graph, graph_pool_handle, host, new_graph
 from workbench.engine.source import function_of
 
@@ -2055,3 +2056,27 @@ def test_a_number_frozen_at_capture_against_a_zero_the_step_now_passes_is_named_
     (finding,) = report.findings
     assert finding.kind == "host-work-frozen" and " in scaled: " in finding.source, finding
     assert "runs with 2.0 in the graph where the reference step passes 0.0" in finding.evidence, finding
+
+
+def test_padded_rows_seen_writing_state_are_held_while_results_agree():
+    """Two-batch overlap splits a padded batch in two, and each half flattens its tokens' top-2
+    expert ids into one index as long as the whole batch: the padded-row write probe, taking its
+    leading entries for the batch's real rows, sees "padded rows" change expert counts that real
+    tokens wrote. State a padded eager step writes is held like other state: the workload says its
+    results agree with its run without graphs (the fix of the TBO count placement), so a note."""
+    name = next(n for n in trials.names() if "sglang_28337" in n)
+    report = doctor.diagnose(lambda: trials.program(name).run("fix", "cpu"))
+    assert report.findings == [], report
+    assert any("held (stale-padding" in n for n in report.notes), report
+
+
+def test_a_batch_split_otherwise_than_the_reference_split_it_is_no_evidence_once_results_agree():
+    """A dual-batch-overlap runner splits a padded batch into micro-batches (six tokens padded to
+    eight: four and four, two of them padding) where its run without graphs splits the six real
+    tokens three and three: a replay's real rows are not those of the reference call of the same
+    count, and no reference call holds what it read. The workload says its results agree with that
+    run (``events.results``, as the zoo's ``compare`` does): the pairing was wrong, a note."""
+    name = next(n for n in trials.names() if "vllm_29933" in n)
+    report = doctor.diagnose(lambda: trials.program(name).run("fix", "cpu"))
+    assert report.findings == [], report
+    assert any("calls paired by their count" in n for n in report.notes), report

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from workbench import doctor
-from workbench.engine import events, graph, graph_pool_handle, new_graph
+from workbench.engine import events, graph, graph_pool_handle, is_capturing, new_graph
 
 
 def captured(fn, *, static=None, state=None, warmups=1, name=None):
@@ -991,3 +991,36 @@ def test_a_reset_before_the_steps_data_is_a_refresh_and_one_after_it_clobbers(va
     (finding,) = report.findings
     assert finding.kind == "persistent-mutation" and finding.op == "aten.fill_.Scalar", finding
     assert finding.source.endswith("table.fill_(0)"), finding
+
+
+@pytest.mark.parametrize("variant", ["placeholder", "lazy table"])
+def test_a_warmup_only_allocation_shaped_like_its_input_is_no_skipped_work(variant):
+    """A collective that, in warmup outside the capture, returns ``torch.empty_like(x)`` (the
+    allocation pattern of its out-of-place result, as a custom all-reduce does) and does its work
+    only under capture: the warmup-only line reads no data, no finding. A table computed from the
+    step's data in warmup only, and reused by the capture, is still skipped work."""
+    def workload():
+        x = torch.arange(4.0)
+        table = {}
+        events.static_buffers("runner", {"x": x})
+
+        def collective(t):
+            if not is_capturing():
+                if variant == "placeholder":
+                    return torch.empty_like(t)
+                table.setdefault("scale", t.abs().amax())
+                return t * table["scale"]
+            return t * table["scale"] if variant == "lazy table" else t + 1.0
+        step = lambda: collective(x * 2.0)  # noqa: E731
+        with events.warmup():
+            step()
+        g = new_graph("cpu")
+        with graph(g, name="step"):
+            out = step()
+        for i in range(2):
+            x.copy_(torch.arange(4.0) + i)
+            events.serve(g, 4, 4, outputs=out)
+            g.replay()
+    report = doctor.diagnose(workload)
+    found = [f for f in report.findings if f.kind == "warmup-divergence"]
+    assert bool(found) == (variant == "lazy table"), report

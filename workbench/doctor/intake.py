@@ -140,7 +140,7 @@ class Doctor(RunnerEvents):
     def add(self, finding: Finding, key: tuple) -> Finding:
         """Record a finding once; the same hazard in another graph adds that graph's name."""
         if self.holding is not None:           # a probe's finding held until a replay disagrees (differential)
-            self.holding.append((finding, key))
+            self.holding.append((finding, key, len(self.report.findings)))
             return finding
         known = self.found.get(key)
         if known is None:

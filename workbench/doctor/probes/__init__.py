@@ -4,15 +4,29 @@ changing a static input?), padded-row and padded-column fills (``diagnose``), di
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 
 @contextlib.contextmanager
 def held(doctor, into: list | None):
     """What ``doctor.add`` is given goes to ``into`` (a graph's ``held`` or ``held_state``), when
-    given one: ``probes/reference.py`` reports it once a replay of that graph, or the workload's
-    results, give another answer than the run without graphs."""
+    given one: ``probes/reference.py`` reports it (``release``) once a replay of that graph, or the
+    workload's results, give another answer than the run without graphs."""
     outer, doctor.holding = doctor.holding, into
     try:
         yield
     finally:
         doctor.holding = outer
+
+
+def release(doctor, *held: list, why: str = "") -> None:
+    """Report the findings in a graph's ``held`` lists (``why``: added to each one's evidence), each
+    in the place in the report it would have had unheld, and empty them."""
+    fs, moved = doctor.report.findings, 0
+    for finding, key, place in sorted((entry for findings in held for entry in findings), key=lambda e: e[2]):
+        added = doctor.add(dataclasses.replace(finding, evidence=finding.evidence + why) if why else finding, key)
+        if fs and fs[-1] is added and place + moved < len(fs) - 1:
+            fs.insert(place + moved, fs.pop())
+            moved += 1
+    for findings in held:
+        findings.clear()

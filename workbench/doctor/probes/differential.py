@@ -140,7 +140,9 @@ def finish(doctor, info, pending) -> None:
                              origin_of=(divergence.index, ("tensor", next(iter(divergence.eager_keys))),
                                         sys._getframe()))
         divergence.origin = again.origin
-    row_writes.report(doctor, info, pending, run)
+    # (state padded rows wrote where real rows keep theirs: held like other state, as below)
+    with held(doctor, info.held_state if pending.agreed or doctor.reference is not None else None):
+        row_writes.report(doctor, info, pending, run)
     if padded and nonfinite.outputs_hit(graph_out):    # once more, to see where the NaN came from
         again, _, _ = _eager(doctor, info, pending, replayed, rng_after, traced=True,
                              nonfinite=(pending.real, pending.size))

@@ -62,7 +62,10 @@ prepared a graph that reads its result, is ``warmup-divergence`` where it was do
 
 Only a graph no other rule has a finding for gets one (one failure, one finding). A replay whose
 outputs agree with the reference gives none, whatever its trace: a graph that launches more work
-than eager (blocks past a sequence that return early) is a standard fix.
+than eager (blocks past a sequence that return early) is a standard fix. Where the workload says
+its results agree with the reference's (``events.results``), a replay that differs from the call
+it was paired with was paired with the wrong call (a batch split otherwise, micro-batches of a
+padded batch): a note, not a finding.
 """
 from __future__ import annotations
 
@@ -83,6 +86,7 @@ from ..report import Finding
 from ..rules import reused, sync
 from ..rules.pool import block
 from ..tensors import host_only, real_rows, signature
+from . import release
 from .compare import calls_near, comparable, differs_from, paired, verdict
 from .coverage import Coverage
 from .dropped import Dropped
@@ -297,7 +301,7 @@ class Reference:
                 if any(differs_from(*paired(outputs, self.returned_values.get((code, n)))) is None for n in near):
                     return
                 compared = []
-        _release(doctor, info.held, info.held_state)   # what earlier replays' probes found, now borne out
+        release(doctor, info.held, info.held_state)   # what earlier replays' probes found, now borne out
         with _disable_current_modes():           # a PIECEWISE step's other pieces are not in ``ops``: no trace
             found = static_input(self.writers, info, compared) or narrower(ops, under, ref, values, doctor.views) or (
                 None if pending.span else (
@@ -362,11 +366,11 @@ class Reference:
         for info in doctor.graphs.values():
             if self.verdict:
                 i, diff = self.verdict
-                _release(doctor, info.held, info.held_state,
+                release(doctor, info.held, info.held_state,
                          why=f"; every replay gave the run without graphs' answers, but the workload's result {i} "
                          f"differs from that run's (max |diff| = {diff:.3g})")
             elif self.verdict is None:
-                _release(doctor, info.held_state)
+                release(doctor, info.held_state)
             held = info.held + info.held_state
             if held:
                 first = held[0][0]
@@ -377,6 +381,11 @@ class Reference:
                     "is not the step, or the memory it depends on is the workload's own: not reported")
         for name, (info, kind, op, tensor, source, why, text, numbers) in self.found.items():
             if any(name in f.graph.split(", ") for f in doctor.report.findings):
+                continue
+            if self.verdict == ():      # the workload's results agree: its steps were paired otherwise
+                doctor.report.notes.append(f"{name}: {text}, but the workload's results agree with its run without "
+                                           "graphs: that step is not the replay's (calls paired by their count): "
+                                           "not reported")
                 continue
             doctor.add(Finding(kind, name, op, tensor, source, f"{text}: {why}",
                                explain.reference_run(name, why), numbers), (kind, op, source))
@@ -429,12 +438,3 @@ def _capture_batch(info) -> bool:
         return False
     with _disable_current_modes():
         return not any(bool(mask.any()) for key, mask in info.step.items() if key in info.externals)
-
-
-def _release(doctor, *held: list, why: str = "") -> None:
-    """Report the findings in a graph's ``held`` lists (``why``: added to each one's evidence), and
-    empty them."""
-    for findings in held:
-        for finding, key in findings:
-            doctor.add(dataclasses.replace(finding, evidence=finding.evidence + why) if why else finding, key)
-        findings.clear()

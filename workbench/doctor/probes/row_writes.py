@@ -16,7 +16,10 @@ earlier compared step (``Doctor.real_writes``), or that held live data (announce
 changed since its announcement by eager code other than warmups: an eager prefill), the padded rows
 changed a real request's state. A padded row that writes a null slot, or writes back what is there
 (a guarded kernel), changes nothing real rows own and gives no finding. Static inputs are not state: their writes are
-``persistent-mutation``'s.
+``persistent-mutation``'s. Where the workload announced its run without graphs, what this finds is
+held like other state (``differential``): an index whose leading entries are not the batch's rows
+(a half-batch's flattened top-k ids as long as the batch) is taken for rows it is not, and the
+workload's results, agreeing, say so.
 
 A kernel that updates the state one row at a time (its index, or its source, a slice of a tensor of
 the step's rows) is attributed row by row. After eager code wrote persistent state (a prefill, a

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from collections import Counter
 
+import torch
+
+from ...engine.cpu_graph import ALLOCATIONS
 from ...engine.memory import HOST_TYPES
 from ...engine.opinfo import op_tensors, storage_key
 from ...engine.source import codes_within, user_frame, user_frames
@@ -17,6 +20,12 @@ from ..records import Op
 
 from .. import explain
 from ..report import Finding
+
+
+aten = torch.ops.aten
+# Ops that take a tensor for its shape, dtype and device only: they read none of its data.
+_SHAPE_ONLY = ALLOCATIONS | {aten.zeros_like, aten.ones_like, aten.full_like, aten.new_zeros, aten.new_ones,
+                             aten.new_full}
 
 
 class Warmups:
@@ -84,9 +93,12 @@ class Warmups:
 
 def op(func, args, kwargs, constant: set, opened) -> Op:
     """A warmup op as the rule needs it: the data it reads (not constants the warmups computed from
-    no data), where its tensors live, and the functions it ran in inside the warmup block."""
+    no data, nor a tensor an allocation is shaped like: a placeholder a warmup returns in place of
+    work it does only under capture), where its tensors live, and the functions it ran in inside
+    the warmup block."""
     ts = op_tensors(args, kwargs)
-    return Op(str(func), user_frame(), frozenset(k for t in ts if (k := storage_key(t)) not in constant),
+    reads = () if func.overloadpacket in _SHAPE_ONLY else ts
+    return Op(str(func), user_frame(), frozenset(k for t in reads if (k := storage_key(t)) not in constant),
               memory=frozenset("host" if type(t) in HOST_TYPES else t.device.type for t in ts),
               codes=codes_within(opened))
 
