@@ -364,6 +364,22 @@ def test_device_op_on_host_memory_raises_naming_op_and_line():
     assert not isinstance(h.to("cpu"), type(h)) and h.to("cpu").data_ptr() != h.data_ptr()
 
 
+def test_device_data_assigned_into_host_memory_crosses_as_on_cuda_watched_or_not():
+    """``host[...] = device`` is a copy CUDA allows (a device-to-host copy); it stays one while a
+    watcher wraps ``Tensor.__setitem__`` (the doctor does, to check slice writes)."""
+    from workbench import doctor
+    from workbench.engine import host
+    h = host(torch.zeros(2, dtype=torch.int32), "cpu")
+
+    def assign():
+        h[...] = torch.tensor([3, 4], dtype=torch.int32)
+    assign()
+    assert h.tolist() == [3, 4]
+    h.zero_()
+    report = doctor.diagnose(assign)
+    assert h.tolist() == [3, 4] and not report.errors and "raised" not in str(report), report
+
+
 def test_item_of_device_memory_in_capture_still_raises():
     from workbench.engine import host
     h = host(torch.ones(2), "cpu")

@@ -116,6 +116,7 @@ def _item_assignment(doctor: Doctor):
     function mode would see it too, but would put Python in front of every op of every replay.)"""
     original = torch.Tensor.__setitem__
 
+    @functools.wraps(original)          # (``__wrapped__``: host memory knows it for the crossing it is)
     def __setitem__(self, index, value):
         if doctor.buffers and doctor.failure is None and doctor.phase in ("eager", "warmup", "capture"):
             try:

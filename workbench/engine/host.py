@@ -67,7 +67,8 @@ class HostTensor(torch.Tensor):
                 return _to_device(args, kwargs)
             with _plain():
                 return _as_host(func(*args, **kwargs))                    # host in, host out
-        if func not in _CROSSINGS and any(type(t) is HostTensor and t.dim() > 0 for t in tensors):
+        if getattr(func, "__wrapped__", func) not in _CROSSINGS \
+                and any(type(t) is HostTensor and t.dim() > 0 for t in tensors):   # (a watcher's wrapper too)
             raise _mix_error(func, tensors)
         with _plain():
             return func(*args, **kwargs)                                  # a device op
