@@ -2058,14 +2058,19 @@ def test_a_number_frozen_at_capture_against_a_zero_the_step_now_passes_is_named_
     assert "runs with 2.0 in the graph where the reference step passes 0.0" in finding.evidence, finding
 
 
+def _fix_of_trial(part: str):
+    """The doctor's report on the fix of the held-out trial program whose name holds ``part``."""
+    name = next(n for n in trials.names() if part in n)
+    return doctor.diagnose(lambda: trials.program(name).run("fix", "cpu"))
+
+
 def test_padded_rows_seen_writing_state_are_held_while_results_agree():
     """Two-batch overlap splits a padded batch in two, and each half flattens its tokens' top-2
     expert ids into one index as long as the whole batch: the padded-row write probe, taking its
     leading entries for the batch's real rows, sees "padded rows" change expert counts that real
     tokens wrote. State a padded eager step writes is held like other state: the workload says its
     results agree with its run without graphs (the fix of the TBO count placement), so a note."""
-    name = next(n for n in trials.names() if "sglang_28337" in n)
-    report = doctor.diagnose(lambda: trials.program(name).run("fix", "cpu"))
+    report = _fix_of_trial("sglang_28337")
     assert report.findings == [], report
     assert any("held (stale-padding" in n for n in report.notes), report
 
@@ -2076,7 +2081,6 @@ def test_a_batch_split_otherwise_than_the_reference_split_it_is_no_evidence_once
     tokens three and three: a replay's real rows are not those of the reference call of the same
     count, and no reference call holds what it read. The workload says its results agree with that
     run (``events.results``, as the zoo's ``compare`` does): the pairing was wrong, a note."""
-    name = next(n for n in trials.names() if "vllm_29933" in n)
-    report = doctor.diagnose(lambda: trials.program(name).run("fix", "cpu"))
+    report = _fix_of_trial("vllm_29933")
     assert report.findings == [], report
     assert any("calls paired by their count" in n for n in report.notes), report

@@ -140,8 +140,7 @@ def finish(doctor, info, pending) -> None:
                              origin_of=(divergence.index, ("tensor", next(iter(divergence.eager_keys))),
                                         sys._getframe()))
         divergence.origin = again.origin
-    # (state padded rows wrote where real rows keep theirs: held like other state, as below)
-    with held(doctor, info.held_state if pending.agreed or doctor.reference is not None else None):
+    with held(doctor, _state_held(doctor, info, pending)):     # (padded rows' writes into state, as below)
         row_writes.report(doctor, info, pending, run)
     if padded and nonfinite.outputs_hit(graph_out):    # once more, to see where the NaN came from
         again, _, _ = _eager(doctor, info, pending, replayed, rng_after, traced=True,
@@ -165,7 +164,7 @@ def finish(doctor, info, pending) -> None:
         if "output" in what[1]:
             into = info.held if pending.agreed else None
         else:
-            into = info.held_state if pending.agreed or doctor.reference is not None else None
+            into = _state_held(doctor, info, pending)
         with held(doctor, into):
             rootcause.classify(doctor, info, pending, what, divergence, run,
                                _host_work(doctor, info, pending, replayed, rng_after, run))
@@ -175,7 +174,7 @@ def finish(doctor, info, pending) -> None:
     elif run.settings and (host := _host_work(doctor, info, pending, replayed, rng_after, run,
                                               {id(c) for c, *_ in run.settings})) is not None:
         # (with a run without graphs, held until the workload's own results say whether the value mattered)
-        with held(doctor, info.held_state if pending.agreed or doctor.reference is not None else None):
+        with held(doctor, _state_held(doctor, info, pending)):
             rootcause.host_set(doctor, info, pending, run.settings, host)
     else:
         if divergence is not None:
@@ -192,6 +191,12 @@ def finish(doctor, info, pending) -> None:
             unpadded.check(doctor, info, pending, replayed, graph_out,
                            lambda step: _eager(doctor, info, pending, replayed, rng_after, step=step))
     row_writes.replays_wrote(doctor, pending, replayed)
+
+
+def _state_held(doctor, info, pending) -> list | None:
+    """Where a difference in state this replay's eager step shows is held (``held``): while the replay
+    gave the run without graphs' answer, or until the workload says whether its results agree."""
+    return info.held_state if pending.agreed or doctor.reference is not None else None
 
 
 def _from_other_memory(doctor, info, pending, replayed: dict, rng_after, graph_out) -> None:
