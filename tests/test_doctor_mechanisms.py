@@ -2247,11 +2247,13 @@ def test_a_graph_reading_its_segment_of_each_peers_rows_leaves_the_rest_on_purpo
     """A symmetric buffer holds each peer rank's partial outputs for all tokens; rank 1's graph reads
     its own segment (tokens 2..3) of every peer's rows, and the peers publish whole rows. What lies
     around the segment is the other ranks' to read: no finding (fix). The bug captured on a window
-    of one column: the second column each step copies is dropped (a window too short)."""
+    of the hidden width the capture's dummy batch had, one column: the second column each step
+    copies is dropped (a window too short), which an eager step, at the width now, reads."""
     partials = torch.zeros(4, 4, 2)                 # [rank, token, hidden]
+    hidden = [1]                                    # the width of the capture's dummy batch
 
     def reduce_scatter():
-        window = partials[:, 2:4] if variant == "fix" else partials[:, 2:4, :1]
+        window = partials[:, 2:4] if variant == "fix" else partials[:, 2:4, :hidden[0]]
         return window.sum(0) * 2
 
     def workload():
@@ -2261,6 +2263,7 @@ def test_a_graph_reading_its_segment_of_each_peers_rows_leaves_the_rest_on_purpo
         g = new_graph("cpu")
         with graph(g, name="draft moe"):
             out = reduce_scatter()
+        hidden[0] = 2
         for step in range(2):
             for r in range(4):
                 partials[r].copy_(rows(4, 2, seed=10 * step + r))     # a peer publishes its whole rows
@@ -2271,7 +2274,8 @@ def test_a_graph_reading_its_segment_of_each_peers_rows_leaves_the_rest_on_purpo
     if variant == "fix":
         assert report.findings == [], report
         return
-    assert [f.kind for f in report.findings] == ["undersized-buffer"], report
+    # (and the width the capture froze is host work frozen: both name the same cause)
+    assert [f.kind for f in report.findings] == ["undersized-buffer", "host-work-frozen"], report
 
 
 # ------------------------------------------------------------ host values a replay leaves as it found
@@ -3186,3 +3190,35 @@ def test_a_graph_that_advances_its_own_inputs_is_judged_by_the_workload_s_result
         assert report.findings == [] and any("held" in n for n in report.notes), report
         return
     assert "persistent-mutation" in report.kinds, report
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_columns_a_step_reads_none_of_in_eager_form_too_are_not_dropped_by_its_graph(variant):
+    """A verifier reads the coins of all drafts but the last (``coins[:, :n - 1]``), in its eager form
+    too, of a buffer the runner fills whole each step: that last column is nobody's data, and the
+    graph drops nothing (fix). A window cut by set-up code before the capture (``view``, which the
+    eager form reads through too) is frozen in both: the column it leaves is dropped (bug)."""
+    coins, views = torch.zeros(3, 3), []
+
+    def verify():
+        window = views[0] if variant == "bug" else coins[:, :3][:, :2]
+        return window.cumsum(1) * 2
+
+    def workload():
+        events.static_buffers("sampler", {"coins": coins})
+        views.append(coins[:, :1])
+        with events.warmup():
+            verify()
+        g = new_graph("cpu")
+        with graph(g, name="verify"):
+            out = verify()
+        for step in range(3):
+            coins.copy_(rows(3, 3, seed=step))
+            events.serve(g, 3, 3, outputs=out, eager=verify)
+            g.replay()
+            events.handed_out(g, out)
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [], report
+    else:
+        assert [f.kind for f in report.findings] == ["undersized-buffer"], report

@@ -209,6 +209,15 @@ def lost_update(buffer: str) -> str:
             "own, or replay between the writes.")
 
 
+def restaged() -> str:
+    return ("One pinned host buffer stages every step's data for an asynchronous copy to the device, and the host "
+            "writes the next step's data into it before the previous step's copy has read it. A non_blocking copy "
+            "reads pinned memory when the stream reaches it, so a host running ahead of the device (an overlap "
+            "scheduler) sends the previous step the next step's data. Stage each step into fresh pinned memory (the "
+            "caching host allocator keeps a block until its copy has run), or wait on an event recorded after the "
+            "copy before writing the buffer again.")
+
+
 def unread_copy(buffer: str, graph: str) -> str:
     return (f"The step copied data into {buffer} where {graph} never reads: the graph reads the views of {buffer} "
             "its capture read, sized for the batch it was captured on, so the rest of this step's data is dropped "

@@ -37,7 +37,7 @@ from .report import Finding, Report
 from .runner_events import RunnerEvents
 from .threads import Threads
 from .rules import (bounds, clobbered, dangling, decisions, derived, mutation, overwritten, padded_scatter, reused,
-                    shapes, sync, uncomputed, undersized, unread, unwritten, warmup)
+                    shapes, staging, sync, uncomputed, undersized, unread, unwritten, warmup)
 from .rules.pool import PoolReads
 from .tensors import first_line
 
@@ -86,6 +86,7 @@ class Doctor(RunnerEvents):
         self.replay_wrote: dict[int, tuple] = {}    # ... -> (graph, elements its last replay changed)
         self.copy_sources: dict[int, tuple] = {}    # ... -> the tensor the last copy into it took, as it was
         self.unread: dict[int, tuple] = {}          # ... copied, not read by the graph replayed since: held
+        self.staged: dict[int, object] = {}         # rules/staging.py: pinned storage -> what lines staged, unread
         self.unread_noted: dict[tuple, list] = {}   # (graph, input) -> [its note's index, replays, elements]
         self.startup = Startup()                    # what warmups wrote into memory older than them
         self.carried = CarriedInputs()              # what steps wrote into static inputs (differential)
@@ -267,6 +268,8 @@ class Doctor(RunnerEvents):
                 derived.check(self, info)
             if self.copied or self.unread:
                 unread.check(self, info)
+            if self.staged:
+                staging.replayed(self, info)
             if self.every:
                 self.carried.replay_begins(self, info)
             if info.pending is not None and info.pending.differential and not info.pending.span:
@@ -343,6 +346,8 @@ class Doctor(RunnerEvents):
         phase = self.phase
         if phase == "differential":
             return eager_trace.on_op(self, func, args, kwargs, run)
+        if self.staged and not func.is_view:
+            staging.read(self, func, args, kwargs)
         if func is _SLICE and self.buffers:
             undersized.check_slice(self, args)
         if phase == "eager" and pure_view(func):       # the hot path: eager code taking a view
@@ -401,6 +406,7 @@ class Doctor(RunnerEvents):
             for t in written_tensors(func, args, kwargs):
                 if (key := storage_key(t)) in self.graph_writes or key in self.host_reads:
                     self.touched[key] = user_frame()
+        staged = staging.before_write(func, args, kwargs) if phase == "eager" and mutable(func) else None
         if not targets:
             out = run()
         else:
@@ -410,6 +416,8 @@ class Doctor(RunnerEvents):
                 out = mutation.eager_write(self, func, args, kwargs, run, targets)
             else:   # a refresh (copy, fill) that no fresh-element tracking or in-place update follows
                 out = undersized.write(self, func, targets, run)
+        if staged:
+            staging.wrote(self, func, staged)
         if (self.uncomputed or self.followed) and not view and phase == "eager" and not self.dummy_run:
             uncomputed.eager_op(self, func, args, kwargs, out)
         if self.reference is not None and self.every and not view and phase == "eager" and self.pool.producer:

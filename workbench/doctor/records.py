@@ -207,6 +207,7 @@ class GraphInfo:
         self.rows: frozenset = frozenset()          # ... their rows: the size the graph was captured for
         self.reads: dict = {}                       # ... as masks of the elements the graph reads
         self.windows: dict = {}                     # ... and the line that cut each one-view window
+        self.outside: dict = {}                     # ... the elements outside each (``unread.outside``), set-up's cut
         self.derived: list = []                     # storages it reads that set-up code computed from a static input
         self.window: dict | None = None             # static-input elements written since its last replay
         self.step: dict | None = None               # ... as they were when its current replay began

@@ -16,7 +16,7 @@ from . import failures
 from .failures import DELIBERATE
 from .intake import _ASIDE, Doctor
 from .report import Report
-from .rules import dangling, extent, overwritten, undersized, unread
+from .rules import dangling, extent, overwritten, staging, undersized, unread
 from .uninit import filled
 
 
@@ -148,10 +148,11 @@ def _host_reads(doctor: Doctor) -> dict:
     def wrap(name, original):
         @functools.wraps(original)          # (its name: torch's function modes key on it, the engine's guard too)
         def read(self, *args, **kwargs):
-            if (doctor.copied or doctor.unread or doctor.handed) and doctor.failure is None \
+            if (doctor.copied or doctor.unread or doctor.handed or doctor.staged) and doctor.failure is None \
                     and doctor.phase == "eager":
                 try:
                     unread.host_read(doctor, self)
+                    staging.host_read(doctor, self)
                     if id(self) in doctor.handed:
                         overwritten.check_read(doctor, f"Tensor.{name}", (self,), None)
                 except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report

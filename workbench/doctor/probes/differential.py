@@ -47,7 +47,7 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 
 from ...engine.opinfo import storage_key
 from ..tensors import alias, changed, disagrees, first_line, max_abs_diff, rng_state, set_rng_state, whole
-from ..rules import bounds
+from ..rules import bounds, unread
 from . import captured_state, held, launch, nonfinite, pystate, rootcause, row_writes, unpadded
 from .compare import compare, rows_of, without_unwritten
 from .eager_trace import EagerRun
@@ -117,6 +117,8 @@ def finish(doctor, info, pending) -> None:
             break
         traced = True                               # a difference: the same step again, traced, to localise it
     info.traced_always |= bool(run.extra)
+    if traced and error is None and doctor.unread:
+        unread.not_read_eagerly(doctor, info, run)
     doctor.compared += 1
     if error is not None:
         doctor.report.notes.append(f"differential replay of {info.name}: the eager step raised "

@@ -21,7 +21,7 @@ from ...engine.source import frames_within, location, user_frame, user_frames
 from ..records import Op
 from ..skipped import parted
 from ..tensors import alias, host_only, signature
-from ..rules import bounds
+from ..rules import bounds, unread
 from . import nonfinite, row_writes
 
 aten = torch.ops.aten
@@ -53,6 +53,7 @@ class EagerRun:
     read_outputs: list = dataclasses.field(default_factory=list)  # ops that read ``outputs`` before writing them
     written: set = dataclasses.field(default_factory=set)      # storages it has written so far
     read_first: set = dataclasses.field(default_factory=set)   # ... and those it read before writing them
+    unread_reads: dict = dataclasses.field(default_factory=dict)   # held unread data's buffers: key -> mask read
     stacks_at: tuple = ()                        # two positions in the trace whose user frames are compared
     held: list | None = None                     # ... the frames at the first, until the second
     loop: str | None = None                      # the deepest frame both share: the one that looped
@@ -100,6 +101,8 @@ def on_op(doctor, func, args, kwargs, run):
     if lifted:                                   # a constant made from Python data in this run
         d.new.update(keys)
     _accessed(d, func, args, kwargs, inputs)
+    if doctor.unread:
+        unread.eager_read(doctor, d, func, args, kwargs, inputs)
     if d.bounds:
         try:
             bounds.check(func, args, kwargs, run)

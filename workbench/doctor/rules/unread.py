@@ -18,7 +18,10 @@ replays. Before a replay, elements copied since the previous replay outside the 
 buffer the graph reads are held: another graph's replay or eager code that reads them clears them
 (a runner keeps data there for its own use); overwritten, or still unread when the watch ends, they
 were data the step brought and nobody used. Fills (``zero_``, ``fill_``, a copy of one value: a
-runner neutralising a whole buffer) bring no data and are not counted.
+runner neutralising a whole buffer) bring no data and are not counted. Nor are columns past the
+window's end, in rows the graph reads, that the eager step of a differential replay reads none of
+either (a verifier given every draft's coins reads all but the last): the step's own code leaves
+them, not the capture; unless set-up code cut the window, which the eager step reads through too.
 
 Inside the window a graph reads, data is lost another way: the same line copies into it again, with
 other values, before anything read the first copy (a metadata builder run for each of two draft
@@ -59,14 +62,14 @@ def capture_end(doctor, info) -> None:
             buf = doctor.buffer(key)
             if buf is None or len(views) != 1:
                 continue
-            info.windows[key] = _window_made(doctor, key, *views.items())
+            info.windows[key], set_up = _window_made(doctor, key, *views.items())
             whole = buf.ref()
             mask = torch.zeros(whole.shape, dtype=torch.bool, device=whole.device)
             for shape, stride, offset, dtype in views:
                 view = torch.empty(0, dtype=dtype, device=whole.device).set_(whole.untyped_storage(), offset, shape,
                                                                              stride)
                 mask |= region(view, whole)
-            info.reads[key] = mask
+            info.reads[key], info.outside[key] = mask, (*outside(mask), set_up)
     # (their rows: the size the graph was captured for, which ``shapes.failed_op`` looks for)
     info.rows = frozenset(shape[0] for views in info.read_views.values() for shape, *_ in views if shape)
     info.read_views = {}
@@ -80,12 +83,13 @@ def view_taken(doctor, view: torch.Tensor) -> None:
                                 user_frame())
 
 
-def _window_made(doctor, key: int, view: tuple) -> str:
+def _window_made(doctor, key: int, view: tuple) -> tuple:
     """Where the one view of a static input a graph reads was cut: the line of set-up code that took
     it (``view_taken``), else the captured op that read it (a view taken inside the captured code is
-    taken where it is used)."""
+    taken where it is used); and whether set-up code took it."""
     (shape, stride, offset, _), reader = view
-    return doctor.views.get((key, offset, shape, stride)) or reader
+    set_up = doctor.views.get((key, offset, shape, stride))
+    return set_up or reader, set_up is not None
 
 
 def copied(doctor, targets: list, src) -> None:
@@ -162,14 +166,22 @@ def check(doctor, info) -> None:
                 continue
             if reads is None or reads.shape != mask.shape:
                 continue
-            # In rows the graph reads: a row given more columns than the graph reads of it.
-            rows = reads.reshape(reads.shape[0], -1).any(1).reshape(-1, *([1] * (reads.dim() - 1))) \
-                if reads.dim() > 1 else torch.zeros_like(reads)
-            _short_window(doctor, info, key, mask & last & ~reads & ~rows, reads)
-            lost = mask & ~reads & rows & _past_end(reads)
+            other_rows, past_end, _ = info.outside[key]
+            _short_window(doctor, info, key, mask & last & other_rows, reads)
+            lost = mask & past_end
             if bool(lost.any()) and (buf := doctor.buffer(key)) is not None:
                 doctor.unread[key] = (lost, source, info.name, info.replays + 1, int(reads.sum()), buf.name,
                                       describe(buf.ref()), None, None)
+
+
+def outside(reads) -> tuple:
+    """Elements of a static input outside the mask a graph reads, as two masks (made once, at the
+    capture's end): those in rows it does not read at all, and those in rows it reads, past the end
+    of its window (``_past_end``): a row given more columns than the graph reads of it. (The second
+    shrinks where the eager step does not read them either: ``not_read_eagerly``.)"""
+    rows = reads.reshape(reads.shape[0], -1).any(1).reshape(-1, *([1] * (reads.dim() - 1))) \
+        if reads.dim() > 1 else torch.zeros_like(reads)
+    return ~reads & ~rows, ~reads & rows & _past_end(reads)
 
 
 def _past_end(reads):
@@ -242,6 +254,37 @@ def touched(doctor, func, args, kwargs) -> None:
             _dropped(doctor, key)
         else:
             _read(doctor, key, entry, hit)
+
+
+def eager_read(doctor, run, func, args, kwargs, inputs) -> None:
+    """An op of a differential replay's traced eager step: the elements it reads of static inputs
+    whose data is held as unread (``not_read_eagerly``)."""
+    written = {id(t) for t in written_tensors(func, args, kwargs)} if overwrites(func, args, kwargs) else set()
+    for t in inputs:
+        if id(t) not in written and (entry := doctor.unread.get(key := storage_key(t))) is not None \
+                and (buf := doctor.buffer(key)) is not None:
+            with _disable_current_modes():
+                hit = region(t, buf.ref())
+                if hit.shape == entry[0].shape:
+                    run.unread_reads[key] = run.unread_reads[key] | hit if key in run.unread_reads else hit
+
+
+def not_read_eagerly(doctor, info, run) -> None:
+    """After a differential replay's traced eager step: data held as copied past the end of the
+    window the graph reads in rows it reads (``check``), that the eager step reads none of while it
+    reads the same buffer, is no data the graph drops. The step's own code reads part of what it is
+    given (a verifier reads all drafts' coins but the last), in eager form too. Let go, at this replay
+    and the graph's later ones; but not where set-up code cut the window (a view taken before capture,
+    which the eager step reads through too: the window is frozen in both)."""
+    for key, entry in list(doctor.unread.items()):
+        if entry[2] != info.name or entry[7] is not None or entry[8] is not None or key not in run.unread_reads \
+                or key not in info.outside or info.outside[key][2]:
+            continue
+        with _disable_current_modes():
+            unused = entry[0] & ~run.unread_reads[key]
+            other_rows, past_end, _ = info.outside[key]
+            info.outside[key] = (other_rows, past_end & ~unused, False)
+            _read(doctor, key, entry, unused)
 
 
 def host_read(doctor, t: torch.Tensor) -> None:

@@ -1,0 +1,88 @@
+"""Pinned host memory a runner stages a step's metadata in, for an asynchronous copy to the device
+(``rules/staging.py``). A copy from pinned memory reads it when the stream gets to it: a host one
+step ahead that refills the same buffer sends the previous step the next step's data. Workloads
+keep their own queue of launches, as a stream in miniature, so the copy runs when the host waits."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workbench import doctor
+from workbench.engine import events, graph, host, new_graph
+
+
+class _Stream:
+    """Launches run in order when the host waits for one of them."""
+
+    def __init__(self):
+        self.queue, self.done = [], 0
+
+    def launch(self, fn) -> int:
+        self.queue.append(fn)
+        return len(self.queue)
+
+    def wait(self, mark: int) -> None:
+        while self.done < mark:
+            self.done += 1
+            self.queue[self.done - 1]()
+
+
+def _serve(variant: str, ahead: bool) -> list:
+    """Four steps of a graph reading ``slots``; each step stages its slots in pinned memory (one
+    buffer for all steps in the bug, a fresh one per step in the fix) and queues their copy and the
+    replay. ``ahead``: the host waits for a step only after staging the next one."""
+    slots, table = torch.zeros(3, dtype=torch.long), torch.arange(10.0) * 10
+    persistent = host(torch.zeros(3, dtype=torch.long))
+    stream, out_rows = _Stream(), []
+
+    def step():
+        return table[slots] + 1
+
+    events.static_buffers("runner", {"slots": slots})
+    with events.warmup():
+        step()
+    g = new_graph("cpu")
+    with graph(g, name="decode"):
+        out = step()
+    previous = None
+    for n in range(4):
+        staged = persistent if variant == "bug" else host(torch.zeros(3, dtype=torch.long))
+        for i in range(3):
+            staged[i] = n + i                                    # the staging line
+        stream.launch(lambda staged=staged: slots.copy_(staged, non_blocking=True))
+        launched = stream.launch(lambda: (g.replay(), out_rows.append(out.clone())))
+        if not ahead:
+            stream.wait(launched)
+        elif previous is not None:
+            stream.wait(previous)
+        previous = launched
+    stream.wait(len(stream.queue))
+    return out_rows
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_pinned_buffer_refilled_before_its_queued_copy_ran(variant):
+    report = doctor.diagnose(lambda: _serve(variant, ahead=True))
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    found = report.findings[0]
+    assert found.kind == "persistent-mutation" and "staged[i] = n + i" in found.source, report
+    assert found.tensor.startswith("pinned host memory"), report
+
+
+def test_a_pinned_buffer_refilled_after_its_copy_ran_is_no_finding():
+    """The same single buffer, with the host waiting for each step: every refill comes after the
+    copy that read the previous one."""
+    report = doctor.diagnose(lambda: _serve("bug", ahead=False))
+    assert report.findings == [], report
+
+
+def test_a_host_read_of_staged_data_is_a_read():
+    """Staged data the host reads back (``tolist``: no op on the CPU) reached a reader."""
+    def workload():
+        staged = host(torch.zeros(2))
+        for n in range(3):
+            staged.copy_(torch.tensor([n, n + 1.0]))
+            staged.tolist()
+    assert doctor.diagnose(workload).findings == []
