@@ -189,6 +189,37 @@ def test_real_rows_updated_in_place_are_not_touched_by_the_fills(reset):
     assert [f.kind for f in report.findings] == ([] if reset else ["stale-padding"])
 
 
+def test_two_runners_stepping_in_turn_with_one_name_for_their_buffers():
+    """Two data-parallel ranks, each with its own ``x`` announced under one name and two pieces per
+    step (a collective between them makes them take turns). The fills for the next ``serve`` go to
+    that serve's buffer, not to the other rank's of the same name; and the first piece, which does
+    not write the output announced for every piece, is not compared on it. Rows are independent:
+    no finding."""
+    def workload():
+        ranks = []
+        for rank in range(2):
+            x, mid, h = torch.zeros(8, 2), torch.zeros(8, 2), torch.zeros(8, 2)
+            events.static_buffers(f"rank {rank}", {"x": x})
+            pieces = []
+            for i, piece in enumerate((lambda x=x, mid=mid: mid.copy_(x * 2),
+                                       lambda x=x, mid=mid, h=h: h.copy_(mid + x))):
+                with events.warmup():
+                    piece()
+                g = new_graph("cpu")
+                with graph(g, name=f"rank {rank} piece {i}"):
+                    piece()
+                pieces.append(g)
+            ranks.append((x, h, pieces, mid))
+        for step, reals in enumerate(((6, 3), (7, 8), (5, 2))):
+            for (x, *_), real in zip(ranks, reals):
+                x[:real].copy_(torch.arange(real * 2.0).reshape(real, 2) + step)
+            for i in range(2):
+                for (x, h, pieces, _), real in zip(ranks, reals):
+                    replay(pieces[i], h, real, 8, {"x": x})
+    report = doctor.diagnose(workload)
+    assert report.findings == [], report
+
+
 def test_host_bookkeeping_arrays_and_a_recapture_between_steps_are_left_alone():
     """NumPy arrays named at serve (requests' counters the runner moves between rows) are not
     filled after a step, nor is anything before a step preceded by a capture."""

@@ -44,9 +44,10 @@ _LARGE = 256.0             # a floating-point fill: above what real rows hold, w
 
 
 class Plan:
-    """What ``diagnose`` records of the steps a run serves: ``(real, size, regions, phases)`` per
-    ``serve``, where ``regions`` maps each padded array's name to ``None`` (padded rows) or its real
-    width (padded columns) and ``phases`` counts warmups and captures so far. A padded-row run is
+    """What ``diagnose`` records of the steps a run serves: ``(real, size, regions, phases, again)``
+    per ``serve``, where ``regions`` maps each padded array's name to ``None`` (padded rows) or its
+    real width (padded columns), ``phases`` counts warmups and captures so far, and ``again`` names
+    the arrays whose tensor the previous ``serve`` gave under that name too. A padded-row run is
     given the first run's steps (``ahead``), the tensors of its current step, the mirrors copied
     whole into announced buffers, and the mirrors' regions it filled (to put back)."""
 
@@ -57,6 +58,7 @@ class Plan:
         self.mirrors: dict[int, Index] = {}
         self.borrowed: list[tuple] = []
         self.in_step = False                      # between a ``serve`` and its ``handed_out``
+        self.keys: dict[str, int] = {}            # each padded array's storage at the latest serve
         self.writes: dict[int, tuple] = {}        # storage -> (op, source) of eager code of a step that wrote it
 
 
@@ -66,14 +68,18 @@ def served(doctor, real: int, size: int, padded: dict, columns: dict) -> None:
         return
     plan.in_step = True
     regions = {name: None for name in padded} | {name: width for name, (_, width) in columns.items()}
-    plan.steps.append((real, size, regions, doctor.report.warmups + doctor.report.captures))
+    arrays = {**padded, **{name: t for name, (t, _) in columns.items()}}
+    keys = {name: storage_key(t) for name, t in arrays.items() if isinstance(t, torch.Tensor)}
+    # (the names whose tensor the previous step served too: two runners may use one name for two buffers)
+    again = frozenset(name for name, key in keys.items() if plan.keys.get(name) == key)
+    plan.keys = keys
+    plan.steps.append((real, size, regions, doctor.report.warmups + doctor.report.captures, again))
     with _disable_current_modes():
         for mirror, index, saved in plan.borrowed:
             if (m := mirror.read()) is not None:
                 m[index].copy_(saved)
     plan.borrowed = []
     if plan.ahead is not None:
-        arrays = {**padded, **{name: t for name, (t, _) in columns.items()}}
         plan.current = {name: weakref.ref(t) for name, t in arrays.items() if isinstance(t, torch.Tensor)}
 
 
@@ -88,11 +94,11 @@ def carry(doctor) -> None:
     k = len(plan.steps)
     if not 0 < k < len(plan.ahead) or plan.ahead[k][3] != plan.ahead[k - 1][3] or plan.steps[-1] != plan.ahead[k - 1]:
         return
-    real, size, regions, _ = plan.ahead[k]
+    real, size, regions, _, again = plan.ahead[k]
     read = {key for info in doctor.graphs.values() if info.ref() is not None for key in info.externals}
     with _disable_current_modes():
         for i, (name, width) in enumerate(regions.items()):
-            t = plan.current[name]() if name in plan.current else None
+            t = plan.current[name]() if name in plan.current and name in again else None
             if t is None or storage_key(t) not in read or (width is not None and t.dim() < 2):
                 continue
             index = (slice(real, size),) if width is None else (slice(0, size), slice(width, None))
@@ -249,8 +255,11 @@ def record_outputs(doctor, info, pending) -> None:
     real, size, outputs = (pending.real, pending.size, pending.outputs) if pending else (None, None, None)
     with _disable_current_modes():
         if outputs is not None:
-            parts = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
-            record["outputs"] = torch.cat([real_rows(p, real, size).detach().double().reshape(-1).cpu() for p in parts])
+            # (an announced output of memory the graph neither made nor writes holds no result of it)
+            parts = [p for p in (outputs if isinstance(outputs, (tuple, list)) else (outputs,))
+                     if (key := storage_key(p)) in info.writes or key in info.created]
+            record["outputs"] = torch.cat([real_rows(p, real, size).detach().double().reshape(-1).cpu() for p in parts]) \
+                if parts else None
         for key in info.writes:
             if doctor.buffer(key) is None and (w := whole(info.externals[key].weak)) is not None:
                 record["state"][info.externals[key].tensor] = digest(w)
