@@ -3222,3 +3222,16 @@ def test_columns_a_step_reads_none_of_in_eager_form_too_are_not_dropped_by_its_g
         assert report.findings == [], report
     else:
         assert [f.kind for f in report.findings] == ["undersized-buffer"], report
+
+
+@pytest.mark.parametrize("shape", [(0, 3), (3, 0), (0,), (2, 3, 4)])
+def test_the_parts_outside_a_window_are_made_for_any_shape(shape):
+    """``unread.outside`` runs at every capture's end, on what the capture read of each static input:
+    an empty buffer (a zero-size capture input) must not stop the doctor."""
+    from workbench.doctor.rules.unread import outside
+    reads = torch.zeros(shape, dtype=torch.bool)
+    if reads.numel():
+        reads[0, :1] = True
+    other_rows, past_end = outside(reads)
+    assert other_rows.shape == past_end.shape == reads.shape
+    assert not bool((other_rows & past_end).any()) and not bool((reads & (other_rows | past_end)).any())

@@ -10,7 +10,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from workbench import expect_failure
 from workbench.engine import (CaptureError, CPUGraph, GraphError, IllegalMemoryAccess, graph,
                               graph_pool_handle, new_graph, resolve_device, reuse_freed_blocks,
-                              track_origins)
+                              synchronize, track_origins)
 
 
 def capture(fn, pool=None, **kw):
@@ -221,12 +221,27 @@ def test_a_dropped_graph_gives_its_memory_back_to_the_pool_at_once():
 # ------------------------------------------------------------- host synchronisation
 @pytest.mark.parametrize("sync", [
     lambda x: x.sum().item(), lambda x: x.cpu(), lambda x: torch.nonzero(x), lambda x: print(x),
-    lambda x: x[x > 0], lambda x: x.tolist(), lambda x: bool(x.sum()),
-], ids=["item", "cpu", "nonzero", "print", "mask-index", "tolist", "bool"])
+    lambda x: x[x > 0], lambda x: x.tolist(), lambda x: bool(x.sum()), lambda x: synchronize("cpu"),
+], ids=["item", "cpu", "nonzero", "print", "mask-index", "tolist", "bool", "synchronize"])
 def test_host_sync_inside_capture_raises_capture_error(sync):
     x = torch.ones(4)
     with expect_failure(CaptureError, match="capture", quiet=True):
         capture(lambda: sync(x))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("wait", [lambda: torch.cuda.synchronize(), lambda: torch.cuda.current_stream().synchronize(),
+                                  lambda: torch.cuda.Event().synchronize()], ids=["device", "stream", "event"])
+def test_a_stream_wait_inside_a_cuda_capture_is_refused_before_cuda_breaks_the_capture(wait):
+    """As ``synchronize()`` in a CPU capture: the engine's error, naming the line, and CUDA still usable."""
+    x = torch.ones(4, device="cuda")
+    g = new_graph("cuda")
+    with expect_failure(CaptureError, match="synchronize", quiet=True):
+        with graph(g):
+            y = x * 2
+            wait()
+    torch.cuda.synchronize()
+    assert torch.equal(x * 2, torch.full((4,), 2.0, device="cuda")) and y.shape == (4,)
 
 
 def test_failed_capture_undoes_its_writes_and_can_be_retried():

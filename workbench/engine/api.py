@@ -10,9 +10,11 @@ import gc
 
 import torch
 
-from . import events
+from . import events, queries
 from .cpu_graph import CPUGraph, Pool
 from .errors import GraphError
+from .host_sync import host_sync_error, stream_waits_refused
+from .source import user_frame
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -112,7 +114,7 @@ def graph(g, pool=None, *, name: str | None = None):
         collecting = gc.isenabled()
         begun = False
         try:
-            with torch.cuda.graph(g, pool=pool):
+            with torch.cuda.graph(g, pool=pool), stream_waits_refused():
                 gc.disable()
                 begun = True
                 events.capture_begin(g, name)
@@ -133,6 +135,9 @@ def graph(g, pool=None, *, name: str | None = None):
 
 
 def synchronize(device: str | torch.device) -> None:
-    """Wait for queued GPU work (a no-op on the CPU, where everything already ran)."""
+    """Wait for queued GPU work (on the CPU everything already ran). Inside a capture it is refused
+    on both backends, as CUDA refuses it (``host_sync.stream_waits_refused``)."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
+    elif queries.current_graph() is not None:
+        raise host_sync_error("synchronize()", user_frame())

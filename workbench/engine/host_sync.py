@@ -10,6 +10,9 @@ host value runs as ``masked_fill_`` -- both record it. Engine probes ``host_sync
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -51,6 +54,30 @@ def host_sync_error(op: str, source: str, tensor=None) -> CaptureError:
         f"which a CUDA graph cannot wait for (cudaErrorStreamCaptureUnsupported).\n  at {source}\n"
         "Move it before or after the captured region, or keep it on the device (e.g. torch.where).",
         op=op, source=source, tensor=tensor)
+
+
+@contextlib.contextmanager
+def stream_waits_refused():
+    """On CUDA, while a capture is open: ``torch.cuda.synchronize()``, ``Stream.synchronize()`` and
+    ``Event.synchronize()`` refused as the CPU engine refuses ``synchronize`` in a capture, before
+    CUDA invalidates the capture (which it reports later, at whatever call comes next: "operation
+    failed due to a previous error during capture"). No aten op shows these waits."""
+    originals = (torch.cuda.synchronize, torch.cuda.Stream.synchronize, torch.cuda.Event.synchronize)
+
+    def refused(original, name):
+        @functools.wraps(original)
+        def wait(*args, **kwargs):
+            if torch.cuda.is_current_stream_capturing():
+                raise host_sync_error(name, user_frame())
+            return original(*args, **kwargs)
+        return wait
+    torch.cuda.synchronize = refused(originals[0], "torch.cuda.synchronize()")
+    torch.cuda.Stream.synchronize = refused(originals[1], "Stream.synchronize()")
+    torch.cuda.Event.synchronize = refused(originals[2], "Event.synchronize()")
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize, torch.cuda.Stream.synchronize, torch.cuda.Event.synchronize = originals
 
 
 def non_blocking(args, kwargs) -> bool:

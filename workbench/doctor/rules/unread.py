@@ -179,8 +179,8 @@ def outside(reads) -> tuple:
     capture's end): those in rows it does not read at all, and those in rows it reads, past the end
     of its window (``_past_end``): a row given more columns than the graph reads of it. (The second
     shrinks where the eager step does not read them either: ``not_read_eagerly``.)"""
-    rows = reads.reshape(reads.shape[0], -1).any(1).reshape(-1, *([1] * (reads.dim() - 1))) \
-        if reads.dim() > 1 else torch.zeros_like(reads)
+    rows = reads.flatten(1).any(1).reshape(-1, *([1] * (reads.dim() - 1))) if reads.dim() > 1 \
+        else torch.zeros_like(reads)
     return ~reads & ~rows, ~reads & rows & _past_end(reads)
 
 
