@@ -97,6 +97,11 @@ def is_pinned(t: torch.Tensor) -> bool:
     return ref is not None and not ref.expired()
 
 
+def any_pinned() -> bool:
+    """Whether ``host()`` has given pinned memory (some may be gone since)."""
+    return bool(_pinned)
+
+
 def _pin(t: torch.Tensor) -> torch.Tensor:
     if len(_pinned) >= 1024 and len(_pinned) % 1024 == 0:
         for key in [k for k, ref in _pinned.items() if ref.expired()]:

@@ -20,10 +20,12 @@ such copy is reported when it comes).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ...engine.host import is_pinned
+from ...engine.host import any_pinned, is_pinned
 from ...engine.opinfo import describe, op_tensors, overwrites, storage_key, written_tensors
 from ...engine.source import user_frame
 from .. import explain
@@ -34,17 +36,25 @@ _COPY = torch.ops.aten.copy_.default
 _unwrapped = torch._C.DisableTorchFunctionSubclass     # (the doctor's arithmetic on host memory: plain tensors)
 
 
+@functools.cache
+def _cuda() -> bool:
+    return torch.cuda.is_available()
+
+
 def pinned(t: torch.Tensor) -> bool:
     """Pinned host memory: the CPU backend's ``host()`` memory (by its storage: an op's view of it is
     a plain tensor), or a pinned CPU tensor beside CUDA."""
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         return False
-    return is_pinned(t) or torch.cuda.is_available() and t.is_pinned()
+    return is_pinned(t) or _cuda() and t.is_pinned()
 
 
 def before_write(func, args, kwargs) -> list:
-    """``[(key, view, its values now)]`` for the pinned host memory an eager op is about to write."""
+    """``[(key, view, its values now)]`` for the pinned host memory an eager op is about to write.
+    (Every eager op that writes asks: where no pinned memory was ever made, it returns at once.)"""
     out = []
+    if not (any_pinned() or _cuda()):
+        return out
     for t in written_tensors(func, args, kwargs):
         if pinned(t):
             with _disable_current_modes(), _unwrapped():
