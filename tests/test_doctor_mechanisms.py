@@ -3235,3 +3235,26 @@ def test_the_parts_outside_a_window_are_made_for_any_shape(shape):
     other_rows, past_end = outside(reads)
     assert other_rows.shape == past_end.shape == reads.shape
     assert not bool((other_rows & past_end).any()) and not bool((reads & (other_rows | past_end)).any())
+
+
+@pytest.mark.parametrize("later", [False, True])
+def test_findings_held_at_one_place_are_released_there_in_the_order_held(later):
+    """``probes.release`` puts each held finding where it would have stood unheld: two held after the
+    first finding come back second and third, in the order they were held, whether or not another
+    finding was added since."""
+    from workbench.doctor.intake import Doctor
+    from workbench.doctor.probes import held, release
+    from workbench.doctor.report import Finding
+    d = Doctor()
+
+    def add(line):
+        d.add(Finding("host-work-frozen", "g", "-", "-", f"x.py:{line} in f: y", "e", "c"), ("k", line))
+    add(1)
+    kept: list = []
+    with held(d, kept):
+        add(2)
+        add(3)
+    if later:
+        add(4)
+    release(d, kept)
+    assert [f.source[5] for f in d.report.findings] == ["1", "2", "3", "4"][:3 + later]

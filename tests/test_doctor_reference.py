@@ -17,7 +17,7 @@ import torch
 from test_doctor_setup_and_warmups import finding_of, only_finding
 from workbench import doctor
 from workbench.zoo import trials
-from workbench.engine import CaptureError, events, graph, graph_pool_handle, host, new_graph
+from workbench.engine import CaptureError, events, graph, graph_pool_handle, host, is_capturing, new_graph
 from workbench.engine.source import function_of
 
 BLOCK, CONTEXT = 2, 8
@@ -2084,3 +2084,66 @@ def test_a_batch_split_otherwise_than_the_reference_split_it_is_no_evidence_once
     report = _fix_of_trial("vllm_29933")
     assert report.findings == [], report
     assert any("calls paired by their count" in n for n in report.notes), report
+
+
+class _HostGenerator:
+    """A random generator whose offset lives on the host, as torch's CUDA generator's does: a capture
+    reads it through a device tensor that the runner refills before each replay (then advancing the
+    host offset: what ``CUDAGraph.replay`` does first); the bug reads it as a number at capture."""
+
+    def __init__(self, variant):
+        self.variant, self.offset, self.device_offset = variant, 0, torch.zeros(())
+
+    def draw(self, n):
+        if is_capturing() and self.variant == "fix":
+            start = self.device_offset
+        else:
+            start, self.offset = self.offset, self.offset + n
+        return torch.sin((torch.arange(n) + start) * 12.9898)
+
+    def replay_prologue(self, n):
+        self.device_offset.fill_(self.offset)
+        self.offset += n
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_first_replay_of_the_captures_own_batch_is_held_as_the_paired_ones_are(variant):
+    """The runner advances the generator for a replay before announcing it, so differential replay's
+    eager step draws the next numbers (no evidence against the replay). The first replay serves
+    the batch the capture ran on, rewritten with the same data: no step of the run without graphs
+    to pair it with. Its findings are held as the paired replays' are, and go once every replay
+    gave that run's answers (fix); a graph that froze the offset at capture gives other answers and
+    is reported (bug)."""
+    inputs = [torch.tensor([1.0, 2.0, 3.0]) * (k + 1) for k in range(3)]
+
+    def workload():
+        x = torch.zeros(3)
+
+        def step(gen):
+            return x * 2 + gen.draw(3)
+        with events.reference():
+            gen, expected = _HostGenerator(variant), []
+            for k in range(3):
+                x.copy_(inputs[k])
+                expected.append(step(gen).clone())
+        gen = _HostGenerator(variant)
+        events.static_buffers("runner", {"x": x})
+        x.copy_(inputs[0])
+        with events.warmup():
+            step(gen)
+        g = new_graph("cpu")
+        with graph(g, name="sample"):
+            out = step(gen)
+        gen.offset, got = 0, []
+        for k in range(3):
+            x.copy_(inputs[k])
+            gen.replay_prologue(3)
+            events.serve(g, 3, 3, outputs=out, eager=lambda: step(gen))
+            g.replay()
+            got.append(out.clone())
+        events.results(expected, got)
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [], report
+    else:
+        assert [f.kind for f in report.findings][:1] == ["host-work-frozen"], report

@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from ..engine import memory
 from ..engine.opinfo import mutable, overwrites, pure_view, storage_key, written_tensors
 from ..engine.source import user_frame
-from .probes import captured_state, differential, eager_trace, mutation as mutation_probe, padding as padding_probe
+from .probes import captured_state, differential, eager_trace, held_order, mutation as mutation_probe, padding as padding_probe
 from .probes.reference import Reference
 from .probes.carried import CarriedInputs
 from .probes.startup import Startup
@@ -141,7 +141,7 @@ class Doctor(RunnerEvents):
     def add(self, finding: Finding, key: tuple) -> Finding:
         """Record a finding once; the same hazard in another graph adds that graph's name."""
         if self.holding is not None:           # a probe's finding held until a replay disagrees (differential)
-            self.holding.append((finding, key, len(self.report.findings)))
+            self.holding.append((finding, key, (len(self.report.findings), next(held_order))))
             return finding
         known = self.found.get(key)
         if known is None:

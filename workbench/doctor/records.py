@@ -100,6 +100,7 @@ class Pending:
     host: list = dataclasses.field(default_factory=list)       # Python containers' contents before the step
     replayed_host: list = dataclasses.field(default_factory=list)   # ... and after the replay (pystate.keep)
     agreed: bool = False                # its real rows equal the reference run's same step (probes/reference.py)
+    capture_batch: bool = False         # ... or, the capture's own batch replayed first, it is no step of that run
 
 
 def _objects_live_with_storages() -> bool:
@@ -196,7 +197,7 @@ class GraphInfo:
         self.python: list | None = None            # Python containers its eager step reaches (probes/pystate.py)
         self.left: dict | None = None               # attributes as its capture left them (probes/captured_state.py)
         self.startup_checked = False                # compared once from the state before the warmups
-        self.held: list = []                        # (finding, key, place) of probes on replays that gave the reference
+        self.held: list = []                        # (finding, key, (place, order)) of probes on replays that gave the reference
                                                     # run's answers: reported once one does not (differential)
         self.held_state: list = []                  # ... of state the eager form writes otherwise (reference.py)
         self.compared = 0                           # replays compared with an eager step

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
+
+held_order = itertools.count()      # breaks ties between findings held at one place in the report, in the order held
 
 
 @contextlib.contextmanager
@@ -23,10 +26,12 @@ def release(doctor, *held: list, why: str = "") -> None:
     """Report the findings in a graph's ``held`` lists (``why``: added to each one's evidence), each
     in the place in the report it would have had unheld, and empty them."""
     fs, moved = doctor.report.findings, 0
-    for finding, key, place in sorted((entry for findings in held for entry in findings), key=lambda e: e[2]):
-        added = doctor.add(dataclasses.replace(finding, evidence=finding.evidence + why) if why else finding, key)
-        if fs and fs[-1] is added and place + moved < len(fs) - 1:
-            fs.insert(place + moved, fs.pop())
+    for finding, key, (place, _) in sorted((entry for findings in held for entry in findings), key=lambda e: e[2]):
+        before = len(fs)
+        doctor.add(dataclasses.replace(finding, evidence=finding.evidence + why) if why else finding, key)
+        if len(fs) > before:                 # a new finding: at its place, after those released there before it
+            if place + moved < len(fs) - 1:
+                fs.insert(place + moved, fs.pop())
             moved += 1
     for findings in held:
         findings.clear()

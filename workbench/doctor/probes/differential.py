@@ -160,18 +160,15 @@ def finish(doctor, info, pending) -> None:
     elif what is not None:
         # An output that differs from the eager form's while it is what the workload's run without graphs
         # gives at the same step: the eager form (the captured callable) is not that step. Held, as below.
-        # State it writes otherwise is held apart: the replay's outputs do not show what state holds, so
-        # that is reported unless the workload says its results agree (``reference.conclude``), whether or not
-        # this replay could be paired with a step of the run without graphs.
-        if "output" in what[1]:
-            into = info.held if pending.agreed else None
-        else:
-            into = _state_held(doctor, info, pending)
+        # Otherwise, with a run without graphs, held apart (as state the eager form writes otherwise: the
+        # replay's outputs do not show what state holds): reported unless the workload says its results
+        # agree (``reference.conclude``), whether or not this replay could be paired with a step of that run.
+        into = info.held if "output" in what[1] and _like_reference(pending) else _state_held(doctor, info, pending)
         with held(doctor, into):
             rootcause.classify(doctor, info, pending, what, divergence, run,
                                _host_work(doctor, info, pending, replayed, rng_after, run))
     elif changed:       # host state the eager step leaves otherwise: held like state, as above
-        with held(doctor, info.held_state if pending.agreed else None):
+        with held(doctor, info.held_state if _like_reference(pending) else None):
             rootcause.rebound(doctor, info, pending, changed, run)
     elif run.settings and (host := _host_work(doctor, info, pending, replayed, rng_after, run,
                                               {id(c) for c, *_ in run.settings})) is not None:
@@ -185,7 +182,7 @@ def finish(doctor, info, pending) -> None:
         # What the step would give from other starting memory (the static inputs' carried elements, the
         # state before the warmups) is held while the replay gives what the workload's run without graphs
         # gives at the same step (that run may build on the same memory): reported once a replay does not.
-        with held(doctor, info.held if pending.agreed else None):
+        with held(doctor, info.held if _like_reference(pending) else None):
             _from_other_memory(doctor, info, pending, replayed, rng_after, graph_out)
         if not padded:
             unpadded.owned_by_full_step(doctor, pending, replayed)
@@ -195,10 +192,17 @@ def finish(doctor, info, pending) -> None:
     row_writes.replays_wrote(doctor, pending, replayed)
 
 
+def _like_reference(pending) -> bool:
+    """Whether the replay gave the run without graphs' answer at its step, or was the capture's own
+    batch replayed first (no step of that run, nothing to pair it with): its findings are held then,
+    and reported once a replay of the graph gives another answer than that run."""
+    return pending.agreed or pending.capture_batch
+
+
 def _state_held(doctor, info, pending) -> list | None:
     """Where a difference in state this replay's eager step shows is held (``held``): while the replay
     gave the run without graphs' answer, or until the workload says whether its results agree."""
-    return info.held_state if pending.agreed or doctor.reference is not None else None
+    return info.held_state if _like_reference(pending) or doctor.reference is not None else None
 
 
 def _from_other_memory(doctor, info, pending, replayed: dict, rng_after, graph_out) -> None:

@@ -249,7 +249,11 @@ class Reference:
         k = self.served.get(code, 0) + self.replayed.get(code, 0)
         self.replayed[code] = self.replayed.get(code, 0) + 1
         captured_with = self.captured_with.pop(id(info), {})
-        if info.name in self.found or _capture_batch(info):
+        if info.name in self.found:
+            return
+        if _capture_batch(info):
+            if pending is not None:
+                pending.capture_batch = True    # (see ``Pending.capture_batch``)
             return
         first_write: dict = {}                   # a buffer the graph writes is its input only until then
         for n, op in enumerate(info.ops):
@@ -265,7 +269,9 @@ class Reference:
                         values[(i, j)] = (buf, t.as_strided(shape, stride, offset).clone(), (shape, stride, offset))
             if values and all(torch.equal(captured_with.get(view, now.new_empty(0)), now)
                               for view, (_, now, _) in values.items()):
-                return                           # the capture's own batch again, rewritten with the same data
+                if pending is not None:          # the capture's own batch again, rewritten with the same data
+                    pending.capture_batch = True
+                return
         self.at_replay[id(info)] = (k, values, (user_frame(), decider(user_frames())))
 
     def replay_end(self, doctor, info, pending) -> None:
@@ -367,7 +373,7 @@ class Reference:
             if self.verdict:
                 i, diff = self.verdict
                 release(doctor, info.held, info.held_state,
-                         why=f"; every replay gave the run without graphs' answers, but the workload's result {i} "
+                         why=f"; no replay compared gave another answer than the run without graphs, but the workload's result {i} "
                          f"differs from that run's (max |diff| = {diff:.3g})")
             elif self.verdict is None:
                 release(doctor, info.held_state)
