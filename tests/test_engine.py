@@ -230,7 +230,8 @@ def test_host_sync_inside_capture_raises_capture_error(sync):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("wait", [lambda: torch.cuda.synchronize(), lambda: torch.cuda.current_stream().synchronize(),
+@pytest.mark.parametrize("wait", [lambda: torch.cuda.synchronize(),
+                                  lambda: torch.cuda.current_stream().synchronize(),
                                   lambda: torch.cuda.Event().synchronize()], ids=["device", "stream", "event"])
 def test_a_stream_wait_inside_a_cuda_capture_is_refused_before_cuda_breaks_the_capture(wait):
     """As ``synchronize()`` in a CPU capture: the engine's error, naming the line, and CUDA still usable."""

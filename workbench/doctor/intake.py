@@ -26,7 +26,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from ..engine import memory
 from ..engine.opinfo import mutable, overwrites, pure_view, storage_key, written_tensors
 from ..engine.source import user_frame
-from .probes import captured_state, differential, eager_trace, held_order, mutation as mutation_probe, padding as padding_probe
+from .probes import (captured_state, differential, eager_trace, held_order, mutation as mutation_probe,
+                     padding as padding_probe)
 from .probes.reference import Reference
 from .probes.carried import CarriedInputs
 from .probes.startup import Startup

@@ -29,13 +29,15 @@ lines another number of times, the step is run once more to find the frame that 
 (``launch.repeats``). A padded replay that raises is tried on its real rows alone (``failed``).
 
 Where the workload announced its run without graphs (``probes/reference.py``) and a replay gives
-what that run gives at the same step, two kinds of finding are held, not reported: an output
-that differs from the eager form's (the eager form, a captured callable, is then not that step),
-and what the step would give from other starting memory (the carried elements of static inputs,
-the state before the warmups: the workload may build on it on purpose). So is state the eager form
-writes otherwise, apart (the replay's outputs do not show it): reported at the end unless the
-workload says its results agree (``events.results``). They are reported once a
-replay of that graph gives another answer than the run without graphs, and noted otherwise.
+what that run gives at the same step (or replays the capture's own batch first, no step of that
+run), two kinds of finding are held, not reported: an output that differs from the eager form's
+(the eager form, a captured callable, is then not that step), and what the step would give from
+other starting memory (the carried elements of static inputs, the state before the warmups: the
+workload may build on it on purpose). They are reported once a replay of that graph gives another
+answer than the run without graphs, and noted otherwise. So is state the eager form writes
+otherwise, apart (the replay's outputs do not show it), and an output difference on a replay not
+paired with that run's answer: reported at the end unless the workload says its results agree
+(``events.results``).
 """
 from __future__ import annotations
 

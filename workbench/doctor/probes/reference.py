@@ -18,7 +18,8 @@ run -- eagerly, or as a replay of a graph with that root -- is near the referenc
 it: the static inputs the replay reads pick the call among those near it (``_step``). Where the
 root reads no static input, the count alone picks it, and a replay that gives the answer of a call
 near the count is not said to differ (the count missed: the run without graphs made a dummy call).
-A first replay whose inputs hold what the capture read is the capture's own batch, no step.
+A first replay whose inputs hold what the capture read is the capture's own batch, no step (what
+differential replay finds there is held as for a replay that gave the run's answer).
 Where a replay's real rows differ from what that call returned, the doctor looks for why, with
 the same step on both sides (``reference_causes.py``):
 
@@ -373,8 +374,8 @@ class Reference:
             if self.verdict:
                 i, diff = self.verdict
                 release(doctor, info.held, info.held_state,
-                         why=f"; no replay compared gave another answer than the run without graphs, but the workload's result {i} "
-                         f"differs from that run's (max |diff| = {diff:.3g})")
+                         why=f"; no replay compared gave another answer than the run without graphs, but the "
+                         f"workload's result {i} differs from that run's (max |diff| = {diff:.3g})")
             elif self.verdict is None:
                 release(doctor, info.held_state)
             held = info.held + info.held_state
