@@ -26,8 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from ..engine import memory
 from ..engine.opinfo import mutable, overwrites, pure_view, storage_key, written_tensors
 from ..engine.source import user_frame
-from .probes import (captured_state, differential, eager_trace, held_order, mutation as mutation_probe,
-                     padding as padding_probe)
+from .probes import captured_state, differential, eager_trace, hold, mutation as mutation_probe, padding as padding_probe
 from .probes.reference import Reference
 from .probes.carried import CarriedInputs
 from .probes.startup import Startup
@@ -142,7 +141,7 @@ class Doctor(RunnerEvents):
     def add(self, finding: Finding, key: tuple) -> Finding:
         """Record a finding once; the same hazard in another graph adds that graph's name."""
         if self.holding is not None:           # a probe's finding held until a replay disagrees (differential)
-            self.holding.append((finding, key, (len(self.report.findings), next(held_order))))
+            hold(self, finding, key)
             return finding
         known = self.found.get(key)
         if known is None:
@@ -269,8 +268,7 @@ class Doctor(RunnerEvents):
                 derived.check(self, info)
             if self.copied or self.unread:
                 unread.check(self, info)
-            if self.staged:
-                staging.replayed(self, info)
+            staging.replayed(self, info)
             if self.every:
                 self.carried.replay_begins(self, info)
             if info.pending is not None and info.pending.differential and not info.pending.span:
@@ -417,8 +415,7 @@ class Doctor(RunnerEvents):
                 out = mutation.eager_write(self, func, args, kwargs, run, targets)
             else:   # a refresh (copy, fill) that no fresh-element tracking or in-place update follows
                 out = undersized.write(self, func, targets, run)
-        if staged:
-            staging.wrote(self, func, staged)
+        staging.wrote(self, func, staged)
         if (self.uncomputed or self.followed) and not view and phase == "eager" and not self.dummy_run:
             uncomputed.eager_op(self, func, args, kwargs, out)
         if self.reference is not None and self.every and not view and phase == "eager" and self.pool.producer:

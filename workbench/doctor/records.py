@@ -197,7 +197,7 @@ class GraphInfo:
         self.python: list | None = None            # Python containers its eager step reaches (probes/pystate.py)
         self.left: dict | None = None               # attributes as its capture left them (probes/captured_state.py)
         self.startup_checked = False                # compared once from the state before the warmups
-        self.held: list = []                        # (finding, key, (place, order)) of probes on replays that gave the reference
+        self.held: list = []                        # (finding, key, place) of probes on replays that gave the reference
                                                     # run's answers: reported once one does not (differential)
         self.held_state: list = []                  # ... of state the eager form writes otherwise (reference.py)
         self.compared = 0                           # replays compared with an eager step

@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 import itertools
 
-held_order = itertools.count()      # breaks ties between findings held at one place in the report, in the order held
+_order = itertools.count()      # breaks ties between findings held at one place in the report: the order held
 
 
 @contextlib.contextmanager
@@ -20,6 +20,12 @@ def held(doctor, into: list | None):
         yield
     finally:
         doctor.holding = outer
+
+
+def hold(doctor, finding, key: tuple) -> None:
+    """``doctor.add`` while holding: the finding goes to the list held into, with the place in the
+    report it would have had unheld (``release`` puts it back there)."""
+    doctor.holding.append((finding, key, (len(doctor.report.findings), next(_order))))
 
 
 def release(doctor, *held: list, why: str = "") -> None:

@@ -258,8 +258,8 @@ def record_outputs(doctor, info, pending) -> None:
             # (an announced output of memory the graph neither made nor writes holds no result of it)
             parts = [p for p in (outputs if isinstance(outputs, (tuple, list)) else (outputs,))
                      if (key := storage_key(p)) in info.writes or key in info.created]
-            record["outputs"] = torch.cat([real_rows(p, real, size).detach().double().reshape(-1).cpu() for p in parts]) \
-                if parts else None
+            rows = [real_rows(p, real, size).detach().double().reshape(-1).cpu() for p in parts]
+            record["outputs"] = torch.cat(rows) if rows else None
         for key in info.writes:
             if doctor.buffer(key) is None and (w := whole(info.externals[key].weak)) is not None:
                 record["state"][info.externals[key].tensor] = digest(w)

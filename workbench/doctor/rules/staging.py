@@ -73,10 +73,12 @@ class Staged:
         self.lines, self.uploaded, self.lost = {}, False, None
 
 
-def wrote(doctor, func, before: list) -> None:
+def wrote(doctor, func, before: list | None) -> None:
     """After the op: the elements it wrote are data this line staged (a value written again is the
     step's data too); a line that changes elements it staged since their last read loses its
     earlier data."""
+    if not before:
+        return
     source = user_frame()
     for key, view, was in before:
         staged = doctor.staged.get(key) or doctor.staged.setdefault(key, Staged())
@@ -123,6 +125,8 @@ def host_read(doctor, t: torch.Tensor) -> None:
 
 def replayed(doctor, info) -> None:
     """A replay re-reads, by address, the pinned memory its capture copied from."""
+    if not doctor.staged:
+        return
     for key, ext in info.externals.items():
         if ext.host_copy and (staged := doctor.staged.get(key)) is not None:
             staged.lines.clear()
