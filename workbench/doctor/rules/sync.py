@@ -20,6 +20,7 @@ from ...engine.host_sync import UploadGuard, blocking_copy_error, host_sync_erro
 from ...engine.opinfo import storage_key, tensors
 from ...engine.source import location, mine, user_frames
 from .. import explain
+from . import guarded
 from ..report import Finding
 from ..tensors import blocking_upload, device_to_host, host_only
 
@@ -62,11 +63,12 @@ def leave_guard(doctor) -> None:
 
 def capture_failed(doctor, info, graph: str, error: BaseException) -> None:
     """A capture that raised: the engine refused a host sync (``CaptureError`` naming its op), or on
-    CUDA torch or CUDA refused one that no watched op showed (``refused``)."""
+    CUDA torch or CUDA refused one that no watched op showed (``refused``); else the workload's own
+    check may have refused the capture (``guarded.py``)."""
     if isinstance(error, CaptureError) and error.op is not None:
         _aborted(doctor, graph, error)
-    elif info is not None and info.cuda:
-        _refused(doctor, graph, error)
+    elif not (info is not None and info.cuda and _refused(doctor, graph, error)):
+        guarded.refused(doctor, graph, _user_frames(error), error)     # the workload's own guard refused it
 
 
 def _aborted(doctor, graph: str, error) -> None:
@@ -82,7 +84,7 @@ _REFUSED = {"during CUDA graph capture unless the CPU tensor is pinned": "a copy
             "operation not permitted when stream is capturing": "a host synchronisation"}
 
 
-def _refused(doctor, graph: str, error: BaseException) -> None:
+def _refused(doctor, graph: str, error: BaseException) -> bool:
     """A CUDA capture that CUDA, or torch's check before it, aborted for a host copy or sync that no
     op the doctor watches showed first: a factory copying Python data (``torch.tensor(1.0,
     device=...)``) inside a backward pass, which runs on autograd's device thread, where the
@@ -90,9 +92,10 @@ def _refused(doctor, graph: str, error: BaseException) -> None:
     text = str(error)
     op = next((what for words, what in _REFUSED.items() if words in text), None)
     if op is None:
-        return
+        return False
     if frames := _user_frames(error):
         finding(doctor, graph, op, location(*frames[0]), None, _stand_in(frames))
+    return True
 
 
 def _user_frames(error: BaseException) -> list:
