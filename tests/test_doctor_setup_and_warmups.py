@@ -217,6 +217,38 @@ def test_an_op_failure_the_workload_catches_is_in_the_headline():
     assert "raised inside the workload and caught: IndexError" in report.headline()
 
 
+@pytest.mark.parametrize("where", ["harness", "same frame"])
+def test_a_misused_value_in_a_callback_a_library_calls_is_in_the_headline_when_a_harness_catches_it(where):
+    """``tree_map(lambda x, y: x.copy_(y), ...)`` over leaves one of which is a float raises an
+    ``AttributeError`` in the lambda, through torch's pytree code: the step failed. A harness around the
+    step (the zoo's ``compare``, not the workload's code) that catches it does not make the run clean; a
+    ``try`` in the frame that asked is the workload handling its own case."""
+    from torch.utils._pytree import tree_map
+    from workbench.zoo.kit import compare
+
+    def refresh(dst, src):
+        if where == "same frame":
+            try:
+                tree_map(lambda x, y: x.copy_(y), dst, src)
+            except AttributeError:
+                pass
+            return
+        tree_map(lambda x, y: x.copy_(y), dst, src)
+
+    def served():
+        x = torch.zeros(2)
+        g, out = captured(lambda: x + 1, static={"x": x})
+        refresh((x, 1.0), (torch.ones(2), 2.0))
+        return [out.clone()]
+
+    report = doctor.diagnose(lambda: compare("refresh", "bug", "cpu", served, lambda: [torch.ones(2) + 1]))
+    if where == "harness":
+        assert len(report.caught) == 1 and report.caught[0].startswith("AttributeError: 'float' object"), report
+        assert "raised inside the workload and caught: AttributeError" in report.headline()
+    else:
+        assert report.caught == [], report.caught
+
+
 def test_a_check_that_fails_in_the_first_warmup_and_is_caught_is_in_the_headline():
     """A start-up loop warms up each capture size and skips the sizes whose warmup fails: a failed
     assertion in the first warmup, before any graph exists, is still the workload's failure."""

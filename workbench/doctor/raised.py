@@ -51,6 +51,10 @@ _RETURNS = {dis.opmap[name] for name in ("RETURN_VALUE", "RETURN_CONST", "YIELD_
 _STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
 _PACKAGES = ("site-packages", "dist-packages")
 _STORE = dis.opmap["STORE_SUBSCR"]
+# Errors of a misused value (``'float' object has no attribute 'copy_'``, a call with wrong arguments):
+# followed as a ``raise`` is, from a single frame too, into a harness that catches them (a callback a
+# library calls, ``tree_map``'s, raising one is a failure, not a protocol's end).
+_MISUSE = (AttributeError, TypeError, NameError)
 _CACHE = dis.opmap.get("CACHE", -1)
 _CALLS = {dis.opmap[name] for name in ("CALL", "PRECALL", "CALL_FUNCTION_EX", "CALL_KW") if name in dis.opmap}
 
@@ -168,7 +172,7 @@ class _Tracer:
                 shapes.failed_count_check(doctor, error, frame)
                 decisions.failed_flag_check(doctor, error, frame)
         if watched and (doctor.graphs or doctor.pools or doctor.buffers or doctor.phase != "eager") \
-                and (shapes.explainable(error) or failures.pending(doctor, error)):
+                and (shapes.explainable(error) or isinstance(error, _MISUSE) or failures.pending(doctor, error)):
             where = f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} in {function_name(frame.f_code)}"
             text = (f"{type(error).__name__}: {first_line(error)} (raised at {where}, during {doctor.phase})",
                     failures.stack_codes(frame))
@@ -179,11 +183,12 @@ class _Tracer:
         """A ``raise`` has left ``left + 1`` frames of the workload's: it is expected in the caller, or,
         where the caller is a library's, in the workload's frame above it. The library may never let
         it get there (it caught it): kept then, if it had left two frames of the workload's at least;
-        one frame is a protocol (``__getitem__``'s ``IndexError`` ends an iteration)."""
+        one frame is a protocol (``__getitem__``'s ``IndexError`` ends an iteration), unless the error
+        is a misuse no protocol raises (``_MISUSE``)."""
         through = False
         while caller is not None and not (mine(caller) and not _stdlib(caller.f_code.co_filename)):
             caller, through = caller.f_back, True
-        if caller is not None and (left >= 1 or not through):
+        if caller is not None and (left >= 1 or not through or issubclass(key[1], _MISUSE)):
             self.followed[id(caller)] = (key, text, left + 1, through)
 
 
