@@ -325,3 +325,47 @@ def test_a_runner_check_that_a_steps_decision_matches_its_graph_names_where_the_
     [finding] = report.findings
     assert finding.kind == "warmup-divergence" and finding.op == "check", report
     assert "in background_step" in finding.source and "plan.layout" in finding.tensor, report
+
+
+# ------------------------------------------------------------------------------ a reuse check chose the graph
+def _cache_key(x, scaled: bool, variant: str) -> tuple:
+    """The graph cache's key: ``bug`` leaves out what chooses the branch."""
+    return (tuple(x.shape),) if variant == "bug" else (tuple(x.shape), scaled)
+
+
+def _branchy_step(x, scaled: bool):
+    if scaled:
+        return x * 2.0
+    return x + 1.0
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_graph_a_cache_key_chose_for_a_step_on_another_path_is_named_at_the_key(variant):
+    """A graph cache keyed on the input's shape alone: a step that needs the other branch replays
+    the graph of the first, whose capture took one path. The lines the run without graphs ran and
+    the served run never did say where the paths parted; the key function that chose to replay says
+    why, and is where the fix goes."""
+    from workbench.engine import source
+    from workbench.zoo.kit import capture, compare, replay
+
+    flags = (False, True, False, True)
+    data = [torch.full((3,), float(i)) for i in range(4)]
+
+    def served():
+        graphs, x, outs = {}, torch.zeros(3), []
+        for d, scaled in zip(data, flags):
+            x.copy_(d)
+            k = _cache_key(x, scaled, variant)
+            if k not in graphs:
+                graphs[k] = capture(lambda s=scaled: _branchy_step(x, s), device="cpu", static={"x": x})
+            outs.append(replay(*graphs[k]).clone())
+        return outs
+
+    report = doctor.diagnose(lambda: compare("keyed", variant, "cpu", served,
+                                             lambda: [_branchy_step(d, s) for d, s in zip(data, flags)]))
+    if variant == "fix":
+        assert not report.findings, report
+        return
+    found = report.of("warmup-divergence")
+    assert found and source.function_of(found[0].location) == "_cache_key", report
+    assert "never ran" in found[0].evidence and "chose to replay it" in found[0].evidence

@@ -433,6 +433,30 @@ def test_host_memory_made_in_capture_lives_with_the_graph_and_is_read_by_address
     assert out.tolist() == [20.0] * 4                        # read at replay, through the address
 
 
+def test_host_memory_made_in_capture_from_a_reused_pool_block_is_its_own():
+    """Inside a capture a factory's output may be placed in a pool block an earlier temporary left
+    (here the first launch's device argument buffer). Made host memory with ``host()``, it must not
+    stay there: on CUDA the factory made a CPU tensor and ``pin_memory()`` copied it, so the
+    replay's copy into the first buffer never touches the second launch's host arguments."""
+    from workbench.engine import host
+    table, kept = torch.arange(12.0).view(4, 3), []
+
+    def launch(row, factor):
+        args = host(torch.zeros(2, dtype=torch.int64), "cpu")
+        kept.append(args)
+        args.numpy()[:] = (row, factor)
+        dev = torch.empty(2, dtype=torch.int64)
+        dev.copy_(args, non_blocking=True)
+        return table.index_select(0, dev[:1])[0] * dev[1]
+
+    g = new_graph("cpu")
+    with graph(g):
+        a, b = launch(1, 2), launch(3, 5)
+    g.replay()
+    assert [k.tolist() for k in kept] == [[1, 2], [3, 5]]
+    assert a.tolist() == [6.0, 8.0, 10.0] and b.tolist() == [45.0, 50.0, 55.0]
+
+
 def test_host_memory_made_in_capture_and_dropped_raises_on_replay_by_default():
     from workbench.engine import host
     g, _, _inputs = _copy_from_host_made_in_capture(

@@ -16,7 +16,7 @@ from ..engine.cpu_graph import ALLOCATIONS
 from ..engine.opinfo import describe, op_tensors, overwrites, storage_key, tensors, written_tensors
 from ..engine.source import user_frame
 from .records import External, Op
-from .rules import dangling, padded_scatter, sync, uncomputed, undersized, unread
+from .rules import dangling, host_copies, padded_scatter, sync, uncomputed, undersized, unread
 from .rules.pool import block
 from .tensors import by_value, host_memory, signature
 
@@ -77,6 +77,7 @@ def recorded(doctor, func, args, kwargs, run):
         if not ext.host_copy and func is _COPY and t is args[1] and host_memory(t, info.cuda) \
                 and not host_memory(args[0], info.cuda):
             ext.host_copy = (str(func), source)
+    host_copies.copied(doctor, info, func, args, source)
     if doctor.followed:
         for key in in_keys:
             uncomputed.capture_reads(doctor, key)

@@ -36,8 +36,8 @@ from .failures import contained
 from .report import Finding, Report
 from .runner_events import RunnerEvents
 from .threads import Threads
-from .rules import (bounds, clobbered, dangling, decisions, derived, mutation, overwritten, padded_scatter, reused,
-                    shapes, staging, sync, uncomputed, undersized, unread, unwritten, warmup)
+from .rules import (bounds, clobbered, dangling, decisions, derived, host_copies, mutation, overwritten, padded_scatter,
+                    reused, shapes, staging, sync, uncomputed, undersized, unread, unwritten, warmup)
 from .rules.pool import PoolReads
 from .tensors import first_line
 
@@ -210,7 +210,7 @@ class Doctor(RunnerEvents):
         info.liveness.watch(info.externals)        # from now: a release is seen where it happens
         self.graph_writes.update(info.writes)
         self.graph_reads.update(info.externals)
-        self.host_reads.update(key for key, ext in info.externals.items() if ext.host_copy)
+        host_copies.capture_end(self, info)
         for key in info.writes:
             self.touched.pop(key, None)
         if any(self.buffer(k) is not None and self.buffer(k).role == "input" for k in info.writes):

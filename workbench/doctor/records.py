@@ -213,6 +213,7 @@ class GraphInfo:
         self.window: dict | None = None             # static-input elements written since its last replay
         self.step: dict | None = None               # ... as they were when its current replay began
         self.consumed: set[int] = set()             # ... of those, inputs another graph's replay read since
+        self.host_copied: list = []                 # during capture: what each copy from host memory read
         self.blocks: set[tuple] = set()             # memory blocks the capture wrote (rules/pool.py)
         self.own_blocks: set[tuple] = set()         # of those, blocks it allocated
         self.rehanded: dict[tuple, tuple] = {}      # ... again, once freed: (the op whose output took it, when)

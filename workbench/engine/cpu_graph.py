@@ -107,6 +107,7 @@ class CPUGraph:
         self._host_kept: list[torch.Tensor] = []        # ... which live as long as the graph
         self._held: list[torch.UntypedStorage] = []     # those the graph copies from, until capture end
         self._lifted, self._constants = set(), []       # constants made in the capture: keys; tensors it holds
+        self._reused: set[int] = set()                  # pool blocks a capture-time tensor was placed in again
         self._snapshots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._modes: tuple = ()
         self.replays = 0
@@ -146,6 +147,7 @@ class CPUGraph:
         self._snapshots.clear()
         self._host.clear()
         self._lifted.clear()
+        self._reused.clear()
         self._state = "captured"
 
     def capture_abort(self) -> None:
@@ -242,6 +244,11 @@ class CPUGraph:
                 self._host.add(storage_key(o))
         return out
 
+    def _in_reused_block(self, t: torch.Tensor) -> bool:
+        """Whether the capture placed ``t`` in a pool block an earlier tensor of it left, whose recorded
+        ops a replay still runs there (``host()`` then copies ``t`` out: see ``_claim_host``)."""
+        return storage_key(t) in self._reused
+
     def _claim_host(self, t: torch.Tensor) -> None:
         """``host(t)`` inside the capture: ``t``'s memory is host memory, made by host work that
         CUDA does not record (``torch.tensor(...).pin_memory()``). If the capture took it for a
@@ -274,6 +281,7 @@ class CPUGraph:
                 placed = torch.empty(0, dtype=t.dtype).set_(block, t.storage_offset(), t.shape, t.stride())
                 placed.copy_(t)
                 t.set_(placed.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+            self._reused.add(storage_key(t))
         return t                 # the same object: whoever saw it made (an observer below) sees it moved
 
     def _slot(self, t: torch.Tensor, func, source: str, reads: set):

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import _disable_current_modes
 
 from . import memory, queries
 from .errors import GraphError
@@ -124,8 +125,14 @@ def host(t: torch.Tensor, device: str | torch.device = "cpu") -> torch.Tensor:
         raise GraphError(f"device must be 'cpu' or 'cuda', got {str(device)!r}")
     if type(t) is HostTensor:
         return _pin(t)                  # (CUDA's ``pin_memory()`` would copy it into pinned memory)
-    out = _pin(memory.allocate_host(t).as_subclass(HostTensor))
     graph = queries.current_graph()
+    if graph is not None and graph._in_reused_block(t):
+        # A factory's output inside the capture, which the emulation placed in a pool block an earlier
+        # temporary of the capture left (whose recorded ops a replay still runs there): on CUDA it is a
+        # CPU tensor, and ``pin_memory()`` copies it into host memory of its own.
+        with _disable_current_modes():
+            t = t.clone()
+    out = _pin(memory.allocate_host(t).as_subclass(HostTensor))
     if graph is not None:
         graph._claim_host(out)  # host work inside a capture: not the graph's memory
     return out

@@ -7,7 +7,10 @@ its results differ from the workload's run without graphs (``probes/reference.py
 finding explains it, this compares the two runs line by line: in the functions some capture ran,
 a line the reference run ran -- up to the step at which the served run stopped -- and the served
 run never ran (in a capture, a warmup, or its own eager code) is where the two runs parted. The
-first such line, in the reference's order, is reported as ``warmup-divergence``. (A line a warmup ran
+first such line, in the reference's order, is reported as ``warmup-divergence``: at the check that
+chose to replay the graph (``raised.decider``: a reuse test answering True, a cache key), where one
+did, for the replays repeat the capture's path because it could not tell the paths apart; else at
+that line. (A line a warmup ran
 is no parting: the lazy set-up the reference does in its first step, the served run does in its
 warmup. Whether the capture then skipped it is ``rules/warmup.py``'s question.)
 
@@ -31,6 +34,7 @@ class Coverage:
         self.codes: set = set()                # functions a capture ran lines of
         self.served: set = set()               # (code, line) the served run ran eagerly, in those functions
         self.warm: set = set()                 # (code, line) its warmups ran (before the captures are known)
+        self.chosen: dict = {}                 # graph name -> the check whose answer chose to replay it, first seen
 
     def wanted(self, doctor, code, recording: bool) -> bool:
         """Whether a call of ``code`` reports its lines."""
@@ -66,6 +70,11 @@ class Coverage:
         evidence = (f"{outcome}; the run without graphs ran {len(lines)} line(s) of {function} (lines "
                     f"{', '.join(map(str, lines[:6]))}{', ...' if len(lines) > 6 else ''}) that the served run "
                     f"never ran, while {', '.join(names)} captured {function} on another path")
+        if (check := next((self.chosen[n] for n in names if n in self.chosen), None)) is not None:
+            # A check chose to replay the graph (a graph-reuse test, a cache key) and answered alike for
+            # both paths: what it leaves out is what the replays needed to tell them apart.
+            evidence += f"; the check at {check} chose to replay it, whatever path the step needed"
+            where = check
         doctor.add(Finding("warmup-divergence", ", ".join(names), "-", "-", where, evidence,
                            explain.capture_path(function, names[0]), {"lines": len(lines)}),
                    ("warmup-divergence", "coverage", where))

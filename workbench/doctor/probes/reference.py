@@ -242,6 +242,8 @@ class Reference:
             return                               # a later piece of a PIECEWISE step: counted at its first
         if pending is not None and pending.real < pending.size:
             self.padded[(pending.size, pending.real)] = (info.name, user_frame())
+        if info.name not in self.coverage.chosen and (check := decider(user_frames())) is not None:
+            self.coverage.chosen[info.name] = check
         root = self.root(info)
         self.span = (pending, info) if pending is not None and pending.span else None
         if root is None:

@@ -67,7 +67,9 @@ def capture_failed(doctor, info, graph: str, error: BaseException) -> None:
     check may have refused the capture (``guarded.py``)."""
     if isinstance(error, CaptureError) and error.op is not None:
         _aborted(doctor, graph, error)
-    elif not (info is not None and info.cuda and _refused(doctor, graph, error)):
+    elif info is not None and info.cuda and _refused(doctor, graph, error):
+        return
+    elif not any(words in str(error) for words in _REFUSED):         # (CUDA's words: a sync, not a guard's)
         guarded.refused(doctor, graph, _user_frames(error), error)     # the workload's own guard refused it
 
 

@@ -1,0 +1,73 @@
+"""Host memory a captured copy reads, handed on before the capture ends (``rules/host_copies.py``).
+A launcher that builds each launch's arguments in one scratch block of pinned memory and copies
+them to the device: the capture records the copies' source address, and the next launch rewrites
+the block, so every replay copies the last launch's arguments for all of them."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workbench import doctor
+from workbench.engine import events, graph, host, new_graph
+from workbench.engine.source import function_of
+
+
+class _Launcher:
+    def __init__(self, retained: bool):
+        self.retained, self.scratch, self.kept = retained, host(torch.zeros(2, dtype=torch.long)), []
+
+    def launch(self, table, args):
+        """``out = table[args[0]] * args[1]``, its arguments copied to the device from host memory."""
+        dev = torch.empty(2, dtype=torch.long)
+        dev.copy_(args, non_blocking=True)
+        return table.index_select(0, dev[:1])[0] * dev[1]
+
+    def scale_row(self, table, row: int, factor: int):
+        if self.retained:                         # the fix: a block kept as long as the graph
+            args = host(torch.zeros(2, dtype=torch.long))
+            self.kept.append(args)
+        else:
+            args = self.scratch                   # one block for every launch
+        args.numpy()[:] = (row, factor)           # a host store: no op
+        return self.launch(table, args)
+
+
+def _serve(retained: bool, refresh: bool = False) -> list:
+    table = torch.arange(12.0).view(4, 3)
+    launcher, x = _Launcher(retained), torch.zeros(3)
+    events.static_buffers("runner", {"x": x})
+
+    def step():
+        return launcher.scale_row(table, 1, 2) + launcher.scale_row(table, 3, 5) + x
+
+    with events.warmup():
+        step()
+    g = new_graph("cpu")
+    with graph(g, name="step"):
+        out = step()
+    outs = []
+    for n in range(3):
+        x.fill_(n)
+        if refresh:                               # a runner's refresh of its staging block before a replay
+            launcher.scratch.numpy()[:] = (2, n)
+        g.replay()
+        outs.append(out.clone())
+    return outs
+
+
+def test_a_launch_argument_block_the_next_launch_rewrites_inside_the_capture_is_dangling():
+    report = doctor.diagnose(lambda: _serve(retained=False))
+    found = report.of("dangling-reference")
+    assert found, report
+    assert function_of(found[0].location) == "scale_row", "named where the block was handed to the launcher"
+    assert "before the capture ended" in found[0].evidence
+
+
+@pytest.mark.parametrize("refresh", [False, True])
+def test_blocks_kept_for_the_graph_and_refreshed_between_replays_are_no_finding(refresh):
+    """Each launch's own block, kept alive with the graph (the fix); a block the runner writes after
+    the capture, before each replay, is the standard staging idiom."""
+    assert _serve(retained=True, refresh=refresh)[2].tolist() == [3.0 * 2 + 9 * 5 + 2, 4.0 * 2 + 10 * 5 + 2,
+                                                                   5.0 * 2 + 11 * 5 + 2]
+    report = doctor.diagnose(lambda: _serve(retained=True, refresh=refresh))
+    assert not report.errors and not report.of("dangling-reference"), report

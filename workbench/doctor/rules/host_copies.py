@@ -1,0 +1,68 @@
+"""dangling-reference: host memory a captured copy reads, handed on before the capture ended.
+
+A captured host-to-device copy (``cudaMemcpyAsync`` from pinned memory, a kernel's arguments
+copied from where the launcher keeps them) records the source's address, not its bytes: every
+replay copies what is there then. A launcher that builds the arguments in memory it lets go at
+once -- a stack frame the next call reuses, a pinned block the host allocator hands to the next
+call, one staging buffer refilled for the next launch -- has a capture whose later launches
+rewrite that memory before the capture ends. The capture's own copy read the first data; every
+replay reads the last. (On a GPU the same holds: the host writes are not captured, only the copy.)
+
+The check needs no sight of the writes (a NumPy store into pinned memory dispatches no op): the
+values each captured copy read are kept and compared with what the source holds when the capture
+ends. Memory the graph writes itself is left out (its replays write it again, in order). The
+finding names the line that handed the memory to the copy (``sync.handed_in``: a launcher given
+the argument buffer by its caller is not where it was chosen), else the copy.
+"""
+from __future__ import annotations
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ...engine.opinfo import describe, storage_key
+from ...engine.source import user_frames
+from ..report import Finding
+from ..tensors import alias, differs, host_memory
+from .sync import handed_in
+
+_COPY = torch.ops.aten.copy_.default
+
+
+def copied(doctor, info, func, args, source: str) -> None:
+    """A captured op: a copy from host memory into device memory keeps what it read."""
+    if func is not _COPY or not host_memory(args[1], info.cuda) or host_memory(args[0], info.cuda):
+        return
+    src = args[1]
+    with _disable_current_modes(), torch._C.DisableTorchFunctionSubclass():
+        read = src.detach().clone()
+    frames = [(f, f.f_lineno) for f in user_frames()]
+    site = handed_in(frames, lambda v: v is src) or source
+    info.host_copied.append((storage_key(src), StorageWeakRef(src.untyped_storage()), src.dtype, src.storage_offset(),
+                             tuple(src.shape), src.stride(), read, source, site, describe(src)))
+
+
+def capture_end(doctor, info) -> None:
+    """The captured copies whose source now holds other values than the copy read."""
+    doctor.host_reads.update(key for key, ext in info.externals.items() if ext.host_copy)
+    copies, info.host_copied = info.host_copied, []
+    for key, weak, dtype, offset, shape, stride, read, source, site, tensor in copies:
+        if key in info.writes:
+            continue                          # the graph writes it itself: replays write it again, in order
+        if weak.expired():
+            continue                          # released: the dangling rules see it at the replay
+        storage = torch.UntypedStorage._new_with_weak_ptr(weak.cdata)
+        with _disable_current_modes(), torch._C.DisableTorchFunctionSubclass():
+            now = alias(storage, dtype, shape, stride, offset)
+            changed = int(differs(now, read).sum())
+        if not changed:
+            continue
+        doctor.add(Finding(
+            "dangling-reference", info.name, "aten.copy_.default", tensor, site,
+            f"during the capture of {info.name}, the copy at {source} read {tensor} from host memory; before the "
+            f"capture ended, {changed} of those element(s) held other values: the host handed the memory on "
+            "(a launcher's argument buffer reused by a later launch) while the graph still copies from it",
+            "A captured copy from host memory keeps the address, not the data: every replay copies what the host "
+            "left there last. Keep the memory the copy reads alive and unchanged for as long as the graph lives "
+            "(a buffer the graph owns, retained with it), or build the data on the device inside the graph.",
+            {"elements_changed": changed}), ("dangling-reference", "host copy", site))
