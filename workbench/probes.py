@@ -232,6 +232,37 @@ def _host_made_in_capture(device: str) -> dict:
     return {"first": first, "after_next_host_allocation": _values(out), "later": _values(later)}
 
 
+def probe_host_from_reused_block(device: str) -> dict:
+    """Two launches in one capture, each building its arguments in pinned memory made from a fresh
+    CPU tensor and copying them to a device buffer it then drops. The second CPU tensor must not
+    share memory with the first launch's device buffer (the CPU emulation may place a capture-time
+    factory's output in a pool block an earlier temporary left): replays give both launches' own
+    arguments. On CUDA in a child, as pinning inside a capture may break it."""
+    if device == "cuda":
+        child = run_in_child(_host_from_reused_block, device, timeout=300)
+        return child.value if child.ok else {"error": child.error_type}
+    return _host_from_reused_block(device)
+
+
+def _host_from_reused_block(device: str) -> dict:
+    table, kept = torch.arange(12.0, device=device).view(4, 3), []
+
+    def launch(row: int, factor: int):
+        args = host(torch.zeros(2, dtype=torch.int64), device)
+        kept.append(args)
+        args.numpy()[:] = (row, factor)                  # a host store
+        dev = torch.empty(2, dtype=torch.int64, device=device)
+        dev.copy_(args, non_blocking=True)
+        return table.index_select(0, dev[:1])[0] * dev[1]
+
+    g = new_graph(device)
+    with graph(g):
+        a, b = launch(1, 2), launch(3, 5)
+    g.replay()
+    synchronize(device)
+    return {"first": _values(a), "second": _values(b), "arguments": [k.tolist() for k in kept]}
+
+
 def probe_op_trace(device: str) -> dict:
     """The aten ops a capture records: those the code ran, no more (no extra ``detach``); on CUDA
     the ops a dispatch logger sees during the real capture, on the CPU the graph's ``ops``."""
@@ -356,6 +387,7 @@ PROBES = {
     "capture_query": probe_capture_query,
     "host_memory": probe_host_memory,
     "host_made_in_capture": probe_host_made_in_capture,
+    "host_from_reused_block": probe_host_from_reused_block,
     "recapture_pool": probe_recapture_pool,
     "freed_in_capture": probe_freed_in_capture,
     "shared_retained": probe_shared_retained,

@@ -18,7 +18,7 @@ from ..engine.source import user_frame
 from .records import External, Op
 from .rules import dangling, host_copies, padded_scatter, sync, uncomputed, undersized, unread
 from .rules.pool import block
-from .tensors import by_value, host_memory, signature
+from .tensors import by_value, host_memory, host_only, signature
 
 aten = torch.ops.aten
 _COPY = aten.copy_.default
@@ -27,9 +27,12 @@ _COPY = aten.copy_.default
 def recorded(doctor, func, args, kwargs, run):
     """One op inside a capture (``Doctor.capturing``): run it, record it."""
     info = doctor.capturing
+    inputs = op_tensors(args, kwargs)
+    if info.cuda and host_only(inputs, True):
+        return run()            # host work (a pinned flag's ``.item()``): CUDA records none of it, and the
+        # CPU engine runs it where the doctor does not see it (``engine/host.py``)
     source = user_frame()
     sync.check(doctor, info, func, args, kwargs, source)
-    inputs = op_tensors(args, kwargs)
     in_keys = {storage_key(t) for t in inputs}
     targets = doctor.targets(func, args, kwargs)
     if targets and func is _COPY:

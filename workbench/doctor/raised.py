@@ -51,9 +51,9 @@ _RETURNS = {dis.opmap[name] for name in ("RETURN_VALUE", "RETURN_CONST", "YIELD_
 _STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
 _PACKAGES = ("site-packages", "dist-packages")
 _STORE = dis.opmap["STORE_SUBSCR"]
-# Errors of a misused value (``'float' object has no attribute 'copy_'``, a call with wrong arguments):
-# followed as a ``raise`` is, from a single frame too, into a harness that catches them (a callback a
-# library calls, ``tree_map``'s, raising one is a failure, not a protocol's end).
+# Errors of a misused value (``'float' object has no attribute 'copy_'``, a call with wrong
+# arguments): followed as a ``raise`` is, from a single frame too, into a harness that catches them
+# (a callback a library calls, ``tree_map``'s, raising one is a failure, not a protocol's end).
 _MISUSE = (AttributeError, TypeError, NameError)
 _CACHE = dis.opmap.get("CACHE", -1)
 _CALLS = {dis.opmap[name] for name in ("CALL", "PRECALL", "CALL_FUNCTION_EX", "CALL_KW") if name in dis.opmap}

@@ -37,6 +37,7 @@ from ...engine.opinfo import describe, op_tensors, overwrites, storage_key, writ
 from ...engine.source import user_frame
 from .. import explain, skipped
 from ..report import Finding
+from ..probes import held
 from . import derived
 from ..tensors import broadcasts, onto, region
 
@@ -221,12 +222,15 @@ def _short_window(doctor, info, key: int, past, reads) -> None:
     if window >= pending.real or not bool(past[window:pending.real].any()) or (buf := doctor.buffer(key)) is None:
         return
     made = info.windows.get(key, info.site)
-    doctor.add(Finding(
-        "undersized-buffer", info.name, "-", f"{buf.name}: {describe(buf.ref())}", made,
-        f"replay {info.replays + 1} of {info.name} serves {pending.real} real rows, and the step copied data into rows "
-        f"{window}..{pending.real - 1} of {buf.name}, but the graph reads only its first {window} row(s): the view "
-        f"its capture read, cut at {made}", explain.short_window(buf.name, info.name),
-        {"real": pending.real, "rows_read": window}), ("undersized-buffer", info.name, buf.name, "window"))
+    # (with a run without graphs, held until the workload's results say whether those rows mattered: a
+    # per-request table that a step fills past what its kernels read, in eager form too, is no loss)
+    with held(doctor, info.held_state if doctor.reference is not None else None):
+        doctor.add(Finding(
+            "undersized-buffer", info.name, "-", f"{buf.name}: {describe(buf.ref())}", made,
+            f"replay {info.replays + 1} of {info.name} serves {pending.real} real rows, and the step copied data into "
+            f"rows {window}..{pending.real - 1} of {buf.name}, but the graph reads only its first {window} row(s): "
+            f"the view its capture read, cut at {made}", explain.short_window(buf.name, info.name),
+            {"real": pending.real, "rows_read": window}), ("undersized-buffer", info.name, buf.name, "window"))
 
 
 def touched(doctor, func, args, kwargs) -> None:
