@@ -246,7 +246,7 @@ class CPUGraph:
 
     def _in_reused_block(self, t: torch.Tensor) -> bool:
         """Whether the capture placed ``t`` in a pool block an earlier tensor of it left, whose recorded
-        ops a replay still runs there (``host()`` then copies ``t`` out: see ``_claim_host``)."""
+        ops a replay still runs there: ``host()`` copies such a ``t`` out before claiming it."""
         return storage_key(t) in self._reused
 
     def _claim_host(self, t: torch.Tensor) -> None:
