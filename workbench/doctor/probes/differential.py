@@ -216,10 +216,10 @@ def _from_other_memory(doctor, info, pending, replayed: dict, rng_after, graph_o
                                                       carried) is not None):
         for key, one in carried.items():
             if (what := _carried_over(doctor, info, pending, replayed, rng_after, graph_out, {key: one})):
-                # (state alone differing -- the outputs agree -- is held as state is: until the workload's
-                # results say whether what the step left in memory mattered)
-                with held(doctor, info.held if _like_reference(pending) else
-                          None if "output" in what[1] else _state_held(doctor, info, pending)):
+                # (state alone differing -- the outputs agree -- and not held already is held as state is:
+                # until the workload's results say whether what the step left in memory mattered)
+                state_only = "output" not in what[1] and doctor.holding is None
+                with held(doctor, _state_held(doctor, info, pending) if state_only else doctor.holding):
                     rootcause.carried(doctor, info, pending, what, info.externals[key], one)
                 break
     if not info.startup_checked:

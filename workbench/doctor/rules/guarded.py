@@ -24,7 +24,7 @@ _SAYS = re.compile(r"captur", re.IGNORECASE)
 
 def refused(doctor, graph: str, frames: list, error: BaseException) -> bool:
     """``frames``: the user's frames of the error's traceback, innermost first, with their lines."""
-    if not frames or any(f.graph.split(", ").count(graph) for f in doctor.report.findings):
+    if not frames or any(graph in f.graph.split(", ") for f in doctor.report.findings):
         return False                # nothing of the user's raised it, or a finding already explains the capture
     frame = frames[0][0]
     if not (_SAYS.search(str(error)) or _asks(frame.f_code)):

@@ -43,7 +43,9 @@ def copied(doctor, info, func, args, source: str) -> None:
 
 
 def capture_end(doctor, info) -> None:
-    """The captured copies whose source now holds other values than the copy read."""
+    """The captured copies whose source now holds other values than the copy read; and the host memory
+    the graph's copies re-read by address at every replay (``doctor.host_reads``, for the eager writes
+    the intake watches)."""
     doctor.host_reads.update(key for key, ext in info.externals.items() if ext.host_copy)
     copies, info.host_copied = info.host_copied, []
     for key, weak, dtype, offset, shape, stride, read, source, site, tensor in copies:

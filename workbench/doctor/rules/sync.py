@@ -67,10 +67,10 @@ def capture_failed(doctor, info, graph: str, error: BaseException) -> None:
     check may have refused the capture (``guarded.py``)."""
     if isinstance(error, CaptureError) and error.op is not None:
         _aborted(doctor, graph, error)
-    elif info is not None and info.cuda and _refused(doctor, graph, error):
-        return
-    elif not any(words in str(error) for words in _REFUSED):         # (CUDA's words: a sync, not a guard's)
+    elif (op := next((what for words, what in _REFUSED.items() if words in str(error)), None)) is None:
         guarded.refused(doctor, graph, _user_frames(error), error)     # the workload's own guard refused it
+    elif info is not None and info.cuda:                               # (CUDA's words: a sync, not a guard's)
+        _refused(doctor, graph, op, error)
 
 
 def _aborted(doctor, graph: str, error) -> None:
@@ -86,18 +86,13 @@ _REFUSED = {"during CUDA graph capture unless the CPU tensor is pinned": "a copy
             "operation not permitted when stream is capturing": "a host synchronisation"}
 
 
-def _refused(doctor, graph: str, error: BaseException) -> bool:
+def _refused(doctor, graph: str, op: str, error: BaseException) -> None:
     """A CUDA capture that CUDA, or torch's check before it, aborted for a host copy or sync that no
     op the doctor watches showed first: a factory copying Python data (``torch.tensor(1.0,
     device=...)``) inside a backward pass, which runs on autograd's device thread, where the
     doctor's function mode is not. The innermost user frame of the traceback asked for it."""
-    text = str(error)
-    op = next((what for words, what in _REFUSED.items() if words in text), None)
-    if op is None:
-        return False
     if frames := _user_frames(error):
         finding(doctor, graph, op, location(*frames[0]), None, _stand_in(frames))
-    return True
 
 
 def _user_frames(error: BaseException) -> list:
