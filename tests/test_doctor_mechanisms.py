@@ -2480,6 +2480,76 @@ def test_a_padded_replay_whose_padded_rows_index_past_a_table_is_stale_padding(f
 
 
 @pytest.mark.parametrize("fixed", [False, True])
+def test_a_real_rows_index_past_a_table_in_a_padded_replay_is_an_undersized_table(fixed):
+    """A per-request stash is sized by the graph's batch (4 rows) but looked up by request slot,
+    and a request holding slot 4 arrives in a padded step: the replay's lookup runs past the end.
+    The lookup's own index says a real row holds the index (the padded rows hold slot 0), so no
+    padded row is to blame: undersized-buffer, named where the stash was allocated -- not
+    stale-padding because some other buffer happens to hold the number, nor a shape mismatch of
+    the caller that handed the replay's rows on. The fix sizes the stash by the request pool."""
+    slots = torch.zeros(4, dtype=torch.long)
+
+    def workload():
+        stash = torch.arange(7.0 if fixed else 4.0).unsqueeze(1)        # one row per pool slot, or per batch row
+
+        def forward(size):
+            return stash[slots[:size]] * 2
+
+        m = Manager(forward, [4], {"slots": slots}, state={"stash": stash})
+        m.capture()
+        outs, full = [], m.outputs[4]         # (the graph's rows, held where the replay's error passes)
+        for batch in ([1, 2, 3], [1, 4, 3]):
+            slots.copy_(torch.tensor(batch + [0]))
+            try:
+                outs.append(m.replay(3)[:3].clone())
+            except IndexError:
+                pass
+        return outs, full
+    report = doctor.diagnose(workload)
+    if fixed:
+        assert report.findings == [] and not report.caught, report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "undersized-buffer" and finding.tensor.startswith("stash"), finding
+    assert finding.location.endswith("in workload") and "real row(s) 1 of the lookup's index" in finding.evidence
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_a_padding_sentinel_handed_to_an_indexed_op_at_fixed_shapes_is_stale_padding(fixed):
+    """A pair list kept at a fixed length for the graph pads the pairs a step does not have with
+    (-1, -1). The per-atom sum scatters the pairs by index: ``index_add`` rejects -1 (on a GPU a
+    device-side assert), and the warmup fails. The padding's sentinel reached an op as an index:
+    stale-padding at that op, not a lookup past a table's end. The fix points padded pairs at a
+    dummy atom whose row is dropped, with zero weight."""
+    pos = torch.zeros(4)
+
+    def forward(size):
+        close = (pos[:, None] - pos[None, :]).abs() < 1.5
+        i, j = torch.triu_indices(4, 4, 1)
+        keep = close[i, j]
+        dummy = 4 if fixed else -1
+        i, j = torch.where(keep, i, dummy), torch.where(keep, j, dummy)
+        energy = torch.zeros(5 if fixed else 4).index_add(0, i, (pos[i.clamp(0, 3)] * keep).abs())
+        return energy[:4] * 2
+
+    def workload():
+        pos.copy_(torch.tensor([0.0, 1.0, 5.0, 9.0]))
+        m = Manager(forward, [4], {"pos": pos})
+        try:
+            m.capture()
+        except IndexError:
+            return None
+        return m.replay(4).clone()
+    report = doctor.diagnose(workload)
+    if fixed:
+        assert report.findings == [] and not report.caught, report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "stale-padding" and finding.op == "aten.index_add.default", finding
+    assert "in forward" in finding.location and "hold -1, a padding sentinel" in finding.evidence
+
+
+@pytest.mark.parametrize("fixed", [False, True])
 def test_a_padded_row_writing_what_real_rows_read_after_state_moved_is_stale_padding(fixed):
     """A padded row writes through a dummy slot. After the first steps, eager code migrates the
     cache (compaction moves a live page into the dummy's old slot and remaps its request) but the

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import types
 
 import pytest
 import torch
@@ -2147,3 +2148,61 @@ def test_a_first_replay_of_the_captures_own_batch_is_held_as_the_paired_ones_are
         assert report.findings == [], report
     else:
         assert [f.kind for f in report.findings][:1] == ["host-work-frozen"], report
+
+
+def block_size(lens):
+    """A lazy set-up's own kernels: the block size from the batch's lengths."""
+    total = lens.sum()
+    return (total // 4 + 1).reshape(1)
+
+
+def blocked_decode(q, lens, state):
+    """The block size is set up on the step's state object the first time the step sees it."""
+    if not hasattr(state, "block"):
+        state.block = block_size(lens)
+    return q * state.block + lens
+
+
+class LazyStateRunner:
+    """Static ``q``, ``lens`` and one state object. The warmup runs the lazy set-up on the state, so
+    the capture finds it done and records only the multiply; ``fix`` takes the set-up's result off
+    the state before capturing, so the capture records the set-up too."""
+
+    def __init__(self, variant: str):
+        self.q, self.lens, self.state = torch.zeros(2), torch.zeros(2, dtype=torch.long), types.SimpleNamespace()
+        events.static_buffers("runner", {"q": self.q, "lens": self.lens})
+        with events.warmup():
+            blocked_decode(self.q, self.lens, self.state)
+        if variant == "fix":
+            del self.state.block
+        self.graph = new_graph("cpu")
+        with graph(self.graph, name="decode"):
+            self.out = blocked_decode(self.q, self.lens, self.state)
+
+    def __call__(self, q, lens):
+        self.q.copy_(q)
+        self.lens.copy_(lens)
+        events.serve(self.graph, 2, 2, padded={}, outputs=self.out,
+                     eager=lambda: blocked_decode(self.q, self.lens, self.state))
+        self.graph.replay()
+        return self.out.clone()
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_lazy_set_up_only_the_reference_runs_is_named_at_the_branch_that_called_it(variant):
+    """The run without graphs makes a new state object at every step, so its lazy set-up runs
+    every step; the capture found it done by the warmup. Where the two traces part, the reference
+    runs the set-up's kernels: named at the line of the step that called into the set-up, where the
+    two paths left each other, not at the set-up's first kernel."""
+    def workload():
+        steps = [(torch.tensor([1.0, 2.0]), torch.tensor([n, n + 3])) for n in (5, 9, 13)]
+        with events.reference():
+            expected = [blocked_decode(q, lens, types.SimpleNamespace()) for q, lens in steps]
+        runner = LazyStateRunner(variant)
+        got = [runner(q, lens) for q, lens in steps]
+        events.results(expected, got)
+        return expected, got
+    finding = finding_of(workload, variant)
+    if finding is None:
+        return
+    assert finding.kind == "warmup-divergence" and function_of(finding.location) == "blocked_decode", finding

@@ -261,6 +261,22 @@ def size_table(lookup: str, largest: int) -> str:
             "sized by (tokens, not requests, with several tokens per request) with the largest capture size.")
 
 
+def sentinel_index(op: str, value: int) -> str:
+    return (f"Fixed shapes (what a CUDA graph replays) pad a variable number of items -- neighbour pairs, tokens, "
+            f"slots -- with a sentinel ({value}) that means 'no item'. {op} takes it as an index: on the CPU it "
+            "raises, on a GPU a device-side assert or a write before the table's start. Mask the padded entries "
+            "before they index anything: point them at a dummy row whose result is dropped (and zero their "
+            "weights), or filter them with a mask the kernel honours.")
+
+
+def index_past_table(table: str, size: int) -> str:
+    return (f"A real request's own index runs past the end of {table} ({size} entries): no padded row is to "
+            "blame, the table is smaller than the indices requests bring (a stash sized by the batch or the "
+            "capture size but indexed by request slot, token position or block id). On a GPU an illegal memory "
+            f"access, or a silent read of other memory. Size {table} by the range of the index that looks it up "
+            "(the request pool, the longest context), not by the batch.")
+
+
 def dummy_index(buffer: str, state: bool) -> str:
     if state:
         return (f"The dummy rows of a warmup or capture index through {buffer} at entries no request wrote (a "

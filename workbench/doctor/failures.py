@@ -55,7 +55,7 @@ def op_failed(doctor, func, args, kwargs, error: BaseException) -> None:
         undersized.failed_read(doctor, func, args, kwargs, error)
         undersized.failed_allocation(doctor, func, args, kwargs, error)
         shapes.failed_op(doctor, func, args, kwargs, error)
-        if doctor.phase in ("warmup", "capture"):
+        if doctor.phase in ("warmup", "capture") and not lookups.failed_sentinel(doctor, func, args, error):
             lookups.failed_lookup(doctor, func, args, error)
     except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
         doctor.fail(e, f"explaining the failure of {func}")
@@ -67,7 +67,7 @@ def replay_failed(doctor, info, error: BaseException, where: str) -> None:
     table's end may be padded rows' doing (``lookups.failed_replay_lookup``)."""
     keep(doctor, id(error), lambda: f"{type(error).__name__}: {first_line(error)} ({where})")
     try:
-        lookups.failed_replay_lookup(doctor, info, info.pending, error, failed_op(error))
+        lookups.failed_replay_lookup(doctor, info, info.pending, error, *failed_call(error))
     except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
         doctor.fail(e, "explaining the failure of a replay")
 
@@ -133,10 +133,16 @@ def recorded_op(error: BaseException, graph: str) -> str:
 def failed_op(error: BaseException):
     """The recorded op an emulated replay was running when it raised (``func``, ``source``), or None
     (a CUDA replay, whose failure a kernel reports later, has none)."""
-    tb, op = error.__traceback__, None
+    return failed_call(error)[0]
+
+
+def failed_call(error: BaseException) -> tuple:
+    """``(op, args)``: the recorded op an emulated replay was running when it raised, and the
+    arguments the replay bound it to (the tensors it ran on), or ``(None, ())``."""
+    tb, found = error.__traceback__, (None, ())
     while tb is not None:
         candidate = tb.tb_frame.f_locals.get("op")
         if hasattr(candidate, "source") and hasattr(candidate, "func"):
-            op = candidate
+            found = (candidate, tb.tb_frame.f_locals.get("args") or ())
         tb = tb.tb_next
-    return op
+    return found

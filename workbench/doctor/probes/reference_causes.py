@@ -196,7 +196,17 @@ def parting(info, ops: list, ref: list, padded: bool) -> tuple | None:
                     f"{why}; the reference runs the same code another number of times ({d.inserted} op(s)) at "
                     f"{loop}: a count Python decided at capture is baked into the graph")
     op = d.eager_op if d.how in ("skipped", "ops") or d.graph_op is None else d.graph_op
-    return "warmup-divergence", op.name, "-", op.source, f"{why}: Python took another path at capture"
+    source = _left_at(info, ref[d.index].path) if d.how == "skipped" else None
+    return "warmup-divergence", op.name, "-", source or op.source, f"{why}: Python took another path at capture"
+
+
+def _left_at(info, extra: tuple) -> str | None:
+    """Where the reference left the capture's path, for work the graph never recorded: in the
+    innermost function of the first extra op's stack that the capture ran too, the line that led to
+    that work (a branch's call into a lazy set-up the capture found done, not the set-up's first
+    kernel). None where the capture's lines are not known (outside ``diagnose``)."""
+    ran = {code for code, _ in info.lines_run}
+    return next((location(code, line) for code, _, line in reversed(extra) if code in ran), None)
 
 
 _COMMON = (0, 1, -1, "0.0", "1.0", "-1.0")       # numbers any code holds

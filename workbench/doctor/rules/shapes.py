@@ -181,6 +181,8 @@ def _quantity(value) -> str:
 def raised(doctor, error: BaseException, frame) -> bool:
     """An error met as it is raised (``doctor/raised.py``) after a padded replay, caught later or
     not: reported (True) when this frame holds the replay's padded rows and real rows."""
+    if doctor.replay_error is not None and doctor.replay_error[0] is error:
+        return False            # (a replay's own op raised it: not eager code meeting the replay's rows)
     found = _in_frame(doctor.padded_step, frame, frame.f_lineno, first_line(error)) if explainable(error) else None
     if found is not None:
         _report(doctor, doctor.padded_step, error, *found)
