@@ -105,8 +105,7 @@ def failed_sentinel(doctor, func, args, error: BaseException) -> bool:
     if "out of range" not in text and (found is None or int(found.group(1)) >= 0):
         return False                # (an index past the end, not below the start: ``failed_lookup``'s)
     with _disable_current_modes():          # (the doctor's own arithmetic: no op of the watched code)
-        index = next((t for t in tensors(args[1:]) if t.dim() and not t.is_floating_point() and not t.is_complex()
-                      and t.dtype != torch.bool and bool((t < 0).any())), None)
+        index = next((t for t in tensors(args[1:]) if t.dim() and _integer(t) and bool((t < 0).any())), None)
         if index is None:
             return False
         negative = index[index < 0]
@@ -124,8 +123,12 @@ def failed_sentinel(doctor, func, args, error: BaseException) -> bool:
 def _holders(doctor, value: int) -> list:
     """The announced integer buffers that hold ``value`` somewhere."""
     return [b for b in doctor.buffers.values() if (t := b.ref()) is not None and isinstance(t, torch.Tensor)
-            and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
-            and bool((t == value).any())]
+            and _integer(t) and bool((t == value).any())]
+
+
+def _integer(t: torch.Tensor) -> bool:
+    """Whether ``t`` can hold indices (an integer dtype, not bool)."""
+    return not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
 
 
 def failed_replay_lookup(doctor, info, pending, error: BaseException, op, args=()) -> None:
@@ -169,7 +172,7 @@ def _rows_holding(args, value: int, size: int) -> set:
     rows = set()
     with _disable_current_modes():          # (the doctor's own arithmetic: no op of the watched code)
         for t in tensors(args[1:]):
-            if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool or t.dim() == 0 or t.shape[0] % size:
+            if not _integer(t) or t.dim() == 0 or t.shape[0] % size:
                 continue
             per = t.shape[0] // size
             rows.update(int(i) // per for i in (t == value).reshape(t.shape[0], -1).any(1).nonzero()[:, 0])
