@@ -455,6 +455,22 @@ def test_a_static_input_a_step_omits_keeps_the_last_steps_values(variant):
     assert finding.numbers["elements_carried"] == 4 and finding.numbers["max_abs_diff"] == 9.0
 
 
+def test_a_static_input_a_step_refreshes_in_part_is_named_at_the_refresh_that_left_the_rest():
+    """Four real requests, but the step copies slots for the first two only (a copy sized by another
+    count): the other two keep the last step's slots, and the finding stands at that copy, the
+    refresh that left them out, not at the op that reads them."""
+    def workload():
+        model = Offsets("bug")
+        m = Manager(model.forward, [4], {"x": model.x, "slots": model.slots})
+        m.capture()
+        model.step(m, torch.ones(4), torch.tensor([1, 2, 3, 1]))
+        model.step(m, torch.ones(4), torch.tensor([0, 0, 0, 0])[:2])
+    (finding,) = doctor.diagnose(workload).findings
+    assert finding.kind == "stale-input" and finding.tensor.startswith("slots"), finding
+    assert finding.source.endswith("in step: self.slots[:len(slots)] = slots"), finding
+    assert "this step's refresh of slots at" in finding.evidence, finding
+
+
 def test_a_table_updated_in_place_a_column_per_step_is_no_stale_input():
     """A block table the runner extends by one entry per step, the rest carried on purpose: an
     input written in part is this step's data plus its padding, not an omitted input."""

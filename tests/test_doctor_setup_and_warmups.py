@@ -820,6 +820,41 @@ def test_a_check_that_a_buffer_and_the_steps_tensor_match_is_a_padded_shape_mism
     assert "raise ValueError" in finding.source
 
 
+def _check(ok: bool, what: str) -> None:
+    """A check helper, as ``TORCH_CHECK`` is in C++: the caller compares, the helper raises."""
+    if not ok:
+        raise RuntimeError(f"Check failed: {what}")
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_comparison_handed_to_a_check_helper_is_read_in_its_caller(variant):
+    """Offsets laid out in one buffer sized for the largest batch (9 entries for 8 requests), and a
+    kernel wrapper that demands exactly ``batch + 1`` entries through a check helper: the warmup of
+    a 4-request graph fails. The comparison is the caller's, handed to the helper: the finding
+    stands at the caller's line, the buffer's rows against the count (the fix asks for at least)."""
+    def forward(q, indptr):
+        batch_size = q.size(0)
+        if variant == "fix":
+            _check(indptr.size(0) >= batch_size + 1, "indptr.size(0) >= batch_size + 1")
+        else:
+            _check(indptr.size(0) == batch_size + 1, "indptr.size(0) == batch_size + 1")
+        return q * indptr[1:batch_size + 1, None]
+
+    def workload():
+        indptr = torch.arange(9.0)
+        events.static_buffers("runner", {"indptr": indptr})
+        with events.warmup():
+            forward(torch.ones(4, 2), indptr)
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [] and report.errors == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "padded-shape-mismatch" and finding.numbers == {"buffer_rows": 9, "step_rows": 5}
+    assert finding.source.endswith('in forward: _check(indptr.size(0) == batch_size + 1, "indptr.size(0) == '
+                                   'batch_size + 1")'), finding.source
+
+
 def _failing_frame(check):
     """The frame in which ``check`` failed, and the error."""
     try:

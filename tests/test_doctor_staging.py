@@ -86,3 +86,30 @@ def test_a_host_read_of_staged_data_is_a_read():
             staged.copy_(torch.tensor([n, n + 1.0]))
             staged.tolist()
     assert doctor.diagnose(workload).findings == []
+
+
+def test_a_host_mirror_nothing_reads_after_its_first_upload_is_no_finding():
+    """A runner keeps a pinned host mirror of its lengths up to date every step, but fills the
+    device copy the graph reads from the step's own device tensor: after the capture's upload
+    nothing reads the mirror again, so no step's data was lost. Read again once after the
+    refills, the same mirror is a staging buffer whose earlier data never reached that read."""
+    def workload(read_again: bool):
+        lengths, mirror = torch.zeros(3, dtype=torch.long), host(torch.zeros(3, dtype=torch.long))
+        events.static_buffers("runner", {"lengths": lengths})
+        mirror.fill_(1)
+        lengths.copy_(mirror)                                    # the capture's batch, uploaded
+        g = new_graph("cpu")
+        with graph(g, name="decode"):
+            out = lengths * 2
+        for n in range(3):
+            given = torch.tensor([n, n + 1, n + 2])
+            mirror.copy_(given)                                  # the mirror line
+            lengths.copy_(given)
+            g.replay()
+        if read_again:
+            lengths.copy_(mirror, non_blocking=True)
+        return out.clone()
+
+    assert doctor.diagnose(lambda: workload(False)).findings == []
+    found = doctor.diagnose(lambda: workload(True)).findings
+    assert [f.kind for f in found] == ["persistent-mutation"] and "mirror.copy_(given)" in found[0].source, found

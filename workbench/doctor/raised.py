@@ -39,7 +39,7 @@ import torch
 
 from ..engine.source import SKIP_DIRS, function_name, location, mine, short_path
 from . import failures
-from .rules import clobbered, decisions, shapes, size_table, undersized
+from .rules import checks, clobbered, decisions, shapes, size_table, undersized
 from .tensors import first_line
 
 _RAISES = {dis.opmap[name] for name in ("RAISE_VARARGS", "RERAISE")}
@@ -166,11 +166,12 @@ class _Tracer:
         if watched:
             size_table.explained(doctor, error, frame)
             if _op(frame) in _RAISES:                # the program's own check (``assert``, ``raise``), not a library's
-                undersized.failed_fit_check(doctor, error, frame)
-                clobbered.failed_check(doctor, error, frame)
-                shapes.failed_size_check(doctor, error, frame)
-                shapes.failed_count_check(doctor, error, frame)
-                decisions.failed_flag_check(doctor, error, frame)
+                at = checks.helper_caller(frame) or frame     # (a check helper's: its caller compared)
+                undersized.failed_fit_check(doctor, error, at)
+                clobbered.failed_check(doctor, error, at)
+                shapes.failed_size_check(doctor, error, at)
+                shapes.failed_count_check(doctor, error, at)
+                decisions.failed_flag_check(doctor, error, at)
         if watched and (doctor.graphs or doctor.pools or doctor.buffers or doctor.phase != "eager") \
                 and (shapes.explainable(error) or isinstance(error, _MISUSE) or failures.pending(doctor, error)):
             where = f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} in {function_name(frame.f_code)}"

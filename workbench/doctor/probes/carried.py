@@ -36,6 +36,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ...engine.opinfo import describe, storage_key
+from ...engine.source import user_frame
 from ..tensors import at, broadcasts, changed, onto, region
 
 _COPY = torch.ops.aten.copy_.default
@@ -63,6 +64,7 @@ class CarriedInputs:
         self.ever: dict[int, torch.Tensor] = {}        # static input -> elements some step wrote
         self.captured: dict[int, torch.Tensor] = {}    # static input -> its values at the first capture reading it
         self.relayed: dict[int, torch.Tensor] = {}     # static input -> elements copied from an earlier step's
+        self.writers: dict[int, str] = {}              # static input -> the line that last wrote it
 
     def capture_end(self, doctor, info) -> None:
         info.window, info.consumed = {}, set()
@@ -78,6 +80,7 @@ class CarriedInputs:
         not write at all repeats the last step's inputs for another graph of the same step, as is.)"""
         with _disable_current_modes():
             for key, dst, buf in targets:
+                self.writers[key] = user_frame()
                 whole = buf.ref()
                 mask = self.relayed.get(key)
                 if mask is not None:

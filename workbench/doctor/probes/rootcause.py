@@ -178,8 +178,9 @@ def startup(doctor, info, pending, text: str, numbers: dict, kept, tensor: str |
         ("persistent-mutation", kept.op, kept.source, tensor))
 
 
-def carried(doctor, info, pending, what: tuple, ext, carried) -> None:
-    """A real step's answer depends on elements of a static input it did not write."""
+def carried(doctor, info, pending, what: tuple, ext, carried, refresh: str | None) -> None:
+    """A real step's answer depends on elements of a static input it did not write: reported at the
+    step's write into it that left them out (``refresh``), else where the graph reads it."""
     text, numbers, _ = what
     rows = carried.mask.reshape(carried.mask.shape[0], -1).any(1).nonzero().reshape(-1) if carried.mask.dim() else None
     where = (f"row(s) {int(rows[0])}..{int(rows[-1])}" if rows is not None and len(rows)
@@ -188,10 +189,12 @@ def carried(doctor, info, pending, what: tuple, ext, carried) -> None:
                "real": pending.real, "size": pending.size}
     evidence = (f"sampled replay {info.replays} of {info.name} ({pending.real} real rows of {pending.size}): {text} "
                 f"when the {int(carried.mask.sum())} element(s) of {carried.name} that this step did not write "
-                f"({where}, written by an earlier step) are put back to their values at capture")
-    doctor.add(Finding("stale-input", info.name, ext.op, f"{carried.name}: {carried.tensor}", ext.source, evidence,
+                f"({where}, written by an earlier step) are put back to their values at capture"
+                + (f"; this step's refresh of {carried.name} at {refresh} left them out" if refresh else ""))
+    source = refresh or ext.source
+    doctor.add(Finding("stale-input", info.name, ext.op, f"{carried.name}: {carried.tensor}", source, evidence,
                        explain.carried_input(carried.name, ext.op), numbers),
-               ("stale-input", carried.name, ext.source))
+               ("stale-input", carried.name, ext.source))   # (one finding per read, whichever step showed it)
 
 
 def _add(doctor, info, pending, kind, op, tensor, text, site, numbers) -> None:

@@ -4,7 +4,8 @@ An ``assert len(data) <= buf.numel()`` or an ``if a.shape[0] != b.shape[0]: rais
 contract the rules read (``undersized.failed_fit_check``, ``shapes.failed_size_check``). Its
 message may state the numbers or not: a bare ``assert`` has none, unless pytest rewrote it (then
 it reads ``assert 6 >= 8``), and a diagnosis must not depend on that. So the condition is found in
-the source -- the ``assert`` at the failing line, or the ``if`` whose body raised -- and its two
+the source -- the ``assert`` at the failing line, the ``if`` whose body raised, or the comparison a
+caller handed to a check helper that raised on it -- and its two
 operands are evaluated in the frame where they are plain reads: names, attributes, subscripts by a
 constant or a name, ``len(x)``, ``x.numel()``, ``x.size(d)`` (``d`` a constant or a local, as in a loop over
 dimensions), ``x.dim()``, and sums or products of those.
@@ -40,8 +41,27 @@ UNREAD = object()          # an operand that is no plain read (``read``)
 
 
 def test_at(frame) -> ast.expr | None:
-    """The test of the check that failed in ``frame``: the ``assert`` at its line, or the ``if`` whose body raised."""
-    return _checks(frame.f_code.co_filename).get(frame.f_lineno)
+    """The test of the check that failed in ``frame``: the ``assert`` at its line, the ``if`` whose
+    body raised, or the comparison it passed to a check helper (``helper_caller``)."""
+    found = _checks(frame.f_code.co_filename)
+    return found.get(frame.f_lineno) or found.get(-frame.f_lineno)
+
+
+def helper_caller(frame):
+    """The frame whose comparison failed, where ``frame`` is a check helper's that raised on a flag
+    it was given (``def _check(ok, what): if not ok: raise ...``, a ``TORCH_CHECK`` in Python): its
+    caller, whose line passes that comparison (the only one among the calls on that line). None
+    where ``frame`` is no such helper."""
+    test = test_at(frame)
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        test = test.operand
+    code = frame.f_code
+    if not isinstance(test, ast.Name) or test.id not in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]:
+        return None
+    caller = frame.f_back
+    if caller is None or -caller.f_lineno not in _checks(caller.f_code.co_filename):
+        return None
+    return caller
 
 
 def read(node: ast.expr, frame):
@@ -60,7 +80,12 @@ def _checks(filename: str) -> dict[int, ast.expr]:
     except (SyntaxError, ValueError):
         return {}
     found: dict[int, ast.expr] = {}
+    passed: dict[int, list] = {}         # line -> comparisons passed as call arguments (keyed by -line)
     for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            for arg in (*node.args, *(k.value for k in node.keywords)):
+                if isinstance(arg, ast.Compare):
+                    passed.setdefault(node.lineno, []).append(arg)
         if isinstance(node, ast.Assert):
             for line in range(node.lineno, (node.end_lineno or node.lineno) + 1):
                 found.setdefault(line, node.test)
@@ -68,6 +93,7 @@ def _checks(filename: str) -> dict[int, ast.expr]:
             for raised in (n for n in node.body if isinstance(n, ast.Raise)):
                 for line in range(raised.lineno, (raised.end_lineno or raised.lineno) + 1):
                     found.setdefault(line, node.test)
+    found.update({-line: compares[0] for line, compares in passed.items() if len(compares) == 1})
     return found
 
 

@@ -229,12 +229,13 @@ def _mismatch(func, args, kwargs) -> tuple[int, int] | None:
 
 def failed_size_check(doctor, error: BaseException, frame) -> None:
     """The program's own check that two tensors have as many rows failed while a graph is prepared
-    (a warmup, a capture): it compares for equality (``checks.condition``) the rows of two tensors
-    the frame holds, one a view of an announced buffer (a persistent bitmask laid out for the padded
-    token layout), the other the step's own (logits for the tokens this graph runs). The buffer's
-    layout and the graph's batch disagree: ``padded-shape-mismatch``, at the check. Reported once
-    the error proves a failure (``failures.explained``)."""
-    if doctor.phase not in ("warmup", "capture") or not isinstance(error, (AssertionError, ValueError)):
+    (a warmup, a capture): it compares for equality (``checks.condition``) the rows of a view of an
+    announced buffer the frame holds (a persistent bitmask laid out for the padded token layout,
+    offsets sized for the largest batch) with the step's own: another tensor's rows (logits for the
+    tokens this graph runs) or a count (the batch, plus one for offsets). The buffer's layout and
+    the graph's batch disagree: ``padded-shape-mismatch``, at the check. Reported once the error
+    proves a failure (``failures.explained``)."""
+    if doctor.phase not in ("warmup", "capture") or not explainable(error):
         return
     compared = checks.condition(frame)
     if compared is None or compared[0] != "equal":
@@ -244,15 +245,18 @@ def failed_size_check(doctor, error: BaseException, frame) -> None:
     for name, t in held:
         buf = doctor.buffer(key) if (key := _key(t)) is not None else None
         other = next(((n, u) for n, u in held if u.shape[0] != t.shape[0] and doctor.buffer(_key(u)) is None), None)
-        if buf is None or other is None:
+        count = next((n for n in compared[1] if n != t.shape[0]), None)
+        if buf is None or other is None and count is None:
             continue
+        # (the other side a tensor of the step's, or a count the step gives: its batch, plus one for offsets)
+        step = (other[0], other[1].shape[0], describe(other[1])) if other is not None else ("a count", count, count)
         graph = doctor.capturing.name if doctor.phase == "capture" and doctor.capturing else "the next capture"
-        what = f"{name} ({buf.name}: {describe(t)}) and {other[0]} ({describe(other[1])})"
+        what = f"{name} ({buf.name}: {describe(t)}) and {step[0]} ({step[2]})"
         finding = Finding(
             "padded-shape-mismatch", graph, "check", what, location(frame),
-            f"during {doctor.phase}, the program's check that {what} have as many rows failed: {first_line(error)}",
-            explain.unmatched_layout(buf.name, t.shape[0], other[1].shape[0]),
-            {"buffer_rows": t.shape[0], "step_rows": other[1].shape[0]})
+            f"during {doctor.phase}, the program's check that {what} agree in rows failed: {first_line(error)}",
+            explain.unmatched_layout(buf.name, t.shape[0], step[1]),
+            {"buffer_rows": t.shape[0], "step_rows": step[1]})
         doctor.explanation = (id(error), finding, ("padded-shape-mismatch", "check", location(frame)))
         return
 

@@ -15,8 +15,9 @@ same line wrote other values over elements it had written since the last read, s
 never reached a reader. As for static inputs (``unread._lost``), only the same line's second write
 counts (another line patching a staged row, a reset then a fill, is an edit on purpose), and only
 elements whose values change; and only in a staging buffer, pinned memory some copy takes to the
-device (a flag the host writes and reads back itself is host state: a loss seen before the first
-such copy is reported when it comes).
+device (a flag the host writes and reads back itself is host state). A loss is reported when the
+buffer is next read, once such a copy has been seen: a host mirror the runner keeps up to date
+and nothing reads again (the device copies are filled from elsewhere) loses no one's data.
 """
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def before_write(func, args, kwargs) -> list:
 class Staged:
     """A pinned storage's staged data: per line, the elements it wrote since their last read; whether
     a copy has taken the storage to the device (a staging buffer, not host state the host reads
-    itself); a loss seen before that first copy, reported once it comes."""
+    itself); a loss not yet reported, reported at the next read of a staging buffer."""
 
     __slots__ = ("lines", "uploaded", "lost")
 
@@ -96,9 +97,7 @@ def wrote(doctor, func, before: list | None) -> None:
                 f"{n} element(s) of a pinned host buffer that this line wrote since anything last read them are "
                 "written again by the same line with other values: the data it staged first never reached the "
                 "copy that takes the buffer to the device", explain.restaged(), {"elements_overwritten": n})
-            if staged.uploaded:
-                doctor.add(finding, ("persistent-mutation", source, "restaged before read"))
-            elif staged.lost is None:
+            if staged.lost is None:
                 staged.lost = finding
 
 
@@ -114,8 +113,9 @@ def read(doctor, func, args, kwargs) -> None:
                     staged.lines[source] = mask & ~hit if mask.shape == hit.shape else mask & False
             if func is _COPY and not staged.uploaded and not pinned(args[0]):
                 staged.uploaded = True
-                if staged.lost is not None:
-                    doctor.add(staged.lost, ("persistent-mutation", staged.lost.source, "restaged before read"))
+            if staged.uploaded and staged.lost is not None:
+                doctor.add(staged.lost, ("persistent-mutation", staged.lost.source, "restaged before read"))
+                staged.lost = None
 
 
 def host_read(doctor, t: torch.Tensor) -> None:
