@@ -628,6 +628,35 @@ def test_reading_an_output_after_the_next_call_is_overwritten_output():
     assert finding.numbers == {"handed_out_after": 1, "read_after": 2}
 
 
+def _kept_row(out):
+    return out[1]                    # a part of the graph's output kept, not a copy
+
+
+def _reshaped(out):
+    return out.view(-1)              # the same output in another form
+
+
+@pytest.mark.parametrize("keep", [_kept_row, _reshaped])
+def test_an_overwritten_view_is_named_where_a_part_of_the_output_was_taken(keep):
+    """A view that takes a part of a handed-out output (a row, a slice) is where the code chose to
+    keep the graph's memory rather than a copy: the finding names that line. A view of the whole
+    (a reshape) only hands the output on in another form: the finding names the read."""
+    with doctor.watch() as report:
+        runner = make_runner(row_wise)
+        runner.capture()
+        kept = keep(runner(x=batch(3, 0)))
+        runner(x=batch(3, 1))
+        stale = kept + 0
+    (finding,) = report.findings
+    assert finding.kind == "overwritten-output"
+    read = where(test_an_overwritten_view_is_named_where_a_part_of_the_output_was_taken, "stale = kept + 0")
+    if keep is _kept_row:
+        assert finding.location == where(_kept_row, "return out[1]")
+        assert f"and read at {read}" in finding.evidence
+    else:
+        assert finding.location == read
+
+
 def test_cloning_before_the_next_call_is_not_overwritten_output():
     with doctor.watch() as report:
         runner = make_runner(row_wise)

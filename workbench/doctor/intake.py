@@ -352,7 +352,7 @@ class Doctor(RunnerEvents):
         if phase == "eager" and pure_view(func):       # the hot path: eager code taking a view
             out = run()
             if self.handed:
-                overwritten.tag_view(self, args[0], out)
+                overwritten.tag_view(self, func, args[0], out)
             if self.every and not self.report.replays and isinstance(out, torch.Tensor):
                 unread.view_taken(self, out)            # set-up: where the views a capture reads were taken
             return out
@@ -431,7 +431,7 @@ class Doctor(RunnerEvents):
             unread.touched(self, func, args, kwargs)
         if view:
             if self.handed:
-                overwritten.tag_view(self, args[0], out)
+                overwritten.tag_view(self, func, args[0], out)
         else:                                       # a view creates no storage
             memory.record_new_storages(func, args, kwargs, out)
             if not self.report.replays:             # set-up: what is computed from what

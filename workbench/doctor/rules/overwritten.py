@@ -18,22 +18,33 @@ from .. import explain
 from ..report import Finding
 from .pool import block
 
+_aten = torch.ops.aten
+# Views that take a part of a tensor; ``alias`` is what indexing gives where this step's part is the
+# whole (``t[:n, ...]`` with ``n`` rows: the same line takes a part of a smaller batch).
+_PARTS = {_aten.slice, _aten.select, _aten.narrow, _aten.split, _aten.split_with_sizes, _aten.unbind,
+          _aten.chunk, _aten.diagonal, _aten.unfold, _aten.alias}
+
 
 def tag(doctor, t, info) -> None:
     """``t`` holds outputs of ``info``'s latest replay."""
     key = block(t)
-    _remember(doctor, t, key, doctor.generation.setdefault(key, 0), info, info.replays)
+    _remember(doctor, t, key, doctor.generation.setdefault(key, 0), info, info.replays, None)
 
 
-def tag_view(doctor, base, out) -> None:
-    """A view of a handed-out output is one too, and so is each of the views a split returns."""
+def tag_view(doctor, func, base, out) -> None:
+    """A view of a handed-out output is one too, and so is each of the views a split returns. The
+    first line that took a part of one (a slice, a row: ``_PARTS``) is kept with it: the code there
+    chose to keep a piece of the graph's memory rather than a copy of it (views of that view keep
+    the same line). A view of the whole (``detach``, a reshape) only hands the same output on in
+    another form."""
     entry = doctor.handed.get(id(base))
     if entry is not None and entry[0]() is base:
+        made = entry[5] or (user_frame() if func.overloadpacket in _PARTS else None)
         for view in tensors(out):
-            _remember(doctor, view, *entry[1:])
+            _remember(doctor, view, *entry[1:5], made)
 
 
-def _remember(doctor, t, key: tuple, generation: int, info, replays: int) -> None:
+def _remember(doctor, t, key: tuple, generation: int, info, replays: int, made: str | None) -> None:
     """Keyed by the view's ``id`` with a weak reference to it (a lookup checks that the view is the
     same object). Entries of released views are swept every 64 additions, not by callbacks: a
     runner hands out a view per step, and a callback per view costs host time on every step."""
@@ -41,7 +52,7 @@ def _remember(doctor, t, key: tuple, generation: int, info, replays: int) -> Non
     if len(handed) & 63 == 63:
         for ident in [i for i, entry in handed.items() if entry[0]() is None]:
             del handed[ident]
-    handed[id(t)] = (weakref.ref(t), key, generation, info, replays)
+    handed[id(t)] = (weakref.ref(t), key, generation, info, replays, made)
 
 
 def replayed(doctor, info) -> None:
@@ -79,9 +90,11 @@ def _read(doctor, func, t) -> None:
         doctor.handed[id(t)] = (entry[0], entry[1], doctor.generation[entry[1]], *entry[3:])
 
 
-def _stale(doctor, func, t, key: tuple, generation: int, info, handed_after: int) -> None:
+def _stale(doctor, func, t, key: tuple, generation: int, info, handed_after: int, made: str | None) -> None:
+    """Named where the program took the view it read late (where a copy would have kept the values),
+    else, for the handed-out output itself, at the read."""
     writer, writer_replay = doctor.writers[key]
-    source = user_frame()
+    source = made or user_frame()
     if writer is info:
         evidence = (f"an output handed out after replay {handed_after} of {info.name} is read after replay "
                     f"{writer_replay}")
@@ -90,6 +103,8 @@ def _stale(doctor, func, t, key: tuple, generation: int, info, handed_after: int
         evidence = (f"an output handed out after replay {handed_after} of {info.name} is read after replay "
                     f"{writer_replay} of {writer.name}, which writes the same memory")
         numbers = {"handed_out_after": handed_after, "read_after": writer_replay, "overwritten_by": writer.name}
+    if made is not None:
+        evidence += f"; the view read was taken at {made} and read at {user_frame()}"
     doctor.add(Finding(
         "overwritten-output", info.name, str(func), describe(t), source, evidence,
         explain.overwritten(str(func), info.name, handed_after, writer_replay, writer.name), numbers),
