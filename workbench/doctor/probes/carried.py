@@ -73,6 +73,19 @@ class CarriedInputs:
                 if (buf := doctor.buffer(key)) is not None and buf.role == "input":
                     self.captured[key] = buf.ref().detach().clone()
 
+    def refresh(self, info, pending, key: int, carried) -> str | None:
+        """The line that last wrote a static input in this step, which left out the elements it
+        carries over inside the graph's rows (a copy of the real requests' lengths that leaves a padded
+        request's as an earlier step wrote them). None where this step wrote none of it, or where the
+        carried elements all lie past the graph's rows: the step wrote its rows, and the graph read
+        others (a smaller graph reading the tail a larger batch wrote): the read is at fault."""
+        mask = (info.step or {}).get(key)
+        with _disable_current_modes():
+            wrote = mask is not None and bool(mask.any())
+            rows = carried.mask.reshape(carried.mask.shape[0], -1).any(1).nonzero() if carried.mask.dim() else None
+            past = rows is not None and len(rows) > 0 and int(rows.min()) >= pending.size
+        return self.writers.get(key) if wrote and not past else None
+
     def wrote(self, doctor, func, args, targets: list) -> None:
         """An eager write into static inputs (before it runs). A copy from another static input that
         this step wrote in part relays that input's other elements, an earlier step's values: the

@@ -221,7 +221,7 @@ def _from_other_memory(doctor, info, pending, replayed: dict, rng_after, graph_o
                 state_only = "output" not in what[1] and doctor.holding is None
                 with held(doctor, _state_held(doctor, info, pending) if state_only else doctor.holding):
                     rootcause.carried(doctor, info, pending, what, info.externals[key], one,
-                                      _refresh(doctor, info, pending, key, one))
+                                      doctor.carried.refresh(info, pending, key, one))
                 break
     if not info.startup_checked:
         info.startup_checked = True
@@ -427,20 +427,6 @@ def _announced(doctor, key: int, kept) -> str:
     """A storage's announced name (how other rules on that buffer key their findings), else its shape."""
     buf = doctor.buffer(key)
     return buf.name if buf is not None else kept.tensor
-
-
-def _refresh(doctor, info, pending, key: int, carried) -> str | None:
-    """The line that last wrote a static input in this step, which left out the elements it carries
-    over inside the graph's rows (a copy of the real requests' lengths that leaves a padded request's
-    as an earlier step wrote them). None where this step wrote none of it, or where the carried
-    elements all lie past the graph's rows: the step wrote its rows, and the graph read others (a
-    smaller graph reading the tail a larger batch wrote): the read is at fault."""
-    mask = (info.step or {}).get(key)
-    with _disable_current_modes():
-        wrote = mask is not None and bool(mask.any())
-        rows = carried.mask.reshape(carried.mask.shape[0], -1).any(1).nonzero() if carried.mask.dim() else None
-        past = rows is not None and len(rows) > 0 and int(rows.min()) >= pending.size
-    return doctor.carried.writers.get(key) if wrote and not past else None
 
 
 def _carried_over(doctor, info, pending, replayed: dict, rng_after, graph_out, carried: dict) -> tuple | None:

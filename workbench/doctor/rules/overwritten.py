@@ -94,7 +94,8 @@ def _stale(doctor, func, t, key: tuple, generation: int, info, handed_after: int
     """Named where the program took the view it read late (where a copy would have kept the values),
     else, for the handed-out output itself, at the read."""
     writer, writer_replay = doctor.writers[key]
-    source = made or user_frame()
+    read = user_frame()
+    source = made or read
     if writer is info:
         evidence = (f"an output handed out after replay {handed_after} of {info.name} is read after replay "
                     f"{writer_replay}")
@@ -104,7 +105,7 @@ def _stale(doctor, func, t, key: tuple, generation: int, info, handed_after: int
                     f"{writer_replay} of {writer.name}, which writes the same memory")
         numbers = {"handed_out_after": handed_after, "read_after": writer_replay, "overwritten_by": writer.name}
     if made is not None:
-        evidence += f"; the view read was taken at {made} and read at {user_frame()}"
+        evidence += f"; the view read was taken at {made} and read at {read}"
     doctor.add(Finding(
         "overwritten-output", info.name, str(func), describe(t), source, evidence,
         explain.overwritten(str(func), info.name, handed_after, writer_replay, writer.name), numbers),
