@@ -482,6 +482,38 @@ def test_a_failure_the_workload_catches_itself_is_found_by_diagnose_and_the_fix_
     assert sys.gettrace() is None                     # diagnose left no tracer behind
 
 
+def _execute(m, variant):
+    """A model runner's step: replays, then hands the hidden states on for the next component."""
+    out = m.step()
+    if variant == "bare":
+        return out
+    return {"hidden_states": out[:3] if variant == "fix" else out}
+
+
+@pytest.mark.parametrize("variant", ["packed", "bare", "fix"])
+def test_padded_rows_handed_on_packed_in_a_result_are_named_where_they_were_packed(variant):
+    """A runner packs the replay's padded rows in its result (``output["hidden_states"] = out``) and
+    a consumer asserts one row per request: the function that packed them should have sliced them
+    (upstream's fix slices there). A bare output returned as it is, a runner's own, leaves the
+    finding at the consumer; the sliced result is clean."""
+    def workload():
+        m = Mixer()
+        result = _execute(m, variant)
+        try:
+            asserted(result if variant == "bare" else result["hidden_states"], m.lengths)
+        except AssertionError:
+            pass
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "padded-shape-mismatch", finding
+    assert finding.location.endswith("in _execute" if variant == "packed" else "in asserted"), finding
+    if variant == "packed":
+        assert "met in asserted" in finding.evidence and "packed in its result" in finding.evidence, finding
+
+
 def _scores(q, weights, batch_size, per_request):
     assert batch_size * per_request == weights.shape[0], "one weight per token"
     return q[:weights.shape[0]] * weights

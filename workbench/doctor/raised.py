@@ -122,6 +122,8 @@ class _Tracer:
                     self.decided.pop(id(frame), None)
                 if doctor.reference is not None and caller is not None and (type(arg) is bool or _key(arg)):
                     self.decided[id(caller)] = location(frame)
+                if doctor.padded_step is not None and arg is not None:
+                    shapes.handed_on(doctor, frame, arg)
                 if (info := doctor.capturing) is not None and type(arg) in (int, float) and arg not in (0, 1, -1):
                     # where a number the capture may bake in was computed (kept as launch signatures keep it)
                     info.returned_numbers.setdefault(repr(arg) if type(arg) is float else arg, location(frame))

@@ -42,9 +42,41 @@ class PaddedStep:
     keys: set
     created: set = dataclasses.field(default_factory=set)     # the graph's own storages (not copied: per step)
     seen: tuple | None = None
+    handed: tuple | None = None       # (code, source, storages) of the last function that packed them in a result
 
     def holds(self, key: int) -> bool:
         return key in self.keys or key in self.created
+
+
+def handed_on(doctor, frame, value) -> None:
+    """A user function returns after a padded replay: when its result packs the replay's padded
+    rows into a per-request structure (a dict, a list, an object's attribute: ``output.hidden_states
+    = hidden_states``), it handed them on unsliced. A bare tensor or a tuple is a graph's outputs
+    passed up as they are (a runner's ``__call__``); a result packed for its consumers must hold the
+    real rows only, so a later failure on those rows is named there (``_in_frame``)."""
+    step = doctor.padded_step
+    if isinstance(value, (torch.Tensor, tuple)) or value is None or isinstance(value, (int, float, str, bool)):
+        return
+    keys = {k for t in _packed(value, 2) if _rows(t) == step.size and step.holds(k := _key(t))}
+    if keys:
+        step.handed = (frame.f_code, location(frame), keys)
+
+
+def _packed(value, depth: int):
+    """The tensors a result holds: in dicts, lists and tuples, and in an object's attributes."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth < 0 or isinstance(value, (str, bytes, int, float, torch.nn.Module)):
+        return
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _packed(v, depth - 1)
+    elif isinstance(value, (list, tuple)):
+        for v in value[:64]:
+            yield from _packed(v, depth - 1)
+    elif hasattr(value, "__dict__") and not isinstance(value, type):
+        for v in vars(value).values():
+            yield from _packed(v, depth - 1)
 
 
 def replayed(doctor, info, pending) -> None:
@@ -90,23 +122,27 @@ def failed(doctor, error: BaseException) -> None:
         message = first_line(error)
         found = next(filter(None, (_in_frame(step, f, line, message) for f, line in reversed(frames))), None)
         if found is None and step.seen is not None:
-            found = (step.seen[1], f"{step.seen[2]} and {step.seen[3]}", step.seen[0])
+            found = (step.seen[1], f"{step.seen[2]} and {step.seen[3]}", _HERE, step.seen[0])
         if found is not None:
             _report(doctor, step, error, *found)
     except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
         doctor.fail(e, "explaining the workload's error")
 
 
-def _report(doctor, step: PaddedStep, error: BaseException, source: str, what: str, op: str | None = None) -> None:
+_HERE = "met at this line"
+
+
+def _report(doctor, step: PaddedStep, error: BaseException, source: str, what: str, where: str = "",
+            op: str | None = None) -> None:
     numbers = {"replay": step.replay, "real": step.real, "size": step.size}
     doctor.add(Finding(
         "padded-shape-mismatch", step.graph, op or type(error).__name__, what, source,
         f"the workload failed after replay {step.replay} of {step.graph}, which served {step.real} real rows of "
-        f"{step.size}: {what} met at this line ({type(error).__name__}: {first_line(error)})",
+        f"{step.size}: {what} {where or _HERE} ({type(error).__name__}: {first_line(error)})",
         explain.padded_shape_mismatch(step.graph, step.real, step.size), numbers), ("padded-shape-mismatch", source))
 
 
-def _in_frame(step: PaddedStep, frame, line: int, message: str = "") -> tuple[str, str] | None:
+def _in_frame(step: PaddedStep, frame, line: int, message: str = "") -> tuple[str, str, str] | None:
     """``(source line, the two quantities)`` when a user frame holds a tensor with the replay's padded
     rows and one with its real rows; else when the failing line itself names the padded rows (a
     number equal to the graph's size, or the replay's tensor) and the real ones (a tensor's rows or a
@@ -114,7 +150,8 @@ def _in_frame(step: PaddedStep, frame, line: int, message: str = "") -> tuple[st
     count. Such a number is named where it entered the computation: the frame that handed it in
     as an argument is the site (``sync.handed_in``, as for a number read from a tensor). Else when the
     frame holds the replay's padded tensor and the error's ``message`` states both counts (a kernel's
-    check: ``q.shape[0] (8) does not match qo_indptr[-1] (5)``)."""
+    check: ``q.shape[0] (8) does not match qo_indptr[-1] (5)``). Where the padded tensor came to this
+    frame packed in another function's result (``handed_on``), that function is the site."""
     filename = frame.f_code.co_filename
     if filename.startswith(SKIP_DIRS) or filename.startswith("<"):
         return None
@@ -125,14 +162,15 @@ def _in_frame(step: PaddedStep, frame, line: int, message: str = "") -> tuple[st
     if padded is not None and real is not None:
         what = (f"`{padded[0]}` {describe(padded[1])} (the graph's {step.size} rows) and `{real[0]}` "
                 f"{describe(real[1])} ({step.real} real rows)")
-        return location(frame, line), what
+        return _handed(step, frame, line, padded[1], what) or (location(frame, line), what, _HERE)
     on_line = sorted(set(re.findall(r"[A-Za-z_]\w*", code)) & frame.f_locals.keys())
     values = frame.f_locals
     number = next((n for n in on_line if _padded(step, values[n])), None)
     rows = next((n for n in on_line if n != number and _size(values[n]) == step.real), None)
     if (number is None or rows is None) and padded is not None and _states(message, step):
-        return location(frame, line), (f"`{padded[0]}` {describe(padded[1])} (the graph's {step.size} rows) against "
-                                       f"{step.real} ({step.real} real rows), as the error states them")
+        what = (f"`{padded[0]}` {describe(padded[1])} (the graph's {step.size} rows) against {step.real} "
+                f"({step.real} real rows), as the error states them")
+        return _handed(step, frame, line, padded[1], what) or (location(frame, line), what, _HERE)
     if number is None or rows is None or all(_size(values[n]) is None for n in (number, rows)):
         return None                    # (two bare numbers are no evidence: one side must hold rows)
     what = (f"`{number}` {_quantity(values[number])} (the graph's {step.size} rows) and `{rows}` "
@@ -143,8 +181,18 @@ def _in_frame(step: PaddedStep, frame, line: int, message: str = "") -> tuple[st
         sync.handed_in([(frame, line), *((f, f.f_lineno) for f in user_frames(frame.f_back))],
                        lambda v: _number(v) == value)
     if caller is None:
-        return location(frame, line), what
-    return caller, f"{what}, compared in {function_name(frame.f_code)}"
+        handed = _handed(step, frame, line, value, what) if isinstance(value, torch.Tensor) else None
+        return handed or (location(frame, line), what, _HERE)
+    return caller, f"{what}, compared in {function_name(frame.f_code)}", _HERE
+
+
+def _handed(step: PaddedStep, frame, line: int, padded: torch.Tensor, what: str) -> tuple[str, str, str] | None:
+    """The function that packed the padded rows into the result this frame consumes (``handed_on``),
+    when that is not this frame's own function: the rows should have been sliced there."""
+    if step.handed is None or step.handed[0] is frame.f_code or _key(padded) not in step.handed[2]:
+        return None
+    return step.handed[1], what, (f"met in {function_name(frame.f_code)} (line {line}), after "
+                                  f"{function_name(step.handed[0])} handed the padded rows on, packed in its result")
 
 
 def _states(message: str, step: PaddedStep) -> bool:
