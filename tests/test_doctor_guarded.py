@@ -81,3 +81,25 @@ def test_a_function_that_asks_and_raises_is_itself_the_site(asks):
 
 def _unrelated(x):
     raise ValueError("the batch is malformed")
+
+
+REGISTRY = None          # a module's registry, torn down by a reset and never rebuilt
+
+
+def _records_events(x):
+    """Asks whether a capture runs, then misuses a value: an attribute of ``None`` is no refusal."""
+    if torch.cuda.is_current_stream_capturing():
+        REGISTRY.events.append(x.shape[0])
+    return x + 1
+
+
+def test_a_misused_value_in_a_function_that_asks_is_no_refusal():
+    def run():
+        x = torch.ones(2)
+        g = new_graph("cpu")
+        with graph(g, name="step"):
+            _records_events(x)
+
+    report = doctor.diagnose(run)
+    assert report.errors and "AttributeError" in report.headline(), report
+    assert not report.of("host-work-frozen"), report

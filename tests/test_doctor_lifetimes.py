@@ -81,9 +81,18 @@ def test_a_pool_block_whose_graph_went_first_still_counts_while_its_tensor_lives
         x + 1
 
 
-def _pipeline(keep_output: bool):
-    """A graph reading another graph's output, whose graph is then dropped (its static inputs were
-    copied in a capture of their own, as graphed callables do); the program keeps that output or not."""
+def _let_go(graphs: dict, how: str) -> None:
+    """A cache's eviction: the graph is reset, or dropped with its last reference."""
+    if how == "reset":
+        graphs["staging"].reset()
+    else:
+        del graphs["staging"]
+
+
+def _pipeline(keep_output: bool, how: str = "dropped"):
+    """A graph reading another graph's output, whose graph is then dropped or reset (its static
+    inputs were copied in a capture of their own, as graphed callables do); the program keeps that
+    output or not."""
     x = torch.ones(2, 3)
     pool = graph_pool_handle("cpu")
     staging = new_graph("cpu")
@@ -92,7 +101,9 @@ def _pipeline(keep_output: bool):
     head = new_graph("cpu")
     with graph(head, pool=pool, name="head"):
         out = static.sum(-1)
+    graphs = {"staging": staging}
     del staging
+    _let_go(graphs, how)
     gc.collect()
     if not keep_output:
         del static
@@ -101,15 +112,21 @@ def _pipeline(keep_output: bool):
     return out
 
 
-def test_a_dropped_graphs_output_the_program_still_holds_is_no_dangling_read():
+@pytest.mark.parametrize("how", ["dropped", "reset"])
+def test_a_dropped_graphs_output_the_program_still_holds_is_no_dangling_read(how):
+    """The read dangles once the output's holder lets go too; it is named where the graph was let
+    go (the decisive act, as a released input is), with the read as the evidence."""
     with doctor.watch() as kept:
-        _pipeline(keep_output=True)
+        _pipeline(keep_output=True, how=how)
     assert kept.findings == [], kept
     with doctor.watch() as dropped:
-        _pipeline(keep_output=False)
+        _pipeline(keep_output=False, how=how)
     (finding,) = dropped.findings
     assert finding.kind == "dangling-reference" and finding.graph == "head"
-    assert "output of staging, which was dropped" in finding.evidence
+    assert f"output of staging, which was {how} at " in finding.evidence, finding
+    assert finding.location.endswith("in _let_go"), finding
+    line = "graphs[\"staging\"].reset()" if how == "reset" else "del graphs[\"staging\"]"
+    assert finding.source.endswith(line) and "out = static.sum(-1)" in finding.evidence, finding
 
 
 # ------------------------------------------------------------------ memory freed in place

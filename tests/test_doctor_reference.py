@@ -2206,3 +2206,54 @@ def test_a_lazy_set_up_only_the_reference_runs_is_named_at_the_branch_that_calle
     if finding is None:
         return
     assert finding.kind == "warmup-divergence" and function_of(finding.location) == "blocked_decode", finding
+
+
+class UserDict(dict):
+    """A dict subclass with an ``update`` of its own (a tensordict's): the doctor, putting back what
+    the eager step rebound in it, must not call it."""
+
+    def update(self, other, **_):
+        for k, v in other.items():
+            self[k] = v
+
+
+def act(td):
+    """A policy that writes its action into the dict it is given, beside a tensor of the same shape."""
+    td["action"] = torch.tanh(td["obs"]) + td["noise"]
+    return td
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_step_returning_a_dict_is_compared_with_the_reference_by_key(variant):
+    """The graph hands out the action alone; the step's root returns a dict that holds the noise,
+    of the action's shape, before it. Each replay is compared with the reference's ``action`` (the
+    key it sat at when captured), not with the first tensor of its shape: the fix agrees with the
+    run without graphs and is clean; the bug, which never refreshes the noise, does not."""
+    gen = torch.Generator().manual_seed(7)
+    steps = [(torch.randn(2, generator=gen), torch.randn(2, generator=gen)) for _ in range(3)]
+
+    def workload():
+        with events.reference():
+            expected = [act(UserDict(obs=o, noise=n))["action"].clone() for o, n in steps]
+        static = UserDict(obs=torch.zeros(2), noise=torch.zeros(2))
+        events.static_buffers("policy", {"obs": static["obs"], "noise": static["noise"]})
+        with events.warmup():
+            act(UserDict(static))
+        g = new_graph("cpu")
+        with graph(g, name="policy"):
+            out = act(static)["action"]
+        got = []
+        for o, n in steps:
+            static["obs"].copy_(o)
+            if variant == "fix":
+                static["noise"].copy_(n)
+            events.serve(g, 2, 2, padded={}, outputs=out, eager=lambda: act(static)["action"])
+            g.replay()
+            got.append(out.clone())
+        events.results(expected, got)
+    report = doctor.diagnose(workload)
+    assert report.failure is None, report
+    if variant == "fix":
+        assert report.findings == [] and "differ" not in report.headline(), report
+    else:
+        assert report.findings or "differ" in report.headline(), report

@@ -40,7 +40,7 @@ import torch
 from ..engine.source import SKIP_DIRS, function_name, location, mine, short_path
 from . import failures
 from .rules import checks, clobbered, decisions, shapes, size_table, undersized
-from .tensors import first_line
+from .tensors import first_line, placement
 
 _RAISES = {dis.opmap[name] for name in ("RAISE_VARARGS", "RERAISE")}
 _RETURNS = {dis.opmap[name] for name in ("RETURN_VALUE", "RETURN_CONST", "YIELD_VALUE", "RETURN_GENERATOR")
@@ -124,6 +124,8 @@ class _Tracer:
                     self.decided[id(caller)] = location(frame)
                 if doctor.padded_step is not None and arg is not None:
                     shapes.handed_on(doctor, frame, arg)
+                if (info := doctor.capturing) is not None and isinstance(arg, (dict, list)) and arg:
+                    info.returned_paths[frame.f_code] = placement(arg)    # (reference.py pairs by it)
                 if (info := doctor.capturing) is not None and type(arg) in (int, float) and arg not in (0, 1, -1):
                     # where a number the capture may bake in was computed (kept as launch signatures keep it)
                     info.returned_numbers.setdefault(repr(arg) if type(arg) is float else arg, location(frame))

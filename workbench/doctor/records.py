@@ -160,8 +160,9 @@ class Liveness:
 
 class GraphInfo:
     def __init__(self, graph, name: str) -> None:
-        self.ref = weakref.ref(graph)
+        self.ref = weakref.ref(graph, self._dropped)
         self.name = name
+        self.gone: tuple[str, str] | None = None    # ("reset" or "dropped", the user's line that did it)
         self.site = user_frame()                    # the user's line that captured it
         self.cuda = not hasattr(graph, "ops")       # a torch.cuda.CUDAGraph exposes no op list
         self.ops: list[Op] = []                     # the capture's launch trace
@@ -185,6 +186,7 @@ class GraphInfo:
         self.paths: list = []                       # with a reference run: each op's functions, static views read
         self.lines_run: set = set()                 # (function, line) run inside the capture, under diagnose's tracer
         self.returned_numbers: dict = {}            # a Python number a function returned inside it -> that return
+        self.returned_paths: dict = {}              # a function that returned a dict or list inside it -> placement
         self.by_value: list = []                    # (Op, value) of 0-dim host tensors its ops take by value
         self.taken_by_value: set = set()            # (op, line) taking a static input's value: the runner's data
         self.writes_inputs = False                  # it writes a static input (rules/mutation.py)
@@ -222,6 +224,11 @@ class GraphInfo:
         self.scatters: list = []                    # captured writes into state through an index (rules/padded_scatter.py)
         self.live_slots: dict = {}                  # scatter -> slots real rows wrote
         self.shared_slots: dict = {}                # scatter -> {slot a padded row shared: (finding, key)}
+
+    def _dropped(self, _ref) -> None:
+        """The graph object was collected: where the program let go of it (a cache's eviction)."""
+        if self.gone is None:
+            self.gone = ("dropped", user_frame())
 
 
 def unwritten_blocks(info, pending) -> set:

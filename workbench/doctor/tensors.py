@@ -284,3 +284,30 @@ def announced_of(announced: list, returned: list) -> list | None:
             return None
         out.append(r)
     return out
+
+
+def paths(obj, at: tuple = ()):
+    """Where each tensor ``tensors(obj)`` yields sits in ``obj`` (dict keys, list positions), in
+    the same order."""
+    if isinstance(obj, torch.Tensor):
+        yield at
+    elif isinstance(obj, (tuple, list)):
+        for i, x in enumerate(obj):
+            yield from paths(x, (*at, i))
+    elif isinstance(obj, dict):
+        for k, x in obj.items():
+            yield from paths(x, (*at, k))
+
+
+def placement(value) -> dict:
+    """What a function returned inside a capture, as ``{an output's geometry: where it sat}``: a
+    step that returns a dict (a ``ModelOutput``, a tensordict) is paired with the reference's by key,
+    not by shape (``paired``)."""
+    return {geometry(t): p for p, t in zip(paths(value), tensors(value))} if isinstance(value, (dict, list)) else {}
+
+
+def geometry(t: torch.Tensor) -> tuple | None:
+    try:
+        return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)
+    except (RuntimeError, NotImplementedError):        # no strided storage
+        return None

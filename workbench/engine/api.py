@@ -62,6 +62,7 @@ class CUDAGraph(torch.cuda.CUDAGraph):
         super().reset()
         self.captured = False
         self.replays = 0
+        events.graph_reset(self)
 
 
 def new_graph(device: str | torch.device = "cpu", *, on_freed: str = "raise"):

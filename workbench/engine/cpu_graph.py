@@ -399,6 +399,7 @@ class CPUGraph:
         if self._state == "capturing":
             raise GraphError("reset() inside the graph's own capture block.")
         self._clear()
+        events.graph_reset(self)
 
     def _clear(self) -> None:
         if self._pool is not None:

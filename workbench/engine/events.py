@@ -54,7 +54,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 _observers: list[Any] = []
-_EVENTS = ("capture_begin", "capture_end", "capture_abort", "capture_refused", "pool_made", "pool_used",
+_EVENTS = ("capture_begin", "capture_end", "capture_abort", "capture_refused", "graph_reset", "pool_made", "pool_used",
            "replay_begin", "launching", "replay_end", "static_buffers",
            "persistent_state", "shared_outputs", "written_metadata", "warmup_begin", "warmup_end",
            "dummy_run_begin", "dummy_run_end", "reference_begin", "reference_end", "results", "serve", "handed_out",
@@ -103,6 +103,13 @@ def capture_abort(graph: Any, error: BaseException) -> None:
 def capture_refused(graph: Any, pool: Any, name: str | None, error: BaseException) -> None:
     if _observers:
         _emit("capture_refused", graph, pool, name, error)
+
+
+def graph_reset(graph: Any) -> None:
+    """A captured graph was reset: its pool memory goes back to the pool, under any graph that still
+    reads it (a dangling read is named where this happened)."""
+    if _observers:
+        _emit("graph_reset", graph)
 
 
 def pool_made(pool: Any) -> None:

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ...engine.opinfo import tensors
 from ..records import unwritten_blocks
 from ..rules.pool import block
-from ..tensors import announced_of, disagrees, max_abs_diff, real_rows
+from ..tensors import announced_of, disagrees, geometry, max_abs_diff, real_rows
 from .reference_causes import rows_like
 
 _NEAR = 32          # reference calls either side of the served run's count that may have given a replay's answer
@@ -94,9 +94,17 @@ def differs_from(got: list, expected: list | None) -> tuple | None:
     return None
 
 
-def paired(got: list, expected: list | None) -> tuple:
-    """A replay's outputs and what a reference call returned, paired: the announced ones of a call
-    that returned more, the root's own of a graph that hands out more (``root_outputs``)."""
+def paired(got: list, expected: list | None, where: tuple | None = None, placed: dict | None = None,
+           raw: list | None = None) -> tuple:
+    """A replay's outputs and what a reference call returned, paired: by where each output sat in
+    what the step's root returned at capture (``placed``) and the reference's at the same place
+    (``where``), where both are known; else the announced ones of a call that returned more, the
+    root's own of a graph that hands out more (``root_outputs``)."""
+    if placed and where and raw is not None and expected is not None:
+        index = {p: i for i, p in enumerate(where)}
+        picks = [None if r is None else index.get(placed.get(geometry(r), ())) for r in raw]
+        if all(i is not None for i, r in zip(picks, raw) if r is not None):
+            return got, [None if i is None else expected[i] for i in picks]
     if expected is not None and len(expected) > len(got):
         return got, announced_of(got, expected)
     if expected is not None and len(expected) < len(got):

@@ -285,14 +285,14 @@ def put_back(kept: list) -> None:
     and keys taken away are put back, lists and sets restored whole. Keys and attributes added
     stay: a dict an eager run filled is a cache (quantized weights kept for later microbatches),
     and an eager program runs from its second step on with that cache filled."""
-    for _, _, was, now in differ(kept):
+    for _, _, was, now in differ(kept):     # (the base type's methods: a subclass may redefine ``update``)
         if isinstance(now, list):
-            now[:] = was
+            list.__setitem__(now, slice(None), was)
         elif isinstance(now, set):
-            now.clear()
-            now.update(was)
+            set.clear(now)
+            set.update(now, was)
         else:
-            now.update((k, v) for k, v in was.items() if _get(now, k) is not v)
+            dict.update(now, [(k, v) for k, v in was.items() if _get(now, k) is not v])
 
 
 def what_changed(entry) -> str:
@@ -330,7 +330,8 @@ def _copy(live):
     run code (a registry whose ``__getitem__`` builds an object)."""
     if type(live) in (dict, list, set):
         return live.copy()
-    return dict(live.items()) if isinstance(live, dict) else list(live) if isinstance(live, list) else set(live)
+    return dict(dict.items(live)) if isinstance(live, dict) else list.copy(live) if isinstance(live, list) else \
+        set(set.__iter__(live))
 
 
 def _get(d: dict, key, default=_MISSING):
@@ -344,9 +345,9 @@ def _same(now, was) -> bool:
     if len(now) != len(was):
         return False
     if isinstance(now, dict):
-        if all(map(is_, now.values(), was.values())) and all(map(is_, now, was)):
+        if all(map(is_, dict.values(now), was.values())) and all(map(is_, dict.__iter__(now), was)):
             return True                     # (the common case: nothing moved, in the same order)
-        return now.keys() == was.keys() and all(_get(now, k) is v for k, v in was.items())
+        return dict.keys(now) == was.keys() and all(_get(now, k) is v for k, v in was.items())
     if isinstance(now, list):
         return all(map(is_, now, was))
     return {id(v) for v in now} == {id(v) for v in was}

@@ -86,7 +86,7 @@ from ..records import Op, unwritten_blocks
 from ..report import Finding
 from ..rules import reused, sync
 from ..rules.pool import block
-from ..tensors import host_only, real_rows, signature
+from ..tensors import host_only, paths, real_rows, signature
 from . import release
 from .compare import calls_near, comparable, differs_from, paired, verdict
 from .coverage import Coverage
@@ -122,7 +122,7 @@ class Reference:
         self.call: dict[int, int] = {}            # id(frame) -> the number of its call (a new call renumbers)
         self.calls: dict = {}                     # code -> its call numbers in the reference, in order
         self.steps: list[Step] = []
-        self.returned_values: dict[tuple, list] = {}    # (code, call number) -> the tensors it returned
+        self.returned_values: dict[tuple, tuple] = {}   # (code, call number) -> the tensors it returned, where
         self.kept: dict[tuple, tuple] = {}        # (storage, geometry, version) -> (its storage, weakly; value)
         self.budget = _BUDGET
         self.served: dict = {}                    # code -> its eager calls in the served run
@@ -159,7 +159,8 @@ class Reference:
     def returned(self, frame, value) -> None:
         found = tensors(value) if self.budget > 0 else ()
         if found and (number := self.call.get(id(frame))) is not None:
-            self.returned_values[(frame.f_code, number)] = [self._keep(t, always=True) for t in found]
+            self.returned_values[(frame.f_code, number)] = ([self._keep(t, always=True) for t in found],
+                                                            tuple(paths(value)))
 
     def eager_op(self, doctor, func, args, kwargs) -> None:
         """An op outside captures: recorded while the reference runs; after it, a write into a
@@ -298,16 +299,18 @@ class Reference:
                 return
             number, ref, compared = match
             blank = unwritten_blocks(info, pending)
-            outputs = [None if block(o) in blank else real_rows(o, pending.real, pending.size)
-                       for o in tensors(pending.outputs)]
-            got, expected = paired(outputs, self.returned_values.get((code, number)))
+            raw = list(tensors(pending.outputs))
+            outputs = [None if block(o) in blank else real_rows(o, pending.real, pending.size) for o in raw]
+            placed = info.returned_paths.get(code)
+            got, expected = paired(outputs, *self.returned_values.get((code, number), (None,)), placed, raw)
             differs = differs_from(got, expected)
             if differs is None:
                 pending.agreed = comparable(got, expected)
                 return
             if compared is None:                 # aligned by the count alone: a guess, which a near call may beat
                 near = calls_near(self.calls[code], k)
-                if any(differs_from(*paired(outputs, self.returned_values.get((code, n)))) is None for n in near):
+                if any(differs_from(*paired(outputs, *self.returned_values.get((code, n), (None,)), placed, raw)) is None
+                       for n in near):
                     return
                 compared = []
         release(doctor, info.held, info.held_state)   # what earlier replays' probes found, now borne out

@@ -221,11 +221,13 @@ def _other_graph(doctor, info, before_replay: bool) -> None:
         if made is not None and made[0]() is not None:  # the tensor its capture made is still the program's
             continue
         del info.foreign[key]
-        how = "dropped" if graph is None else "reset"
+        how, where = owner.gone or ("dropped" if graph is None else "reset", None)
+        # (named where the owner was let go, the decisive act, as a released input is; the read is the evidence)
         finding = doctor.add(Finding(
-            "dangling-reference", info.name, op, tensor, source,
-            f"{_when(info, before_replay)}: the graph reads a {tensor} output of {owner.name}, which was {how}: "
-            "its memory went back to the shared pool", explain.dangling_pool(tensor, op, owner.name, how),
+            "dangling-reference", info.name, op, tensor, where or source,
+            f"{_when(info, before_replay)}: the graph reads (through {op} at {source}) a {tensor} output of "
+            f"{owner.name}, which was {how}{f' at {where}' if where else ''}: its memory went back to the shared "
+            "pool", explain.dangling_pool(tensor, op, owner.name, how),
             {"replays_before": info.replays}), ("dangling-reference", op, source))
         _stop(doctor, finding, before_replay)
 

@@ -9,7 +9,8 @@ once, at capture: the function it guards is the site.
 
 A refusal is an error raised inside a capture (not the engine's own refusal of a host sync:
 ``sync.py``) that either says so (its text speaks of capturing) or was raised by a function that
-itself asks whether a capture is running. A function named for the check (``_assert_not_capturing``,
+itself asks whether a capture is running (an error of a misused value there, an attribute of
+``None``, is no refusal). A function named for the check (``_assert_not_capturing``,
 ``check_not_capturing``) is the guard, not the work: the finding names its caller.
 """
 from __future__ import annotations
@@ -20,6 +21,8 @@ from ...engine.source import location
 from ..report import Finding
 
 _SAYS = re.compile(r"captur", re.IGNORECASE)
+# A misused value (``'NoneType' object has no attribute ...``) is no check, wherever it was raised.
+_MISUSE = (AttributeError, TypeError, NameError)
 
 
 def refused(doctor, graph: str, frames: list, error: BaseException) -> bool:
@@ -27,7 +30,7 @@ def refused(doctor, graph: str, frames: list, error: BaseException) -> bool:
     if not frames or any(graph in f.graph.split(", ") for f in doctor.report.findings):
         return False                # nothing of the user's raised it, or a finding already explains the capture
     frame = frames[0][0]
-    if not (_SAYS.search(str(error)) or _asks(frame.f_code)):
+    if not (_SAYS.search(str(error)) or _asks(frame.f_code) and not isinstance(error, _MISUSE)):
         return False
     guard = len(frames) > 1 and _SAYS.search(frame.f_code.co_name) is not None
     site = location(*frames[1]) if guard else location(*frames[0])
