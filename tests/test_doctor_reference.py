@@ -2208,13 +2208,17 @@ def test_a_lazy_set_up_only_the_reference_runs_is_named_at_the_branch_that_calle
     assert finding.kind == "warmup-divergence" and function_of(finding.location) == "blocked_decode", finding
 
 
-class UserDict(dict):
-    """A dict subclass with an ``update`` of its own (a tensordict's): the doctor, putting back what
-    the eager step rebound in it, must not call it."""
+class TensorDictLike(dict):
+    """A dict subclass with methods of its own (a tensordict's ``update``, a registry's ``items``):
+    the doctor, walking it and putting back what the eager step rebound in it, must call none."""
 
     def update(self, other, **_):
-        for k, v in other.items():
-            self[k] = v
+        raise AssertionError("the doctor called the program's own update()")
+
+    def items(self):
+        raise AssertionError("the doctor called the program's own items()")
+
+    values = keys = items
 
 
 def act(td):
@@ -2234,11 +2238,11 @@ def test_a_step_returning_a_dict_is_compared_with_the_reference_by_key(variant):
 
     def workload():
         with events.reference():
-            expected = [act(UserDict(obs=o, noise=n))["action"].clone() for o, n in steps]
-        static = UserDict(obs=torch.zeros(2), noise=torch.zeros(2))
+            expected = [act(TensorDictLike(obs=o, noise=n))["action"].clone() for o, n in steps]
+        static = TensorDictLike(obs=torch.zeros(2), noise=torch.zeros(2))
         events.static_buffers("policy", {"obs": static["obs"], "noise": static["noise"]})
         with events.warmup():
-            act(UserDict(static))
+            act(TensorDictLike(static))
         g = new_graph("cpu")
         with graph(g, name="policy"):
             out = act(static)["action"]

@@ -14,7 +14,7 @@ code that is not the workload's caught it (a harness around the step, such as th
 ``compare``): it left two or more of the workload's frames, then a library's, and never reached
 the workload's frame above. The program's own checks are also handed to the rules that read them
 (``undersized.failed_fit_check``, ``clobbered.failed_check``, ``shapes.failed_size_check``,
-``decisions.failed_flag_check``).
+``decisions.failed_flag_check``), and a value a reset bound to None to ``torn_down.failed``.
 After a padded replay it also hands each frame to ``rules/shapes.py``, which may tie the error
 to the padded rows; an item assignment that failed (into a NumPy staging array, which dispatches
 no op) goes to ``rules/undersized.py``'s write contract.
@@ -39,7 +39,7 @@ import torch
 
 from ..engine.source import SKIP_DIRS, function_name, location, mine, short_path
 from . import failures
-from .rules import checks, clobbered, decisions, shapes, size_table, undersized
+from .rules import checks, clobbered, decisions, shapes, size_table, torn_down, undersized
 from .tensors import first_line, placement
 
 _RAISES = {dis.opmap[name] for name in ("RAISE_VARARGS", "RERAISE")}
@@ -169,6 +169,7 @@ class _Tracer:
         description = deliberate = None              # not kept, but followed: its callers must not take it for new
         if watched:
             size_table.explained(doctor, error, frame)
+            torn_down.failed(doctor, error, frame)
             if _op(frame) in _RAISES:                # the program's own check (``assert``, ``raise``), not a library's
                 at = checks.helper_caller(frame) or frame     # (a check helper's: its caller compared)
                 undersized.failed_fit_check(doctor, error, at)

@@ -176,6 +176,7 @@ class GraphInfo:
         self.unwritten: dict[int, tuple] = {}       # ... by an allocation alone, written by no op of it since: its block
         self.constants: set[int] = set()            # ... of those, Python data lifted in it (host values on CUDA)
         self.foreign: dict[int, tuple] = {}         # storage of another graph's pool -> (graph, op, source, tensor)
+        self.collected: set[int] = set()            # ... of those, outputs a collection was run for (dangling)
         self.owners: tuple[int, tuple] = (0, ())    # rules.dangling's cache: (len(foreign), their graphs)
         self.warmup: list[Op] | None = None         # the first warmup run before this capture
         self.eager_lines: set[str] = set()          # lines run eagerly after that warmup, outside the capture

@@ -295,7 +295,7 @@ def paths(obj, at: tuple = ()):
         for i, x in enumerate(obj):
             yield from paths(x, (*at, i))
     elif isinstance(obj, dict):
-        for k, x in obj.items():
+        for k, x in dict.items(obj):
             yield from paths(x, (*at, k))
 
 

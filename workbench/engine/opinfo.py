@@ -72,7 +72,7 @@ def tensors(obj) -> Iterator[torch.Tensor]:
         for x in obj:
             yield from tensors(x)
     elif isinstance(obj, dict):
-        for x in obj.values():
+        for x in dict.values(obj):          # (a subclass's own ``values`` is the user's code: not run)
             yield from tensors(x)
 
 

@@ -98,7 +98,7 @@ def watched(root: object) -> list:
             if isinstance(obj, set):            # (a set's members are reached, never found again by a key)
                 stack += [(v, watch, f"{label}[{_key(v)}]", None, _weak(v)) for v in obj]
                 continue
-            items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+            items = dict.items(obj) if isinstance(obj, dict) else enumerate(obj)    # (not a subclass's own)
             stack += [(v, watch, f"{label}[{_key(k)}]", me, k) for k, v in items]
         elif isinstance(attrs := getattr(obj, "__dict__", None), dict):
             module, tensor = type(obj).__module__, isinstance(obj, torch.Tensor)
@@ -300,8 +300,9 @@ def what_changed(entry) -> str:
     c, label, was, now = entry
     if isinstance(now, dict):
         owner = label if isinstance(c, dict) else type(c).__name__
-        gone, added = [k for k in was if k not in now], [k for k in now if k not in was]
-        rebound = [k for k in was if k in now and _get(now, k) is not was[k]]
+        gone = [k for k in was if not dict.__contains__(now, k)]
+        added = [k for k in dict.__iter__(now) if k not in was]
+        rebound = [k for k in was if dict.__contains__(now, k) and _get(now, k) is not was[k]]
         for verb, keys in (("removes", gone), ("adds", added), ("rebinds", rebound)):
             if keys:
                 where = f"{owner}.{keys[0]}" if not isinstance(c, dict) else f"{owner}[{keys[0]!r}]"

@@ -5,6 +5,8 @@ graph of the same pool (a graph reads an output of another graph, which was then
 its memory went back to the pool, to be handed to whatever is allocated next)."""
 from __future__ import annotations
 
+import gc
+
 from .. import explain
 from ...engine.errors import GraphError
 from ...engine.opinfo import describe, op_tensors, storage_key
@@ -218,6 +220,11 @@ def _other_graph(doctor, info, before_replay: bool) -> None:
         if graph is not None and getattr(graph, "captured", True):
             continue
         made = owner.made.get(key)
+        if made is not None and made[0]() is not None and key not in info.collected:
+            # Held, or only not yet collected (a cycle the program left): whether it is held must not
+            # depend on when the collector last ran. One collection per output settles it.
+            info.collected.add(key)
+            gc.collect()
         if made is not None and made[0]() is not None:  # the tensor its capture made is still the program's
             continue
         del info.foreign[key]
