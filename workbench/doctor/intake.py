@@ -156,10 +156,6 @@ class Doctor(RunnerEvents):
         info = self.graphs.get(self.current.get(id(graph), -1))
         return info if info is not None and info.ref() is graph else None
 
-    def graph_reset(self, graph) -> None:
-        if (info := self.info(graph)) is not None:
-            info.gone = ("reset", user_frame())
-
     def owner_of(self, key: int) -> GraphInfo | None:
         entry = self.owned.get(key)
         return entry[1] if entry is not None and not entry[0].expired() else None

@@ -51,10 +51,6 @@ _RETURNS = {dis.opmap[name] for name in ("RETURN_VALUE", "RETURN_CONST", "YIELD_
 _STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
 _PACKAGES = ("site-packages", "dist-packages")
 _STORE = dis.opmap["STORE_SUBSCR"]
-# Errors of a misused value (``'float' object has no attribute 'copy_'``, a call with wrong
-# arguments): followed as a ``raise`` is, from a single frame too, into a harness that catches them
-# (a callback a library calls, ``tree_map``'s, raising one is a failure, not a protocol's end).
-_MISUSE = (AttributeError, TypeError, NameError)
 _CACHE = dis.opmap.get("CACHE", -1)
 _CALLS = {dis.opmap[name] for name in ("CALL", "PRECALL", "CALL_FUNCTION_EX", "CALL_KW") if name in dis.opmap}
 
@@ -124,11 +120,12 @@ class _Tracer:
                     self.decided[id(caller)] = location(frame)
                 if doctor.padded_step is not None and arg is not None:
                     shapes.handed_on(doctor, frame, arg)
-                if (info := doctor.capturing) is not None and isinstance(arg, (dict, list)) and arg:
-                    info.returned_paths[frame.f_code] = placement(arg)    # (reference.py pairs by it)
-                if (info := doctor.capturing) is not None and type(arg) in (int, float) and arg not in (0, 1, -1):
-                    # where a number the capture may bake in was computed (kept as launch signatures keep it)
-                    info.returned_numbers.setdefault(repr(arg) if type(arg) is float else arg, location(frame))
+                if (info := doctor.capturing) is not None:
+                    if isinstance(arg, (dict, list)) and arg:
+                        info.returned_paths[frame.f_code] = placement(arg)    # (reference.py pairs by it)
+                    elif type(arg) in (int, float) and arg not in (0, 1, -1):
+                        # where a number the capture may bake in was computed (kept as launch signatures keep it)
+                        info.returned_numbers.setdefault(repr(arg) if type(arg) is float else arg, location(frame))
             if event == "line":
                 if (info := doctor.capturing) is not None:
                     info.lines_run.add((frame.f_code, frame.f_lineno))
@@ -178,7 +175,7 @@ class _Tracer:
                 shapes.failed_count_check(doctor, error, at)
                 decisions.failed_flag_check(doctor, error, at)
         if watched and (doctor.graphs or doctor.pools or doctor.buffers or doctor.phase != "eager") \
-                and (shapes.explainable(error) or isinstance(error, _MISUSE) or failures.pending(doctor, error)):
+                and (shapes.explainable(error) or isinstance(error, checks.MISUSE) or failures.pending(doctor, error)):
             where = f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} in {function_name(frame.f_code)}"
             text = (f"{type(error).__name__}: {first_line(error)} (raised at {where}, during {doctor.phase})",
                     failures.stack_codes(frame))
@@ -190,11 +187,12 @@ class _Tracer:
         where the caller is a library's, in the workload's frame above it. The library may never let
         it get there (it caught it): kept then, if it had left two frames of the workload's at least;
         one frame is a protocol (``__getitem__``'s ``IndexError`` ends an iteration), unless the error
-        is a misuse no protocol raises (``_MISUSE``)."""
+        is a misuse no protocol raises (``checks.MISUSE``): followed, from a single frame too, into a
+        harness that catches it (a callback a library calls, ``tree_map``'s, raising one is a failure)."""
         through = False
         while caller is not None and not (mine(caller) and not _stdlib(caller.f_code.co_filename)):
             caller, through = caller.f_back, True
-        if caller is not None and (left >= 1 or not through or issubclass(key[1], _MISUSE)):
+        if caller is not None and (left >= 1 or not through or issubclass(key[1], checks.MISUSE)):
             self.followed[id(caller)] = (key, text, left + 1, through)
 
 

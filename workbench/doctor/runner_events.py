@@ -1,8 +1,8 @@
 """What the runners announce (``workbench.engine.events``): the meaning of their tensors, the pools
-they make and give captures, warmups, dummy runs, the workload's reference run, each served step
-and the outputs handed out; and the check before a CUDA launch, which runs the eager form a served
-step announced. The ``Doctor`` takes these handlers from this class; the engine's other events and
-the dispatch mode's work are in ``intake.py``."""
+they make and give captures (and the graphs reset, whose memory goes back to them), warmups, dummy
+runs, the workload's reference run, each served step and the outputs handed out; and the check
+before a CUDA launch, which runs the eager form a served step announced. The ``Doctor`` takes these
+handlers from this class; the engine's other events and the dispatch mode's work are in ``intake.py``."""
 from __future__ import annotations
 
 import torch
@@ -44,6 +44,12 @@ class RunnerEvents:
         info = self.info(graph)
         if info is not None and (made := self.pools.get(dangling.pool_key(pool))) is not None:
             made[1].append(info.name)
+
+    @contained
+    def graph_reset(self, graph) -> None:
+        """Its memory goes back to the pool: a graph that reads it is named here (``dangling``)."""
+        if (info := self.info(graph)) is not None:
+            info.gone = ("reset", user_frame())
 
     @contained
     def capture_refused(self, graph, pool, name: str | None, error: BaseException) -> None:

@@ -286,24 +286,24 @@ def announced_of(announced: list, returned: list) -> list | None:
     return out
 
 
-def paths(obj, at: tuple = ()):
-    """Where each tensor ``tensors(obj)`` yields sits in ``obj`` (dict keys, list positions), in
-    the same order."""
+def placed(obj, at: tuple = ()):
+    """``(where, tensor)`` for every tensor in nested tuples, lists and dicts, in ``tensors``' order:
+    where is its path of dict keys and list positions."""
     if isinstance(obj, torch.Tensor):
-        yield at
+        yield at, obj
     elif isinstance(obj, (tuple, list)):
         for i, x in enumerate(obj):
-            yield from paths(x, (*at, i))
+            yield from placed(x, (*at, i))
     elif isinstance(obj, dict):
         for k, x in dict.items(obj):
-            yield from paths(x, (*at, k))
+            yield from placed(x, (*at, k))
 
 
 def placement(value) -> dict:
     """What a function returned inside a capture, as ``{an output's geometry: where it sat}``: a
     step that returns a dict (a ``ModelOutput``, a tensordict) is paired with the reference's by key,
     not by shape (``paired``)."""
-    return {geometry(t): p for p, t in zip(paths(value), tensors(value))} if isinstance(value, (dict, list)) else {}
+    return {geometry(t): p for p, t in placed(value)}
 
 
 def geometry(t: torch.Tensor) -> tuple | None:

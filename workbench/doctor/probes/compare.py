@@ -94,13 +94,13 @@ def differs_from(got: list, expected: list | None) -> tuple | None:
     return None
 
 
-def paired(got: list, expected: list | None, where: tuple | None = None, placed: dict | None = None,
-           raw: list | None = None) -> tuple:
-    """A replay's outputs and what a reference call returned, paired: by where each output sat in
-    what the step's root returned at capture (``placed``) and the reference's at the same place
-    (``where``), where both are known; else the announced ones of a call that returned more, the
-    root's own of a graph that hands out more (``root_outputs``)."""
-    if placed and where and raw is not None and expected is not None:
+def paired(got: list, returned: tuple | None, placed: dict | None = None, raw: list | None = None) -> tuple:
+    """A replay's outputs (``raw``, and ``got``: their real rows) and what a reference call
+    returned (its tensors and where each sat), paired: by where each output sat in what the step's
+    root returned at capture (``placed``), where that is known; else the announced ones of a call
+    that returned more, the root's own of a graph that hands out more (``root_outputs``)."""
+    expected, where = returned or (None, None)
+    if placed and where and raw is not None:
         index = {p: i for i, p in enumerate(where)}
         picks = [None if r is None else index.get(placed.get(geometry(r), ())) for r in raw]
         if all(i is not None for i, r in zip(picks, raw) if r is not None):

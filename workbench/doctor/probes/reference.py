@@ -86,7 +86,7 @@ from ..records import Op, unwritten_blocks
 from ..report import Finding
 from ..rules import reused, sync
 from ..rules.pool import block
-from ..tensors import host_only, paths, real_rows, signature
+from ..tensors import host_only, placed, real_rows, signature
 from . import release
 from .compare import calls_near, comparable, differs_from, paired, verdict
 from .coverage import Coverage
@@ -160,7 +160,7 @@ class Reference:
         found = tensors(value) if self.budget > 0 else ()
         if found and (number := self.call.get(id(frame))) is not None:
             self.returned_values[(frame.f_code, number)] = ([self._keep(t, always=True) for t in found],
-                                                            tuple(paths(value)))
+                                                            tuple(w for w, _ in placed(value)))
 
     def eager_op(self, doctor, func, args, kwargs) -> None:
         """An op outside captures: recorded while the reference runs; after it, a write into a
@@ -298,19 +298,17 @@ class Reference:
             if match is None:
                 return
             number, ref, compared = match
-            blank = unwritten_blocks(info, pending)
-            raw = list(tensors(pending.outputs))
+            raw, blank = list(tensors(pending.outputs)), unwritten_blocks(info, pending)
             outputs = [None if block(o) in blank else real_rows(o, pending.real, pending.size) for o in raw]
-            placed = info.returned_paths.get(code)
-            got, expected = paired(outputs, *self.returned_values.get((code, number), (None,)), placed, raw)
-            differs = differs_from(got, expected)
-            if differs is None:
+
+            def against(n: int) -> tuple:        # the replay's outputs and reference call n's return, paired
+                return paired(outputs, self.returned_values.get((code, n)), info.returned_paths.get(code), raw)
+            got, expected = against(number)
+            if (differs := differs_from(got, expected)) is None:
                 pending.agreed = comparable(got, expected)
                 return
             if compared is None:                 # aligned by the count alone: a guess, which a near call may beat
-                near = calls_near(self.calls[code], k)
-                if any(differs_from(*paired(outputs, *self.returned_values.get((code, n), (None,)), placed, raw)) is None
-                       for n in near):
+                if any(differs_from(*against(n)) is None for n in calls_near(self.calls[code], k)):
                     return
                 compared = []
         release(doctor, info.held, info.held_state)   # what earlier replays' probes found, now borne out

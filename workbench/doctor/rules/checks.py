@@ -22,6 +22,9 @@ _ORDER = (ast.Lt, ast.LtE, ast.Gt, ast.GtE)
 _EQUAL = (ast.Eq, ast.NotEq)
 _METHODS = frozenset({"numel", "size", "dim"})
 _ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
+# Errors of a misused value (``'NoneType' object has no attribute 'events'``, a call with wrong
+# arguments): a failure wherever they come from, never a check (a guard, a protocol's end).
+MISUSE = (AttributeError, TypeError, NameError)
 
 
 def condition(frame) -> tuple[str, list[int]] | None:

@@ -19,10 +19,9 @@ import re
 
 from ...engine.source import location
 from ..report import Finding
+from . import checks
 
 _SAYS = re.compile(r"captur", re.IGNORECASE)
-# A misused value (``'NoneType' object has no attribute ...``) is no check, wherever it was raised.
-_MISUSE = (AttributeError, TypeError, NameError)
 
 
 def refused(doctor, graph: str, frames: list, error: BaseException) -> bool:
@@ -30,7 +29,7 @@ def refused(doctor, graph: str, frames: list, error: BaseException) -> bool:
     if not frames or any(graph in f.graph.split(", ") for f in doctor.report.findings):
         return False                # nothing of the user's raised it, or a finding already explains the capture
     frame = frames[0][0]
-    if not (_SAYS.search(str(error)) or _asks(frame.f_code) and not isinstance(error, _MISUSE)):
+    if not (_SAYS.search(str(error)) or _asks(frame.f_code) and not isinstance(error, checks.MISUSE)):
         return False
     guard = len(frames) > 1 and _SAYS.search(frame.f_code.co_name) is not None
     site = location(*frames[1]) if guard else location(*frames[0])

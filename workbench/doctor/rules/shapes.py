@@ -15,6 +15,7 @@ drops the batch): under ``diagnose`` such errors are seen as they are raised (``
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import linecache
 import re
 
@@ -54,29 +55,25 @@ def handed_on(doctor, frame, value) -> None:
     = hidden_states``), it handed them on unsliced. A bare tensor or a tuple is a graph's outputs
     passed up as they are (a runner's ``__call__``); a result packed for its consumers must hold the
     real rows only, so a later failure on those rows is named there (``_in_frame``)."""
-    step = doctor.padded_step
-    if isinstance(value, (torch.Tensor, tuple)) or value is None or isinstance(value, (int, float, str, bool)):
+    if isinstance(value, (torch.Tensor, tuple, int, float, str)):
         return
+    step = doctor.padded_step
     keys = {k for t in _packed(value, 2) if _rows(t) == step.size and step.holds(k := _key(t))}
     if keys:
         step.handed = (frame.f_code, location(frame), keys)
 
 
 def _packed(value, depth: int):
-    """The tensors a result holds: in dicts, lists and tuples, and in an object's attributes."""
+    """The tensors a result holds: in dicts, lists and tuples (their first 64 items), and in an
+    object's attributes, ``depth`` levels down (the base types' methods: not a subclass's own)."""
     if isinstance(value, torch.Tensor):
         yield value
-    elif depth < 0 or isinstance(value, (str, bytes, int, float, torch.nn.Module)):
+    elif depth < 0 or isinstance(value, (str, bytes, int, float, torch.nn.Module, type)):
         return
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _packed(v, depth - 1)
-    elif isinstance(value, (list, tuple)):
-        for v in value[:64]:
-            yield from _packed(v, depth - 1)
-    elif hasattr(value, "__dict__") and not isinstance(value, type):
-        for v in vars(value).values():
-            yield from _packed(v, depth - 1)
+    items = dict.values(value) if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else \
+        dict.values(attrs) if isinstance(attrs := getattr(value, "__dict__", None), dict) else ()
+    for v in itertools.islice(items, 64):
+        yield from _packed(v, depth - 1)
 
 
 def replayed(doctor, info, pending) -> None:
