@@ -1629,13 +1629,15 @@ def test_a_block_whose_producing_graph_is_gone_is_no_other_graphs_output(alive):
     """A capture reads a block another capture wrote: that graph's output, expected there at every
     replay. Once the producing graph is gone (a graph captured to measure memory, then dropped), its
     memory went with it: what a later capture reads at that address is another tensor."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
     from workbench.doctor.records import GraphInfo, Op
     from workbench.doctor.rules.pool import PoolReads, block
 
     t, reads = torch.zeros(4), PoolReads()
     first = new_graph("cpu")
     producer, reader = GraphInfo(first, "first"), GraphInfo(new_graph("cpu"), "second")
-    reads.allocated.add(block(t))
+    reads.allocated[block(t)] = StorageWeakRef(t.untyped_storage())
     reads.producer[block(t)] = (producer, Op("aten.add.Tensor", "here"), "float32[4]")
     if not alive:
         del first

@@ -245,8 +245,8 @@ class Doctor(RunnerEvents):
 
     @contained
     def replay_begin(self, graph) -> None:
-        if self.phase in _QUIET:
-            return
+        if self.phase in _QUIET or self.capturing is not None:
+            return              # (a replay asked inside a capture is refused, by CUDA and the CPU engine: no step)
         self.warm.replay_begin()
         info = self.info(graph)
         if info is None:
@@ -287,7 +287,7 @@ class Doctor(RunnerEvents):
 
     @contained
     def replay_end(self, graph) -> None:
-        if self.phase in _QUIET:
+        if self.phase in _QUIET or self.capturing is not None:
             return
         if self.stepped_aside:
             _push_on_torch_dispatch_stack(self.mode)

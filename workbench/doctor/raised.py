@@ -39,7 +39,7 @@ import torch
 
 from ..engine.source import SKIP_DIRS, function_name, location, mine, short_path
 from . import failures
-from .rules import checks, clobbered, decisions, shapes, size_table, torn_down, undersized
+from .rules import checks, clobbered, decisions, input_match, shapes, size_table, torn_down, undersized
 from .tensors import first_line, placement
 
 _RAISES = {dis.opmap[name] for name in ("RAISE_VARARGS", "RERAISE")}
@@ -174,6 +174,7 @@ class _Tracer:
                 shapes.failed_size_check(doctor, error, at)
                 shapes.failed_count_check(doctor, error, at)
                 decisions.failed_flag_check(doctor, error, at)
+                input_match.failed_check(doctor, error, at)
         if watched and (doctor.graphs or doctor.pools or doctor.buffers or doctor.phase != "eager") \
                 and (shapes.explainable(error) or isinstance(error, checks.MISUSE) or failures.pending(doctor, error)):
             where = f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} in {function_name(frame.f_code)}"

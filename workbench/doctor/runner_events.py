@@ -125,6 +125,8 @@ class RunnerEvents:
     @contained
     def serve(self, graph, real: int, size: int, padded: dict, outputs, eager=None, padded_columns=None,
               pieces=(), unpadded=None) -> None:
+        if self.capturing is not None:
+            return              # a step served inside a capture: its replay is refused (``replay_begin``)
         info = self.info(graph)
         columns = padded_columns or {}
         undersized.serve_contract(self, info.name if info else "a graph", real, size, padded, columns)

@@ -143,6 +143,7 @@ class Reference:
         self.captured_with: dict[int, dict] = {}  # id(GraphInfo) -> its static-input views' values at capture
         self.coverage = Coverage()                # the lines each run ran (``coverage.py``)
         self.dropped = Dropped()                  # the served run's eager launches (``dropped.py``)
+        self.warm_writes: list = []               # warmups' writes into live state, held (``mutation.warmup_wrote_state``)
 
     # ------------------------------------------------------------------ recording the reference
     def called(self, doctor, frame) -> None:
@@ -373,6 +374,13 @@ class Reference:
         ``events.results``); held state differences also where it did not say."""
         if self.verdict == () and not doctor.report.errors:
             sync.handled(doctor)
+        if self.verdict == () and self.warm_writes:
+            first = self.warm_writes[0][0]
+            doctor.report.notes.append(
+                f"{first.evidence} ({first.location}), but the workload's results agree with its run without graphs: "
+                "the warmup ran the step itself, its writes the step's own: not reported")
+            self.warm_writes.clear()
+        release(doctor, self.warm_writes)
         for info in doctor.graphs.values():
             if self.verdict:
                 i, diff = self.verdict

@@ -74,6 +74,12 @@ def classify(doctor, info, pending, what: tuple, divergence, run, host: tuple | 
 
 def _parted(doctor, info, d, run) -> tuple:
     site = f"First divergence in the launch traces: {d.text()}."
+    if not info.ops and d.eager_runs_more:       # the capture recorded nothing of the step
+        return ("host-work-frozen", Op("capture", info.site), _read_by(doctor, info, d.first_extra),
+                f"{site} The capture of {info.name} recorded no launch at all, while the eager step launches its "
+                "work: the captured code ran once, at capture, where the capture does not record (a stream of "
+                "another device or thread), and every replay launches nothing, so the outputs keep what that "
+                "run left. The capture is where the step's work was sent elsewhere.")
     branch = run.branch if d.eager_runs_more else None       # (its first op unlike the capture's: the divergence)
     if branch is not None and branch != d.first_extra.source:
         site += f" The eager step left the capture's path at {branch}."

@@ -20,6 +20,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ...engine.opinfo import describe, overwrites, op_tensors, tensors, written_tensors
 from .. import explain
@@ -38,7 +39,8 @@ class PoolReads:
         self.expected: set[tuple] = set()          # blocks some graph reads from another graph's capture
         self.last: dict[tuple, object] = {}        # block -> GraphInfo whose replay wrote it last
         self.pending: list = []                    # the last captured op's new outputs (weak), to settle
-        self.allocated: set[tuple] = set()         # blocks some capture allocated: the pool's memory
+        self.allocated: dict[tuple, StorageWeakRef] = {}   # blocks some capture allocated: the pool's memory,
+                                                           # with the storage it last gave there
 
     def captured(self, info, func, args, kwargs, out, op) -> None:
         """One op of a capture: blocks it reads before the capture wrote them, blocks it writes.
@@ -56,7 +58,7 @@ class PoolReads:
             if id(t) in written_ids and not in_place:
                 continue                            # an ``out=`` or a copy destination: written, not read
             b = block(t)
-            if b in info.blocks or b not in self.allocated:
+            if b in info.blocks or not self.pooled(t, b):
                 continue                            # written by this capture first, or not pool memory
             producer = self.producer.get(b)
             # (a producer that is gone took its memory with it: what lies at its address now is another's)
@@ -77,9 +79,24 @@ class PoolReads:
                 if (block(t) in info.own_blocks or block(t) in self.allocated) and t.numel():
                     info.rehanded[block(t)] = (op, len(info.ops))     # (memory freed since: handed on)
                 info.own_blocks.add(block(t))
-                self.allocated.add(block(t))
+                self.allocated[block(t)] = StorageWeakRef(t.untyped_storage())
                 self._wrote(info, t, op)
         self.pending = []
+
+    def pooled(self, t: torch.Tensor, b: tuple) -> bool:
+        """Whether ``t`` lies in pool memory: at an address a capture's new tensor was given, in that
+        tensor's storage. Another storage there was made outside the captures, at an address the pool
+        had given back (on the CPU emulation ``malloc`` reuses any freed address; a CUDA private pool's
+        memory goes to no eager tensor while the pool lives): eager memory, state and not pool memory,
+        and what the captures of the pool wrote at that address before is forgotten."""
+        made = self.allocated.get(b)
+        if made is None:
+            return False
+        if not made.expired() and made.cdata == t.untyped_storage()._cdata:
+            return True
+        del self.allocated[b]
+        self.producer.pop(b, None)
+        return False
 
     def _wrote(self, info, t, op) -> None:
         b = block(t)

@@ -1,0 +1,176 @@
+"""Mechanisms that keep the doctor's answers to what the evidence says: pool memory known by the
+storage a capture made there, not by address alone; a warmup run on the step's own batch; an empty
+capture; a runner's check that a step's inputs match the captured ones."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from workbench import doctor
+from workbench.doctor.rules.pool import PoolReads, block
+from workbench.engine import events
+from workbench.engine.source import function_of
+from workbench.zoo.kit import capture, compare, replay
+
+
+# ------------------------------------------------------------------------------ pool memory
+def test_an_address_a_capture_gave_out_holds_pool_memory_only_in_the_storage_it_made_there():
+    """A storage made since at an address the pool had given back (``malloc`` reuses any freed
+    address on the CPU) is eager memory: what captures wrote at that address is forgotten."""
+    reads, t = PoolReads(), torch.zeros(4)
+    b = block(t)
+    reads.allocated[b] = StorageWeakRef(t.untyped_storage())
+    reads.producer[b] = ("a capture", "an op", "a tensor")
+    assert reads.pooled(t, b) and reads.pooled(t[1:], b)
+    gone = torch.zeros(4)
+    reads.allocated[b] = StorageWeakRef(gone.untyped_storage())
+    del gone                               # the pool's storage is gone; ``t`` is another one
+    assert not reads.pooled(t, b)
+    assert b not in reads.allocated and b not in reads.producer
+
+
+# ------------------------------------------------------------------------------ a warmup that is the step
+def _lazy(variant: str):
+    """Requests' states in rows of a persistent tensor; the graph of two rows is captured before serving
+    (its dummy batch in the spare row 3), the graph of one row on its first step, after a warmup.
+    ``fix``: that warmup runs the step itself and its result is served (a graph captured lazily);
+    ``bug``: it runs a dummy batch that lands in a running request's row."""
+    steps = (([0, 1], 1.0), ([0, 1], 2.0), ([0], 3.0))
+
+    def served():
+        state, outs = torch.zeros(4, 3), []
+        slots, x = torch.full((2,), 3, dtype=torch.long), torch.zeros(2, 3)
+
+        def forward(n):
+            state.index_copy_(0, slots[:n], state.index_select(0, slots[:n]) + x[:n])
+            return state.index_select(0, slots[:n]) * 1
+
+        announced = {"static": {"slots": slots, "x": x}, "state": {"state": state}}
+        graphs = {2: capture(lambda: forward(2), device="cpu", name="bs 2", **announced)}
+        for rows, value in steps:
+            n = len(rows)
+            if n not in graphs:
+                if variant == "fix":
+                    slots[:n], x[:n] = torch.tensor(rows), value
+                    with events.warmup():
+                        outs.append(forward(n).clone())
+                else:
+                    slots[:n], x[:n] = 0, 9.0                  # a dummy batch, in row 0
+                    with events.warmup():
+                        forward(n)
+                graphs[n] = capture(lambda n=n: forward(n), device="cpu", warmups=0, name=f"bs {n}", **announced)
+                if variant == "fix":
+                    continue
+            slots[:n], x[:n] = torch.tensor(rows), value
+            outs.append(replay(*graphs[n]).clone())
+        return outs
+
+    def eager():
+        state, outs = torch.zeros(4, 3), []
+        for rows, value in steps:
+            idx = torch.tensor(rows)
+            state.index_copy_(0, idx, state.index_select(0, idx) + value)
+            outs.append(state.index_select(0, idx) * 1)
+        return outs
+
+    return compare("lazy", variant, "cpu", served, eager)
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_warmup_on_the_steps_own_batch_writes_the_steps_rows(variant):
+    """A warmup's write into rows of live state is held against the workload's results: where they
+    agree with its run without graphs, the warmup ran the step itself (no finding, a note)."""
+    outcome = []
+    report = doctor.diagnose(lambda: outcome.append(_lazy(variant)))
+    assert outcome[0].verdict == ("misbehaves" if variant == "bug" else "equals eager")
+    if variant == "fix":
+        assert report.findings == []
+        assert any("the warmup ran the step itself" in n for n in report.notes)
+        return
+    finding = report.of("persistent-mutation")[0]
+    assert "warmup" in finding.graph.split(", ")
+
+
+# ------------------------------------------------------------------------------ an empty capture
+def test_a_capture_that_recorded_nothing_of_the_step_is_named():
+    """While the capture runs, the step's work goes where the capture does not record (here another
+    thread, as a stream of another device would): the graph is empty and its replays keep what the
+    capture-time run left."""
+    import threading
+
+    from workbench.engine import is_capturing
+
+    def served():
+        x, out = torch.zeros(3), torch.zeros(3)
+
+        def launch():
+            out.copy_(x * 2 + 1)
+
+        def step():
+            if not is_capturing():
+                launch()
+                return out
+            worker = threading.Thread(target=launch)
+            worker.start()
+            worker.join()
+            return out
+
+        g = capture(step, device="cpu", warmups=1, name="step", static={"x": x})
+        results = []
+        for v in (1.0, 2.0, 3.0):
+            x.fill_(v)
+            results.append(replay(*g).clone())
+        return results
+
+    def eager():
+        return [torch.full((3,), v) * 2 + 1 for v in (1.0, 2.0, 3.0)]
+
+    report = doctor.diagnose(lambda: compare("empty", "bug", "cpu", served, eager))
+    (finding,) = report.findings
+    assert finding.kind == "host-work-frozen" and finding.op == "capture"
+    assert function_of(finding.location) == "served" and "recorded no launch" in finding.cause
+
+
+# ------------------------------------------------------------------------------ a runner's input check
+@dataclasses.dataclass
+class Packed:
+    cu_seqlens: torch.Tensor
+
+
+def make_batch(n):
+    return {"packed": Packed(torch.arange(n, dtype=torch.float32) * 1)}
+
+
+class Runner:
+    def __init__(self):
+        self.graph = None
+
+    def matches(self, kwargs):
+        return kwargs["packed"].cu_seqlens.shape == self.captured["packed"].cu_seqlens.shape
+
+    def __call__(self, kwargs):
+        if self.graph is None:
+            self.captured = {"packed": Packed(torch.zeros_like(kwargs["packed"].cu_seqlens))}
+            buf = self.captured["packed"].cu_seqlens
+            self.graph = capture(lambda: buf.cumsum(0), device="cpu", warmups=1, name="layer",
+                                 static={"packed.cu_seqlens": buf})
+        assert self.matches(kwargs), "replaying a graph with other arguments than it was captured with"
+        self.captured["packed"].cu_seqlens.copy_(kwargs["packed"].cu_seqlens)
+        return replay(*self.graph).clone()
+
+
+def test_a_runners_check_that_a_step_matches_its_capture_names_the_step_tensor_that_does_not_fit():
+    def served():
+        runner = Runner()
+        return [runner(make_batch(n)) for n in (4, 4, 6)]
+
+    def eager():
+        return [(torch.arange(n, dtype=torch.float32) * 1).cumsum(0) for n in (4, 4, 6)]
+
+    report = doctor.diagnose(lambda: compare("match", "bug", "cpu", served, eager))
+    finding = report.of("undersized-buffer")[0]
+    assert finding.tensor.startswith("packed.cu_seqlens") and "(6,)" in finding.evidence
+    assert function_of(finding.location) == "__call__" and "made by" in finding.evidence, finding.location
