@@ -174,3 +174,66 @@ def test_a_runners_check_that_a_step_matches_its_capture_names_the_step_tensor_t
     finding = report.of("undersized-buffer")[0]
     assert finding.tensor.startswith("packed.cu_seqlens") and "(6,)" in finding.evidence
     assert function_of(finding.location) == "__call__" and "made by" in finding.evidence, finding.location
+
+
+# ------------------------------------------------------------------------------ a stale eager form
+def _stale_closure():
+    """A block captured inside the step that first runs it; the closure's cell is rebound when that
+    step goes on (to the step's result, which the workload keeps), so the captured callable, the
+    step's announced eager form, later writes into that result."""
+    values = (1.0, 2.0, 3.0, 4.0)
+
+    def served():
+        buf, kept, graphs = torch.zeros(2), [], {}
+
+        def step(v):
+            x = buf
+
+            def core():
+                x.copy_(x * 2 + 1)
+                return x
+
+            if "block" not in graphs:
+                graphs["block"] = capture(core, device="cpu", warmups=1, name="block", static={"x": buf})
+            buf.fill_(v)
+            replay(*graphs["block"])
+            x = x * 3                                   # the cell now holds the step's result
+            kept.append(x)
+
+        for v in values:
+            step(v)
+        return kept
+
+    def eager():
+        return [(torch.full((2,), v) * 2 + 1) * 3 for v in values]
+
+    return compare("stale", "fix", "cpu", served, eager)
+
+
+def test_an_eager_form_gone_stale_writes_nothing_the_workload_keeps():
+    """Differential replay runs the announced eager form; what it writes outside the kept state is put
+    back. The second compared replay is watched too: the first was the capture's own batch, before
+    the capturing function returned and its closure's cell was rebound."""
+    assert _stale_closure().verdict == "equals eager"
+    outcome = []
+    report = doctor.diagnose(lambda: outcome.append(_stale_closure()))
+    assert outcome[0].verdict == "equals eager", outcome[0].summary()
+    assert report.findings == []
+
+
+# ------------------------------------------------------------------------------ a generation reset together
+def test_graphs_reset_together_are_not_checked_for_what_they_would_read():
+    """A graph cache that drops a whole generation of graphs (round 67's ``vllmomni_6587`` fix): a
+    reset graph replays no more, so what it would read is no hazard, whether or not the collector
+    has freed the workspace its pool owned. Before, the answer on that fix depended on where earlier
+    allocations had left the heap (a finding on about one heap in four); each heap here is seeded."""
+    import random
+
+    from workbench.zoo import trials
+
+    name = "round67/vllmomni_6587_cfm_graph_lru_evicts_owner_of_shared_cublas_workspace"
+    for seed in range(12):
+        rng = random.Random(seed)
+        held = [torch.empty(rng.randint(1, 5000)) for _ in range(rng.randint(1, 200))][::rng.randint(1, 4)]
+        assert trials.doctor_of(name, "fix")["kind"] is None, seed
+        del held

@@ -179,6 +179,7 @@ class GraphInfo:
         self.collected: set[int] = set()            # ... of those, outputs a collection was run for (dangling)
         self.owners: tuple[int, tuple] = (0, ())    # rules.dangling's cache: (len(foreign), their graphs)
         self.warmup: list[Op] | None = None         # the first warmup run before this capture
+        self.cells: tuple | None = None             # its eager form's closure cells at the last compared replay
         self.eager_lines: set[str] = set()          # lines run eagerly after that warmup, outside the capture
         self.pieces: list = []                      # later pieces of its step (PIECEWISE), captured after it
         self.called: set = set()                    # functions its captured ops ran in, inside the capture block

@@ -48,9 +48,9 @@ def _final_checks(doctor) -> None:
     if any(info.ref() is not None and dangling.released_since_watched(info) for info in doctor.graphs.values()):
         gc.collect()
     for info in list(doctor.graphs.values()):
-        if info.ref() is None:
+        if (graph := info.ref()) is None:
             continue
-        if not _unserved(doctor, info):
+        if not _unserved(doctor, info) and getattr(graph, "captured", True):   # (a reset graph replays no more)
             dangling.check(doctor, info, before_replay=False)
         if not info.probed:
             mutation.unprobed(doctor, info)

@@ -15,11 +15,15 @@ turns the parting into a kind). Python state the eager step rebinds is compared 
 
 Watching the eager step's ops (``eager_trace``) costs more than the step itself (a dispatch mode
 on every op, and a launch trace: each op's signature, tensors and line), so it is watched on a graph's first compared
-replay, on every ``TRACE_EVERY``-th after it, and whenever the comparison finds a difference (the
+replay, on every ``TRACE_EVERY``-th after it, whenever the eager form's closure cells hold other
+objects than at the compared replay before, and whenever the comparison finds a difference (the
 step is then run again from the same state, watched, to localise it). The other eager runs take the
 doctor's dispatch mode off the stack. What an unwatched run cannot see is memory it writes outside
 the kept state; a graph whose watched eager step wrote any is watched on every compared replay from
-then on, so that such writes are reported and put back.
+then on, so that such writes are reported and put back. A rebound cell makes the eager form another
+function: a closure captured inside the step that first ran it goes stale once that step rebinds its
+variables (its result, which the workload keeps), and may then write memory the workload holds,
+which the doctor must put back.
 
 Two differences are no evidence against the replay: memory outside what the graph reads that the
 eager step only writes before reading (its scratch), and an eager step that reads what the previous
@@ -103,7 +107,9 @@ def finish(doctor, info, pending) -> None:
     periodic = padded and (info.padded_compared - 1) % TRACE_EVERY == 0
     sampled = periodic or padded and doctor.state_moved
     doctor.state_moved &= not sampled
-    traced = info.traced_always or info.compared % TRACE_EVERY == 0 or sampled
+    cells = _cells(pending.eager)
+    rebound, info.cells = info.cells is not None and cells != info.cells, cells
+    traced = info.traced_always or info.compared % TRACE_EVERY == 0 or sampled or rebound
     while True:
         run, got, error = _eager(doctor, info, pending, replayed, rng_after, traced=traced,
                                  rows=(pending.real, pending.size, periodic) if sampled and traced else None)
@@ -192,6 +198,18 @@ def finish(doctor, info, pending) -> None:
             unpadded.check(doctor, info, pending, replayed, graph_out,
                            lambda step: _eager(doctor, info, pending, replayed, rng_after, step=step))
     row_writes.replays_wrote(doctor, pending, replayed)
+
+
+def _cells(eager) -> tuple:
+    """What the eager form's closure cells hold (by identity): a cell rebound since the last compared
+    replay makes it another function than the one last watched."""
+    out = []
+    for cell in getattr(eager, "__closure__", None) or ():
+        try:
+            out.append(id(cell.cell_contents))
+        except ValueError:               # an empty cell
+            out.append(None)
+    return tuple(out)
 
 
 def _like_reference(pending) -> bool:
