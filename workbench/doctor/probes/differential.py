@@ -107,7 +107,7 @@ def finish(doctor, info, pending) -> None:
     periodic = padded and (info.padded_compared - 1) % TRACE_EVERY == 0
     sampled = periodic or padded and doctor.state_moved
     doctor.state_moved &= not sampled
-    cells = _cells(pending.eager)
+    cells = pystate.cells(pending.eager)
     rebound, info.cells = info.cells is not None and cells != info.cells, cells
     traced = info.traced_always or info.compared % TRACE_EVERY == 0 or sampled or rebound
     while True:
@@ -198,18 +198,6 @@ def finish(doctor, info, pending) -> None:
             unpadded.check(doctor, info, pending, replayed, graph_out,
                            lambda step: _eager(doctor, info, pending, replayed, rng_after, step=step))
     row_writes.replays_wrote(doctor, pending, replayed)
-
-
-def _cells(eager) -> tuple:
-    """What the eager form's closure cells hold (by identity): a cell rebound since the last compared
-    replay makes it another function than the one last watched."""
-    out = []
-    for cell in getattr(eager, "__closure__", None) or ():
-        try:
-            out.append(id(cell.cell_contents))
-        except ValueError:               # an empty cell
-            out.append(None)
-    return tuple(out)
 
 
 def _like_reference(pending) -> bool:

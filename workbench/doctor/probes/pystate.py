@@ -435,3 +435,15 @@ def tracer(entry) -> tuple:
             last[frame] = frame.f_lineno
         return trace
     return trace, found
+
+
+def cells(eager) -> tuple:
+    """What the eager form's closure cells hold (by identity): a cell rebound since the last compared
+    replay makes it another function than the one last watched."""
+    out = []
+    for cell in getattr(eager, "__closure__", None) or ():
+        try:
+            out.append(id(cell.cell_contents))
+        except ValueError:               # an empty cell
+            out.append(None)
+    return tuple(out)

@@ -84,7 +84,7 @@ from .. import explain
 from ..raised import decider
 from ..records import Op, unwritten_blocks
 from ..report import Finding
-from ..rules import reused, sync
+from ..rules import mutation, reused, sync
 from ..rules.pool import block
 from ..tensors import host_only, placed, real_rows, signature
 from . import release
@@ -374,13 +374,7 @@ class Reference:
         ``events.results``); held state differences also where it did not say."""
         if self.verdict == () and not doctor.report.errors:
             sync.handled(doctor)
-        if self.verdict == () and self.warm_writes:
-            first = self.warm_writes[0][0]
-            doctor.report.notes.append(
-                f"{first.evidence} ({first.location}), but the workload's results agree with its run without graphs: "
-                "the warmup ran the step itself, its writes the step's own: not reported")
-            self.warm_writes.clear()
-        release(doctor, self.warm_writes)
+        mutation.warm_writes_concluded(doctor, self.warm_writes, agreed=self.verdict == ())
         for info in doctor.graphs.values():
             if self.verdict:
                 i, diff = self.verdict

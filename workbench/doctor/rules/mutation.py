@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ...engine.opinfo import describe, mutable, overwrites, storage_key
 from ...engine.source import user_frame
 from .. import explain
-from ..probes import held
+from ..probes import held, release
 from ..report import Finding
 from ..tensors import at, changed, onto, region
 from . import undersized
@@ -266,3 +266,15 @@ def warmup_wrote_state(doctor) -> None:
                 f"{int(live.sum())} live rows of {rows})", explain.live_state(buf.name, buf.owner),
                 {"rows_overwritten": len(hit), "live_rows": int(live.sum()), "rows": rows}),
                 ("persistent-mutation", op, source, buf.name))
+
+
+def warm_writes_concluded(doctor, held_writes: list, agreed: bool) -> None:
+    """The warmups' writes into live state held by ``warmup_wrote_state``: reported unless the
+    workload's results agree with its run without graphs (then the warmup ran the step itself)."""
+    if agreed and held_writes:
+        first = held_writes[0][0]
+        doctor.report.notes.append(
+            f"{first.evidence} ({first.location}), but the workload's results agree with its run without graphs: "
+            "the warmup ran the step itself, its writes the step's own: not reported")
+        held_writes.clear()
+    release(doctor, held_writes)
