@@ -237,3 +237,158 @@ def test_graphs_reset_together_are_not_checked_for_what_they_would_read():
         held = [torch.empty(rng.randint(1, 5000)) for _ in range(rng.randint(1, 200))][::rng.randint(1, 4)]
         assert trials.doctor_of(name, "fix")["kind"] is None, seed
         del held
+
+
+# ------------------------------------------------------------------------------ graphs let go of, but one
+class Sessions:
+    """Two graphs bound at capture to the active session's state; switching sessions drops the
+    decode graph (``keep_prefill``: and keeps the prefill graph, which goes on advancing the old
+    session's state)."""
+
+    def __init__(self, keep_prefill: bool):
+        self.keep_prefill, self.state, self.graphs = keep_prefill, torch.zeros(2), {}
+        self.x, self.sessions = torch.zeros(2), [self.state]     # (a session's state outlives the switch)
+
+    def switch(self):
+        self.state = torch.zeros(2)
+        self.sessions.append(self.state)
+        self.graphs.pop("decode", None)
+        if not self.keep_prefill:
+            self.graphs.pop("prefill", None)
+
+    def step(self, kind, v):
+        def body():
+            s = self.state
+            s.mul_(0.5).add_(self.x)
+            return s * 2
+        if kind not in self.graphs:
+            self.graphs[kind] = capture(body, device="cpu", warmups=0, name=kind, static={"x": self.x},
+                                        state={"state": self.state})
+        self.x.fill_(v)
+        return replay(*self.graphs[kind]).clone()
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_graph_kept_where_the_program_drops_the_graphs_bound_to_a_rebound_tensor(variant):
+    """A graph replays a tensor frozen at capture while the eager step reads a newer one: where the
+    program let go of another graph bound to the same tensor, after this one was captured, is where
+    it drops such graphs (and kept this one): the finding is named there."""
+    plan = [("prefill", 1.0), ("decode", 2.0), "switch", ("prefill", 3.0), ("decode", 4.0), ("prefill", 5.0)]
+
+    def serve(graphed):
+        s = Sessions(keep_prefill=variant == "bug")
+        out = []
+        for item in plan:
+            if item == "switch":
+                s.switch()
+            elif graphed:
+                out.append(s.step(*item))
+            else:
+                s.x.fill_(item[1])
+                s.state.mul_(0.5).add_(s.x)
+                out.append(s.state * 2)
+        return out
+
+    result = []
+    report = doctor.diagnose(lambda: result.append(compare("sessions", variant, "cpu", lambda: serve(True),
+                                                           lambda: serve(False))))
+    assert result[0].verdict == ("misbehaves" if variant == "bug" else "equals eager")
+    if variant == "fix":
+        assert report.findings == []
+        return
+    finding = report.findings[0]
+    assert finding.kind == "warmup-divergence" and function_of(finding.location) == "switch", finding
+    assert "let go of decode" in finding.cause + finding.evidence
+
+
+# ------------------------------------------------------------------------------ what the runner writes in padded rows
+def _padded_table(fill: int):
+    """A runner pads 3 requests to its graph of 4 and writes ``fill`` into the padded block-table row;
+    the captured kernel loads a page for every row (a null page is valid, -1 is not)."""
+    cache = torch.arange(8.0)
+    table = torch.zeros(4, dtype=torch.int64)
+
+    def served():
+        def kernel():
+            return cache.index_select(0, table) * 2
+        g = capture(kernel, device="cpu", warmups=1, name="decode 4", static={"block_table": table})
+        out = []
+        for rows in ([1, 2, 3], [4, 5, 6]):
+            table[:3].copy_(torch.tensor(rows))
+            table[3:].fill_(fill)
+            out.append(replay(*g, real=3, size=4)[:3].clone())
+        return out
+
+    def eager():
+        return [cache[torch.tensor(rows)] * 2 for rows in ([1, 2, 3], [4, 5, 6])]
+
+    return compare("table", "bug" if fill < 0 else "fix", "cpu", served, eager)
+
+
+@pytest.mark.parametrize("fill", [-1, 0])
+def test_a_step_that_fails_on_what_the_runner_writes_into_padded_rows_is_stale_padding(fill):
+    """No padded rows are announced as left as they were (the runner writes them): both fills of
+    those leave the failure as it is. Filling the padded rows of the static inputs too makes the
+    run complete, so the value the runner writes is named, at the line that writes it."""
+    report = doctor.diagnose(lambda: _padded_table(fill))
+    if fill == 0:
+        assert report.findings == [] and not report.errors
+        return
+    (finding,) = report.findings
+    assert finding.kind == "stale-padding" and finding.tensor == "block_table", finding
+    assert function_of(finding.location) == "served" and finding.op == "aten.fill_.Scalar", finding.location
+
+
+# ------------------------------------------------------------------------------ a cache the graph only reads
+class LazyCache:
+    """``-exp(a)`` kept in a buffer, refilled in Python when a flag says it is stale (a warmup refills
+    it, so the capture records only its read); a parameter update marks it stale."""
+
+    def __init__(self):
+        self.a, self.cache, self.stale = torch.ones(4), torch.zeros(4), True
+
+    def neg_exp(self):
+        if self.stale:
+            self.cache.copy_(-torch.exp(self.a))
+            self.stale = False
+        return self.cache
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_an_eager_step_that_refills_a_tensor_the_graph_only_reads_leaves_no_write_behind(variant):
+    """The unwatched eager run of a sampled step refills the cache: kept and put back like state the
+    graph writes, so the doctor does not change the workload's results (it had: the refill stayed,
+    and every replay after it read the fresh cache); and the refill the replays skip is found."""
+    def serve(graphed):
+        m, x, out = LazyCache(), torch.zeros(4), []
+        step = lambda: x * m.neg_exp()                        # noqa: E731
+        g = capture(step, device="cpu", warmups=1, name="decode", static={"x": x}) if graphed else None
+        for i in range(6):
+            if i == 3:
+                m.a.add_(0.5)
+                m.stale = True
+                if variant == "fix" and graphed:
+                    m.neg_exp()                           # refreshed in place, outside the graph
+            x.fill_(i + 1.0)
+            out.append((replay(*g) if graphed else step()).clone())
+        return out
+
+    alone, watched = serve(True), []
+    report = doctor.diagnose(lambda: watched.append(compare("cache", variant, "cpu", lambda: serve(True),
+                                                            lambda: serve(False))), differential=1)
+    assert watched[0].verdict == ("misbehaves" if variant == "bug" else "equals eager"), watched[0].summary()
+    kept = []
+    doctor.diagnose(lambda: kept.extend(serve(True)), differential=1)
+    assert all(torch.equal(a, b) for a, b in zip(alone, kept, strict=True))      # the same results, watched
+    if variant == "fix":
+        assert report.findings == []
+        return
+    assert any(f.kind == "warmup-divergence" and function_of(f.location) == "neg_exp" for f in report.findings), report
+
+
+def test_one_byte_floats_are_compared_as_floats():
+    from workbench.doctor.tensors import changed, differs
+
+    a = torch.tensor([1.0, 2.0, 448.0]).to(torch.float8_e4m3fn)
+    b = torch.tensor([1.0, 3.0, 448.0]).to(torch.float8_e4m3fn)
+    assert differs(a, b).tolist() == [False, True, False] and changed(a, a).sum() == 0

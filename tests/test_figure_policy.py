@@ -1,4 +1,5 @@
-"""Figures stay put: only a declared default run rewrites committed figures, and no text is under 8 pt."""
+"""Figures stay put: only a declared default run rewrites committed figures, no text is under 8 pt, and
+rounding differences draw alike on every machine."""
 import matplotlib
 import matplotlib.pyplot as plt
 import matplotlib.text
@@ -59,3 +60,11 @@ def test_no_text_is_drawn_smaller_than_the_minimum():
     plt.close(fig)
     assert min(sizes.values()) == plots.MIN_FONT_PT and sizes["big"] == 14
     assert {"tiny", "note", "a", "line"} <= set(sizes)
+
+
+def test_rounding_differences_draw_alike_on_every_machine():
+    """Two CPUs whose kernels round differently give the same figure; a real difference shows."""
+    one, other = [0.0, 7.2e-7, 2.4e-7], [0.0, 9.5e-7, 1.2e-8]
+    assert (plots.rounded(one) == plots.rounded(other)).all() and plots.rounded(one)[0] == plots.ROUNDING
+    assert plots.worst(one) == plots.worst(other) == f"< {plots.ROUNDING:g} (rounding)"
+    assert plots.worst([1e-7, 3.4e-3]) == "3.4e-03" and plots.rounded([3.4e-3])[0] == 3.4e-3

@@ -106,6 +106,23 @@ if f"{__name__}:_minimum_font" not in matplotlib.rcParams["figure.hooks"]:
     matplotlib.rcParams["figure.hooks"] = [*matplotlib.rcParams["figure.hooks"], f"{__name__}:_minimum_font"]
 
 
+# Differences below this are float32 rounding: their size depends on the CPU's kernels (vector
+# width, GEMM blocking), not on the code, so figures draw them on one line and a committed figure
+# stays the same on every machine where nothing but rounding differs.
+ROUNDING = 3e-6
+
+
+def rounded(diffs: Sequence[float]) -> np.ndarray:
+    """Absolute differences for a log-scale plot: those below ``ROUNDING`` (exact zeros too) drawn at it."""
+    return np.maximum(np.asarray(diffs, dtype=float), ROUNDING)
+
+
+def worst(diffs: Sequence[float]) -> str:
+    """The largest difference as a title reads it: its value, or that it is rounding only."""
+    top = max(diffs, default=float("nan"))
+    return f"< {ROUNDING:g} (rounding)" if top < ROUNDING else f"{top:.1e}"
+
+
 def heatmap(ax: plt.Axes, values: np.ndarray, *, xlabel: str, ylabel: str, title: str,
             vmin: float | None = None, vmax: float | None = None, cmap: str | matplotlib.colors.Colormap = "viridis",
             colorbar_label: str | None = None) -> matplotlib.image.AxesImage:

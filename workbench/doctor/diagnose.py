@@ -4,7 +4,8 @@ Whether real rows depend on padded rows cannot be seen from one run: the padded 
 they hold. It can be tested by running the same deterministic workload twice more with every
 announced padded row (and padded column) filled two different ways; any difference in real-row
 outputs, or in state the graphs write, is evidence -- and so is a run that fails only with the
-padded rows as the runner left them. Re-running the whole workload (rather than re-playing one
+padded rows as the runner left them, or that completes only with the padded rows the runner *writes*
+filled too. Re-running the whole workload (rather than re-playing one
 graph) also catches padded rows that act on the host, before the replay, as metadata does.
 """
 from __future__ import annotations
@@ -15,13 +16,17 @@ from typing import Any
 import torch
 
 from ..engine import GraphRunner
+from . import explain
 from .intake import Doctor
 from .probes.padding import Plan
-from .report import Report
+from .report import Finding, Report
 from .rules import uncomputed
 from .rules.padding import compare_runs, crashed_only_as_left
 from . import raised
 from .session import watching
+
+
+_CURED = 4          # static inputs tried one at a time once filling them all made a failing run complete
 
 
 class _Misuse(TypeError):
@@ -57,6 +62,10 @@ def diagnose(target: Callable[[], Any], make_batch: Callable[[int, int], Mapping
         pass                                            # found by the index contract: summary left it checked
     elif doctor.padded_steps == 0:
         short = sum(real < size for real, size, *_ in doctor.plan.steps)
+        if short and _failed(report) and (finding := _cured(workload, guard, doctor.plan.steps, _failed(report)[0])):
+            report.findings.append(finding)
+            _explained_by_padding(report, finding)
+            return report
         report.not_checked["stale-padding"] = (
             f"{short} step(s) served fewer real rows than their graph's size, but the runner announced none of "
             "their padded rows as left as they were (serve(..., padded=...)): the two-way fill had nothing to fill"
@@ -77,6 +86,8 @@ def diagnose(target: Callable[[], Any], make_batch: Callable[[int, int], Mapping
         finding = compare_runs(*(r[1].trace for r in runs), *(_failed(r[0]) for r in runs))
         if finding is None and _failed(report) and not any(_failed(r[0]) for r in runs):
             finding = crashed_only_as_left(_failed(report)[0], runs[0][1].trace[-1] if runs[0][1].trace else None, 2)
+        elif finding is None and _failed(report) and all(_failed(r[0]) for r in runs):
+            finding = _cured(workload, guard, doctor.plan.steps, _failed(report)[0])
         if finding is not None:         # (it says more than a finding of the watched run at the same op)
             report.findings = [f for f in report.findings if (f.kind, f.source) != (finding.kind, finding.source)]
             report.findings.append(finding)
@@ -85,6 +96,29 @@ def diagnose(target: Callable[[], Any], make_batch: Callable[[int, int], Mapping
         report.notes.append(f"stale-padding: {doctor.padded_steps} padded step(s); the workload was run twice "
                             "more with padded rows filled two ways")
     return report
+
+
+def _cured(workload: Callable[[], Any], guard: bool, steps: list, error: str) -> Finding | None:
+    """The run failed, and so did both runs with the padded rows the runner left filled: run again
+    with the padded rows of every static input filled with 0, those the runner writes before a
+    replay too. Where that run completes, one input at a time (at most ``_CURED``) says whose
+    padded rows, as the runner writes them, make the step fail: ``stale-padding`` at that write."""
+    def run(inputs) -> tuple[Report, Doctor]:
+        doctor = _planned(Doctor(guard=guard, pattern=0), steps)
+        doctor.plan.inputs = inputs
+        return _run(workload, doctor)
+    report, doctor = run("all")
+    if _failed(report) or report.failure is not None:
+        return None
+    for name, (graph, op, source) in list(doctor.plan.written.items())[:_CURED]:
+        alone, _ = run(frozenset((name,)))
+        if not _failed(alone) and alone.failure is None:
+            return Finding("stale-padding", graph, op, name, source,
+                           f"the run failed ({error}), and so did both runs with the padded rows the runner left "
+                           f"filled; with the padded rows of {name}, which the step writes at {source} before its "
+                           "replay, filled with 0 too, the workload completed: what the runner writes into padded "
+                           "rows makes the step fail", explain.padding_written(name), {"crashed": error})
+    return None
 
 
 def _failed(report: Report) -> list[str]:

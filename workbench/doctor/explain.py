@@ -96,6 +96,13 @@ def stale_padding(first_input: str | None) -> str:
             f"rows filled two different ways, gave different results for real rows.{via}")
 
 
+def padding_written(name: str) -> str:
+    return (f"Whether the step completes depends on what the padded rows of `{name}` hold: the runner writes "
+            "them itself before the replay, and with 0 there instead the same workload completes. A padded row "
+            "still runs every kernel of the graph, so the value the runner gives it must be valid for each of "
+            "them (a null block or slot, not a sentinel only some kernels skip).")
+
+
 def dangling_pool(tensor: str, op: str, owner: str, how: str) -> str:
     return (f"The graph reads the {tensor} tensor through {op}; that tensor is an output of {owner}, captured into "
             f"the same pool. {owner} was {how} afterwards, so its memory belongs to the pool again and the next "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import sys
 import weakref
 
@@ -92,6 +93,7 @@ class Pending:
     columns: dict
     differential: bool
     pre: dict = dataclasses.field(default_factory=dict)
+    reads: list = dataclasses.field(default_factory=list)      # small tensors its graphs only read (differential)
     rng: tuple = ()
     carried: dict = dataclasses.field(default_factory=dict)    # probes/carried.py
     span: tuple = ()                    # the step's graphs (GraphInfo), when it replays several (PIECEWISE)
@@ -116,6 +118,7 @@ def _objects_live_with_storages() -> bool:
 
 
 _PRESERVED = _objects_live_with_storages()
+_CLOCK = itertools.count()     # orders captures and graphs let go of (``GraphInfo.born``, ``let_go``)
 
 
 class Liveness:
@@ -163,6 +166,7 @@ class GraphInfo:
         self.ref = weakref.ref(graph, self._dropped)
         self.name = name
         self.gone: tuple[str, str] | None = None    # ("reset" or "dropped", the user's line that did it)
+        self.born, self.gone_at = next(_CLOCK), None    # when it was captured, and let go of
         self.site = user_frame()                    # the user's line that captured it
         self.cuda = not hasattr(graph, "ops")       # a torch.cuda.CUDAGraph exposes no op list
         self.ops: list[Op] = []                     # the capture's launch trace
@@ -229,8 +233,12 @@ class GraphInfo:
 
     def _dropped(self, _ref) -> None:
         """The graph object was collected: where the program let go of it (a cache's eviction)."""
-        if self.gone is None:
-            self.gone = ("dropped", user_frame())
+        self.let_go("dropped")
+
+    def let_go(self, how: str) -> None:
+        """The program reset the graph (the last reset counts) or dropped it: where (its line), and when."""
+        if self.gone is None or how == "reset":
+            self.gone, self.gone_at = (how, user_frame()), next(_CLOCK)
 
 
 def unwritten_blocks(info, pending) -> set:

@@ -49,7 +49,7 @@ class RunnerEvents:
     def graph_reset(self, graph) -> None:
         """Its memory goes back to the pool: a graph that reads it is named here (``dangling``)."""
         if (info := self.info(graph)) is not None:
-            info.gone = ("reset", user_frame())
+            info.let_go("reset")
 
     @contained
     def capture_refused(self, graph, pool, name: str | None, error: BaseException) -> None:
@@ -139,6 +139,8 @@ class RunnerEvents:
             self.padded_steps += 1
             if self.pattern is not None and real <= size:
                 padding_probe.fill(self, padded, columns, real, size)
+        if self.plan is not None and self.plan.inputs is not None and info is not None and real < size:
+            padding_probe.fill_inputs(self, info, real, size)
         padding_probe.served(self, real, size, padded, columns)
         self.served += 1
         self.no_eager += eager is None

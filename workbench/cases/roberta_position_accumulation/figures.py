@@ -100,13 +100,13 @@ def plot_index_growth(predictions: Sequence[Prediction], streams: Sequence[Strea
     return fig
 
 
-def plot_correctness(streams: Sequence[StreamResult], floor: float = 1e-9) -> plt.Figure:
-    """Per-request max |hidden - transformers|, one panel per stream (exact zeros drawn at ``floor``)."""
+def plot_correctness(streams: Sequence[StreamResult]) -> plt.Figure:
+    """Per-request max |hidden - transformers|, one panel per stream (rounding drawn at ``plots.ROUNDING``)."""
     cols = 2 if len(streams) > 1 else 1
     rows = math.ceil(len(streams) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 2.8 * rows), sharey=True, squeeze=False)
     for ax, res in zip(axes.flat, streams):
-        ax.plot(np.arange(1, res.served + 1), np.maximum(res.max_abs_diff, floor), ".", markersize=2,
+        ax.plot(np.arange(1, res.served + 1), plots.rounded(res.max_abs_diff), ".", markersize=2,
                 color=_color(res))
         ax.axhline(TOLERANCE, color=plots.COLORS["limit"], linestyle="--", linewidth=1)
         ax.text(0.01, TOLERANCE, f" tolerance {TOLERANCE:g}", va="bottom", fontsize="small",
@@ -117,11 +117,11 @@ def plot_correctness(streams: Sequence[StreamResult], floor: float = 1e-9) -> pl
                     color=plots.COLORS["bug"], fontweight="bold")
             ax.set_xlim(0, res.failing_step * 1.05)
         ax.set_yscale("log")
-        ax.set_ylim(floor / 2, 1e-3)
-        ax.set_title(f"{res.label}: worst {max(res.max_abs_diff):.1e}", fontsize="medium")
+        ax.set_ylim(plots.ROUNDING / 2, 1e-3)
+        ax.set_title(f"{res.label}: worst {plots.worst(res.max_abs_diff)}", fontsize="medium")
         ax.set_xlabel("request")
     for ax in axes[:, 0]:
-        ax.set_ylabel("max |hidden - transformers|")
+        ax.set_ylabel(f"max |hidden - transformers|\n(< {plots.ROUNDING:g} drawn at it)")
     for ax in list(axes.flat)[len(streams):]:
         ax.set_visible(False)
     fig.suptitle("Each served request vs transformers.RobertaModel run eagerly on that request alone")

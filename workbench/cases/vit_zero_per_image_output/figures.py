@@ -114,15 +114,15 @@ def plot_correctness(stream: dict, sweep: dict[str, dict]) -> plt.Figure:
     """Left: mixed stream through the fix's graphs, per-image max |graph - eager|. Right: single
     images of 1..100 tokens on the under-sized config: predicted vs observed replay failures."""
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
-    floor = 1e-9
+    rounding = plots.ROUNDING
     ax = axes[0]
-    diffs = np.maximum(stream["max_abs_diff"], floor)
+    diffs = plots.rounded(stream["max_abs_diff"])
     ax.scatter(np.arange(len(diffs)), diffs, color=plots.COLORS["fix"], s=18, label="fix: graph vs eager")
     ax.axhline(TOLERANCE, color=plots.COLORS["limit"], linestyle="--", linewidth=1, label=f"tolerance {TOLERANCE:g}")
     ax.set_yscale("log")
-    ax.set_ylim(floor / 2, 1)
+    ax.set_ylim(rounding / 2, 1)
     ax.set_xlabel("image in the stream")
-    ax.set_ylabel("max |graph - eager| (exact 0 drawn at 1e-9)")
+    ax.set_ylabel(f"max |graph - eager| (< {rounding:g}: rounding, drawn at it)")
     ax.set_title(f"mixed stream: {len(diffs)} images, {len(stream['batches'])} packed batches")
     ax.legend(fontsize="small")
     ax = axes[1]
@@ -133,7 +133,7 @@ def plot_correctness(stream: dict, sweep: dict[str, dict]) -> plt.Figure:
     ax.fill_between([], [], color=plots.COLORS["predicted"], alpha=0.25, label="predicted: tokens > B * floor(budget / B)")
     for variant, marker in (("fix", "o"), ("bug", "x")):
         res = sweep[variant]
-        ok = [(t, max(d, floor)) for t, d in zip(res["sweep_tokens"], res["sweep_max_abs_diff"]) if d is not None]
+        ok = [(t, plots.rounded([d])[0]) for t, d in zip(res["sweep_tokens"], res["sweep_max_abs_diff"]) if d is not None]
         if ok:
             ax.scatter(*zip(*ok), color=plots.COLORS[variant], marker=marker, s=14, label=f"{variant}: replayed, diff")
         crashed = [t for t, c in zip(res["sweep_tokens"], res["sweep_crashed"]) if c]
@@ -143,9 +143,9 @@ def plot_correctness(stream: dict, sweep: dict[str, dict]) -> plt.Figure:
     for b in sweep["bug"]["token_budgets"]:
         ax.axvline(b + 0.5, color=plots.COLORS["limit"], linewidth=0.6, linestyle=":")
     ax.set_yscale("log")
-    ax.set_ylim(floor / 2, 1)
+    ax.set_ylim(rounding / 2, 1)
     ax.set_xlabel("output tokens of a single image (budget boundaries dotted)")
-    ax.set_ylabel("max |graph - eager| (exact 0 drawn at 1e-9)")
+    ax.set_ylabel(f"max |graph - eager| (< {rounding:g}: rounding, drawn at it)")
     ax.set_title(f"under-sized buffers: budgets {sweep['bug']['token_budgets']}, B = {sweep['bug']['max_batch_size']}")
     ax.legend(fontsize="small", loc="center left")
     fig.tight_layout()

@@ -1,47 +1,37 @@
 """Differential replay: does a replay give what an eager run of the same step gives?
 
-At sampled replays (every Nth served step with an ``eager`` callable) the doctor keeps the state
-the step may write -- every storage the graph writes, every announced buffer -- before the replay.
-After it, it keeps the replay's outputs and state, puts the state back as it was before, runs
-``eager()`` (the same forward on the same static buffers, recording its launch trace), keeps what
-that gives, and puts the replay's state back: the watched program goes on as if only the replay
-had run. Outputs (real rows) and state are compared; where they differ, the launch traces say
-where the replay's frozen Python parted from what Python decides now (``launch``), and the
-finding names that op, its tensor and its source line. On CUDA the traces are the doctor's own
-records of the capture and of the eager run, so the same localisation holds (``rootcause``
-turns the parting into a kind). Python state the eager step rebinds is compared too, and put back
-(``pystate``). Once per graph, the step is also run from the state as it was before the warmups
-(``startup``): a real step must not depend on what dummy batches wrote.
+At sampled replays (every Nth served step with an ``eager`` callable) the doctor keeps the state the
+step may write (every storage the graph writes, every announced buffer), runs ``eager()`` from that
+state after the replay, keeps what it gives, and puts the replay's state back: the program goes on as
+if only the replay had run. Where outputs (real rows) or state differ, the launch traces say where the
+replay's frozen Python parted from what Python decides now (``launch``; on CUDA, the doctor's own
+records of the capture and of the eager run), and ``rootcause`` turns the parting into a kind, an op,
+a tensor and a line. Python state the eager step rebinds is compared and put back (``pystate``). Once
+per graph the step also runs from the state before the warmups (``startup``): a real step must not
+depend on what dummy batches wrote.
 
-Watching the eager step's ops (``eager_trace``) costs more than the step itself (a dispatch mode
-on every op, and a launch trace: each op's signature, tensors and line), so it is watched on a graph's first compared
-replay, on every ``TRACE_EVERY``-th after it, whenever the eager form's closure cells hold other
-objects than at the compared replay before, and whenever the comparison finds a difference (the
-step is then run again from the same state, watched, to localise it). The other eager runs take the
-doctor's dispatch mode off the stack. What an unwatched run cannot see is memory it writes outside
-the kept state; a graph whose watched eager step wrote any is watched on every compared replay from
-then on, so that such writes are reported and put back. A rebound cell makes the eager form another
-function: a closure captured inside the step that first ran it goes stale once that step rebinds its
-variables (its result, which the workload keeps), and may then write memory the workload holds,
-which the doctor must put back.
+Watching the eager step's ops (``eager_trace``: a dispatch mode on every op, a launch trace) costs
+more than the step itself, so it is watched on a graph's first compared replay, on every
+``TRACE_EVERY``-th after it, when the eager form's closure cells hold other objects than at the
+compared replay before (a closure captured inside the step that first ran it goes stale once that
+step rebinds its variables), and when the comparison finds a difference (run again, watched, to
+localise it). The other runs take the doctor's mode off the stack, and cannot see memory they write
+outside the kept state: a graph whose watched eager step wrote any is watched from then on, and the
+small tensors the graph only reads (a cache the eager step may refill) are put back after each run.
 
-Two differences are no evidence against the replay: memory outside what the graph reads that the
-eager step only writes before reading (its scratch), and an eager step that reads what the previous
-replay left in memory the graph owns and never reads (a ``.grad`` that capture found empty: the eager
-step accumulates where the graph assigns). Where the traces part because the eager step runs the same
-lines another number of times, the step is run once more to find the frame that loops
-(``launch.repeats``). A padded replay that raises is tried on its real rows alone (``failed``).
+No evidence against the replay: memory outside what the graph reads that the eager step writes
+before reading (scratch), and what the previous replay left in memory the graph owns and never
+reads (a ``.grad`` the eager step accumulates into where the graph assigns). Traces that part on a
+line run another number of times are run once more to find the frame that loops
+(``launch.repeats``); a padded replay that raises is tried on its real rows alone (``failed``).
 
 Where the workload announced its run without graphs (``probes/reference.py``) and a replay gives
-what that run gives at the same step (or replays the capture's own batch first, no step of that
-run), two kinds of finding are held, not reported: an output that differs from the eager form's
-(the eager form, a captured callable, is then not that step), and what the step would give from
-other starting memory (the carried elements of static inputs, the state before the warmups: the
-workload may build on it on purpose). They are reported once a replay of that graph gives another
-answer than the run without graphs, and noted otherwise. So is state the eager form writes
-otherwise, apart (the replay's outputs do not show it), and an output difference on a replay not
-paired with that run's answer: reported at the end unless the workload says its results agree
-(``events.results``).
+what that run gives at the same step (or is the capture's own batch), two kinds of finding are
+held: an output that differs from the eager form's (which is then not that step), and what the step
+would give from other starting memory (carried elements of static inputs, the state before the
+warmups). They are reported once a replay gives another answer than that run, noted otherwise; so
+are state the eager form writes otherwise and an output difference on a replay not paired with that
+run's answer, unless the workload says its results agree (``events.results``).
 """
 from __future__ import annotations
 
@@ -59,6 +49,7 @@ from .compare import compare, rows_of, without_unwritten
 from .eager_trace import EagerRun
 
 TRACE_EVERY = 8         # a graph's compared replays between two whose launch traces are recorded
+_SMALL = 1 << 18        # bytes of a tensor the graph only reads that an eager run must not change (``_reads``)
 
 
 def _state(doctor, info) -> dict:
@@ -76,6 +67,14 @@ def _state(doctor, info) -> dict:
         if t is not None and key not in state and key not in created and isinstance(t, torch.Tensor):
             state[key] = (alias(t.untyped_storage(), t.dtype), buf.name)
     return state
+
+
+def _reads(info, pending, pre: dict) -> list:
+    """(whole storage, its bytes now) of the small tensors the step's graphs only read (metadata, a cache
+    the eager step may refill): each eager run puts them back, so an unwatched one leaves no write behind."""
+    small = {key: w for piece in pending.span or (info,) for key, ext in piece.externals.items()
+             if key not in pre and (w := whole(ext.weak)) is not None and w.numel() <= _SMALL}
+    return [(w, w.clone()) for w in small.values()]
 
 
 def begin(doctor, info) -> None:
@@ -100,6 +99,8 @@ def finish(doctor, info, pending) -> None:
         graph_out = without_unwritten(info, pending, rows_of(pending.outputs, pending.real, pending.size))
         rng_after = rng_state(info.cuda)
     _replayed_host(info, pending)
+    with _disable_current_modes():                  # (after the replay: a PIECEWISE step's eager regions wrote them)
+        pending.reads = _reads(info, pending, pre)
     padded = pending.real < pending.size
     info.padded_compared += padded
     # A padded step's rows are looked at (``row_writes``) on sampled steps, and after eager code wrote
@@ -305,10 +306,9 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
     put the replay's state back, host state included (``pystate``). ``traced`` records its launch
     trace; otherwise the doctor's mode is taken off the stack while it runs, where it is on top.
     ``rows`` (real, size, sampled): the padded step's indexed writes are attributed to its rows
-    (``row_writes``). ``host``: a kept container whose first
-    change the run is traced for, line by line (``pystate.tracer``). ``origin_of``: a position in
-    the trace and the numbers it is given, traced back to the frame that holds them (``eager_trace``).
-    ``nonfinite`` (real, size): the op that hands padded rows' NaN to real rows (``nonfinite``)."""
+    (``row_writes``). ``host``: a kept container whose first change the run is traced for, line by
+    line (``pystate.tracer``). ``origin_of``: a position in the trace and its numbers, traced back to
+    the frame that holds them (``eager_trace``). ``nonfinite`` (real, size): see ``nonfinite``."""
     pre = pending.pre
     with _disable_current_modes():
         for w, _, before in pre.values():
@@ -357,7 +357,7 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
         with _disable_current_modes():
             for key, (w, _, _) in pre.items():
                 w.copy_(replayed[key])
-            for w, before in run.extra.values():
+            for w, before in [*run.extra.values(), *pending.reads]:
                 w.copy_(before)
             for key, (now, mask, _, kept) in (reset or {}).items():
                 if key not in pre:                  # (the replay's state, put back above, covers the rest)

@@ -60,6 +60,12 @@ class Plan:
         self.in_step = False                      # between a ``serve`` and its ``handed_out``
         self.keys: dict[str, int] = {}            # each padded array's storage at the latest serve
         self.writes: dict[int, tuple] = {}        # storage -> (op, source) of eager code of a step that wrote it
+        # A run that fills the padded rows of static inputs too (``fill_inputs``): the names to fill ("all": every
+        # one), the last eager write of each storage before a serve, and the inputs whose padded rows a step had
+        # written when they were filled -> (graph, op, source of that write)
+        self.inputs: frozenset | str | None = None
+        self.before: dict[int, tuple] = {}
+        self.written: dict[str, tuple] = {}
 
 
 def served(doctor, real: int, size: int, padded: dict, columns: dict) -> None:
@@ -173,6 +179,24 @@ def fill(doctor, padded: dict, columns: dict, real: int, size: int) -> None:
             raise TypeError(f"padded rows must be tensors or NumPy arrays, got {type(arr).__name__}")
 
 
+def fill_inputs(doctor, info, real: int, size: int) -> None:
+    """Rows ``[real, size)`` of the static inputs the graph reads, those the step wrote too, get 0 (a
+    run asked for when the run as the runner left the padded rows failed, and so did both fills of
+    the rows it left: whether what the runner *writes* there makes the step fail). Which of them the
+    step had written, and where, is kept (``Plan.written``)."""
+    plan = doctor.plan
+    with _disable_current_modes():
+        for key in info.externals:
+            buf = doctor.buffer(key)
+            t = buf.ref() if buf is not None and buf.role == "input" else None
+            if t is None or t.dim() == 0 or t.shape[0] < size or plan.inputs != "all" and buf.name not in plan.inputs:
+                continue
+            fresh = doctor.fresh.get(key)
+            if fresh is not None and fresh.shape == t.shape and bool(fresh[real:size].any()) and key in plan.before:
+                plan.written.setdefault(buf.name, (info.name, *plan.before[key]))
+            t[real:size].fill_(_value(0, 0, t.dtype))
+
+
 def record_inputs(doctor, info) -> None:
     """Digests of what the graph reads from announced buffers (real rows) and from state it writes."""
     pending = info.pending
@@ -212,11 +236,12 @@ def state_read(doctor, func, args, kwargs, out) -> None:
     which op wrote that memory, to compare between the two fills. Padded rows may write slots no
     one reads; a value eager code computes from that memory differs only if it read what they wrote."""
     plan = doctor.plan
-    if plan.in_step:
+    if plan.in_step or plan.inputs is not None:
         if mutable(func):
             for t in written_tensors(func, args, kwargs):
-                plan.writes[storage_key(t)] = (str(func), user_frame())
-        return
+                (plan.writes if plan.in_step else plan.before)[storage_key(t)] = (str(func), user_frame())
+        if plan.in_step:
+            return
     if not doctor.trace or func._schema.name in _MOVES or not isinstance(out, torch.Tensor):
         return
     # (memory an op writes in place is its destination, not what it computes from: an eager write

@@ -61,12 +61,10 @@ failed or differs is compared with the reference line by line (``coverage.py``);
 differs, op by op: work the reference does at every step, which the served run did only while it
 prepared a graph that reads its result, is ``warmup-divergence`` where it was done (``dropped.py``).
 
-Only a graph no other rule has a finding for gets one (one failure, one finding). A replay whose
-outputs agree with the reference gives none, whatever its trace: a graph that launches more work
-than eager (blocks past a sequence that return early) is a standard fix. Where the workload says
-its results agree with the reference's (``events.results``), a replay that differs from the call
-it was paired with was paired with the wrong call (a batch split otherwise, micro-batches of a
-padded batch): a note, not a finding.
+Only a graph no other rule has a finding for gets one (one failure, one finding). A replay that
+agrees with the reference gives none, whatever its trace (a graph launching more work than eager
+is a standard fix). Where the workload's results agree with the reference's (``events.results``),
+a replay that differs was paired with the wrong call (a batch split otherwise): a note only.
 """
 from __future__ import annotations
 

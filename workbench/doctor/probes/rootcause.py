@@ -141,6 +141,12 @@ def _frozen_reference(doctor, info, op, gkey: int, ekey: int | None, run, site: 
         return ("dangling-reference", op, tensor,
                 site + f" Code outside the graph has written that memory since the capture ({doctor.touched[gkey]}): "
                        "it was handed on while the graph still uses it.")
+    sibling = next((g for g in doctor.graphs.values() if g is not info and g.gone is not None
+                    and g.gone_at > info.born and gkey in g.externals), None)
+    if sibling is not None:     # the program lets go of the graphs that bind it there: this one it kept
+        op = dataclasses.replace(op, source=sibling.gone[1])
+        site += (f" The program let go of {sibling.name}, which reads that tensor too, at {sibling.gone[1]}, "
+                 "after this graph was captured, and kept this one: the graphs bound to it are dropped there.")
     return "warmup-divergence", op, tensor, site
 
 
