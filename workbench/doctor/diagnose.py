@@ -16,12 +16,11 @@ from typing import Any
 import torch
 
 from ..engine import GraphRunner
-from . import explain
 from .intake import Doctor
 from .probes.padding import Plan
 from .report import Finding, Report
 from .rules import uncomputed
-from .rules.padding import compare_runs, crashed_only_as_left
+from .rules.padding import compare_runs, crashed_only_as_left, written_by_runner
 from . import raised
 from .session import watching
 
@@ -113,11 +112,7 @@ def _cured(workload: Callable[[], Any], guard: bool, steps: list, error: str) ->
     for name, (graph, op, source) in list(doctor.plan.written.items())[:_CURED]:
         alone, _ = run(frozenset((name,)))
         if not _failed(alone) and alone.failure is None:
-            return Finding("stale-padding", graph, op, name, source,
-                           f"the run failed ({error}), and so did both runs with the padded rows the runner left "
-                           f"filled; with the padded rows of {name}, which the step writes at {source} before its "
-                           "replay, filled with 0 too, the workload completed: what the runner writes into padded "
-                           "rows makes the step fail", explain.padding_written(name), {"crashed": error})
+            return written_by_runner(error, name, graph, op, source)
     return None
 
 

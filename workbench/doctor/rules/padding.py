@@ -2,7 +2,9 @@
 
 Decided by ``diagnose`` from three runs of one deterministic workload: as the runner left the
 padded rows, and twice with them filled two different ways (``probes/padding.py``). The runs
-differ only in what padded rows hold, so any difference in what real rows get is the finding."""
+differ only in what padded rows hold, so any difference in what real rows get is the finding. Where
+all three fail, a run with the padded rows the runner itself writes filled too says whether those
+values make the step fail (``written_by_runner``)."""
 from __future__ import annotations
 
 import torch
@@ -56,6 +58,17 @@ def crashed_only_as_left(error: str, record: dict | None, patterns: int) -> Find
     with small valid values did not: what padded rows held made the difference."""
     return _finding(record, f"the run with padded rows as the runner left them failed ({error}); the {patterns} "
                             "runs with padded rows filled with small values completed", {"crashed": error}, None)
+
+
+def written_by_runner(error: str, name: str, graph: str, op: str, source: str) -> Finding:
+    """The run failed, and so did both runs with the padded rows the runner left filled; with the
+    padded rows of static input ``name``, which the step itself writes (at ``source``), filled with 0
+    too, it completed: what the runner writes into padded rows made the difference."""
+    return Finding("stale-padding", graph, op, name, source,
+                   f"the run failed ({error}), and so did both runs with the padded rows the runner left filled; "
+                   f"with the padded rows of {name}, which the step writes at {source} before its replay, filled "
+                   "with 0 too, the workload completed: what the runner writes into padded rows makes the step fail",
+                   explain.padding_written(name), {"crashed": error})
 
 
 def _finding(record: dict | None, evidence: str, numbers: dict, first: str | None) -> Finding:
