@@ -4,7 +4,8 @@ Each probe runs through the engine's one API, so the same code runs on a real
 ``torch.cuda.CUDAGraph`` and on ``CPUGraph``. ``scripts/gpu_session.py`` records the GPU answers in
 ``results/gpu/engine_probes.json``; ``tests/test_engine_fidelity.py`` asserts the CPU emulation
 gives the same answers. A probe that needs a dead CUDA context runs in a child process. The probes
-of graph-pool memory are in ``workbench.pool_probes``.
+of graph-pool memory are in ``workbench.pool_probes``, those of other threads in
+``workbench.thread_probes``.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from .childproc import run_in_child
 from .engine import CPUGraph, graph, host, new_graph, reuse_freed_blocks, synchronize
 from .pool_probes import (_values, probe_freed_in_capture, probe_freed_in_place, probe_freed_input,
                           probe_pool_handle_reuse, probe_recapture_pool, probe_shared_pool, probe_shared_retained)
+from .thread_probes import probe_other_thread
 
 
 def probe_increment(device: str, replays: int = 3) -> dict:
@@ -396,6 +398,7 @@ PROBES = {
     "pool_handle_reuse": probe_pool_handle_reuse,
     "mask_assign": probe_mask_assign,
     "host_copy": probe_host_copy,
+    "other_thread": probe_other_thread,
 }
 
 

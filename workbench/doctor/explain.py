@@ -89,6 +89,15 @@ def sync(op: str) -> str:
             "cannot wait for the device, so the capture fails (cudaErrorStreamCaptureUnsupported).")
 
 
+def sync_elsewhere(op: str, mode: str) -> str:
+    refused = ("in 'global' mode (torch's default) CUDA forbids every thread, not only the capturing one, to wait "
+               "for the device while a capture is open" if mode == "global" else
+               "a device-wide synchronize waits for the capturing stream too, which CUDA refuses in every capture mode")
+    return (f"{op} ran on another thread during the capture: {refused}. The wait fails on its thread and the "
+            "capture fails at its end. Capture with capture_error_mode=\"thread_local\" (other threads may then "
+            "read values), or capture before other threads serve.")
+
+
 def stale_padding(first_input: str | None) -> str:
     via = (f" The first graph input whose real rows differ between the two runs is `{first_input}`: values "
            "derived from padded rows decided what real rows read." if first_input else "")

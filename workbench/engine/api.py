@@ -10,7 +10,7 @@ import gc
 
 import torch
 
-from . import events, queries
+from . import capture_mode, events, queries
 from .cpu_graph import CPUGraph, Pool
 from .errors import GraphError
 from .host_sync import host_sync_error, stream_waits_refused
@@ -82,9 +82,12 @@ def graph_pool_handle(device: str | torch.device = "cpu"):
 
 
 @contextlib.contextmanager
-def graph(g, pool=None, *, name: str | None = None):
+def graph(g, pool=None, *, name: str | None = None, capture_error_mode: str = "global"):
     """Capture the block into ``g``: ``torch.cuda.graph`` on CUDA, ``CPUGraph`` capture on the CPU.
-    ``name`` (e.g. ``"size 8"``) labels the graph in the doctor's reports."""
+    ``name`` (e.g. ``"size 8"``) labels the graph in the doctor's reports. ``capture_error_mode``
+    is CUDA's: which other threads the capture forbids to wait for the device (``capture_mode``)."""
+    capture_mode.check(capture_error_mode)
+    label = name or "a graph"
     if isinstance(g, CPUGraph):
         try:
             g.capture_begin(pool)
@@ -94,7 +97,10 @@ def graph(g, pool=None, *, name: str | None = None):
         events.capture_begin(g, name)
         events.pool_used(g, pool)
         try:
-            yield g
+            with capture_mode.opened(label, capture_error_mode, cpu=True) as open_capture:
+                yield g
+            if open_capture.broken is not None:
+                raise capture_mode.broken_error(open_capture)
         except BaseException as e:
             events.capture_abort(g, e)
             g.capture_abort()
@@ -114,8 +120,10 @@ def graph(g, pool=None, *, name: str | None = None):
         # (a copy of what the graph read) must run now, not be recorded into the graph.
         collecting = gc.isenabled()
         begun = False
+        open_capture = None
         try:
-            with torch.cuda.graph(g, pool=pool), stream_waits_refused():
+            with capture_mode.opened(label, capture_error_mode, cpu=False) as open_capture, \
+                    torch.cuda.graph(g, pool=pool, capture_error_mode=capture_error_mode), stream_waits_refused():
                 gc.disable()
                 begun = True
                 events.capture_begin(g, name)
@@ -123,11 +131,16 @@ def graph(g, pool=None, *, name: str | None = None):
                 yield g
             events.capture_end(g)
         except BaseException as e:
+            error = e
+            if open_capture is not None and open_capture.broken is not None and "previous error" in str(e):
+                error = capture_mode.broken_error(open_capture)      # (CUDA's words name no line: the engine's do)
             if begun:
-                events.capture_abort(g, e)
+                events.capture_abort(g, error)
             else:                       # entering the capture failed: the allocator refused the pool
-                events.capture_refused(g, pool, name, e)
-            raise
+                events.capture_refused(g, pool, name, error)
+            if error is e:
+                raise
+            raise error from e
         finally:
             if collecting:
                 gc.enable()
@@ -142,3 +155,5 @@ def synchronize(device: str | torch.device) -> None:
         torch.cuda.synchronize()
     elif queries.current_graph() is not None:
         raise host_sync_error("synchronize()", user_frame())
+    else:
+        capture_mode.refuse_elsewhere("synchronize()", value_read=False)

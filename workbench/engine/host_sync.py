@@ -69,6 +69,8 @@ def stream_waits_refused():
         def wait(*args, **kwargs):
             if torch.cuda.is_current_stream_capturing():
                 raise host_sync_error(name, user_frame())
+            from .capture_mode import refuse_elsewhere      # (it imports this module)
+            refuse_elsewhere(name, value_read=False)        # another thread's capture: CUDA refuses the wait
             return original(*args, **kwargs)
         return wait
     torch.cuda.synchronize = refused(originals[0], "torch.cuda.synchronize()")

@@ -91,10 +91,11 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def capture(fn: Callable[[], object], *, device: str, pool=None, warmups: int = 1, name: str | None = None,
             static: Mapping[str, torch.Tensor] | None = None, state: Mapping[str, torch.Tensor] | None = None,
-            owner: str = "zoo program", on_freed: str = "raise"):
+            owner: str = "zoo program", on_freed: str = "raise", capture_error_mode: str = "global"):
     """Warm up ``fn`` (eagerly, ``warmups`` times), then capture it; returns ``(graph, outputs)``.
     ``static`` names the per-step input buffers the graph reads (announced as static buffers),
-    ``state`` the memory it reads and writes on purpose across steps (a recurrent state, a cache)."""
+    ``state`` the memory it reads and writes on purpose across steps (a recurrent state, a cache);
+    ``capture_error_mode`` is CUDA's (``engine.capture_mode``)."""
     if static:
         events.static_buffers(owner, static)
     if state:
@@ -103,7 +104,7 @@ def capture(fn: Callable[[], object], *, device: str, pool=None, warmups: int = 
         with events.warmup():
             fn()
     g = new_graph(device, on_freed=on_freed)
-    with graph(g, pool=pool, name=name):
+    with graph(g, pool=pool, name=name, capture_error_mode=capture_error_mode):
         out = fn()
     try:
         _captured[g] = fn

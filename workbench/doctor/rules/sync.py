@@ -15,6 +15,7 @@ import inspect
 
 import torch
 
+from ...engine.capture_mode import WaitedElsewhereError
 from ...engine.errors import CaptureError
 from ...engine.host_sync import UploadGuard, blocking_copy_error, host_sync_error, is_host_sync
 from ...engine.opinfo import storage_key, tensors
@@ -74,7 +75,15 @@ def capture_failed(doctor, info, graph: str, error: BaseException) -> None:
 
 
 def _aborted(doctor, graph: str, error) -> None:
-    """The engine refused a host sync during capture (the CPU backend): its frames are in the traceback."""
+    """The engine refused a host sync during capture (the CPU backend): its frames are in the traceback.
+    A capture invalidated by another thread's wait is named at the capture, whose mode forbade it."""
+    if isinstance(error, WaitedElsewhereError):
+        doctor.add(Finding(
+            "sync-in-capture", graph, error.op, "-", error.source,
+            f"{error.op} at {error.waited_at}, on another thread, waited for the device while {graph} was being "
+            f"captured in {error.mode!r} mode: CUDA refused it there and invalidated the capture",
+            explain.sync_elsewhere(error.op, error.mode)), ("sync-in-capture", error.op, error.source))
+        return
     frames = _user_frames(error)
     t = error.tensor() if error.tensor is not None else None
     caller = handed_in(frames, lambda v: v is t) if t is not None else None
