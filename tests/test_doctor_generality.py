@@ -1,6 +1,7 @@
 """Mechanisms that keep the doctor's answers to what the evidence says: pool memory known by the
 storage a capture made there, not by address alone; a warmup run on the step's own batch; an empty
-capture; a runner's check that a step's inputs match the captured ones."""
+capture; a runner's check that a step's inputs match the captured ones; a pre-replay update that
+fills a captured task's table with values it chose wrongly."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +12,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from workbench import doctor
 from workbench.doctor.rules.pool import PoolReads, block
-from workbench.engine import events
+from workbench.engine import events, is_capturing
 from workbench.engine.source import function_of
 from workbench.zoo.kit import capture, compare, replay
 
@@ -392,3 +393,71 @@ def test_one_byte_floats_are_compared_as_floats():
     a = torch.tensor([1.0, 2.0, 448.0]).to(torch.float8_e4m3fn)
     b = torch.tensor([1.0, 3.0, 448.0]).to(torch.float8_e4m3fn)
     assert differs(a, b).tolist() == [False, True, False] and changed(a, a).sum() == 0
+
+
+# ------------------------------------------------------------------------------ a pre-replay update that pairs by position
+def _task_update(variant: str):
+    """Each layer's attention is captured as a task whose table a pre-replay ``update`` rewrites, and
+    the eager path reads each layer's own table. ``bug``: ``update`` pairs the captured tasks with the
+    metadata by position, and the metadata lists its layers by group, not in layer order."""
+    cache = torch.arange(16.0).view(8, 2)
+    # (the first layer is first in both orders: its task agrees with the step, which ties the replay to it)
+    layers, by_group = ("l0", "l1", "l2"), ("l0", "l2", "l1")
+
+    class Task:
+        def __init__(self):
+            self.table = torch.zeros(2, dtype=torch.long)
+
+        def rebind(self, table):
+            self.table.copy_(table)
+
+    class Model:
+        def __init__(self):
+            self.tasks = [Task() for _ in layers]
+
+        def forward(self, tables):
+            h = torch.ones(2)
+            for name, task in zip(layers, self.tasks):
+                h = h * 0.5 + cache.index_select(0, task.table if is_capturing() else tables[name]).sum(1)
+            return h
+
+    def tables_at(step):
+        return {"l0": torch.tensor([step % 4, 1]), "l1": torch.tensor([4 + step % 3, 5]), "l2": torch.tensor([7, step])}
+
+    def served():
+        model, current = Model(), tables_at(0)
+        g = capture(lambda: model.forward(current), device="cpu", name="decode",
+                    static={f"task{i}.table": t.table for i, t in enumerate(model.tasks)})
+
+        def update(tables):
+            for name, task in zip(by_group if variant == "bug" else layers, model.tasks):
+                task.rebind(tables[name])
+        out = []
+        for step in range(1, 4):
+            current.update(tables_at(step))
+            update(current)
+            out.append(replay(*g).clone())
+        return out
+
+    def eager():
+        model = Model()
+        return [model.forward(tables_at(step)) for step in range(1, 4)]
+
+    return compare("task update", variant, "cpu", served, eager)
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_task_table_an_update_fills_with_another_layers_values_is_named_where_the_update_chose_them(variant):
+    """The replay differs from the same step of the run without graphs, a static input it reads holds
+    another layer's table, and the copy that wrote it copies what it is given: the finding stands
+    where those values were chosen (``update``), not at the copy, nor at the branch between the
+    capture path and the eager path, where differential replay parts."""
+    result = []
+    report = doctor.diagnose(lambda: result.append(_task_update(variant)))
+    assert result[0].verdict == ("misbehaves" if variant == "bug" else "equals eager")
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    [finding] = report.findings
+    assert finding.kind == "warmup-divergence" and function_of(finding.location) == "update", finding
+    assert "with values chosen at" in finding.evidence and "task" in finding.tensor

@@ -194,9 +194,9 @@ def differential(graph: str, what: str, site: str) -> str:
 
 
 def reference_run(graph: str, why: str) -> str:
-    return (f"A replay of {graph} gave other results than the same step of the workload run without graphs, and "
-            f"the step's eager form (the captured callable) agrees with the graph: what is wrong is what the "
-            f"capture froze into that callable or what the runner prepares before each replay ({why}).")
+    return (f"A replay of {graph} gave other results than the same step of the workload run without graphs: what "
+            f"is wrong is what the capture froze into the captured callable or what the runner prepares before "
+            f"each replay ({why}).")
 
 
 def uncomputed(graph: str, op: str, cached: bool = False) -> str:

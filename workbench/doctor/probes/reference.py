@@ -90,8 +90,8 @@ from .compare import calls_near, comparable, differs_from, paired, verdict
 from .coverage import Coverage
 from .dropped import Dropped
 from .eager_trace import number_origin
-from .reference_causes import (bound, compare_views, frozen_number, frozen_scalar, moved_view, narrower, numbers,
-                               padded_result, parting, static_input)
+from .reference_causes import (bound, chosen_at, compare_views, frozen_number, frozen_scalar, moved_view, narrower,
+                               numbers, padded_result, parting, static_input)
 
 _LIFTS = (torch.ops.aten.lift_fresh, torch.ops.aten.lift_fresh_copy)     # constants made from Python data
 _SMALL = 1 << 16          # elements of an op's input kept as a value (metadata, ids, lengths; not activations)
@@ -130,8 +130,10 @@ class Reference:
         self.roots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.at_replay: dict[int, tuple] = {}     # id(GraphInfo) -> (served steps before, static views' values)
         self.by_call: tuple | None = None         # (code, call number -> its steps), for the last root asked
-        self.writers: dict[int, tuple] = {}       # static input -> (op, line, its name): its last write, served run
+        self.writers: dict[int, tuple] = {}       # static input -> (op, line, its name, where its value was chosen):
+                                                  # its last write, served run
         self.found: dict[str, tuple] = {}         # graph name -> (info, kind, op, tensor, source, text, numbers)
+        self.by_input: set[str] = set()           # ... of those, found in a static input's values (``static_input``)
         self.unexplained: list[tuple] = []        # (graph name, text) of replays that differ, no cause found
         self.verdict: tuple | None = None         # the workload's own: None (not said), () (agrees), (result, diff)
         self.misshaped: tuple | None = None       # (served, reference) shapes of the first result they differ in
@@ -173,7 +175,8 @@ class Reference:
             for t in written_tensors(func, args, kwargs):
                 buf = doctor.buffer(key := storage_key(t))
                 if buf is not None and buf.role == "input" or buf is None and key in doctor.graph_reads:
-                    self.writers[key] = (str(func), user_frame(), buf.name if buf is not None else describe(t))
+                    self.writers[key] = (str(func), user_frame(), buf.name if buf is not None else describe(t),
+                                         chosen_at(func, args))
 
     def _record(self, func, args, kwargs) -> None:
         inputs = op_tensors(args, kwargs)
@@ -312,7 +315,8 @@ class Reference:
                 compared = []
         release(doctor, info.held, info.held_state)   # what earlier replays' probes found, now borne out
         with _disable_current_modes():           # a PIECEWISE step's other pieces are not in ``ops``: no trace
-            found = static_input(self.writers, info, compared) or narrower(ops, under, ref, values, doctor.views) or (
+            by_input = static_input(self.writers, info, compared)
+            found = by_input or narrower(ops, under, ref, values, doctor.views) or (
                 None if pending.span else (
                 parting(info, ops, ref, pending.real < pending.size) or frozen_number(info, ops, under, ref, pending.size)
                 or bound(self.writers, doctor, info, ops, under, ref, replayed)
@@ -326,6 +330,8 @@ class Reference:
             return
         self.found[info.name] = (info, *found, text, {"replay": info.replays, "output": differs[0],
                                                       "max_abs_diff": differs[1], "reference_call": number})
+        if by_input is not None:
+            self.by_input.add(info.name)
 
     def _step(self, code, k: int, ops: list, under: tuple, values: dict, wrote: set) -> tuple | None:
         """(call number, its ops, its comparisons) of the reference's call of ``code`` that this replay
@@ -374,6 +380,14 @@ class Reference:
             sync.handled(doctor)
         mutation.warm_writes_concluded(doctor, self.warm_writes, agreed=self.verdict == ())
         for info in doctor.graphs.values():
+            stale = any(h[0].kind in ("stale-input", "stale-padding") for h in info.held + info.held_state)
+            if self.verdict and info.name in self.by_input and not stale:
+                # A replay that differs from the same step of the run without graphs, where a static input
+                # it reads holds other values than that step gives it, says more than what the eager form
+                # parted on, which only the workload's results bore out: that is reported (unless what was
+                # held is an input the step left stale, from which the differing values may derive).
+                info.held.clear()
+                info.held_state.clear()
             if self.verdict:
                 i, diff = self.verdict
                 release(doctor, info.held, info.held_state,

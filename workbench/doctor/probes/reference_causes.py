@@ -11,10 +11,11 @@ from __future__ import annotations
 import torch
 
 from ...engine.opinfo import describe, storage_key
-from ...engine.source import function_of, location
+from ...engine.source import function_of, location, user_frames
 from .. import explain
 from ..records import Op
 from ..report import Finding
+from ..rules import sync
 from ..rules.pool import block
 from ..tensors import TensorArg, disagrees, onto, whole
 from . import launch
@@ -49,6 +50,16 @@ def compare_views(ops: list, under: tuple, ref: list, values: dict) -> list:
     return out
 
 
+def chosen_at(func, args) -> str | None:
+    """Where the values a copy into a static input writes were chosen, when the copied tensor came
+    in as an argument of the copying function (a task's ``rebind(table)``): the caller that chose
+    it (``sync.handed_in``); None where the copy's own line chose them."""
+    if func.overloadpacket is not torch.ops.aten.copy_ or len(args) < 2:
+        return None
+    src = args[1]
+    return sync.handed_in([(f, f.f_lineno) for f in user_frames()], lambda v: v is src)
+
+
 def static_input(writers: dict, info, compared: list) -> tuple | None:
     """The first static input whose real rows differ from what the reference gives the same op.
     Where the step wrote none of the elements that differ (``info.step``, the writes since the
@@ -78,11 +89,12 @@ def static_input(writers: dict, info, compared: list) -> tuple | None:
                        + (f"; {refresh[1]} refreshed {refresh[0]}, {refresh[3]}, at {refresh[2]}" if refresh else ""))
                 site = refresh[2] if refresh else op.source
                 return "stale-input", op.name, f"{buf.name}: {describe(mine)}", site, why
-        writer = writers.get(storage_key(whole_buf), (op.name, op.source))
+        writer = writers.get(storage_key(whole_buf), (op.name, op.source, None, None))
+        chosen = f", with values chosen at {writer[3]}" if writer[3] else ""
         why = (f"{buf.name} holds other values in its real rows than the reference gives {op.name} at "
-               f"{op.source} ({count}); it was last written by {writer[0]} at {writer[1]}: the runner prepares "
-               "this step's input otherwise than the workload computes it without graphs")
-        return "warmup-divergence", writer[0], f"{buf.name}: {describe(mine)}", writer[1], why
+               f"{op.source} ({count}); it was last written by {writer[0]} at {writer[1]}{chosen}: the runner "
+               "prepares this step's input otherwise than the workload computes it without graphs")
+        return "warmup-divergence", writer[0], f"{buf.name}: {describe(mine)}", writer[3] or writer[1], why
     return None
 
 
@@ -134,7 +146,7 @@ def _refreshed_beside(writers: dict, info, compared: list, op, stale) -> tuple |
             by_function.setdefault(function_of(writers[key][1]), []).append(writers[key])
     if not by_function:
         return None
-    name, line, buffer = max(by_function.values(), key=len)[-1]
+    name, line, buffer, _ = max(by_function.values(), key=len)[-1]
     return buffer, name, line, "with most of the step's static inputs"
 
 
