@@ -58,3 +58,10 @@ def run_in_child(fn: Callable[..., Any], *args: Any, timeout: float = 300.0, **k
         return ChildResult(True, value=payload, exitcode=proc.exitcode)
     etype, msg, tb = payload
     return ChildResult(False, error_type=etype, error=msg, traceback=tb, exitcode=proc.exitcode)
+
+
+def on_cuda_in_child(probe: Callable[[str], dict], device: str) -> dict:
+    """``probe(device)``, on CUDA in a child process: a refused op may break the capture, or the context."""
+    if device == "cuda":
+        return run_in_child(probe, device, timeout=300).raise_if_failed()
+    return probe(device)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .childproc import run_in_child
+from .childproc import on_cuda_in_child, run_in_child
 from .engine import CPUGraph, graph, host, new_graph, reuse_freed_blocks, synchronize
 from .pool_probes import (_values, probe_freed_in_capture, probe_freed_in_place, probe_freed_input,
                           probe_pool_handle_reuse, probe_recapture_pool, probe_shared_pool, probe_shared_retained)
@@ -99,16 +99,9 @@ def probe_static_input(device: str) -> dict:
     return {"outputs": results}
 
 
-def _in_a_child_on_cuda(probe, device: str) -> dict:
-    """``probe(device)``, on CUDA in a child process: a refused op may break the capture, or the context."""
-    if device == "cuda":
-        return run_in_child(probe, device, timeout=300).raise_if_failed()
-    return probe(device)
-
-
 def probe_host_sync(device: str) -> dict:
     """``.item()`` inside capture fails on both backends."""
-    return _in_a_child_on_cuda(_host_sync, device)
+    return on_cuda_in_child(_host_sync, device)
 
 
 def _host_sync(device: str) -> dict:
@@ -125,7 +118,7 @@ def _host_sync(device: str) -> dict:
 def probe_replay_in_capture(device: str) -> dict:
     """A graph replayed while another graph's capture is open (a wrapper that replays its own graph
     inside an outer capture) is refused on both backends."""
-    return _in_a_child_on_cuda(_replay_in_capture, device)
+    return on_cuda_in_child(_replay_in_capture, device)
 
 
 def _replay_in_capture(device: str) -> dict:

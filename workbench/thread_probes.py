@@ -9,21 +9,15 @@ import threading
 
 import torch
 
-from .childproc import run_in_child
+from .childproc import on_cuda_in_child
 from .engine import graph, new_graph, synchronize
-
-
-def _in_child_on_cuda(probe, device: str) -> dict:
-    if device == "cuda":
-        return run_in_child(probe, device, timeout=300).raise_if_failed()
-    return probe(device)
 
 
 def probe_other_thread(device: str) -> dict:
     """Another thread waits for the device while a capture is open, in each capture mode: a value
     read (``.tolist()``) fails there, and the capture with it, only in ``"global"`` mode; a
     device-wide ``synchronize`` breaks a capture in every mode; a kernel launch breaks none."""
-    return {f"{mode}/{wait}": _in_child_on_cuda(functools.partial(_other_thread, mode=mode, wait=wait), device)
+    return {f"{mode}/{wait}": on_cuda_in_child(functools.partial(_other_thread, mode=mode, wait=wait), device)
             for mode in ("global", "thread_local", "relaxed") for wait in ("tolist", "synchronize", "launch")}
 
 

@@ -123,7 +123,8 @@ def graph(g, pool=None, *, name: str | None = None, capture_error_mode: str = "g
         open_capture = None
         try:
             with capture_mode.opened(label, capture_error_mode, cpu=False) as open_capture, \
-                    torch.cuda.graph(g, pool=pool, capture_error_mode=capture_error_mode), stream_waits_refused():
+                    torch.cuda.graph(g, pool=pool, capture_error_mode=capture_error_mode), \
+                    stream_waits_refused(lambda wait: capture_mode.refuse_elsewhere(wait, value_read=False)):
                 gc.disable()
                 begun = True
                 events.capture_begin(g, name)

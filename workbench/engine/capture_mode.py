@@ -45,10 +45,9 @@ _lock = threading.Lock()
 _saved: dict[str, object] = {}        # the Tensor methods wrapped while a capture is open (None: inherited)
 
 
-def check(mode: str) -> str:
+def check(mode: str) -> None:
     if mode not in MODES:
         raise GraphError(f"capture_error_mode must be one of {MODES}, got {mode!r}")
-    return mode
 
 
 @contextlib.contextmanager

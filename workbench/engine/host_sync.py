@@ -57,7 +57,7 @@ def host_sync_error(op: str, source: str, tensor=None) -> CaptureError:
 
 
 @contextlib.contextmanager
-def stream_waits_refused():
+def stream_waits_refused(elsewhere=lambda name: None):
     """On CUDA, while a capture is open: ``torch.cuda.synchronize()``, ``Stream.synchronize()`` and
     ``Event.synchronize()`` refused as the CPU engine refuses ``synchronize`` in a capture, before
     CUDA invalidates the capture (which it reports later, at whatever call comes next: "operation
@@ -69,8 +69,7 @@ def stream_waits_refused():
         def wait(*args, **kwargs):
             if torch.cuda.is_current_stream_capturing():
                 raise host_sync_error(name, user_frame())
-            from .capture_mode import refuse_elsewhere      # (it imports this module)
-            refuse_elsewhere(name, value_read=False)        # another thread's capture: CUDA refuses the wait
+            elsewhere(name)         # a capture open on another thread: CUDA refuses the wait (``capture_mode``)
             return original(*args, **kwargs)
         return wait
     torch.cuda.synchronize = refused(originals[0], "torch.cuda.synchronize()")

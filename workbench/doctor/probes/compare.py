@@ -134,3 +134,13 @@ def verdict(reference: list, served: list) -> tuple[tuple, tuple | None]:
             if bool(disagrees(g.cpu(), e.cpu()).any()):
                 return (i, max_abs_diff(g.cpu().double(), e.cpu().double())), None
     return (), None
+
+
+def capture_batch(info) -> bool:
+    """Whether this is a graph's first replay with nothing written into its static inputs since the
+    capture (``info.step``): the capture's own dummy batch replayed, which is no step of the
+    reference (rewritten with the values the capture read, it is too: ``captured_with``)."""
+    if info.replays or info.step is None:
+        return False
+    with _disable_current_modes():
+        return not any(bool(mask.any()) for key, mask in info.step.items() if key in info.externals)

@@ -86,12 +86,12 @@ from ..rules import mutation, reused, sync
 from ..rules.pool import block
 from ..tensors import host_only, placed, real_rows, signature
 from . import release
-from .compare import calls_near, comparable, differs_from, paired, verdict
+from .compare import calls_near, capture_batch, comparable, differs_from, paired, verdict
 from .coverage import Coverage
 from .dropped import Dropped
 from .eager_trace import number_origin
 from .reference_causes import (bound, chosen_at, compare_views, frozen_number, frozen_scalar, moved_view, narrower,
-                               numbers, padded_result, parting, static_input)
+                               numbers, only_read, padded_result, parting, static_input)
 
 _LIFTS = (torch.ops.aten.lift_fresh, torch.ops.aten.lift_fresh_copy)     # constants made from Python data
 _SMALL = 1 << 16          # elements of an op's input kept as a value (metadata, ids, lengths; not activations)
@@ -222,7 +222,7 @@ class Reference:
         for j, t in enumerate(op_tensors(args, kwargs)):
             key = storage_key(t)
             made_by = doctor.owner_of(key)       # (a tensor another graph's capture made: one it only reads too)
-            if (key in info.externals or made_by not in (None, info)) and _only_read(doctor.buffer(key)) \
+            if (key in info.externals or made_by not in (None, info)) and only_read(doctor.buffer(key)) \
                     and t.numel() <= _SMALL:
                 bound.append((j, key, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype))
         plain = {v for _, v in numbers(signature(func, args, kwargs))}
@@ -257,7 +257,7 @@ class Reference:
         captured_with = self.captured_with.pop(id(info), {})
         if info.name in self.found:
             return
-        if _capture_batch(info):
+        if capture_batch(info):
             if pending is not None:
                 pending.capture_batch = True    # (see ``Pending.capture_batch``)
             return
@@ -445,20 +445,3 @@ class Reference:
                         best = (code, under)
             self.roots[info] = best
         return self.roots[info]
-
-
-def _only_read(buf) -> bool:
-    """Whether a tensor the capture references may be one it only reads (``bound``): not announced,
-    or announced as state -- persistent memory that a graph which never writes it only reads, like a
-    table or metadata prepared eagerly (which writes it is known once the capture ends)."""
-    return buf is None or buf.role == "state"
-
-
-def _capture_batch(info) -> bool:
-    """Whether this is a graph's first replay with nothing written into its static inputs since the
-    capture (``info.step``): the capture's own dummy batch replayed, which is no step of the
-    reference (rewritten with the values the capture read, it is too: ``captured_with``)."""
-    if info.replays or info.step is None:
-        return False
-    with _disable_current_modes():
-        return not any(bool(mask.any()) for key, mask in info.step.items() if key in info.externals)

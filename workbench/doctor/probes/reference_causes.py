@@ -299,6 +299,13 @@ def _replayed(replayed: tuple) -> str:
     return replayed[0] + (f", as the check at {replayed[1]} chose" if replayed[1] else "")
 
 
+def only_read(buf) -> bool:
+    """Whether a tensor the capture references may be one it only reads (``bound``): not announced,
+    or announced as state -- persistent memory that a graph which never writes it only reads, like a
+    table or metadata prepared eagerly (which writes it is known once the capture ends)."""
+    return buf is None or buf.role == "state"
+
+
 def bound(writers: dict, doctor, info, ops: list, under: tuple, ref: list, replayed: tuple) -> tuple | None:
     """The first tensor the graph only reads (no graph writes it; not announced) that holds other
     values than the reference gives the same op: the graph reads what its capture bound, this
