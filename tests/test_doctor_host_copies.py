@@ -13,13 +13,14 @@ from workbench.engine.source import function_of
 
 
 class _Launcher:
-    def __init__(self, retained: bool):
+    def __init__(self, retained: bool, sliced: bool = False):
         self.retained, self.scratch, self.kept = retained, host(torch.zeros(2, dtype=torch.long)), []
+        self.sliced = sliced                      # the launcher copies a view it takes of what it is handed
 
     def launch(self, table, args):
         """``out = table[args[0]] * args[1]``, its arguments copied to the device from host memory."""
         dev = torch.empty(2, dtype=torch.long)
-        dev.copy_(args, non_blocking=True)
+        dev.copy_(args[:2] if self.sliced else args, non_blocking=True)
         return table.index_select(0, dev[:1])[0] * dev[1]
 
     def scale_row(self, table, row: int, factor: int):
@@ -32,9 +33,9 @@ class _Launcher:
         return self.launch(table, args)
 
 
-def _serve(retained: bool, refresh: bool = False) -> list:
+def _serve(retained: bool, refresh: bool = False, sliced: bool = False) -> list:
     table = torch.arange(12.0).view(4, 3)
-    launcher, x = _Launcher(retained), torch.zeros(3)
+    launcher, x = _Launcher(retained, sliced), torch.zeros(3)
     events.static_buffers("runner", {"x": x})
 
     def step():
@@ -55,8 +56,11 @@ def _serve(retained: bool, refresh: bool = False) -> list:
     return outs
 
 
-def test_a_launch_argument_block_the_next_launch_rewrites_inside_the_capture_is_dangling():
-    report = doctor.diagnose(lambda: _serve(retained=False))
+@pytest.mark.parametrize("sliced", [False, True])
+def test_a_launch_argument_block_the_next_launch_rewrites_inside_the_capture_is_dangling(sliced):
+    """Named where the block was handed to the launcher, also when the launcher copies a view it
+    takes of it (``sync.same_memory``)."""
+    report = doctor.diagnose(lambda: _serve(retained=False, sliced=sliced))
     found = report.of("dangling-reference")
     assert found, report
     assert function_of(found[0].location) == "scale_row", "named where the block was handed to the launcher"

@@ -116,7 +116,7 @@ class NullBlock:
 
     def forward(self, size):
         self.cache[self.slots[:size]] = self.x[:size] / self.x[:size].abs().amax(-1, keepdim=True)   # 0/0: NaN
-        gathered = self.cache[torch.tensor([1, 0])]
+        gathered = self.cache.flip(0)[2:]                        # rows 1 and 0
         return (gathered * torch.tensor([[1.0], [0.0]])).sum(0, keepdim=True) + self.x[:size]
 
 

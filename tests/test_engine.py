@@ -115,8 +115,10 @@ def test_outputs_hold_poison_until_first_replay():
 
 
 def test_constants_created_inside_capture_keep_their_value():
+    """A number made into a tensor in the captured code is passed by value to an elementwise op (an
+    index list made so is refused: on CUDA it is copied from pageable memory)."""
     x = torch.ones(3)
-    g, out = capture(lambda: x[torch.tensor([0, 2])] * torch.tensor(5.0))
+    g, out = capture(lambda: x[::2] * torch.tensor(5.0))
     g.replay()
     assert torch.equal(out, torch.tensor([5.0, 5.0]))
 
@@ -519,6 +521,39 @@ def test_a_capture_refuses_a_copy_from_pageable_host_memory_or_a_blocking_one():
         dev.copy_(source)                                  # eagerly: a plain copy either way
 
 
+def test_a_capture_refuses_python_data_copied_to_the_device_and_records_a_number_passed_by_value():
+    """On CUDA, Python data the captured code makes into a tensor is pageable host memory, and a
+    capture refuses copying it to the device (an H200 with torch 2.11, engine probe ``python_data``):
+    ``t[0] = 0`` (``select`` then ``copy_``), ``t[index] = 1`` (``index_put_``), an index list,
+    ``t.copy_(torch.tensor(2.))``, ``torch.where`` given one, ``t.new_tensor(...)`` and
+    ``torch.tensor(...).to(device)``. A slice or a column filled with a number (``fill_``), a mask
+    filled with one (``masked_fill_``) and a host number given to an elementwise op are passed by
+    value: recorded, and every replay writes them again."""
+    t = torch.zeros(3, 4)
+    index = torch.tensor([0, 2])
+    refused = {"t[0, 1] = 1": lambda: t.__setitem__((0, 1), 1.0),
+               "t[index] = 1": lambda: t.__setitem__(index, 1.0),
+               "t[[0, 2]]": lambda: t[[0, 2]] * 1,
+               "t.copy_(torch.tensor(2.))": lambda: t.copy_(torch.tensor(2.0)),
+               "torch.where": lambda: torch.where(t > 0, t, torch.tensor(0.5)),
+               "new_tensor": lambda: t + t.new_tensor(2.0),
+               ".to(device)": lambda: t[0] + torch.tensor([1.0, 2.0, 3.0, 4.0]).to("cpu")}
+    for what, use in refused.items():
+        with pytest.raises(CaptureError, match="pageable host memory"), graph(new_graph("cpu")):
+            use()
+        use()                                            # eagerly: allowed
+    g = new_graph("cpu")
+    with graph(g):
+        t[1:3] = 5.0
+        t[:, 0] = 2
+        t[t > 4] = 7
+        t.add_(torch.tensor(1.0))
+        torch.tensor([1.0, 2.0]) * 2                     # host work on Python data alone: no copy
+    t.zero_()
+    g.replay()
+    assert t[0].tolist() == [3.0, 1.0, 1.0, 1.0] and t[1].tolist() == [3.0, 8.0, 8.0, 8.0]
+
+
 def test_host_requires_a_cpu_tensor_and_a_known_device():
     from workbench.engine import host
     with pytest.raises(TypeError, match="CPU tensor"):
@@ -631,7 +666,7 @@ def test_constants_made_inside_a_capture_live_as_long_as_the_graph():
     cache, x = torch.arange(8.0).reshape(4, 2), torch.ones(2, 2)
 
     def step():
-        gathered = cache[torch.tensor([1, 0])]
+        gathered = cache.flip(0)[2:]                     # rows 1 and 0 (an index list would be refused)
         return (gathered * torch.tensor([[1.0], [0.0]])).sum(0, keepdim=True) + x
     g = new_graph("cpu")
     with graph(g):

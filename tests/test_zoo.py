@@ -253,3 +253,31 @@ def test_gpu_record_is_read_bare_or_as_gpu_session_writes_it(tmp_path, monkeypat
     assert record.load() == rec
     path.write_text(json.dumps({"name": "zoo", "device": "NVIDIA H100", "results": rec}))
     assert record.load() == rec
+
+
+def test_a_graph_whose_captured_step_reaches_it_dies_with_its_program():
+    """The kit remembers what each graph captured (the step's eager form), and that callable
+    usually reaches the graph through its runner. Remembered in a table keyed on the graph, the
+    graph never died: a runner torn down after its last replay, with a communicator whose buffer
+    its graph read, was seen at the end of the watch as a graph still reading released memory."""
+    from workbench.doctor import diagnose
+    comm = {}                                            # a process-wide communicator's buffer
+
+    class Runner:
+        def __init__(self):
+            self.x = torch.zeros(4)
+            self.graph, self.out = kit.capture(lambda: self.x * comm["buffer"], device="cpu", static={"x": self.x})
+
+        def step(self, x):
+            self.x.copy_(x)
+            return kit.replay(self.graph, self.out).clone()
+
+    def serve():
+        comm["buffer"] = torch.full((4,), 2.0)
+        runner = Runner()
+        outs = [runner.step(torch.full((4,), float(i))) for i in range(3)]
+        comm.clear()                                     # teardown: the communicator, then the runner
+        return outs
+
+    report = diagnose(serve)
+    assert report.findings == [] and report.replays == 3

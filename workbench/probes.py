@@ -369,6 +369,51 @@ def _host_copy(device: str, scenario: str) -> bool:
         return True
 
 
+PYTHON_DATA = ("element", "element_2d", "slice", "column", "indexed", "listed", "element_host_tensor",
+               "copy_host_tensor", "copy_numpy", "add_host_tensor", "where_host_tensor", "fill", "new_tensor",
+               "new_tensor_number", "host_tensor_to_device", "read_listed")
+
+
+def probe_python_data(device: str) -> dict:
+    """Python data (a number, a list, an array, or a tensor made from one on the host) meeting device
+    memory inside a capture: written into one element (``t[0] = 0``: torch copies the number from a
+    pageable CPU tensor) or indexed elements (``index_put_``), copied in, made on the device
+    (``new_tensor``, ``.to(device)``), used as an index (``t[[0, 2]]``); or written into a slice or
+    a column (``fill_``, by value), or given as a host number to an op. Whether each raises (on CUDA,
+    all in one child: torch refuses each copy before it reaches CUDA, and the capture ends cleanly)."""
+    if device == "cuda":
+        return run_in_child(_python_data_all, device, timeout=300).raise_if_failed()
+    return _python_data_all(device)
+
+
+def _python_data_all(device: str) -> dict:
+    return {s: _python_data(device, s) for s in PYTHON_DATA}
+
+
+def _python_data(device: str, scenario: str) -> bool:
+    import numpy as np
+    t = torch.zeros(3, 4, device=device)
+    index = torch.tensor([0, 2], device=device)
+    use = {"element": lambda: t.__setitem__((0, 1), 1.0), "element_2d": lambda: t[1].__setitem__(2, 1.0),
+           "slice": lambda: t.__setitem__(slice(1, 3), 5.0), "column": lambda: t.__setitem__((slice(None), 0), 2),
+           "indexed": lambda: t.__setitem__(index, 1.0), "listed": lambda: t.__setitem__([0, 2], 1.0),
+           "element_host_tensor": lambda: t.__setitem__((0, 0), torch.tensor(2.0)),
+           "copy_host_tensor": lambda: t.copy_(torch.tensor(2.0)),
+           "copy_numpy": lambda: t[0].copy_(torch.from_numpy(np.ones(4, dtype=np.float32))),
+           "add_host_tensor": lambda: t.add_(torch.tensor(2.0)),
+           "where_host_tensor": lambda: torch.where(t > 0, t, torch.tensor(0.5)),
+           "fill": lambda: t[0, 0].fill_(3), "new_tensor": lambda: t[0] + t.new_tensor([1.0, 2.0, 3.0, 4.0]),
+           "new_tensor_number": lambda: t + t.new_tensor(2.0),
+           "host_tensor_to_device": lambda: t[0] + torch.tensor([1.0, 2.0, 3.0, 4.0]).to(device),
+           "read_listed": lambda: t[[0, 2]] * 1}[scenario]
+    try:
+        with graph(new_graph(device)):
+            use()
+        return False
+    except Exception:  # noqa: BLE001 - CUDA raises a RuntimeError, the CPU a CaptureError
+        return True
+
+
 PROBES = {
     "increment": probe_increment,
     "frozen_python": probe_frozen_python,
@@ -391,6 +436,7 @@ PROBES = {
     "pool_handle_reuse": probe_pool_handle_reuse,
     "mask_assign": probe_mask_assign,
     "host_copy": probe_host_copy,
+    "python_data": probe_python_data,
     "other_thread": probe_other_thread,
 }
 

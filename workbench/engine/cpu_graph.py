@@ -29,8 +29,9 @@ What a CUDA graph is, reduced to the rules that cause bugs in serving stacks:
 * **No host synchronisation inside capture.** ``.item()``, ``.cpu()``, ``nonzero``, printing values
   and boolean-mask indexing of device memory raise ``CaptureError`` naming the op and the user's
   source line -- except a mask filled with one host value (``x[mask] = 0``), which PyTorch runs as
-  ``masked_fill_`` -- and so does Python data (a number, a list) made into a tensor on the device
-  (a pageable copy, which a capturing stream refuses); ``host_sync.py`` has the rules.
+  ``masked_fill_`` -- and so does Python data (a number, a list) made into a tensor on the device,
+  or copied there (``t[0] = 0``, an index list: a pageable copy, which a capturing stream refuses);
+  ``host_sync.py`` has the rules.
 * **Host memory is not the device's.** Plain CPU tensors are device memory; host memory is what
   ``host(t, device)`` returns and what ops on host memory return (``host`` says why a subclass, and
   what it costs). Inside a capture, work on host memory runs once and is not recorded, ``.item()``
@@ -54,8 +55,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from . import events, memory, queries
 from .errors import GraphError, IllegalMemoryAccess
 from .host import HostTensor, is_pinned
-from .host_sync import (HostSyncGuard, blocking_copy_error, host_sync_error, is_host_sync, non_blocking,
-                        pageable_copy_error)
+from .host_sync import (HostSyncGuard, blocking_copy_error, copies_python_data, flat, host_sync_error,
+                        is_host_sync, non_blocking, pageable_copy_error)
 from .pool import Pool
 from .queries import is_capturing
 from .opinfo import describe, metadata_only, storage_key, written_tensors
@@ -128,7 +129,7 @@ class CPUGraph:
         self._state = "capturing"
         queries.set_capturing(self)
         _CAPTURING.add(self)
-        self._modes = (HostSyncGuard(), _Recorder(self))
+        self._modes = (HostSyncGuard(self._made_from_python), _Recorder(self))
         for mode in self._modes:
             mode.__enter__()
 
@@ -169,7 +170,7 @@ class CPUGraph:
         return type(t) is HostTensor or (bool(self._host) and storage_key(t) in self._host)
 
     def _record(self, func, args, kwargs):
-        tensors = [t for t in _flat(args, kwargs) if isinstance(t, torch.Tensor)]
+        tensors = [t for t in flat(args, kwargs) if isinstance(t, torch.Tensor)]
         if tensors and all(self._is_host(t) for t in tensors):
             return self._run_on_host(func, args, kwargs)
         if is_host_sync(func, args, lambda t: storage_key(t) in self._lifted or self._is_host(t)):
@@ -179,6 +180,8 @@ class CPUGraph:
                 raise pageable_copy_error(user_frame())
             if not non_blocking(args, kwargs):
                 raise blocking_copy_error(user_frame())
+        if copies_python_data(func, args, kwargs, self._made_from_python, self._is_host):
+            raise pageable_copy_error(user_frame(), str(func))
         if metadata_only(func):     # no kernel; replayed, it would reshape the graph's own reference
             return func(*args, **kwargs)
         pool = self._pool
@@ -234,6 +237,11 @@ class CPUGraph:
         if not any(o is not None for o in outputs):
             return out
         return tuple(results) if isinstance(out, (tuple, list)) else results[0]
+
+    def _made_from_python(self, t: torch.Tensor) -> bool:
+        """Whether the captured code made ``t`` from Python data (``torch.tensor(...)``, a number
+        assigned into an element): host memory on CUDA, which the graph keeps as a constant."""
+        return storage_key(t) in self._lifted and not self._is_host(t)
 
     def _run_on_host(self, func, args, kwargs):
         """Host work inside a capture runs now, once, and is not part of the graph (as on CUDA)."""
@@ -441,10 +449,3 @@ class CPUGraph:
 def _alias_count(graph: CPUGraph | None, key: int) -> int:
     return 0 if graph is None else graph._alias_count.get(key, 0)
 
-
-def _flat(args, kwargs):
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, (list, tuple)):
-            yield from value
-        else:
-            yield value

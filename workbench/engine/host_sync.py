@@ -48,6 +48,42 @@ def is_host_sync(func, args, host_value=None) -> bool:
     return packet in _INDEX_OPS and _has_mask_index(args) and not _masked_fill(func, args, host_value)
 
 
+def copies_python_data(func, args, kwargs, made_from_python, on_host=lambda t: False) -> bool:
+    """Whether a device op needs, on CUDA, a tensor the captured code made from Python data
+    (``made_from_python(t)``: pageable host memory there) copied to the device (memory not
+    ``on_host``), which a capture
+    refuses where eager code would copy it (an H200 with torch 2.11, engine probe ``python_data``):
+    an index list (``t[[0, 2]]``), a value written into one element (``t[0] = 0``: ``select`` then
+    ``copy_``) or indexed elements (``t[index] = 1``: ``index_put_``), ``t.copy_(torch.tensor(2.))``,
+    one number chosen by ``torch.where``. One number filling a slice (``t[1:3] = 5``: ``fill_``) or a
+    mask (``masked_fill_``), or an operand of an elementwise op (``t + torch.tensor(2.)``), is passed
+    by value, and a graph records it. (An elementwise op given such a tensor with elements fails on
+    CUDA eagerly too: another device. The CPU engine has one.)"""
+    given = [t for t in flat(args, kwargs) if isinstance(t, torch.Tensor)]
+    made = [t for t in given if made_from_python(t) and t.numel()]
+    if not made or all(made_from_python(t) or on_host(t) for t in given):
+        return False                                   # (no device memory meets it: host work)
+
+    def is_made(t) -> bool:
+        return any(t is m for m in made)
+    packet = func.overloadpacket
+    if packet is aten.copy_:
+        return is_made(args[1])
+    if packet in _INDEX_OPS:
+        indices = [i for i in args[1] or () if i is not None]
+        return any(map(is_made, indices)) or (packet in _PUTS and is_made(args[2]) and not _has_mask_index(args))
+    return packet is aten.where and any(is_made(t) and not t.dim() for t in args[1:])
+
+
+def flat(args, kwargs):
+    """An op's arguments, with those given as a list or a tuple (``index``'s indices) spread out."""
+    for value in (*args, *(kwargs or {}).values()):
+        if isinstance(value, (list, tuple)):
+            yield from value
+        else:
+            yield value
+
+
 def host_sync_error(op: str, source: str, tensor=None) -> CaptureError:
     return CaptureError(
         f"{op} inside graph capture needs the device's values on the host (a host synchronisation), "
@@ -86,13 +122,15 @@ def non_blocking(args, kwargs) -> bool:
     return bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
 
 
-def pageable_copy_error(source: str) -> CaptureError:
+def pageable_copy_error(source: str, op: str = "aten.copy_.default") -> CaptureError:
     return CaptureError(
-        "copy_ from pageable host memory inside graph capture: CUDA graphs copy from host memory by address, "
+        f"{op} from pageable host memory inside graph capture: CUDA graphs copy from host memory by address, "
         "so torch refuses it unless the memory is pinned (\"Cannot copy between CPU and CUDA tensors during "
         f"CUDA graph capture unless the CPU tensor is pinned\").\n  at {source}\nCopy from host() memory (pinned "
-        "on CUDA), or a view of it: what an op on host memory returns (a clone, an index) is pageable.",
-        op="aten.copy_.default", source=source)
+        "on CUDA), or a view of it: what an op on host memory returns (a clone, an index) is pageable. "
+        "A Python number assigned to one element (t[0] = 0) or to indexed elements is such a copy: "
+        "fill a slice instead (t[0:1] = 0, t[0:1].fill_(0)).",
+        op=op, source=source)
 
 
 def blocking_copy_error(source: str) -> CaptureError:
@@ -124,24 +162,44 @@ class UploadGuard(TorchFunctionMode):
 
 
 class HostSyncGuard(TorchFunctionMode):
-    """Refuses, inside a capture, the host reads and copies that no aten op shows."""
+    """Refuses, inside a capture, the host reads and copies that no aten op shows. ``made_from_python``
+    tells a tensor the captured code made from Python data (on CUDA, pageable host memory): moving
+    one to the device (``.to(device)``) is such a copy, which a dispatch mode does not see on the CPU
+    (the tensor is already there)."""
+
+    def __init__(self, made_from_python=lambda t: False) -> None:
+        super().__init__()
+        self.made_from_python = made_from_python
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
         if name in HOST_SYNC_METHODS and not (args and type(args[0]) is HostTensor):
             raise host_sync_error(f"Tensor.{name}()", user_frame(), args[0] if args and name in _VALUE_READS else None)
         _refuse_upload(func, args, kwargs)
+        if func is torch.Tensor.to and _names_device(args[1:], kwargs) and self.made_from_python(args[0]):
+            _upload_refused("Tensor.to(device)")
         return func(*args, **(kwargs or {}))
 
 
 def _refuse_upload(func, args, kwargs) -> None:
     if func in _FROM_PYTHON and (kwargs or {}).get("device") is not None and _copies_python_data(args):
-        name = func.__name__
-        raise CaptureError(
-            f"torch.{name}(..., device=...) inside graph capture copies Python data from pageable host "
-            f"memory to the device, which a capturing stream refuses (cudaErrorStreamCaptureUnsupported)."
-            f"\n  at {user_frame()}\nMake the tensor before the captured region, or on the host (no device) "
-            "and let the graph keep it as a constant.", op=f"torch.{name}", source=user_frame())
+        _upload_refused(f"torch.{func.__name__}(..., device=...)")
+    if func is torch.Tensor.new_tensor and type(args[0]) is not HostTensor and _copies_python_data(args[1:]):
+        _upload_refused("Tensor.new_tensor(...)")         # (made on the tensor's device, from Python data)
+
+
+def _upload_refused(what: str) -> None:
+    raise CaptureError(
+        f"{what} inside graph capture copies Python data from pageable host memory to the device, which a "
+        f"capturing stream refuses (cudaErrorStreamCaptureUnsupported).\n  at {user_frame()}\nMake the tensor "
+        "before the captured region, or on the host (no device) and let the graph keep it as a constant.",
+        op=what, source=user_frame())
+
+
+def _names_device(args, kwargs) -> bool:
+    """Whether ``Tensor.to``'s arguments name a device (a string, a ``torch.device``, a tensor's)."""
+    first = args[0] if args else None
+    return (kwargs or {}).get("device") is not None or isinstance(first, (str, torch.device, torch.Tensor))
 
 
 def _copies_python_data(args) -> bool:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -23,9 +22,12 @@ TOLERANCE = 1e-5          # a graph equals eager when every output is within thi
 # Observers of the runner itself (the baseline detectors): ``captured(graph, fn)`` after each capture
 # with the captured callable, ``replaying(graph)`` before each replay. Engine events cover the rest.
 hooks: list = []
-# graph -> the callable it captured: each replay announces it as the step's eager form, as the graph
-# manager does, so that differential replay can re-run the step (weak keys: a graph dies with its program)
-_captured: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# The attribute of a graph that holds the callable it captured: each replay announces it as the
+# step's eager form, as the graph manager does, so that differential replay can re-run the step.
+# Kept on the graph, not in a table keyed on it: a callable usually reaches its own graph (through
+# the runner), a cycle the collector frees with the program, where a weak-keyed table's value would
+# keep the graph alive for ever (and a watch would see its released memory as still read).
+_STEP = "_captured_step"
 
 MISBEHAVES, EQUALS = "misbehaves", "equals eager"
 
@@ -106,13 +108,18 @@ def capture(fn: Callable[[], object], *, device: str, pool=None, warmups: int = 
     g = new_graph(device, on_freed=on_freed)
     with graph(g, pool=pool, name=name, capture_error_mode=capture_error_mode):
         out = fn()
-    try:
-        _captured[g] = fn
-    except TypeError:                 # a graph type without weak references: no eager form announced
-        pass
+    remember_step(g, fn)
     for hook in hooks:
         hook.captured(g, fn)
     return g, out
+
+
+def remember_step(g, fn) -> None:
+    """Remember ``fn`` as what graph ``g`` captured (``replay`` announces it as the step's eager form)."""
+    try:
+        setattr(g, _STEP, fn)
+    except AttributeError:            # a graph type without attributes: no eager form announced
+        pass
 
 
 def replay(g, outputs, *, real: int | None = None, size: int | None = None,
@@ -128,7 +135,7 @@ def replay(g, outputs, *, real: int | None = None, size: int | None = None,
     if size is None:
         first = outputs[0] if isinstance(outputs, (tuple, list)) else outputs
         size = first.shape[0] if first.dim() else 1
-    events.serve(g, size if real is None else real, size, padded=padded, outputs=outputs, eager=_captured.get(g),
+    events.serve(g, size if real is None else real, size, padded=padded, outputs=outputs, eager=getattr(g, _STEP, None),
                  padded_columns=padded_columns)
     for hook in hooks:
         hook.replaying(g)

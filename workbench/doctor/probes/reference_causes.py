@@ -57,7 +57,7 @@ def chosen_at(func, args) -> str | None:
     if func.overloadpacket is not torch.ops.aten.copy_ or len(args) < 2:
         return None
     src = args[1]
-    return sync.handed_in([(f, f.f_lineno) for f in user_frames()], lambda v: v is src)
+    return sync.handed_in([(f, f.f_lineno) for f in user_frames()], sync.same_memory(src))
 
 
 def static_input(writers: dict, info, compared: list) -> tuple | None:

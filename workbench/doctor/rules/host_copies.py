@@ -24,7 +24,7 @@ from ...engine.opinfo import describe, storage_key
 from ...engine.source import user_frames
 from ..report import Finding
 from ..tensors import alias, differs, host_memory
-from .sync import handed_in
+from .sync import handed_in, same_memory
 
 _COPY = torch.ops.aten.copy_.default
 
@@ -37,7 +37,7 @@ def copied(doctor, info, func, args, source: str) -> None:
     with _disable_current_modes(), torch._C.DisableTorchFunctionSubclass():
         read = src.detach().clone()
     frames = [(f, f.f_lineno) for f in user_frames()]
-    site = handed_in(frames, lambda v: v is src) or source
+    site = handed_in(frames, same_memory(src)) or source
     info.host_copied.append((storage_key(src), StorageWeakRef(src.untyped_storage()), src.dtype, src.storage_offset(),
                              tuple(src.shape), src.stride(), read, source, site, describe(src)))
 

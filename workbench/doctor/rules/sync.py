@@ -114,6 +114,13 @@ def _user_frames(error: BaseException) -> list:
     return frames[::-1]
 
 
+def same_memory(t: torch.Tensor):
+    """A test for ``handed_in``: ``t``, or a tensor on its memory (a function handed a buffer that
+    copies a slice of it was handed what it copies)."""
+    key = storage_key(t)
+    return lambda v: v is t or (isinstance(v, torch.Tensor) and storage_key(v) == key)
+
+
 def handed_in(frames: list, same) -> str | None:
     """``frames`` (innermost first, with their lines): the line of the first frame, walking out,
     that did not receive a value ``same`` accepts (the tensor, a number) as an argument, when the

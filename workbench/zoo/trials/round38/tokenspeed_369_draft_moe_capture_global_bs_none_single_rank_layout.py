@@ -89,7 +89,8 @@ def token_reduce_scatter(partial, peer_partials, scattered_num_tokens, rank):
     """This rank's rows of the sum over ranks: its own partial plus every peer's, read at its layout offset."""
     offset, n = sum(scattered_num_tokens[:rank]), scattered_num_tokens[rank]
     peers = [r for r in range(WORLD) if r != rank]
-    return partial[offset:offset + n] + peer_partials[peers, offset:offset + n].sum(0)
+    # (one peer at a time: an index list inside a capture is a pageable host-to-device copy on CUDA)
+    return partial[offset:offset + n] + torch.stack([peer_partials[r, offset:offset + n] for r in peers]).sum(0)
 
 
 class CommManager:

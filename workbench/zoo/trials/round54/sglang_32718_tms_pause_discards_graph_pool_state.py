@@ -33,7 +33,7 @@ from functools import partial
 import torch
 
 from workbench.engine import events, graph, graph_pool_handle, new_graph
-from workbench.zoo.kit import _captured, compare, generator, hooks, randn, replay
+from workbench.zoo.kit import compare, generator, hooks, randn, remember_step, replay
 
 UPSTREAM = "https://github.com/sgl-project/sglang/pull/32718"
 FAMILY = "dangling references"
@@ -143,7 +143,7 @@ class FullCudaGraphBackend:
             graph_ctx = partial(graph_ctx, enable_cpu_backup=True)
         with graph_ctx(cuda_graph=g, pool=self._pool, stream=None):
             out = forward_fn()
-        _captured[g] = forward_fn
+        remember_step(g, forward_fn)
         for hook in hooks:
             hook.captured(g, forward_fn)
         self._graphs[shape_key], self._outputs[shape_key] = g, out
