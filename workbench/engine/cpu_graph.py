@@ -181,7 +181,7 @@ class CPUGraph:
             if not non_blocking(args, kwargs):
                 raise blocking_copy_error(user_frame())
         if copies_python_data(func, args, kwargs, self._made_from_python, self._is_host):
-            raise pageable_copy_error(user_frame(), str(func))
+            raise pageable_copy_error(user_frame(), str(func), python_data=True)
         if metadata_only(func):     # no kernel; replayed, it would reshape the graph's own reference
             return func(*args, **kwargs)
         pool = self._pool
@@ -239,8 +239,7 @@ class CPUGraph:
         return tuple(results) if isinstance(out, (tuple, list)) else results[0]
 
     def _made_from_python(self, t: torch.Tensor) -> bool:
-        """Whether the captured code made ``t`` from Python data (``torch.tensor(...)``, a number
-        assigned into an element): host memory on CUDA, which the graph keeps as a constant."""
+        """Whether the captured code made ``t`` from Python data: host memory on CUDA (a constant)."""
         return storage_key(t) in self._lifted and not self._is_host(t)
 
     def _run_on_host(self, func, args, kwargs):

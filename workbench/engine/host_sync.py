@@ -49,10 +49,10 @@ def is_host_sync(func, args, host_value=None) -> bool:
 
 
 def copies_python_data(func, args, kwargs, made_from_python, on_host=lambda t: False) -> bool:
-    """Whether a device op needs, on CUDA, a tensor the captured code made from Python data
-    (``made_from_python(t)``: pageable host memory there) copied to the device (memory not
-    ``on_host``), which a capture
-    refuses where eager code would copy it (an H200 with torch 2.11, engine probe ``python_data``):
+    """Whether a device op (one given memory not ``on_host``) needs, on CUDA, a tensor the captured
+    code made from Python data (``made_from_python(t)``: pageable host memory there) copied to the
+    device, which a capture refuses where eager code would copy it (an H200 with torch 2.11, engine
+    probe ``python_data``):
     an index list (``t[[0, 2]]``), a value written into one element (``t[0] = 0``: ``select`` then
     ``copy_``) or indexed elements (``t[index] = 1``: ``index_put_``), ``t.copy_(torch.tensor(2.))``,
     one number chosen by ``torch.where``. One number filling a slice (``t[1:3] = 5``: ``fill_``) or a
@@ -122,14 +122,16 @@ def non_blocking(args, kwargs) -> bool:
     return bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
 
 
-def pageable_copy_error(source: str, op: str = "aten.copy_.default") -> CaptureError:
+def pageable_copy_error(source: str, op: str = "aten.copy_.default", python_data: bool = False) -> CaptureError:
+    """``python_data``: the pageable memory is Python data the captured code made into a tensor."""
+    advice = ("Make such data a device tensor before the capture; a number assigned to one element (t[0] = 0) "
+              "or through an index is such a copy: fill a slice instead (t[0:1] = 0)." if python_data else
+              "Copy from host() memory (pinned on CUDA), or a view of it: what an op on host memory returns (a "
+              "clone, an index) is pageable.")
     return CaptureError(
         f"{op} from pageable host memory inside graph capture: CUDA graphs copy from host memory by address, "
         "so torch refuses it unless the memory is pinned (\"Cannot copy between CPU and CUDA tensors during "
-        f"CUDA graph capture unless the CPU tensor is pinned\").\n  at {source}\nCopy from host() memory (pinned "
-        "on CUDA), or a view of it: what an op on host memory returns (a clone, an index) is pageable. "
-        "A Python number assigned to one element (t[0] = 0) or to indexed elements is such a copy: "
-        "fill a slice instead (t[0:1] = 0, t[0:1].fill_(0)).",
+        f"CUDA graph capture unless the CPU tensor is pinned\").\n  at {source}\n{advice}",
         op=op, source=source)
 
 

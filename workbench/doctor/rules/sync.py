@@ -115,10 +115,11 @@ def _user_frames(error: BaseException) -> list:
 
 
 def same_memory(t: torch.Tensor):
-    """A test for ``handed_in``: ``t``, or a tensor on its memory (a function handed a buffer that
-    copies a slice of it was handed what it copies)."""
-    key = storage_key(t)
-    return lambda v: v is t or (isinstance(v, torch.Tensor) and storage_key(v) == key)
+    """A test for ``handed_in``: ``t``, or a tensor that starts where it starts (a function handed a
+    buffer that copies its first elements, ``src[:count]``, was handed what it copies; one handed an
+    arena that picks a slot in it chose the slot itself)."""
+    key, start = storage_key(t), t.data_ptr()
+    return lambda v: v is t or (isinstance(v, torch.Tensor) and storage_key(v) == key and v.data_ptr() == start)
 
 
 def handed_in(frames: list, same) -> str | None:
