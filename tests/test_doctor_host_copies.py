@@ -75,3 +75,28 @@ def test_blocks_kept_for_the_graph_and_refreshed_between_replays_are_no_finding(
                                                                    5.0 * 2 + 11 * 5 + 2]
     report = doctor.diagnose(lambda: _serve(retained=True, refresh=refresh))
     assert not report.errors and not report.of("dangling-reference"), report
+
+
+def test_a_launcher_handed_an_arena_that_picks_its_slot_is_named_itself():
+    """Handed a whole staging arena, the launcher chose the slot it copies (and reuses) itself: the
+    finding names the launcher, not its caller (``sync.same_memory``: a view the callee takes at
+    another offset is not what it was handed)."""
+    def launch(table, staging, row: int, factor: int):
+        slot = staging[2:4]                       # the launcher's own slot, the same for every launch
+        slot.numpy()[:] = (row, factor)
+        dev = torch.empty(2, dtype=torch.long)
+        dev.copy_(slot, non_blocking=True)
+        return table.index_select(0, dev[:1])[0] * dev[1]
+
+    def serve():
+        table, x = torch.arange(12.0).view(4, 3), torch.zeros(3)
+        arena = host(torch.zeros(4, dtype=torch.long))   # the caller's staging arena, handed whole
+        events.static_buffers("runner", {"x": x})
+        g = new_graph("cpu")
+        with graph(g, name="step"):
+            out = launch(table, arena, 1, 2) + launch(table, arena, 3, 5) + x
+        g.replay()
+        return out.clone()
+
+    found = doctor.diagnose(serve).of("dangling-reference")
+    assert found and function_of(found[0].location) == "launch", found
