@@ -419,6 +419,41 @@ def test_a_dangling_reference_is_named_where_the_capture_took_its_address_and_sa
     assert f"released at {released}" in finding.evidence and f"released it at {released}" in finding.cause
 
 
+class LoadedModule:
+    """A loaded kernel image that its finalizer unloads (``__del__`` -> ``unload_image``)."""
+
+    def __init__(self):
+        self.image = torch.ones(3, 3)
+
+    def unload_image(self):
+        self.image = None                                   # the finalizer's own release
+
+    def __del__(self):
+        self.unload_image()
+
+
+class KernelCache:
+    def __init__(self):
+        self.modules = {}
+
+    def store(self, key, module):
+        self.modules[key] = module                          # drops the last reference to the old module
+
+
+def test_memory_a_finalizer_releases_is_named_where_the_last_reference_went():
+    x, cache = torch.ones(2, 3), KernelCache()
+    with doctor.watch() as report:
+        cache.store("k", LoadedModule())
+        g, out = capture_matmul(x, cache.modules["k"].image)
+        cache.store("k", LoadedModule())                    # a second load of the same key replaces the first
+        with pytest.raises(IllegalMemoryAccess):
+            g.replay()
+    (finding,) = report.findings
+    dropped = where(KernelCache.store, "self.modules[key] = module")
+    assert finding.kind == "dangling-reference" and finding.location == dropped
+    assert f"released at {dropped}" in finding.evidence
+
+
 class Scratch:
     """A capture's scratch kept only by a local of the function that captures: it goes when that
     function returns."""

@@ -95,15 +95,29 @@ def test_a_warmup_on_the_steps_own_batch_writes_the_steps_rows(variant):
     assert "warmup" in finding.graph.split(", ")
 
 
-# ------------------------------------------------------------------------------ an empty capture
+# ------------------------------------------------------------------------------ work outside the capture
+def _on_another_thread(kernel, *args) -> None:
+    """A launch the capture does not record (another thread, as a kernel on another stream)."""
+    import threading
+    worker = threading.Thread(target=kernel, args=args)
+    worker.start()
+    worker.join()
+
+
+def _replays(step, x) -> list:
+    """``step`` captured on ``x``, then replayed for three values of ``x``."""
+    g = capture(step, device="cpu", warmups=1, name="step", static={"x": x})
+    results = []
+    for v in (1.0, 2.0, 3.0):
+        x.fill_(v)
+        results.append(replay(*g).clone())
+    return results
+
+
 def test_a_capture_that_recorded_nothing_of_the_step_is_named():
     """While the capture runs, the step's work goes where the capture does not record (here another
     thread, as a stream of another device would): the graph is empty and its replays keep what the
     capture-time run left."""
-    import threading
-
-    from workbench.engine import is_capturing
-
     def served():
         x, out = torch.zeros(3), torch.zeros(3)
 
@@ -113,18 +127,11 @@ def test_a_capture_that_recorded_nothing_of_the_step_is_named():
         def step():
             if not is_capturing():
                 launch()
-                return out
-            worker = threading.Thread(target=launch)
-            worker.start()
-            worker.join()
+            else:
+                _on_another_thread(launch)
             return out
 
-        g = capture(step, device="cpu", warmups=1, name="step", static={"x": x})
-        results = []
-        for v in (1.0, 2.0, 3.0):
-            x.fill_(v)
-            results.append(replay(*g).clone())
-        return results
+        return _replays(step, x)
 
     def eager():
         return [torch.full((3,), v) * 2 + 1 for v in (1.0, 2.0, 3.0)]
@@ -132,7 +139,39 @@ def test_a_capture_that_recorded_nothing_of_the_step_is_named():
     report = doctor.diagnose(lambda: compare("empty", "bug", "cpu", served, eager))
     (finding,) = report.findings
     assert finding.kind == "host-work-frozen" and finding.op == "capture"
-    assert function_of(finding.location) == "served" and "recorded no launch" in finding.cause
+    assert function_of(finding.location) == "_replays" and "recorded no launch" in finding.cause   # the capture
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_block_the_graph_allocates_and_only_outside_work_fills_is_named_at_its_allocation(variant):
+    """The step allocates an output, fills it from work the capture does not record (another
+    thread, as a kernel on the legacy default stream), and a captured op reads it: the launch traces
+    agree, and the read of a block no op of the graph writes names the allocation."""
+    def served():
+        x, w = torch.zeros(4, 3), torch.eye(3) * 2
+
+        def kernel(src, out):
+            out.copy_(src + 1)
+
+        def merge(src):
+            out = torch.empty_like(src)
+            (_on_another_thread if variant == "bug" else lambda f, *a: f(*a))(kernel, src, out)
+            return out
+
+        return _replays(lambda: merge(x * 3) @ w, x)
+
+    def eager():
+        return [(torch.full((4, 3), v) * 3 + 1) @ (torch.eye(3) * 2) for v in (1.0, 2.0, 3.0)]
+
+    outcome = []
+    report = doctor.diagnose(lambda: outcome.append(compare("outside", variant, "cpu", served, eager)))
+    assert outcome[0].verdict == ("misbehaves" if variant == "bug" else "equals eager")
+    if variant == "fix":
+        assert report.findings == []
+        return
+    (finding,) = report.findings
+    assert finding.kind == "host-work-frozen" and finding.op == "aten.empty_like.default"
+    assert function_of(finding.location) == "merge" and "no op of the graph writes" in finding.cause
 
 
 # ------------------------------------------------------------------------------ a runner's input check

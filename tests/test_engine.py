@@ -43,6 +43,17 @@ def test_recorded_ops_keep_read_write_storages_and_user_source_line():
     assert "test_engine.py" in op.source and "x.add_(1)" in op.source
 
 
+def test_an_op_run_from_code_made_without_source_is_named_at_its_caller():
+    """Code ``exec``'d from a string (how a dataclass makes its ``__eq__``) has no line to show, so
+    the user's line is the one that called it."""
+    made: dict = {}
+    exec("def scale(t):\n    return t * 2\n", made)
+    x = torch.ones(2)
+    g, _ = capture(lambda: made["scale"](x))
+    (op,) = [o for o in g.ops if not o.is_view]
+    assert "test_engine.py" in op.source and 'made["scale"](x)' in op.source
+
+
 def test_in_place_shape_changes_are_not_replayed():
     """``vector @ matrix`` squeezes its ``mm`` result in place, and the allocator hands a loop's next
     ``mm`` the same block: replayed, the squeeze would reshape the graph's own reference to that

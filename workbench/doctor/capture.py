@@ -89,6 +89,9 @@ def recorded(doctor, func, args, kwargs, run):
     for key in written:
         if doctor.owner_of(key) is None:
             info.writes.setdefault(key, Op(str(func), source))
+    if not func.is_view:                          # (a view reads no data)
+        for key in (read - written) & info.unwritten.keys():
+            info.read_unwritten.setdefault(key, Op(str(func), source))
     for key in written & info.unwritten.keys():
         del info.unwritten[key]
     for o in tensors(out):

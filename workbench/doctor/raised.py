@@ -117,7 +117,8 @@ class _Tracer:
                 if self.decided:
                     self.decided.pop(id(frame), None)
                 if doctor.reference is not None and caller is not None and (type(arg) is bool or _key(arg)):
-                    self.decided[id(caller)] = location(frame)
+                    # (code made at run time without source, a dataclass's ``__eq__``: the caller's line compared)
+                    self.decided[id(caller)] = location(frame if mine(frame) else caller)
                 if doctor.padded_step is not None and arg is not None:
                     shapes.handed_on(doctor, frame, arg)
                 if (info := doctor.capturing) is not None:
@@ -242,9 +243,16 @@ def released_at(running) -> str | None:
     library's frames, ``nn.Module.__setattr__``'s say, are how that line did it). Where the running
     frame waits on a call of a function that has just returned (seen by the tracer, under
     ``diagnose``), the memory went with that function's locals: its return line. None while the
-    garbage collector runs: whatever started it did not let go."""
+    garbage collector runs: whatever started it did not let go. Inside a finalizer (``__del__``),
+    the line that dropped the object's last reference let go: Python runs the finalizer there (the
+    outermost one, where one finalizer's object held the next)."""
     if _collecting:
         return None
+    outer = running
+    while outer is not None:
+        if outer.f_code.co_name == "__del__" and outer.f_back is not None:
+            running = outer.f_back
+        outer = outer.f_back
     frame = running
     while frame is not None and not (mine(frame) and not _stdlib(frame.f_code.co_filename)):
         frame = frame.f_back

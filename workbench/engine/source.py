@@ -111,8 +111,17 @@ def _mine(code) -> bool:
     mine = _USER.get(code)
     if mine is None:
         mine = _USER[code] = (not code.co_filename.startswith(SKIP_DIRS)
-                              and not code.co_filename.startswith("<frozen") and code.co_name not in _HANDLERS)
+                              and not code.co_filename.startswith("<frozen") and code.co_name not in _HANDLERS
+                              and not _generated(code))
     return mine
+
+
+def _generated(code) -> bool:
+    """Code made at run time with no source to show (a dataclass's ``__eq__``, a namedtuple's
+    methods: ``exec`` of a string): its line says nothing, its caller's does. Code made at run time
+    that registers its source (a notebook cell, ``torch.fx``'s) is the user's."""
+    name = code.co_filename
+    return name.startswith("<") and not linecache.getline(name, code.co_firstlineno)
 
 
 _USER: dict = {}      # code object -> whether it is the user's

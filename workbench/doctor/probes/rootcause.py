@@ -13,6 +13,9 @@ kind of parting it is decides the kind:
   ``warmup-divergence``;
 * the eager step launches work the graph never recorded (a plan, a lazy step, a branch), or the
   graph replays work Python no longer does: ``warmup-divergence``, at the first such op;
+* the traces agree, but an op of the graph reads memory the graph allocated and none of its ops
+  writes -- the work that filled it at capture ran where the capture does not record (another
+  stream, thread, the host) -- ``host-work-frozen``, at the allocation;
 * the traces agree but the numbers do not: ``dangling-reference`` at a captured copy from host
   memory that code outside the graph has written since the capture (a replay re-reads it by
   address: a temporary's memory handed on); else ``warmup-divergence``, at the op that wrote what
@@ -46,6 +49,8 @@ def classify(doctor, info, pending, what: tuple, divergence, run, host: tuple | 
                 "which a replay re-reads at the address it was captured from; code outside the graph has written "
                 f"that memory since the capture ({doctor.touched[handed[0]]}): the graph does not own it, and it was "
                 "handed on (a temporary released after the capture, its memory given to the next one).")
+    elif divergence is None and (unwritten := _read_unwritten(info)) is not None:
+        kind, op, tensor, site = unwritten
     elif divergence is None:
         writer = info.writes.get(key) if key is not None else None
         op = writer or (info.ops[-1] if info.ops else None)
@@ -215,6 +220,28 @@ def _add(doctor, info, pending, kind, op, tensor, text, site, numbers) -> None:
                 "from an eager run of the same step")
     doctor.add(Finding(kind, info.name, name, tensor, source, evidence, explain.differential(info.name, text, site),
                        {"replay": info.replays, **numbers}), (kind, name, source))
+
+
+def _read_unwritten(info) -> tuple | None:
+    """Memory the graph allocated that one of its ops reads before any op of it writes it: what
+    filled it at capture ran outside the graph (a kernel launched on a stream the capture does not
+    record, a write by another thread or by the host), once. A replay launches none of it, so the
+    reader gets what that run left, or poison, while the eager step fills it again: the work that
+    was to fill the block stayed behind at capture. Named at the allocation, the block's start."""
+    for key, reader in info.read_unwritten.items():
+        made = info.made.get(key)
+        if made is None:
+            continue
+        ref, func, source = made
+        tensor = ref()
+        label = describe(tensor) if tensor is not None else "-"
+        return ("host-work-frozen", Op(func, source), label,
+                f"The launch traces agree, but {reader.name} at {reader.source} reads memory the graph allocated "
+                f"at {source} ({func}) that no op of the graph writes: the work that filled it during the capture "
+                "ran outside the graph (a kernel on a stream the capture does not record, another thread, the "
+                "host), once. A replay launches none of it, so the reader gets what that run left, while the "
+                "eager step fills the block again.")
+    return None
 
 
 def _read_by(doctor, info, op) -> str:
