@@ -177,8 +177,9 @@ def test_a_path_only_the_reference_took_is_not_the_set_up_a_warmup_ran(variant):
 def test_a_capture_cuda_refused_for_a_pageable_copy_is_named_at_the_innermost_user_frame():
     """Torch's own refusal of a pageable copy in a CUDA capture (raised inside a factory, in a
     backward pass on autograd's device thread, where no op the doctor watches shows it first) is
-    sync-in-capture at the user's frame that asked for it; another error is not, nor the same error
-    from a CPU capture (whose engine raises its own, naming the op)."""
+    sync-in-capture at the user's frame that asked for it; another error is not. The same words from a
+    CPU capture are the same finding: there they come from a library's binding that relays CUDA's
+    refusal of a call the engine cannot see (a driver query), as they would on a GPU."""
     from workbench.doctor.intake import Doctor
     from workbench.doctor.rules import sync
 
@@ -188,16 +189,52 @@ def test_a_capture_cuda_refused_for_a_pageable_copy_is_named_at_the_innermost_us
                            "pin_memory=True.")
 
     found = []
-    for raised, cuda in ((backward, True), (lambda: 1 / 0, True), (backward, False)):
+    for raised in (backward, lambda: 1 / 0):
         d = Doctor()
         try:
             raised()
         except (RuntimeError, ZeroDivisionError) as e:
-            sync.capture_failed(d, types.SimpleNamespace(cuda=cuda), "fwd+bwd", e)
+            sync.capture_failed(d, "fwd+bwd", e)
         found.append(d.report.findings)
-    (finding,), *others = found
-    assert others == [[], []] and finding.kind == "sync-in-capture" and finding.op == "a copy from pageable host memory"
+    (finding,), other = found
+    assert other == [] and finding.kind == "sync-in-capture" and finding.op == "a copy from pageable host memory"
     assert " in backward: raise RuntimeError(" in finding.source
+
+
+class _DriverError(RuntimeError):
+    """A library binding's own exception for a failed driver call (``cuda_error``, ``CudaAPIError``)."""
+
+
+def _pool_attribute() -> int:
+    """A memory-pool attribute read, which CUDA refuses in a global-mode capture (error 900)."""
+    if torch.cuda.is_current_stream_capturing():
+        raise _DriverError("operation not permitted when stream is capturing(900): Failed to get attribute "
+                           "for a memory pool")
+    return 0
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_a_refusal_a_binding_relays_from_a_cpu_capture_is_sync_in_capture(warm):
+    """The CPU engine cannot see a driver call; the binding relays CUDA's words, and the doctor
+    reads them as it does on a GPU. Made once before the capture (``warm``), nothing is refused."""
+    def workload():
+        x, threshold = torch.ones(3), []
+
+        def step():
+            if not threshold:
+                threshold.append(_pool_attribute())        # resolved lazily, on first use
+            return x * 2
+
+        if warm:
+            step()
+        try:
+            with graph(new_graph("cpu"), name="step"):
+                step()
+        except _DriverError:
+            pass                                           # the serving loop falls back to eager
+
+    found = [(f.kind, f.source.rsplit(" in ", 1)[-1].split(":")[0]) for f in doctor.diagnose(workload).findings]
+    assert found == ([] if warm else [("sync-in-capture", "_pool_attribute")])
 
 
 @pytest.mark.cuda

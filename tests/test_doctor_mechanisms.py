@@ -1849,6 +1849,14 @@ def test_state_padded_rows_wrote_that_eager_code_reads_back_is_stale_padding(neu
 
 
 # ------------------------------------------------------------------------------ errors raised before dispatch
+def _served_once(x: torch.Tensor) -> None:
+    """A graph of 4 rows over the static input ``x``, captured and replayed once: graphs exist."""
+    m = Manager(lambda size: x[:size] * 2, [4], {"x": x})
+    m.capture()
+    x.copy_(rows(4))
+    m.replay(4)
+
+
 def _metadata_step(lengths, how):
     """A runner step whose host metadata check fails before any op reaches a dispatch mode
     (``repeat_interleave``'s size check), caught as ``how`` says."""
@@ -1870,10 +1878,7 @@ def _metadata_step(lengths, how):
         return refuse()                  # raised on purpose one call down, caught two calls up
 
     def workload():
-        m = Manager(lambda size: x[:size] * 2, [4], {"x": x})
-        m.capture()
-        x.copy_(rows(4))
-        m.replay(4)
+        _served_once(x)
         try:
             {"escapes": lambda: build(lengths), "probe": probe, "deliberate": deliberate}[how]()
         except (RuntimeError, ValueError):     # a serving loop that drops the batch
@@ -1912,10 +1917,7 @@ def _allocating_step(workspace: int):
 
     def served():
         x = torch.zeros(4, 4)
-        m = Manager(lambda size: x[:size] * 2, [4], {"x": x})
-        m.capture()
-        x.copy_(rows(4))
-        m.replay(4)
+        _served_once(x)
         return [plan(8).clone()]
 
     return lambda: compare("allocating", "bug", "cpu", served, lambda: [torch.zeros(8)])
@@ -1929,6 +1931,47 @@ def test_a_raise_a_harness_caught_outside_the_workloads_code_is_reported(workspa
         return
     assert len(report.caught) == 1 and report.caught[0].startswith("RuntimeError: Failed to allocate 8"), report
     assert "in aligned_alloc" in report.caught[0] and not report.clean
+
+
+class _DriverError(RuntimeError):
+    """A binding's error for a failed driver call."""
+
+
+def test_a_raise_given_the_id_of_an_error_caught_before_is_still_reported():
+    """A binding parks a failed call's error (caught where it was raised, in a destructor) and raises a
+    new one at its next call: CPython gives the new error the freed one's id. It is new all the same
+    (it does not come up from the frame the old one left), and the harness caught it."""
+    from workbench.zoo.kit import compare
+    ids = []
+
+    def wait_event():
+        raise _DriverError("CUDA_ERROR_INVALID_VALUE")
+
+    def record_err(call, parked):
+        try:
+            call()
+        except _DriverError as e:
+            ids.append(id(e))
+            parked.append(e.args[0])
+
+    def check_err(parked):
+        if parked:
+            error = _DriverError(parked.pop())
+            ids.append(id(error))
+            raise error
+
+    def served():
+        x = torch.zeros(4, 4)
+        _served_once(x)
+        parked = []
+        record_err(wait_event, parked)           # a drop parks the error
+        check_err(parked)                        # the next call raises it
+        return [x]
+
+    report = doctor.diagnose(lambda: compare("parked", "bug", "cpu", served, lambda: [torch.zeros(4, 4)]))
+    assert ids[0] == ids[1], "the condition under test: the new error was given the caught one's id"
+    assert len(report.caught) == 1 and report.caught[0].startswith("_DriverError: CUDA_ERROR_INVALID_VALUE")
+    assert "in check_err" in report.caught[0] and not report.clean
 
 
 def test_errors_the_standard_library_raises_and_catches_itself_are_not_reported():

@@ -10,7 +10,8 @@ is a file to write it to; ``workbench.doctor.current()`` is the report so far. `
 Layout: ``intake`` (events and ops in), ``capture`` (what a capture records), ``rules/`` (one
 module per kind), ``probes/`` (mutation, padding, differential replay, launch traces, padded rows'
 writes, the unpadded step), ``report`` (findings and reports), ``session`` (``watch``),
-``diagnose``, ``plugin``.
+``diagnose``, with ``raised`` and ``composite`` (errors as the workload raises them, caught or not),
+``plugin``.
 """
 from __future__ import annotations
 

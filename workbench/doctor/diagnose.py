@@ -21,7 +21,7 @@ from .probes.padding import Plan
 from .report import Finding, Report
 from .rules import uncomputed
 from .rules.padding import compare_runs, crashed_only_as_left, written_by_runner
-from . import raised
+from . import composite, raised
 from .session import watching
 
 
@@ -173,7 +173,7 @@ def _planned(doctor: Doctor, ahead: list | None) -> Doctor:
 
 def _run(workload: Callable[[], Any], doctor: Doctor) -> tuple[Report, Doctor]:
     try:
-        with watching(doctor):
+        with watching(doctor), composite.watching(doctor):
             raised.start(doctor)
             uncomputed.returned(doctor, workload())     # what a workload returns is its result
     except _Misuse:

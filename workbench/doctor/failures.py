@@ -45,6 +45,7 @@ def op_failed(doctor, func, args, kwargs, error: BaseException) -> None:
     runs (probes, differential replay) are not the workload's."""
     if doctor.phase not in ("eager", "warmup", "capture"):
         return
+    doctor.op_error = id(error)
     keep(doctor, id(error), lambda: f"{type(error).__name__}: {first_line(error)} (raised by {func} at {user_frame()}, "
                                     f"during {doctor.phase})")
     try:

@@ -121,6 +121,7 @@ class Doctor(RunnerEvents):
         self.failure: str | None = None             # the doctor's own error, once it has stopped
         self.failed_ops: dict[int, str] = {}        # id(error) -> what an op of the watched code raised
         self.failed_codes: set = set()              # the functions those errors were raised under
+        self.op_error: int | None = None            # id of the last error an op raised (composite.py: seen once)
         self.derivations: dict[int, list] = {}      # tensors eager code computed from graph memory (reused.py)
         self.reused: Finding | None = None         # ... one read again after a replay rewrote its source
         self.input_writes: dict[int, tuple] = {}    # static input -> (code that wrote data, last reset, step: clobbered.py)
@@ -241,7 +242,7 @@ class Doctor(RunnerEvents):
         self.warm.capture_abort(info)
         name = info.name if info is not None else "a graph"
         self.report.notes.append(f"capture of {name} failed: {type(error).__name__}: {first_line(error)}")
-        sync.capture_failed(self, info, name, error)
+        sync.capture_failed(self, name, error)
 
     @contained
     def replay_begin(self, graph) -> None:

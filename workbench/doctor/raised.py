@@ -61,7 +61,9 @@ class _Tracer:
         # id(frame) -> (error key, (text, functions it was raised under) of a check or None, the same of
         # a ``raise`` with the frames it has left, or None) of an error raised there or on its way through
         self.pending: dict[int, tuple] = {}
-        self.leaving: tuple | None = None     # the key of the last error seen leaving its frame
+        # (key, id of the frame) of the last error seen leaving a frame: the same error arriving in a caller
+        # is on its way up, not new (an error caught since may have freed its id for a new one: ``_came_from``)
+        self.leaving: tuple | None = None
         # id(frame) -> (error key, description, frames it left, through a library) of a ``raise`` on its
         # way up: expected in that frame; one that went through a library and never comes is kept
         self.followed: dict[int, tuple] = {}
@@ -134,7 +136,7 @@ class _Tracer:
                     reference.coverage.line(doctor, frame.f_code, frame.f_lineno, reference.number,
                                             reference.recording)
             elif event == "exception":
-                self._raised(doctor, frame, arg[1])
+                self._raised(doctor, frame, arg[1], arg[2])
             elif event == "return" and (reference := doctor.reference) is not None and reference.recording:
                 reference.returned(frame, arg)
             elif event == "return" and (self.pending or self.followed):
@@ -142,7 +144,8 @@ class _Tracer:
                     failures.keep(doctor, lost[0][0], lambda: lost[1][0], lost[1][1])
                 entry = self.pending.pop(id(frame), None)
                 if entry is not None and arg is None and _op(frame) not in _RETURNS:    # it left the frame
-                    self.leaving, description, deliberate = entry
+                    key, description, deliberate = entry
+                    self.leaving = (key, id(frame))
                     if description is not None:   # kept like an op failure: a run that caught it is not clean
                         failures.keep(doctor, entry[0][0], lambda: description[0], description[1])
                     elif deliberate is not None:
@@ -151,13 +154,14 @@ class _Tracer:
             doctor.fail(e, "watching an error raised in the workload")
         return self.local
 
-    def _raised(self, doctor, frame, error: BaseException) -> None:
+    def _raised(self, doctor, frame, error: BaseException, tb) -> None:
         key = (id(error), type(error))
         if doctor.padded_step is not None and doctor.pattern is None and key not in self.explained \
                 and doctor.phase != "differential":        # (the doctor's own eager run of the step failed)
             if shapes.raised(doctor, error, frame):
                 self.explained.add(key)
-        if key == self.leaving:                      # on its way out of the frame that raised it
+        if self.leaving is not None and key == self.leaving[0] and _came_from(tb, self.leaving[1]):
+            # on its way out of the frame that raised it
             if (came := self.followed.pop(id(frame), None)) is not None and came[0] == key:
                 self.pending[id(frame)] = (key, None, came[1:3])      # it reached this frame: followed on
             return
@@ -215,6 +219,18 @@ def _instruction(frame) -> int | None:
     while 0 < at < len(code) and code[at] == _CACHE:
         at -= 2
     return code[at] if 0 <= at < len(code) else None
+
+
+def _came_from(tb, frame_id: int) -> bool:
+    """Whether an error whose traceback so far is ``tb`` (the trace event's: the error's own is set
+    later) arrives from the frame ``frame_id``, below the one it is in now: the same error on its
+    way up, not a new one that was given a freed id."""
+    tb = tb.tb_next if tb is not None else None
+    while tb is not None:
+        if id(tb.tb_frame) == frame_id:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _from_a_check(error: BaseException, frame) -> bool:

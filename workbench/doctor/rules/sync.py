@@ -62,15 +62,16 @@ def leave_guard(doctor) -> None:
         guard.__exit__(None, None, None)
 
 
-def capture_failed(doctor, info, graph: str, error: BaseException) -> None:
-    """A capture that raised: the engine refused a host sync (``CaptureError`` naming its op), or on
-    CUDA torch or CUDA refused one that no watched op showed (``refused``); else the workload's own
-    check may have refused the capture (``guarded.py``)."""
+def capture_failed(doctor, graph: str, error: BaseException) -> None:
+    """A capture that raised: the engine refused a host sync (``CaptureError`` naming its op), or
+    torch or CUDA refused one that no watched op showed (``refused``: CUDA's words, which a library's
+    binding relays as its own error, on a GPU and on the CPU alike); else the workload's own check
+    may have refused the capture (``guarded.py``)."""
     if isinstance(error, CaptureError) and error.op is not None:
         _aborted(doctor, graph, error)
     elif (op := next((what for words, what in _REFUSED.items() if words in str(error)), None)) is None:
         guarded.refused(doctor, graph, _user_frames(error), error)     # the workload's own guard refused it
-    elif info is not None and info.cuda:                               # (CUDA's words: a sync, not a guard's)
+    else:                  # CUDA's words, from CUDA or from a library's binding that relays them: a sync
         _refused(doctor, graph, op, error)
 
 
@@ -92,7 +93,7 @@ def _aborted(doctor, graph: str, error) -> None:
 
 # What CUDA, or torch's own check before it, raises for a host copy or synchronisation in a capture.
 _REFUSED = {"during CUDA graph capture unless the CPU tensor is pinned": "a copy from pageable host memory",
-            "operation not permitted when stream is capturing": "a host synchronisation"}
+            "operation not permitted when stream is capturing": explain.REFUSED_CALL}
 
 
 def _refused(doctor, graph: str, op: str, error: BaseException) -> None:

@@ -142,8 +142,8 @@ def check_slice(doctor, args) -> None:
 def check_index(doctor, t: torch.Tensor, index) -> None:
     """``buffer[a:b, c:d] = ...``: Python's item assignment slices without dispatching an op, so
     the slices of the index are checked against the buffer's dimensions here."""
-    buf = doctor.buffers.get(storage_key(t))
-    if buf is None or buf.ref() is None:
+    buf = doctor.buffer(storage_key(t))
+    if buf is None:
         return
     dim = 0
     for item in index if isinstance(index, tuple) else (index,):
@@ -155,15 +155,26 @@ def check_index(doctor, t: torch.Tensor, index) -> None:
         dim += 1
 
 
-def _past_end(doctor, buf, dim: int, end: int, shape) -> None:
+def check_range(doctor, t: torch.Tensor, dim: int, end: int, op: str) -> None:
+    """A range ``[.., end)`` of dimension ``dim`` asked of ``t`` by ``op`` (``narrow``, which raises
+    where a slice clamps): past the end of an announced buffer, the contract of a slice assignment."""
+    buf = doctor.buffer(storage_key(t))
+    if buf is not None and -t.dim() <= dim < t.dim():
+        _past_end(doctor, buf, dim % t.dim(), end, t.shape, op)
+
+
+def _past_end(doctor, buf, dim: int, end: int, shape, op: str = "a slice") -> None:
+    """``op`` asked for ``[.., end)`` of a dimension of ``length``: a slice clamps (the rest is
+    dropped), ``narrow`` raises."""
     length = shape[dim]
     if end <= length:
         return
-    source = user_frame()
+    source, clamped = user_frame(), op == "a slice"
     doctor.add(Finding(
         "undersized-buffer", buf.owner, str(torch.ops.aten.slice.Tensor), f"{buf.name}: {describe(buf.ref())}",
-        source, f"a slice asks for [.., {end}) of dimension {dim} of {buf.name}, which has {length} (during "
-        f"{where(doctor)}): {end - length} silently dropped", explain.overflow_slice(buf.name, dim, end, length),
+        source, f"{op} asks for [.., {end}) of dimension {dim} of {buf.name}, which has {length} (during "
+        f"{where(doctor)}): " + (f"{end - length} silently dropped" if clamped else "it failed"),
+        explain.overflow_slice(buf.name, dim, end, length, clamped),
         {"dim": dim, "end": end, "length": length}), ("undersized-buffer", buf.owner, buf.name, source))
 
 
