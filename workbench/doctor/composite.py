@@ -20,6 +20,7 @@ import contextlib
 from torch.overrides import TorchFunctionMode
 
 from .failures import DELIBERATE
+from .probes import held
 from .rules import shapes, undersized
 
 _WATCHED = ("eager", "warmup", "capture")
@@ -55,16 +56,14 @@ def failed(doctor, func, args, kwargs, error: BaseException) -> None:
     name = getattr(func, "__name__", None)
     if not shapes.explainable(error) or name == "__setitem__":     # (an item assignment has its own contract)
         return
-    found = []
-    doctor.add = lambda finding, key: found.append((finding, key)) or finding     # (held: the instance's own)
-    try:
+    found: list = []
+    with held(doctor, found):
         if name == "narrow" and len(args) >= 4 and all(type(a) is int for a in args[1:4]):
             undersized.check_range(doctor, args[0], args[1], args[2] + args[3], "narrow")
         shapes.failed_op(doctor, func, args, kwargs, error)
-    finally:
-        del doctor.add
     if found:
-        doctor.explanation = (id(error), *found[0])
+        finding, key, _ = found[0]
+        doctor.explanation = (id(error), finding, key)
 
 
 @contextlib.contextmanager

@@ -84,17 +84,10 @@ def overwritten(op: str, graph: str, generation: int, now: int, writer: str | No
             f"buffer the graphs share) and has replayed since: the values read are {writer}'s.")
 
 
-REFUSED_CALL = "a call CUDA refuses during capture"     # its error 900, which libraries relay as their own
-
-
-def sync(op: str) -> str:
-    if op == REFUSED_CALL:
-        return ("CUDA refused a call made while the graph was being captured (cudaErrorStreamCaptureUnsupported): a "
-                "host synchronisation, or a driver call it counts as unsafe in a capture (a memory-pool attribute, a "
-                "query of memory the capture has not mapped yet). The capture fails. Make the call before the "
-                "capture (run the code that makes it lazily once before capturing), or inside a relaxed-mode scope.")
-    return (f"{op} needs the device's values on the host while the graph is being captured; a CUDA graph "
-            "cannot wait for the device, so the capture fails (cudaErrorStreamCaptureUnsupported).")
+def sync(op: str, host_read: bool = True) -> str:
+    why = ("needs the device's values on the host while the graph is being captured; a CUDA graph cannot wait for "
+           "the device" if host_read else "(a synchronisation, a driver call unsafe there): CUDA refuses it")
+    return f"{op} {why}, so the capture fails (cudaErrorStreamCaptureUnsupported)."
 
 
 def sync_elsewhere(op: str, mode: str) -> str:
@@ -126,19 +119,14 @@ def dangling_pool(tensor: str, op: str, owner: str, how: str) -> str:
             "capture or allocation from it is handed the same block: the replay reads another tensor's data.")
 
 
-def overflow_slice(name: str, dim: int, end: int, length: int, clamped: bool = True) -> str:
-    asked = f"The code asks for elements [.., {end}) of dimension {dim} of the static buffer `{name}`, which has only {length}"
-    if not clamped:
-        return (f"{asked}: the step has more rows or columns than the buffer was made for, and the view fails "
-                "before the replay. Size the buffer for the largest step the graph serves, or serve larger steps "
-                "without the graph.")
-    return (f"{asked}: Python slicing clamps silently, so {end - length} of them are dropped, and whatever "
-            "is written through the view (or read from it) covers fewer rows or columns than the step has.")
+def overflow_slice(name: str, dim: int, end: int, length: int) -> str:
+    return (f"The code asks for elements [.., {end}) of dimension {dim} of the static buffer `{name}`, which has only "
+            f"{length}: the step has more rows or columns than the buffer was made for. A slice clamps silently, "
+            f"dropping {end - length} of them from whatever is written through it or read from it; `narrow` raises.")
 
 
 def failed_write(name: str, error: str) -> str:
-    return (f"A write into the static buffer `{name}` failed: {error}. The buffer was sized at capture for less "
-            "than this data.")
+    return f"A write into the static buffer `{name}` failed: {error}. The buffer was sized at capture for less than this data."
 
 
 def negative_size(error: str) -> str:

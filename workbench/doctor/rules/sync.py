@@ -92,8 +92,9 @@ def _aborted(doctor, graph: str, error) -> None:
 
 
 # What CUDA, or torch's own check before it, raises for a host copy or synchronisation in a capture.
+_REFUSED_CALL = "a call not permitted in a capture"     # CUDA's error 900, which libraries relay as their own
 _REFUSED = {"during CUDA graph capture unless the CPU tensor is pinned": "a copy from pageable host memory",
-            "operation not permitted when stream is capturing": explain.REFUSED_CALL}
+            "operation not permitted when stream is capturing": _REFUSED_CALL}
 
 
 def _refused(doctor, graph: str, op: str, error: BaseException) -> None:
@@ -172,8 +173,8 @@ def finding(doctor, graph: str, op: str, source: str, caller: str | None = None,
                      f"{caller}")
     elif stand_in is not None:
         evidence += f", at {source}, in a function that is the synchronisation itself, called at {stand_in}"
-    doctor.add(Finding("sync-in-capture", graph, op, "-", caller or stand_in or source, evidence, explain.sync(op)),
-               ("sync-in-capture", op, source))
+    doctor.add(Finding("sync-in-capture", graph, op, "-", caller or stand_in or source, evidence,
+                       explain.sync(op, host_read=op != _REFUSED_CALL)), ("sync-in-capture", op, source))
 
 
 def handled(doctor) -> None:

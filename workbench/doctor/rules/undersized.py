@@ -174,7 +174,7 @@ def _past_end(doctor, buf, dim: int, end: int, shape, op: str = "a slice") -> No
         "undersized-buffer", buf.owner, str(torch.ops.aten.slice.Tensor), f"{buf.name}: {describe(buf.ref())}",
         source, f"{op} asks for [.., {end}) of dimension {dim} of {buf.name}, which has {length} (during "
         f"{where(doctor)}): " + (f"{end - length} silently dropped" if clamped else "it failed"),
-        explain.overflow_slice(buf.name, dim, end, length, clamped),
+        explain.overflow_slice(buf.name, dim, end, length),
         {"dim": dim, "end": end, "length": length}), ("undersized-buffer", buf.owner, buf.name, source))
 
 
