@@ -216,7 +216,9 @@ def _pool_attribute() -> int:
 @pytest.mark.parametrize("warm", [False, True])
 def test_a_refusal_a_binding_relays_from_a_cpu_capture_is_sync_in_capture(warm):
     """The CPU engine cannot see a driver call; the binding relays CUDA's words, and the doctor
-    reads them as it does on a GPU. Made once before the capture (``warm``), nothing is refused."""
+    reads them as it does on a GPU. The binding's check raised them for a call its caller made: the
+    finding names the caller, whose lazy first use fell into the capture. Made once before the
+    capture (``warm``), nothing is refused."""
     def workload():
         x, threshold = torch.ones(3), []
 
@@ -234,7 +236,7 @@ def test_a_refusal_a_binding_relays_from_a_cpu_capture_is_sync_in_capture(warm):
             pass                                           # the serving loop falls back to eager
 
     found = [(f.kind, f.source.rsplit(" in ", 1)[-1].split(":")[0]) for f in doctor.diagnose(workload).findings]
-    assert found == ([] if warm else [("sync-in-capture", "_pool_attribute")])
+    assert found == ([] if warm else [("sync-in-capture", "step")])
 
 
 @pytest.mark.cuda
@@ -279,6 +281,36 @@ def test_a_blocking_copy_from_pinned_memory_in_a_capture_is_refused_and_named(de
     assert finding.kind == "sync-in-capture" and finding.source.endswith("dev.copy_(pinned)")
     dev.copy_(pinned, non_blocking=True)
     assert dev.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_weight_copied_from_pinned_memory_inside_the_capture_is_the_graphs_own(device):
+    """A layer whose weight lives in pinned host memory copies it to the device on every forward
+    (weight offload) and drops the copy after use. Inside the capture the copy is a copy node into
+    memory the capture allocated: the graph owns it, and its release after capture is no dangling
+    reference. (On CUDA the doctor took an op whose inputs are all host memory for host work that
+    a capture does not record, and the copy's output for memory made before watch().)"""
+    weight, x = host(torch.arange(12.0).reshape(3, 4), device), torch.ones(2, 3, device=device)
+
+    def forward():
+        w = weight.to(device, non_blocking=True)        # onloaded for this call, released after it
+        return x @ w
+
+    def workload():
+        with torch.no_grad():
+            events.static_buffers("Offloaded", {"x": x})
+            with events.warmup():
+                forward()
+            g = new_graph(device)
+            with graph(g, name="step"):
+                out = forward()
+            for step in range(3):
+                x.fill_(step)
+                g.replay()
+                assert out.tolist() == (x @ weight.to(device)).tolist()
+
+    report = doctor.diagnose(workload)
+    assert report.findings == [] and report.failure is None, report
 
 
 def test_a_storage_handed_to_set_is_signed_by_its_size_not_its_contents():

@@ -3415,3 +3415,35 @@ def test_findings_held_at_one_place_are_released_there_in_the_order_held(later):
         add(4)
     release(d, kept)
     assert [f.source[5] for f in d.report.findings] == ["1", "2", "3", "4"][:3 + later]
+
+
+@pytest.mark.parametrize("how", ["set_", "resize_"])
+def test_a_static_buffer_given_another_shape_in_place_between_replays_is_still_watched(how):
+    """Eager code that gives a static input another shape in place (a copy that re-allocates its
+    destination to the source's size, as Paddle's ``copy_`` does; a ``resize_``) and copies into it:
+    what the rules knew of its elements was of the old layout. The doctor goes on watching (no
+    error of its own), and the graph still reading the old memory is reported."""
+    x = torch.zeros(4)
+
+    def grow_and_fill(values):
+        if how == "set_":
+            x.set_(torch.empty(values.numel()).untyped_storage(), 0, values.shape)
+        else:
+            x.resize_(values.shape)
+        x.copy_(values)
+
+    def workload():
+        m = Manager(lambda size: x[:size] * 2, [4], {"x": x})
+        x.copy_(rows(4)[:, 0])
+        m.capture()
+        for step in range(3):
+            x.copy_(rows(4, seed=step)[:, 0])
+            m.replay(4)
+            x.add_(1)                                        # an update the rules track element by element
+        grow_and_fill(rows(9, seed=5)[:, 0])              # the step's data does not fit: new memory
+        x.copy_(rows(9, seed=6)[:, 0])
+        m.replay(4)
+
+    report = doctor.diagnose(workload)
+    assert report.failure is None, report.failure
+    assert "dangling-reference" in report.kinds, report

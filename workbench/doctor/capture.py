@@ -18,7 +18,7 @@ from ..engine.source import user_frame
 from .records import External, Op
 from .rules import dangling, host_copies, padded_scatter, sync, uncomputed, undersized, unread
 from .rules.pool import block
-from .tensors import by_value, host_memory, host_only, signature
+from .tensors import by_value, host_only, signature
 
 aten = torch.ops.aten
 _COPY = aten.copy_.default
@@ -28,11 +28,13 @@ def recorded(doctor, func, args, kwargs, run):
     """One op inside a capture (``Doctor.capturing``): run it, record it."""
     info = doctor.capturing
     inputs = op_tensors(args, kwargs)
-    if info.cuda and host_only(inputs, True):
+    if info.cuda and host_only(inputs, True) and not host_copies.onto_device(kwargs):
         return run()            # host work (a pinned flag's ``.item()``): CUDA records none of it, and the
-        # CPU engine runs it where the doctor does not see it (``engine/host.py``)
+        # CPU engine runs it where the doctor does not see it (``engine/host.py``); but a copy of host
+        # memory onto the device (``pinned.to("cuda")``) is a copy node, into memory the capture allocates
     source = user_frame()
     sync.check(doctor, info, func, args, kwargs, source)
+    from_host = host_copies.host_source(func, args, kwargs, info.cuda)
     in_keys = {storage_key(t) for t in inputs}
     targets = doctor.targets(func, args, kwargs)
     if targets and func is _COPY:
@@ -77,10 +79,9 @@ def recorded(doctor, func, args, kwargs, run):
             dangling.aliased(doctor, info, key, t, str(func), source)
         elif ext.view_only and not func.is_view and not repointed:      # name the first op that really reads it
             ext.op, ext.source, ext.tensor, ext.view_only = str(func), source, describe(t), False
-        if not ext.host_copy and func is _COPY and t is args[1] and host_memory(t, info.cuda) \
-                and not host_memory(args[0], info.cuda):
+        if not ext.host_copy and t is from_host:
             ext.host_copy = (str(func), source)
-    host_copies.copied(doctor, info, func, args, source)
+    host_copies.copied(doctor, info, from_host, source)
     if doctor.followed:
         for key in in_keys:
             uncomputed.capture_reads(doctor, key)

@@ -381,10 +381,8 @@ class Doctor(RunnerEvents):
                 t.is_leaf and t.grad is not None for t in written_tensors(func, args, kwargs))   # see warmup_end
             if not self.real_warmup:                   # a dummy batch's writes into live memory are suspect
                 mutation.dummy_write(self, func, args, kwargs, targets)
-            if targets and not overwrites(func, args, kwargs):    # an update: does the next warmup build on it?
-                out = mutation.eager_write(self, func, args, kwargs, run, targets)
-            else:
-                out = undersized.write(self, func, targets, run)
+            # (an update: does the next warmup build on it?)
+            out = mutation.write(self, func, args, kwargs, run, targets, not overwrites(func, args, kwargs))
             if not func.is_view:
                 self.warm.warmup_op(func, args, kwargs, self.startup.constant)
                 self.startup.created_by(args, kwargs, out)
@@ -412,10 +410,9 @@ class Doctor(RunnerEvents):
         else:
             if self.every and not self.state_moved:     # (only differential replay asks)
                 self.state_moved = any(buf.role == "state" for _, _, buf in targets)
-            if self.tracking_fresh or self.updates or not overwrites(func, args, kwargs):
-                out = mutation.eager_write(self, func, args, kwargs, run, targets)
-            else:   # a refresh (copy, fill) that no fresh-element tracking or in-place update follows
-                out = undersized.write(self, func, targets, run)
+            # (else a refresh, copy or fill, that no fresh-element tracking or in-place update follows)
+            out = mutation.write(self, func, args, kwargs, run, targets,
+                                 self.tracking_fresh or self.updates or not overwrites(func, args, kwargs))
         staging.wrote(self, func, staged)
         if (self.uncomputed or self.followed) and not view and phase == "eager" and not self.dummy_run:
             uncomputed.eager_op(self, func, args, kwargs, out)

@@ -26,14 +26,30 @@ from ..report import Finding
 from ..tensors import alias, differs, host_memory
 from .sync import handed_in, same_memory
 
-_COPY = torch.ops.aten.copy_.default
+_COPY, _TO_COPY = torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default
 
 
-def copied(doctor, info, func, args, source: str) -> None:
-    """A captured op: a copy from host memory into device memory keeps what it read."""
-    if func is not _COPY or not host_memory(args[1], info.cuda) or host_memory(args[0], info.cuda):
+def host_source(func, args, kwargs, cuda: bool) -> torch.Tensor | None:
+    """The host memory a captured op copies onto the device: ``copy_``'s source into device memory,
+    or the input of a ``_to_copy`` onto a CUDA device (``pinned.to("cuda", non_blocking=True)``,
+    which the CPU engine's host tensors run as a ``copy_``); else None."""
+    if func is _COPY:
+        return args[1] if host_memory(args[1], cuda) and not host_memory(args[0], cuda) else None
+    if func is _TO_COPY and onto_device(kwargs) and host_memory(args[0], cuda):
+        return args[0]
+    return None
+
+
+def onto_device(kwargs) -> bool:
+    """Whether an op names a CUDA device for what it makes (``_to_copy``'s ``device``)."""
+    device = kwargs.get("device")
+    return device is not None and torch.device(device).type == "cuda"
+
+
+def copied(doctor, info, src: torch.Tensor | None, source: str) -> None:
+    """A captured op that copies host memory ``src`` into device memory keeps what it read."""
+    if src is None:
         return
-    src = args[1]
     with _disable_current_modes(), torch._C.DisableTorchFunctionSubclass():
         read = src.detach().clone()
     frames = [(f, f.f_lineno) for f in user_frames()]

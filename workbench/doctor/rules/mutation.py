@@ -54,6 +54,30 @@ def eager_write(doctor, func, args, kwargs, run, targets: list):
     return out
 
 
+_RELAYOUT = (torch.ops.aten.set_, torch.ops.aten.resize_, torch.ops.aten.resize_as_)
+
+
+def write(doctor, func, args, kwargs, run, targets: list, update: bool):
+    """An op that writes announced buffers outside any graph: ``eager_write`` when it may be an
+    update to track (``update``), else the shape contract alone. An op that gives a buffer another
+    geometry in place (``set_``, ``resize_``, an in-place view such as ``squeeze_``: a copy that
+    re-allocates its destination to the source's size) voids what the rules knew of its elements
+    -- which were written since the last replay, which an update or a copy last changed: they were
+    elements of another layout. They start again from this op, which wrote the whole buffer."""
+    if func.overloadpacket not in _RELAYOUT and torch.Tag.inplace_view not in func.tags:
+        if update:
+            return eager_write(doctor, func, args, kwargs, run, targets)
+        return undersized.write(doctor, func, targets, run)
+    out = undersized.write(doctor, func, targets, run)
+    for key, _, buf in targets:
+        for records in (doctor.updates, doctor.copied, doctor.copied_lines, doctor.replay_wrote, doctor.copy_sources):
+            records.pop(key, None)
+        if doctor.tracking_fresh:
+            with _disable_current_modes():
+                doctor.fresh[key] = torch.ones(buf.ref().shape, dtype=torch.bool, device=buf.ref().device)
+    return out
+
+
 def _accumulated(doctor, func, key: int, buf, was: torch.Tensor, mask: torch.Tensor, source: str) -> None:
     whole = buf.ref()
     slot = (str(func), source, buf.name)

@@ -7,10 +7,12 @@ handed it a device tensor where a host value was needed: the finding names the f
 the tensor in, found by walking out from the syncing frame for as long as the tensor reached each
 frame as one of its arguments (or its ``*args``). Nor is a function named for the synchronisation
 (a ``cuda_synchronize()`` helper, a stand-in for ``cudaStreamSynchronize``): it is the sync itself,
-and the finding names the line that called it.
+and the finding names the line that called it. Nor is a function that raises CUDA's refusal of a call
+itself (a binding's status check, ``checkCudaErrors(...)``): the call was made by its caller.
 """
 from __future__ import annotations
 
+import dis
 import inspect
 
 import torch
@@ -103,7 +105,27 @@ def _refused(doctor, graph: str, op: str, error: BaseException) -> None:
     device=...)``) inside a backward pass, which runs on autograd's device thread, where the
     doctor's function mode is not. The innermost user frame of the traceback asked for it."""
     if frames := _user_frames(error):
-        finding(doctor, graph, op, location(*frames[0]), None, _stand_in(frames))
+        relay = _relay(error, frames) if op == _REFUSED_CALL else None
+        finding(doctor, graph, op, location(*frames[0]), None, relay or _stand_in(frames), relayed=relay is not None)
+
+
+def _relay(error: BaseException, frames: list) -> str | None:
+    """Where the refused call was made, when the innermost user frame raised CUDA's error 900 itself:
+    that is a driver call's status, which a binding's status check (``checkCudaErrors(cudart.
+    cudaStreamBeginCapture(...))``, a driver wrapper's ``check_err``) raises for a call its caller
+    made, whose line is the one to change. Known by the frame's last instruction, a ``raise``; an
+    error torch or CUDA raised stops at a call. (Torch's refusal of a pageable copy is raised at the
+    copy: its line is the site.)"""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None or len(frames) < 2 or tb.tb_frame is not frames[0][0]:
+        return None
+    code = tb.tb_frame.f_code.co_code
+    return location(*frames[1]) if code[tb.tb_lasti] == _RAISE else None
+
+
+_RAISE = dis.opmap["RAISE_VARARGS"]
 
 
 def _user_frames(error: BaseException) -> list:
@@ -164,15 +186,18 @@ def _closed_over(frame, same) -> bool:
     return bool(names) and all(name in code.co_freevars for name in names)
 
 
-def finding(doctor, graph: str, op: str, source: str, caller: str | None = None, stand_in: str | None = None) -> None:
+def finding(doctor, graph: str, op: str, source: str, caller: str | None = None, stand_in: str | None = None,
+            relayed: bool = False) -> None:
     """``caller``: where the tensor the sync read was handed in; ``stand_in``: where a function named
-    for the sync was called."""
+    for the sync was called, or one that relayed the refusal of a call its caller made (``relayed``)."""
     evidence = f"{op} was called while {graph} was being captured"
     if caller is not None:
         evidence += (f", at {source}, on a tensor it was given as an argument: the device tensor was handed in at "
                      f"{caller}")
     elif stand_in is not None:
-        evidence += f", at {source}, in a function that is the synchronisation itself, called at {stand_in}"
+        evidence += (f", at {source}, in a function that raised the refusal of a call made at {stand_in}"
+                     if relayed else f", at {source}, in a function that is the synchronisation itself, called at "
+                     f"{stand_in}")
     doctor.add(Finding("sync-in-capture", graph, op, "-", caller or stand_in or source, evidence,
                        explain.sync(op, host_read=op != _REFUSED_CALL)), ("sync-in-capture", op, source))
 
