@@ -37,12 +37,11 @@ import sysconfig
 
 import torch
 
-from ..engine.source import SKIP_DIRS, function_name, location, mine, short_path
+from ..engine.source import SKIP_DIRS, function_name, location, mine, raises_at, short_path
 from . import failures
 from .rules import checks, clobbered, decisions, input_match, shapes, size_table, torn_down, undersized
 from .tensors import first_line, placement
 
-_RAISES = {dis.opmap[name] for name in ("RAISE_VARARGS", "RERAISE")}
 _RETURNS = {dis.opmap[name] for name in ("RETURN_VALUE", "RETURN_CONST", "YIELD_VALUE", "RETURN_GENERATOR")
             if name in dis.opmap}        # RETURN_CONST: Python 3.12's ``return`` of a constant (``return``, ``return None``)
 # The standard library is never the workload's code, and it raises and catches errors of its own
@@ -172,7 +171,7 @@ class _Tracer:
         if watched:
             size_table.explained(doctor, error, frame)
             torn_down.failed(doctor, error, frame)
-            if _op(frame) in _RAISES:                # the program's own check (``assert``, ``raise``), not a library's
+            if raises_at(frame.f_code, frame.f_lasti):                # the program's own check (``assert``, ``raise``), not a library's
                 at = checks.helper_caller(frame) or frame     # (a check helper's: its caller compared)
                 undersized.failed_fit_check(doctor, error, at)
                 clobbered.failed_check(doctor, error, at)
@@ -237,7 +236,7 @@ def _from_a_check(error: BaseException, frame) -> bool:
     """A broken contract that a library checked (or the workload asserted), not a deliberate raise."""
     if not shapes.explainable(error):
         return False
-    return isinstance(error, AssertionError) or _op(frame) not in _RAISES
+    return isinstance(error, AssertionError) or not raises_at(frame.f_code, frame.f_lasti)
 
 
 _tracer = _Tracer()

@@ -3,6 +3,7 @@ the doctor."""
 from __future__ import annotations
 
 import contextlib
+import dis
 import linecache
 import os
 import sys
@@ -80,6 +81,15 @@ def location(frame, lineno: int | None = None) -> str:
         line = linecache.getline(code.co_filename, lineno).strip()
         text = _LINES[key] = f"{short_path(code.co_filename)}:{lineno} in {function_name(code)}: {line}"
     return text
+
+
+_RAISES = {dis.opmap[name] for name in ("RAISE_VARARGS", "RERAISE")}
+
+
+def raises_at(code, at: int) -> bool:
+    """Whether instruction ``at`` of ``code`` (a frame's ``f_lasti``, a traceback entry's
+    ``tb_lasti``) is a ``raise`` statement of the code's own, not a call that raised."""
+    return 0 <= at < len(code.co_code) and code.co_code[at] in _RAISES
 
 
 def function_of(where: str) -> str:

@@ -12,7 +12,6 @@ itself (a binding's status check, ``checkCudaErrors(...)``): the call was made b
 """
 from __future__ import annotations
 
-import dis
 import inspect
 
 import torch
@@ -21,7 +20,7 @@ from ...engine.capture_mode import WaitedElsewhereError
 from ...engine.errors import CaptureError
 from ...engine.host_sync import UploadGuard, blocking_copy_error, host_sync_error, is_host_sync
 from ...engine.opinfo import storage_key, tensors
-from ...engine.source import location, mine, user_frames
+from ...engine.source import location, mine, raises_at, user_frames
 from .. import explain
 from . import guarded
 from ..report import Finding
@@ -121,11 +120,7 @@ def _relay(error: BaseException, frames: list) -> str | None:
         tb = tb.tb_next
     if tb is None or len(frames) < 2 or tb.tb_frame is not frames[0][0]:
         return None
-    code = tb.tb_frame.f_code.co_code
-    return location(*frames[1]) if code[tb.tb_lasti] == _RAISE else None
-
-
-_RAISE = dis.opmap["RAISE_VARARGS"]
+    return location(*frames[1]) if raises_at(tb.tb_frame.f_code, tb.tb_lasti) else None
 
 
 def _user_frames(error: BaseException) -> list:

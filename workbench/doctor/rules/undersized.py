@@ -171,7 +171,8 @@ def _past_end(doctor, buf, dim: int, end: int, shape, op: str = "a slice") -> No
         return
     source, clamped = user_frame(), op == "a slice"
     doctor.add(Finding(
-        "undersized-buffer", buf.owner, str(torch.ops.aten.slice.Tensor), f"{buf.name}: {describe(buf.ref())}",
+        "undersized-buffer", buf.owner, str(torch.ops.aten.slice.Tensor) if clamped else op,
+        f"{buf.name}: {describe(buf.ref())}",
         source, f"{op} asks for [.., {end}) of dimension {dim} of {buf.name}, which has {length} (during "
         f"{where(doctor)}): " + (f"{end - length} silently dropped" if clamped else "it failed"),
         explain.overflow_slice(buf.name, dim, end, length),
