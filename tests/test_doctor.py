@@ -753,6 +753,41 @@ def test_rows_split_off_an_output_and_read_on_the_host_later_are_overwritten_out
     assert finding.kind == "overwritten-output" and finding.op == "Tensor.tolist"
 
 
+@pytest.mark.parametrize("copy", [False, True])
+def test_rows_kept_of_a_graphs_own_output_returned_as_it_is_are_overwritten_output(copy):
+    """A wrapper that returns the graph's static output itself at every call (the dict a capture
+    returned, as a framework's graph wrapper does), not the view it hands out: the caller's rows of
+    one call, kept in a list and stacked after the next call replayed over them, read the next
+    call's values. Named where the rows were taken; copied first (the fix), nothing is."""
+    from workbench.zoo.kit import capture, replay
+
+    def workload():
+        x = torch.zeros(2, 3)
+        g, out = capture(lambda: {"embedding": x * 2 + 1}, device="cpu", static={"x": x}, warmups=0,
+                         name="embed (2, 3)")
+
+        def call(batch):
+            x.copy_(batch)
+            replay(g, out["embedding"])
+            return out                                    # the graph's own outputs, as they are
+
+        kept = []
+        for seed in range(2):
+            features = call(batch(2, seed))
+            embeddings = features["embedding"].clone() if copy else features["embedding"]
+            kept.extend(embeddings)                       # one row view per sentence
+        return torch.stack(kept)
+
+    report = doctor.diagnose(workload)
+    if copy:
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "overwritten-output" and finding.op == "aten.stack.default", finding
+    assert "kept.extend(embeddings)" in finding.source, finding
+    assert finding.graph == "embed (2, 3)", finding       # each row read is the same hazard, in one graph
+
+
 def test_an_output_copied_to_the_host_after_the_next_call_is_one_overwritten_output():
     """``cpu()`` is where a CUDA program reads the output (the copy); on the CPU it returns the tensor
     itself and dispatches nothing, so it is watched as a host read. Read again (``tolist``), the

@@ -6,6 +6,7 @@ state whose decision a runner's own check finds unlike its graph's. Workloads ar
 the engine's public API; each bug has a fix that must give no finding."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import sys
@@ -237,6 +238,39 @@ def test_a_refusal_a_binding_relays_from_a_cpu_capture_is_sync_in_capture(warm):
 
     found = [(f.kind, f.source.rsplit(" in ", 1)[-1].split(":")[0]) for f in doctor.diagnose(workload).findings]
     assert found == ([] if warm else [("sync-in-capture", "step")])
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_refusal_caught_while_a_capture_stays_open_is_sync_in_capture(variant):
+    """A function that begins a capture and returns early without ending it leaves the capture
+    open: the steps after it run inside it, and their first host read is refused there (CUDA
+    invalidates the capture). A harness catches that error and the capture ends much later, with an
+    error of its own: the refused read is the finding. Abandoned on the same early return (the
+    fix), the capture is gone before the read, and nothing is refused."""
+    def workload():
+        x, capture = torch.arange(4.0), contextlib.ExitStack()
+
+        def begin_verify():
+            capture.enter_context(graph(new_graph("cpu"), name="verify"))
+            x.mul_(2)
+            if variant == "fix":                          # abandon the capture before leaving
+                abandoned = RuntimeError("unsupported shape")
+                capture.__exit__(type(abandoned), abandoned, None)
+            return -1                                     # an early return, past the capture's end
+
+        begin_verify()
+        try:
+            (x + 1).tolist()                              # the next step's host read
+        except Exception:
+            pass                                          # a harness logs it and goes on
+        ended = RuntimeError("process exit")
+        capture.__exit__(type(ended), ended, None)
+
+    report = doctor.diagnose(workload)
+    found = [(f.kind, f.source.split(": ", 1)[-1]) for f in report.findings]
+    assert found == ([] if variant == "fix" else [("sync-in-capture", "(x + 1).tolist()                              # the next step's host read")])
+    if variant == "bug":           # the evidence says where the capture was left open
+        assert "in begin_verify: return -1" in report.findings[0].evidence, report
 
 
 @pytest.mark.cuda

@@ -2966,6 +2966,34 @@ def test_a_table_cached_on_first_use_inside_a_capture_is_named_where_it_is_read_
 
 
 @pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_raw_pointer_over_an_arena_is_written_only_where_its_addresses_point(variant):
+    """A kernel given a pointer into a pool of per-layer state slots addresses the whole allocation
+    (``as_strided`` over all of it) and stores into the slots it is given: an indexed write (``mem[addr]
+    = v``) writes those elements, not the whole view. Slots within the layer's state are no finding;
+    the bug's pad slot -1 lands in the previous layer's last slot, outside the state it was given."""
+    pool = torch.zeros(2, 4, 3)                                # [layers, slots, state]
+
+    def store(state, slots, values):
+        mem = torch.as_strided(state, (pool.numel(),), (1,), 0)   # the device pointer: the whole allocation
+        addr = state.storage_offset() + slots[:, None] * 3 + torch.arange(3)
+        mem[addr.reshape(-1)] = values.reshape(-1)
+
+    def workload():
+        g = new_graph("cpu")
+        slots = torch.tensor([2, -1 if variant == "bug" else 0])
+        with graph(g, name="prefill"):
+            store(pool[1], slots, torch.ones(2, 3))
+        g.replay()
+
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.of("undersized-buffer") == [], report
+        return
+    (finding,) = report.of("undersized-buffer")
+    assert finding.numbers == {"buffer_bytes": 48, "written_past": 12}, finding
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
 def test_a_kernel_scratch_written_past_its_result_buffer_is_an_undersized_buffer(variant):
     """Loop state carved from one arena: a result word, then the position. The sampling kernel keeps
     its scratch right after the result pointer (``as_strided`` over three words from it); the bug

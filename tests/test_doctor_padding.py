@@ -1029,3 +1029,45 @@ def test_padded_row_runs_that_end_before_their_first_replay_say_nothing_of_paddi
     assert _Helper.runs == 3 and report.findings == [], report
     assert report.not_checked["stale-padding"].startswith("both padded-row runs ended before their first replay"), \
         report.not_checked
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_padded_slots_the_runner_set_to_a_sentinel_once_are_a_latent_note(variant):
+    """Padded rows' cache slots set to -1 once, before the capture, and never written by a step (the
+    steps serve fewer rows than the graph's size): the kernel skips them, and the run gives the
+    results of its run without graphs. The two fills show real rows would depend on other values
+    there: a latent hazard, a note. In the bug the padded rows hold slot 0 (a buffer made with zeros),
+    so they write the first request's cache slot: the run differs, a finding."""
+    from workbench.zoo.kit import capture, compare, replay
+
+    batches = [[3.0, 1.0], [4.0, 5.0], [6.0, 7.0]]
+
+    def write_cache(cache, slots, values):
+        cache.index_copy_(0, torch.where(slots >= 0, slots, 8), values)      # -1: the trash slot
+
+    def served():
+        cache, outs = torch.zeros(9), []
+        slots, x = torch.full((3,), -1 if variant == "fix" else 0), torch.zeros(3)          # the sentinel, set once before the capture
+        g, out = capture(lambda: (write_cache(cache, slots, x * 2), cache[:8].sum() + x)[1], device="cpu",
+                         static={"slots": slots, "x": x}, state={"cache": cache}, warmups=0, name="step")
+        for step, values in enumerate(batches):
+            n = len(values)
+            slots[:n].copy_(torch.arange(n) + 3 * step)
+            x[:n].copy_(torch.tensor(values))
+            outs.append(replay(g, out, real=n, size=3, padded={"slots": slots, "x": x})[:n].clone())
+        return outs
+
+    def eager():
+        cache, outs = torch.zeros(8), []
+        for step, values in enumerate(batches):
+            v = torch.tensor(values)
+            cache.index_copy_(0, torch.arange(len(values)) + 3 * step, v * 2)
+            outs.append(cache.sum() + v)
+        return outs
+
+    report = doctor.diagnose(lambda: compare("sentinel", variant, "cpu", served, eager))
+    if variant == "fix":
+        assert report.of("stale-padding") == [], report
+        assert any("is latent" in n for n in report.notes), report
+    else:
+        assert report.of("stale-padding"), report

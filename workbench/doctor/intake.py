@@ -131,6 +131,7 @@ class Doctor(RunnerEvents):
                                                     # raised, reported if it proves a failure (failures.explained)
         self.pools: dict = {}                       # pool key -> (line that made the handle, graphs captured into it)
         self.found: dict[tuple, Finding] = {}        # each hazard once (``add``), by its key
+        self.graphs_of: dict[tuple, set] = {}        # ... and the graphs it was found in
         self.reference: Reference | None = None     # the workload's run without graphs (probes/reference.py)
         self.views: dict[tuple, str] = {}           # set-up views: (storage, offset, shape, stride) -> the line
         self.replay_paths: dict = {}                # code of a function that asked for a replay -> the graph
@@ -147,9 +148,11 @@ class Doctor(RunnerEvents):
         known = self.found.get(key)
         if known is None:
             self.found[key] = finding
+            self.graphs_of[key] = {finding.graph}
             self.report.findings.append(finding)
             return finding
-        if finding.graph not in known.graph.split(", "):
+        if finding.graph not in self.graphs_of[key]:       # (a graph's name may hold ", " itself)
+            self.graphs_of[key].add(finding.graph)
             known.graph = f"{known.graph}, {finding.graph}"
         return known
 
@@ -203,6 +206,8 @@ class Doctor(RunnerEvents):
         self.fresh.clear()
         if info is None:
             return
+        if info.refused is not None:               # caught in the capture, which CUDA would not end
+            sync.refused_earlier(self, info)
         if info.warmup is not None and not info.ops:
             self.warm.hand_on(info)
             return
@@ -242,7 +247,7 @@ class Doctor(RunnerEvents):
         self.warm.capture_abort(info)
         name = info.name if info is not None else "a graph"
         self.report.notes.append(f"capture of {name} failed: {type(error).__name__}: {first_line(error)}")
-        sync.capture_failed(self, name, error)
+        sync.capture_failed(self, name, error, info)
 
     @contained
     def replay_begin(self, graph) -> None:

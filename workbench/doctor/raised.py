@@ -17,7 +17,8 @@ the workload's frame above. The program's own checks are also handed to the rule
 ``decisions.failed_flag_check``), and a value a reset bound to None to ``torn_down.failed``.
 After a padded replay it also hands each frame to ``rules/shapes.py``, which may tie the error
 to the padded rows; an item assignment that failed (into a NumPy staging array, which dispatches
-no op) goes to ``rules/undersized.py``'s write contract.
+no op) goes to ``rules/undersized.py``'s write contract. A refusal raised while a capture is open
+goes to ``rules/sync.py`` as it is raised: code may catch it and go on with the capture still open.
 
 The tracer also keeps the last user function that returned (``returned``), without holding its
 frame: memory released as a function's locals go is released in that function (``released_at``).
@@ -39,7 +40,7 @@ import torch
 
 from ..engine.source import SKIP_DIRS, function_name, location, mine, raises_at, short_path
 from . import failures
-from .rules import checks, clobbered, decisions, input_match, shapes, size_table, torn_down, undersized
+from .rules import checks, clobbered, decisions, input_match, shapes, size_table, sync, torn_down, undersized
 from .tensors import first_line, placement
 
 _RETURNS = {dis.opmap[name] for name in ("RETURN_VALUE", "RETURN_CONST", "YIELD_VALUE", "RETURN_GENERATOR")
@@ -165,6 +166,8 @@ class _Tracer:
                 self.pending[id(frame)] = (key, None, came[1:3])      # it reached this frame: followed on
             return
         watched = doctor.phase in ("eager", "warmup", "capture")
+        if doctor.phase == "capture":
+            sync.raised_in_capture(doctor, error, tb)
         if watched and _op(frame) == _STORE:
             undersized.failed_host_write(doctor, error, frame)
         description = deliberate = None              # not kept, but followed: its callers must not take it for new

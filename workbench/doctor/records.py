@@ -198,6 +198,7 @@ class GraphInfo:
         self.taken_by_value: set = set()            # (op, line) taking a static input's value: the runner's data
         self.writes_inputs = False                  # it writes a static input (rules/mutation.py)
         self.unread_outputs: frozenset | None = None    # storages it created and never reads (differential)
+        self.refused: tuple | None = None           # the first refusal raised inside it (rules/sync.py)
         self.replays = 0
         self.size: int | None = None                # the size it was last served at (runner_events.serve)
         self.probed = False

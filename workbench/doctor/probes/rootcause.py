@@ -57,6 +57,11 @@ def classify(doctor, info, pending, what: tuple, divergence, run, host: tuple | 
         kind, tensor = "warmup-divergence", _label(pending, key)
         site = ("The launch traces agree: the difference first shows at "
                 f"{'the state it writes' if key is not None else 'the outputs'}.")
+        if op is not None and (check := decider(user_frames())) is not None:
+            op = dataclasses.replace(op, source=check)
+            site += (f" The graph was chosen for this step by a check that answered at {check}: it replays the work "
+                     "of the step it was captured for, on that step's memory, and the check (or key) does not tell "
+                     "the two apart.")
     else:
         kind, op, tensor, site = _parted(doctor, info, divergence, run)
         numbers = {**numbers, "launch": divergence.index + 1, "how": divergence.how}

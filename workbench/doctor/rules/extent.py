@@ -16,6 +16,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ...engine.opinfo import describe, mutable, storage_key, written_tensors
 from ...engine.source import user_frame
@@ -59,8 +60,13 @@ def wrote(doctor, func, args, kwargs) -> None:
         if held is None or held[0]() is not t or (w := span(t)) is None:
             continue
         (b, v, made_at, name, what) = held[1]
-        lo, hi = max(w[0], v[0]), min(w[1], v[1])
-        outside = max(0, hi - lo) - max(0, min(hi, b[1]) - max(lo, b[0]))
+        if (written := _indexed(func, args, t)) is not None:      # only the elements it indexes
+            starts = written.reshape(-1) * t.element_size()
+            inside_view = (starts >= v[0]) & (starts < v[1])
+            outside = int((inside_view & ((starts < b[0]) | (starts >= b[1]))).sum()) * t.element_size()
+        else:
+            lo, hi = max(w[0], v[0]), min(w[1], v[1])
+            outside = max(0, hi - lo) - max(0, min(hi, b[1]) - max(lo, b[0]))
         if outside <= 0:
             continue
         base = f"{name}: {what}" if name else what
@@ -71,3 +77,33 @@ def wrote(doctor, func, args, kwargs) -> None:
             explain.past_extent(base, b[1] - b[0], v[1] - v[0]),
             {"buffer_bytes": b[1] - b[0], "written_past": outside}), ("undersized-buffer", "past extent", made_at))
         return
+
+
+aten = torch.ops.aten
+_PUTS = (aten.index_put_, aten._index_put_impl_)
+_SCATTERS = (aten.scatter_, aten.scatter_add_, aten.scatter_reduce_)
+_INDEX_DIM = (aten.index_copy_, aten.index_fill_, aten.index_add_)
+_MASKED = (aten.masked_fill_, aten.masked_scatter_)
+
+
+def _indexed(func, args, t: torch.Tensor) -> torch.Tensor | None:
+    """The storage elements of ``t`` an op that writes through an index (``t[addr] = v``, a scatter,
+    a mask) writes: a raw-pointer view over a whole arena is written where its addresses point, not
+    all over. None for an op that writes all of ``t``; none where the index itself fails (the op's
+    error is the workload's)."""
+    packet = func.overloadpacket
+    if packet not in _PUTS + _SCATTERS + _INDEX_DIM + _MASKED:
+        return None
+    with _disable_current_modes():
+        pos = torch.arange(t.untyped_storage().nbytes() // t.element_size(), device=t.device).as_strided(
+            t.shape, t.stride(), t.storage_offset())
+        try:
+            if packet in _PUTS:
+                return pos[tuple(slice(None) if i is None else i for i in args[1])]
+            if packet in _SCATTERS:
+                return pos.gather(args[1], args[2])
+            if packet in _INDEX_DIM:
+                return pos.index_select(args[1], args[2])
+            return pos[args[1].expand(pos.shape)]
+        except (IndexError, RuntimeError):
+            return pos.new_empty(0)

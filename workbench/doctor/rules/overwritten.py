@@ -26,9 +26,15 @@ _PARTS = {_aten.slice, _aten.select, _aten.narrow, _aten.split, _aten.split_with
 
 
 def tag(doctor, t, info) -> None:
-    """``t`` holds outputs of ``info``'s latest replay."""
+    """``t`` holds outputs of ``info``'s latest replay. The tensor it views (the graph's static output,
+    which a runner may also hand on as it is: a dict of the graph's outputs, returned at every
+    replay) is the runner's: reading it reads the latest replay, but a view eager code takes of it
+    holds that replay's output, as ``t`` does (``tag_view``)."""
     key = block(t)
     _remember(doctor, t, key, doctor.generation.setdefault(key, 0), info, info.replays, None)
+    base = t._base
+    if base is not None and block(base) == key:
+        _remember(doctor, base, key, None, info, None, None)
 
 
 def tag_view(doctor, func, base, out) -> None:
@@ -40,8 +46,11 @@ def tag_view(doctor, func, base, out) -> None:
     entry = doctor.handed.get(id(base))
     if entry is not None and entry[0]() is base:
         made = entry[5] or (user_frame() if func.overloadpacket in _PARTS else None)
+        key, generation, info, replays = entry[1:5]
+        if generation is None:                    # the graph's own output: a view holds the latest replay
+            generation, replays = doctor.generation.setdefault(key, 0), info.replays
         for view in tensors(out):
-            _remember(doctor, view, *entry[1:5], made)
+            _remember(doctor, view, key, generation, info, replays, made)
 
 
 def _remember(doctor, t, key: tuple, generation: int, info, replays: int, made: str | None) -> None:
@@ -84,6 +93,8 @@ def _read(doctor, func, t) -> None:
     block: one re-pointed to memory of its own (``t.set_(t.clone())``, ``t.data = ...``: a runner
     cloning live outputs out of the pool) holds its values whatever the pool does."""
     entry = doctor.handed[id(t)]
+    if entry[2] is None:                          # the graph's own output, read as it is now
+        return
     if entry[0]() is t and doctor.generation.get(entry[1], 0) > entry[2] and block(t) == entry[1]:
         _stale(doctor, func, t, *entry[1:])
         # (read once stale, reported once: later reads of the view, and views taken of it, are the same hazard)

@@ -63,33 +63,85 @@ def leave_guard(doctor) -> None:
         guard.__exit__(None, None, None)
 
 
-def capture_failed(doctor, graph: str, error: BaseException) -> None:
+def capture_failed(doctor, graph: str, error: BaseException, info=None) -> None:
     """A capture that raised: the engine refused a host sync (``CaptureError`` naming its op), or
     torch or CUDA refused one that no watched op showed (``refused``: CUDA's words, which a library's
     binding relays as its own error, on a GPU and on the CPU alike); else the workload's own check
-    may have refused the capture (``guarded.py``)."""
-    if isinstance(error, CaptureError) and error.op is not None:
-        _aborted(doctor, graph, error)
-    elif (op := next((what for words, what in _REFUSED.items() if words in str(error)), None)) is None:
+    may have refused the capture (``guarded.py``). A refusal raised earlier in the capture and caught
+    (``info.refused``) is what invalidated it, whatever error ends it."""
+    if info is not None and info.refused is not None and info.refused[0] != (id(error), type(error)):
+        refused_earlier(doctor, info)
+    elif isinstance(error, WaitedElsewhereError):
+        _elsewhere(doctor, graph, error)
+    elif (named := _named(error, _user_frames(error), error.__traceback__)) is not None:
+        finding(doctor, graph, *named)
+    else:
         guarded.refused(doctor, graph, _user_frames(error), error)     # the workload's own guard refused it
-    else:                  # CUDA's words, from CUDA or from a library's binding that relays them: a sync
-        _refused(doctor, graph, op, error)
 
 
-def _aborted(doctor, graph: str, error) -> None:
-    """The engine refused a host sync during capture (the CPU backend): its frames are in the traceback.
-    A capture invalidated by another thread's wait is named at the capture, whose mode forbade it."""
-    if isinstance(error, WaitedElsewhereError):
-        doctor.add(Finding(
-            "sync-in-capture", graph, error.op, "-", error.source,
-            f"{error.op} at {error.waited_at}, on another thread, waited for the device while {graph} was being "
-            f"captured in {error.mode!r} mode: CUDA refused it there and invalidated the capture",
-            explain.sync_elsewhere(error.op, error.mode)), ("sync-in-capture", error.op, error.source))
+def raised_in_capture(doctor, error: BaseException, tb) -> None:
+    """A refusal raised while a capture is open, seen as it is raised (``raised.py``; ``tb``: its
+    traceback so far): CUDA invalidates the capture there, whatever the workload does next. Code may
+    catch it and go on with the capture still open (a capture begun and left open on an early
+    return, so the steps after it run inside it); the capture then ends, if ever, with another error
+    or none, and this refusal is what to name (``refused_earlier``). What the finding needs is taken
+    now, with the frames it passed and those still running above them, and kept without them."""
+    info = doctor.capturing
+    if info is None or info.refused is not None or isinstance(error, WaitedElsewhereError):
         return
-    frames = _user_frames(error)
-    t = error.tensor() if error.tensor is not None else None
-    caller = handed_in(frames, lambda v: v is t) if t is not None else None
-    finding(doctor, graph, error.op, error.source or "<unknown>", caller, _stand_in(frames, error.op))
+    frames = []
+    while tb is not None:
+        if mine(tb.tb_frame):
+            frames.append((tb.tb_frame, tb.tb_lineno))
+        tb, last = tb.tb_next, tb
+    frames = frames[::-1] + [(f, f.f_lineno) for f in user_frames(frames[0][0].f_back)] if frames else []
+    if (named := _named(error, frames, last if frames else None)) is None:
+        return
+    opened, also = doctor.warm.opened, ""
+    if opened is not None and not any(f is opened for f in _stack()):
+        also = (f"; the capture was begun at {info.site}, and that function returned at "
+                f"{location(opened, opened.f_lineno)} with it still open, so the code after it ran inside the capture")
+    info.refused = ((id(error), type(error)), named, also)      # (an id alone may be a freed error's)
+
+
+def refused_earlier(doctor, info) -> None:
+    """The capture ended, by an error of its own or none, after a refusal it raised was caught."""
+    _, (op, source, caller, stand_in, relayed), also = info.refused
+    finding(doctor, info.name, op, source, caller, stand_in, relayed=relayed, also=also)
+
+
+def _stack():
+    frame = inspect.currentframe()
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
+
+
+def _elsewhere(doctor, graph: str, error) -> None:
+    """A capture invalidated by another thread's wait is named at the capture, whose mode forbade it."""
+    doctor.add(Finding(
+        "sync-in-capture", graph, error.op, "-", error.source,
+        f"{error.op} at {error.waited_at}, on another thread, waited for the device while {graph} was being "
+        f"captured in {error.mode!r} mode: CUDA refused it there and invalidated the capture",
+        explain.sync_elsewhere(error.op, error.mode)), ("sync-in-capture", error.op, error.source))
+
+
+def _named(error: BaseException, frames: list, tb) -> tuple | None:
+    """(op, line, caller, stand-in, relayed) of a refusal, from the user's frames it passed (innermost
+    first), or None if it is none. The engine refused a host sync during capture (the CPU backend),
+    naming its op and line. Else CUDA, or torch's check before it, aborted the capture for a host
+    copy or sync that no op the doctor watches showed first (a factory copying Python data,
+    ``torch.tensor(1.0, device=...)``, inside a backward pass, which runs on autograd's device
+    thread, where the doctor's function mode is not): the innermost user frame asked for it."""
+    if isinstance(error, CaptureError) and error.op is not None:
+        t = error.tensor() if error.tensor is not None else None
+        caller = handed_in(frames, lambda v: v is t) if t is not None else None
+        return error.op, error.source or "<unknown>", caller, _stand_in(frames, error.op), False
+    op = next((what for words, what in _REFUSED.items() if words in str(error)), None)
+    if op is None or not frames:
+        return None
+    relay = _relay(tb, frames) if op == _REFUSED_CALL else None
+    return op, location(*frames[0]), None, relay or _stand_in(frames), relay is not None
 
 
 # What CUDA, or torch's own check before it, raises for a host copy or synchronisation in a capture.
@@ -98,24 +150,13 @@ _REFUSED = {"during CUDA graph capture unless the CPU tensor is pinned": "a copy
             "operation not permitted when stream is capturing": _REFUSED_CALL}
 
 
-def _refused(doctor, graph: str, op: str, error: BaseException) -> None:
-    """A CUDA capture that CUDA, or torch's check before it, aborted for a host copy or sync that no
-    op the doctor watches showed first: a factory copying Python data (``torch.tensor(1.0,
-    device=...)``) inside a backward pass, which runs on autograd's device thread, where the
-    doctor's function mode is not. The innermost user frame of the traceback asked for it."""
-    if frames := _user_frames(error):
-        relay = _relay(error, frames) if op == _REFUSED_CALL else None
-        finding(doctor, graph, op, location(*frames[0]), None, relay or _stand_in(frames), relayed=relay is not None)
-
-
-def _relay(error: BaseException, frames: list) -> str | None:
+def _relay(tb, frames: list) -> str | None:
     """Where the refused call was made, when the innermost user frame raised CUDA's error 900 itself:
     that is a driver call's status, which a binding's status check (``checkCudaErrors(cudart.
     cudaStreamBeginCapture(...))``, a driver wrapper's ``check_err``) raises for a call its caller
     made, whose line is the one to change. Known by the frame's last instruction, a ``raise``; an
     error torch or CUDA raised stops at a call. (Torch's refusal of a pageable copy is raised at the
     copy: its line is the site.)"""
-    tb = error.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     if tb is None or len(frames) < 2 or tb.tb_frame is not frames[0][0]:
@@ -182,7 +223,7 @@ def _closed_over(frame, same) -> bool:
 
 
 def finding(doctor, graph: str, op: str, source: str, caller: str | None = None, stand_in: str | None = None,
-            relayed: bool = False) -> None:
+            relayed: bool = False, also: str = "") -> None:
     """``caller``: where the tensor the sync read was handed in; ``stand_in``: where a function named
     for the sync was called, or one that relayed the refusal of a call its caller made (``relayed``)."""
     evidence = f"{op} was called while {graph} was being captured"
@@ -193,6 +234,7 @@ def finding(doctor, graph: str, op: str, source: str, caller: str | None = None,
         evidence += (f", at {source}, in a function that raised the refusal of a call made at {stand_in}"
                      if relayed else f", at {source}, in a function that is the synchronisation itself, called at "
                      f"{stand_in}")
+    evidence += also
     doctor.add(Finding("sync-in-capture", graph, op, "-", caller or stand_in or source, evidence,
                        explain.sync(op, host_read=op != _REFUSED_CALL)), ("sync-in-capture", op, source))
 
