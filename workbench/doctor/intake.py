@@ -130,8 +130,7 @@ class Doctor(RunnerEvents):
         self.explanation: tuple | None = None       # (id(error), finding, key): the last error explained where it was
                                                     # raised, reported if it proves a failure (failures.explained)
         self.pools: dict = {}                       # pool key -> (line that made the handle, graphs captured into it)
-        self.found: dict[tuple, Finding] = {}        # each hazard once (``add``), by its key
-        self.graphs_of: dict[tuple, set] = {}        # ... and the graphs it was found in
+        self.found: dict[tuple, tuple] = {}          # each hazard once (``add``), by its key: (it, its graphs)
         self.reference: Reference | None = None     # the workload's run without graphs (probes/reference.py)
         self.views: dict[tuple, str] = {}           # set-up views: (storage, offset, shape, stride) -> the line
         self.replay_paths: dict = {}                # code of a function that asked for a replay -> the graph
@@ -145,14 +144,13 @@ class Doctor(RunnerEvents):
         if self.holding is not None:           # a probe's finding held until a replay disagrees (differential)
             hold(self, finding, key)
             return finding
-        known = self.found.get(key)
-        if known is None:
-            self.found[key] = finding
-            self.graphs_of[key] = {finding.graph}
+        if key not in self.found:
+            self.found[key] = (finding, {finding.graph})
             self.report.findings.append(finding)
             return finding
-        if finding.graph not in self.graphs_of[key]:       # (a graph's name may hold ", " itself)
-            self.graphs_of[key].add(finding.graph)
+        known, graphs = self.found[key]
+        if finding.graph not in graphs:              # (a set: a graph's name may hold ", " itself)
+            graphs.add(finding.graph)
             known.graph = f"{known.graph}, {finding.graph}"
         return known
 

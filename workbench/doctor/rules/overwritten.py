@@ -32,9 +32,8 @@ def tag(doctor, t, info) -> None:
     holds that replay's output, as ``t`` does (``tag_view``)."""
     key = block(t)
     _remember(doctor, t, key, doctor.generation.setdefault(key, 0), info, info.replays, None)
-    base = t._base
-    if base is not None and block(base) == key:
-        _remember(doctor, base, key, None, info, None, None)
+    if t._base is not None:
+        _remember(doctor, t._base, key, None, info, None, None)
 
 
 def tag_view(doctor, func, base, out) -> None:

@@ -20,7 +20,7 @@ from ...engine.capture_mode import WaitedElsewhereError
 from ...engine.errors import CaptureError
 from ...engine.host_sync import UploadGuard, blocking_copy_error, host_sync_error, is_host_sync
 from ...engine.opinfo import storage_key, tensors
-from ...engine.source import location, mine, raises_at, user_frames
+from ...engine.source import frames_within, location, mine, raises_at, user_frames
 from .. import explain
 from . import guarded
 from ..report import Finding
@@ -69,14 +69,15 @@ def capture_failed(doctor, graph: str, error: BaseException, info=None) -> None:
     binding relays as its own error, on a GPU and on the CPU alike); else the workload's own check
     may have refused the capture (``guarded.py``). A refusal raised earlier in the capture and caught
     (``info.refused``) is what invalidated it, whatever error ends it."""
+    frames = _user_frames(error.__traceback__)
     if info is not None and info.refused is not None and info.refused[0] != (id(error), type(error)):
         refused_earlier(doctor, info)
     elif isinstance(error, WaitedElsewhereError):
         _elsewhere(doctor, graph, error)
-    elif (named := _named(error, _user_frames(error), error.__traceback__)) is not None:
+    elif (named := _named(error, frames, error.__traceback__)) is not None:
         finding(doctor, graph, *named)
     else:
-        guarded.refused(doctor, graph, _user_frames(error), error)     # the workload's own guard refused it
+        guarded.refused(doctor, graph, frames, error)     # the workload's own guard refused it
 
 
 def raised_in_capture(doctor, error: BaseException, tb) -> None:
@@ -89,16 +90,12 @@ def raised_in_capture(doctor, error: BaseException, tb) -> None:
     info = doctor.capturing
     if info is None or info.refused is not None or isinstance(error, WaitedElsewhereError):
         return
-    frames = []
-    while tb is not None:
-        if mine(tb.tb_frame):
-            frames.append((tb.tb_frame, tb.tb_lineno))
-        tb, last = tb.tb_next, tb
-    frames = frames[::-1] + [(f, f.f_lineno) for f in user_frames(frames[0][0].f_back)] if frames else []
-    if (named := _named(error, frames, last if frames else None)) is None:
+    if frames := _user_frames(tb):
+        frames += [(f, f.f_lineno) for f in user_frames(frames[-1][0].f_back)]
+    if (named := _named(error, frames, tb)) is None:
         return
     opened, also = doctor.warm.opened, ""
-    if opened is not None and not any(f is opened for f in _stack()):
+    if opened is not None and frames_within(opened) is None:     # (no longer running)
         also = (f"; the capture was begun at {info.site}, and that function returned at "
                 f"{location(opened, opened.f_lineno)} with it still open, so the code after it ran inside the capture")
     info.refused = ((id(error), type(error)), named, also)      # (an id alone may be a freed error's)
@@ -108,13 +105,6 @@ def refused_earlier(doctor, info) -> None:
     """The capture ended, by an error of its own or none, after a refusal it raised was caught."""
     _, (op, source, caller, stand_in, relayed), also = info.refused
     finding(doctor, info.name, op, source, caller, stand_in, relayed=relayed, also=also)
-
-
-def _stack():
-    frame = inspect.currentframe()
-    while frame is not None:
-        yield frame
-        frame = frame.f_back
 
 
 def _elsewhere(doctor, graph: str, error) -> None:
@@ -164,9 +154,9 @@ def _relay(tb, frames: list) -> str | None:
     return location(*frames[1]) if raises_at(tb.tb_frame.f_code, tb.tb_lasti) else None
 
 
-def _user_frames(error: BaseException) -> list:
-    """The user's frames of ``error``'s traceback, with their lines, innermost first."""
-    frames, tb = [], error.__traceback__
+def _user_frames(tb) -> list:
+    """The user's frames of a traceback, with their lines, innermost first."""
+    frames = []
     while tb is not None:
         if mine(tb.tb_frame):
             frames.append((tb.tb_frame, tb.tb_lineno))
