@@ -2903,6 +2903,40 @@ def test_what_a_capture_in_pieces_writes_into_state_from_its_dummy_batch_is_no_l
     assert report.findings == [], report
 
 
+def test_two_captures_dummy_values_meeting_in_one_eager_op_feed_the_next_piece():
+    """Two captures in pieces, the larger first. Each eager region keeps a value of its first piece's
+    uncomputed output in state, then combines the state's dummy slot -- which the previous capture's
+    region wrote from that capture's dummy values -- with its own piece's output, and the next piece
+    reads the result. That op follows its first input's dummy values, which fed a capture already;
+    the second capture's dummy values met them there and feed its own next piece: no result."""
+    model = []                                          # the state outlives the capture loop
+
+    def workload():
+        state, kept = torch.zeros(3, 4), torch.zeros(3, 4)     # slot 0 / row 1: the dummy batch's
+        model.append((state, kept))
+        events.persistent_state("pool", {"state": state, "kept": kept})
+        x = torch.zeros(8, 4)
+        events.static_buffers("runner", {"x": x})
+        pool = graph_pool_handle("cpu")
+
+        def capture(size):
+            g1 = new_graph("cpu")
+            with graph(g1, pool=pool, name=f"piece 0 of {size}"):
+                h = x[:size] * 2
+            kept[1].copy_(h[0])                         # the eager region, from the piece's uncomputed output
+            mid = state[0] + h
+            state[0].copy_(mid.sum(0))
+            g2 = new_graph("cpu")
+            with graph(g2, pool=pool, name=f"piece 1 of {size}"):
+                out = mid + 1
+            return g1, g2, out
+
+        return [capture(size) for size in (8, 4)]
+
+    report = doctor.diagnose(workload)
+    assert report.findings == [], report
+
+
 def test_a_capture_s_outputs_a_dummy_run_drops_are_nobody_s_result():
     """A runner's capture loop runs each size once on a dummy batch through the path that captures,
     which hands back what the capture returned, and drops it (vLLM's ``capture_model``); the real
@@ -3475,3 +3509,144 @@ def test_a_static_buffer_given_another_shape_in_place_between_replays_is_still_w
     report = doctor.diagnose(workload)
     assert report.failure is None, report.failure
     assert "dangling-reference" in report.kinds, report
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_step_that_returns_nothing_is_compared_by_what_it_leaves_where_it_writes(variant):
+    """An explicit solver advances its state in place from a launcher that returns nothing, and its
+    graph reads the step's coefficient from an argument slot bound at capture. The runner's update
+    writes each new coefficient into that slot (fix) or only into its own record (bug: the update is
+    lost). Every replay agrees with its eager form, which reads the same slot; the run without graphs
+    binds the coefficient afresh at each launch. The launcher returns nothing, so the replay is
+    compared with what the reference's same step left in the state it wrote: the slot the graph
+    reads holds another value than that step's, which the step did not write."""
+    from workbench.zoo.kit import capture, compare, replay
+
+    def launch(u, f, slot):
+        u.add_(slot * (f - u))
+
+    def forcing(n):
+        return rows(1, 6, seed=n)[0]
+
+    def served():
+        u, f, slot, record = torch.zeros(6), torch.zeros(6), torch.zeros(()), {}
+        g, outs = None, []
+        for n in range(4):
+            f.copy_(forcing(n))
+            if g is None:
+                slot.fill_(0.1)
+                g, _ = capture(lambda: launch(u, f, slot), device="cpu", warmups=0, name="solver step",
+                               static={"f": f, "slot": slot}, state={"u": u})
+            elif variant == "fix":
+                slot.fill_(0.1 * (n + 1))
+            else:
+                record["coef"] = 0.1 * (n + 1)
+            outs.append(replay(g, u).clone())
+        return outs
+
+    def eager():
+        u, outs = torch.zeros(6), []
+        for n in range(4):
+            launch(u, forcing(n), torch.full((), 0.1 * (n + 1)))
+            outs.append(u.clone())
+        return outs
+
+    def run():
+        return compare("void launcher", variant, "cpu", served, eager)
+
+    assert run().verdict == ("misbehaves" if variant == "bug" else "equals eager")
+    report = doctor.diagnose(run)
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    assert [f.kind for f in report.findings] == ["stale-input"], report
+    assert "from the reference run's same step" in report.findings[0].evidence, report
+
+
+def test_a_generator_kept_on_a_class_is_put_back_after_the_eager_step():
+    """A dropout draws its mask from a counter-based generator kept on a class (as ``torch.cuda``
+    keeps its default generator): an eager step takes the next offset from it; in the graph the
+    offset is a device tensor the runner's replay sets from the same generator, advancing it as an
+    eager step would. Differential replay's eager run of a step takes an offset too, so the
+    generator must be put back after it: otherwise every later replay draws other masks than the
+    run without graphs, a difference the doctor itself made."""
+    from workbench.zoo.kit import capture, compare, replay
+
+    class Generators:
+        default = None
+
+    class Counter:
+        def __init__(self):
+            self.offset = 0
+
+        def take(self):
+            self.offset += 1
+            return self.offset - 1
+
+    x, offset = torch.arange(1.0, 9.0), torch.zeros((), dtype=torch.long)
+
+    def dropout(t):
+        off = offset if is_capturing() else torch.tensor(Generators.default.take())
+        return t * ((torch.arange(8) * 7 + off * 3) % 5 != 0)
+
+    def served():
+        Generators.default = Counter()
+        g, out = capture(lambda: dropout(x), device="cpu", warmups=0, name="dropout", static={"offset": offset})
+        outs = []
+        for _ in range(4):
+            offset.fill_(Generators.default.take())        # the replay's prologue
+            outs.append(replay(g, out).clone())
+        return outs
+
+    def eager():
+        Generators.default = Counter()
+        return [dropout(x).clone() for _ in range(4)]
+
+    def run():
+        return compare("class generator", "fix", "cpu", served, eager)
+
+    assert run().verdict == "equals eager"
+    report = doctor.diagnose(run)
+    assert report.findings == [], report
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_graph_captured_on_a_buffer_the_steps_eager_form_is_not_given(variant):
+    """Context parallelism in small: the rank's share of each step's tokens (every other one) is
+    gathered into the partitioner's buffer, which the model is given. The graph was captured on
+    the runner's buffer of the whole batch, which the runner still writes (bug), or on the
+    partitioner's (fix). No call of the run without graphs is given what the bug's graph reads,
+    so its replays are paired with their steps by the count: the output differs, and the static
+    input the graph reads holds other values than the step's."""
+    from workbench.zoo.kit import capture, compare, replay
+    w = torch.linspace(-1, 1, 12).reshape(3, 4)
+
+    def model(tokens):
+        return torch.tanh(tokens @ w.T)
+
+    def share(batch):
+        return batch[::2]
+
+    batches = [rows(4, 4, seed=s) for s in range(4)]
+
+    def served():
+        whole, part = torch.zeros(4, 4), torch.zeros(2, 4)
+        g, out = capture(lambda: model(whole[:2] if variant == "bug" else part), device="cpu", name="rank 0",
+                         static={"whole": whole, "part": part})
+        outs = []
+        for batch in batches:
+            whole.copy_(batch)
+            part.copy_(share(batch))
+            outs.append(replay(g, out).clone())
+        return outs
+
+    def run():
+        return compare("partitioned", variant, "cpu", served, lambda: [model(share(b)).clone() for b in batches])
+
+    assert run().verdict == ("misbehaves" if variant == "bug" else "equals eager")
+    report = doctor.diagnose(run)
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    assert [f.kind for f in report.findings] == ["warmup-divergence"], report
+    assert "whole" in report.findings[0].evidence and "whole.copy_(batch)" in report.findings[0].source, report

@@ -1,17 +1,18 @@
 """What a replay and the eager run of its step are compared on: the real rows of each output (not
 those that hold no result, ``records.unwritten_blocks``, nor an eager output made from a pointer),
 then the state each wrote, then memory only the eager run wrote (``differential``); and a replay's
-outputs with what the workload's run without graphs returned at the same step (``reference``)."""
+outputs with what the workload's run without graphs returned at the same step, or, where that step
+returned nothing, left in the memory it wrote (``reference``)."""
 from __future__ import annotations
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ...engine.opinfo import tensors
+from ...engine.opinfo import storage_key, tensors
 from ..records import unwritten_blocks
 from ..rules.pool import block
 from ..tensors import announced_of, disagrees, geometry, max_abs_diff, real_rows
-from .reference_causes import rows_like
+from .reference_causes import aligned, rows_like
 
 _NEAR = 32          # reference calls either side of the served run's count that may have given a replay's answer
 
@@ -110,6 +111,26 @@ def paired(got: list, returned: tuple | None, placed: dict | None = None, raw: l
     if expected is not None and len(expected) < len(got):
         return root_outputs(got, expected)
     return got, expected
+
+
+def written_by(got: list, raw: list, ops: list, under: tuple, ref: list, left: dict) -> tuple:
+    """A replay's outputs beside what a reference call that returned nothing left where it wrote
+    (``Reference._left``): an output is paired with the value the reference's same write (op, line,
+    occurrence: ``aligned``) left, where the graph's last write into the output's memory is that
+    write and wrote exactly the output's elements; outputs no such write made are not compared
+    (None on both sides). None for the reference where no output is paired."""
+    expected: list = [None] * len(raw)
+    for op, _, step in aligned(ops, under, ref):
+        if (value := left.get(id(step))) is None:
+            continue
+        kept, offset, stride = value
+        for j, o in enumerate(raw):
+            if o is not None and storage_key(o) in op.writes and (o.storage_offset(), o.stride()) == (offset, stride) \
+                    and o.shape == kept.shape and o.dtype == kept.dtype:
+                expected[j] = kept
+    if all(e is None for e in expected):
+        return got, None
+    return [g if e is not None else None for g, e in zip(got, expected)], expected
 
 
 def calls_near(calls: list, k: int) -> list:

@@ -365,10 +365,11 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
             set_rng_state(rng_after)
         captured_state.give_back(given)
         changed = pystate.differ(pending.replayed_host)
-        run.rebound = pystate.changes(changed, run.new if run.seen else None)
+        told = pystate.told(changed, pending.replayed_host)
+        run.rebound = pystate.changes(told, run.new if run.seen else None)
         run.host = [(entry[0], entry[1], pystate.what_changed(entry), pystate.rebinds_number(entry))
-                    for entry in changed]
-        run.settings = pystate.settings(changed)
+                    for entry in told]
+        run.settings = pystate.settings(told)
         pystate.put_back(changed)
     return run, got, error
 

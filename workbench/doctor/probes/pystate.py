@@ -16,8 +16,9 @@ replay, and put back (``put_back``) before and after each eager run: one level e
 nested containers since each of them is kept too. Keys a run adds stay (a cache it filled).
 
 Reachable means through closures, bound methods, ``functools.partial``, object ``__dict__``
-entries (a tensor's too: attributes a program sets on a parameter), dicts, lists and tuples (an
-``nn.Module``'s submodules and buffers included), up to
+entries (a tensor's too: attributes a program sets on a parameter), the class attributes and
+methods of the program's own classes (a generator or a singleton kept on a class), dicts, lists
+and tuples (an ``nn.Module``'s submodules and buffers included), up to
 ``_MAX_OBJECTS`` objects, found once per graph. The engine's own objects are walked through (a
 graph manager leads to the model) but not watched: their bookkeeping is not the step's.
 """
@@ -37,6 +38,10 @@ from ...engine.source import location, mine
 from ..tensors import disagrees
 
 _MAX_OBJECTS = 4000
+# What an object reached only through a class attribute is watched as: put back after an eager run
+# (a generator kept on a class, whose offset the eager run advances), never reported as a change the
+# replay does not make (what a class holds is the program's machinery, not the step's state).
+QUIET = 0.5
 _ATOMS = (int, float, bool, str, bytes, complex, type(None))  # walked past: nothing to reach through
 _OPAQUE = (types.ModuleType, type, torch.dtype, torch.device, torch.Tensor)
 _INFRA = ("workbench.engine", "workbench.doctor", "torch.utils._python_dispatch")
@@ -74,6 +79,18 @@ def watched(root: object) -> list:
         if near:
             ours.add(_package(obj))
         # (reached first through the engine's objects, unwatched, and then from the step's: watched)
+        if isinstance(obj, type) and _program_class(obj) and id(obj) not in seen:
+            # A class of the program's own: walked through, not watched (its dict is the class's
+            # definition): what its class attributes hold (a default generator, a singleton kept on
+            # the class) is put back after an eager run, quietly (``QUIET``), and the globals its
+            # methods use are walked.
+            seen[id(obj)] = watch
+            nodes.append([parent, step, label, False])
+            far += [(f, True, f.__name__, None, _weak(f)) for f in _methods(obj)]
+            stack += [(v, watch and QUIET, f"{obj.__name__}.{k}", len(nodes) - 1, _Attr(k))
+                      for k, v in vars(obj).items()
+                      if not k.startswith("__") and not isinstance(_function(v), (types.FunctionType, property))]
+            continue
         if (was := seen.get(id(obj))) is not None and was >= watch or isinstance(obj, _ATOMS) \
                 or isinstance(obj, _OPAQUE) and not (isinstance(obj, torch.Tensor) and obj.__dict__):
             continue
@@ -94,7 +111,7 @@ def watched(root: object) -> list:
         elif isinstance(obj, functools.partial):
             stack += [(v, watch, label, me, _Part(i)) for i, v in enumerate(_parts(obj))]
         elif isinstance(obj, (dict, list, tuple, set)):
-            nodes[me][3] = watch and not isinstance(obj, tuple)
+            nodes[me][3] = watch if not isinstance(obj, tuple) else False
             if isinstance(obj, set):            # (a set's members are reached, never found again by a key)
                 stack += [(v, watch, f"{label}[{_key(v)}]", None, _weak(v)) for v in obj]
                 continue
@@ -108,11 +125,11 @@ def watched(root: object) -> list:
                 continue                # a library's own object (an op overload, a logger), a graph's recording
             # A tensor is watched for the attributes the program set on it (a parameter's main_grad, the
             # gradient an optimizer reads from it), never walked into.
-            mine = tensor or not module.startswith(_INFRA)
+            mine = (QUIET if watch is QUIET else True) if tensor or not module.startswith(_INFRA) else False
             if mine:
-                nodes[me][2], nodes[me][3] = type(obj).__name__, True
+                nodes[me][2], nodes[me][3] = type(obj).__name__, mine
                 if not tensor:
-                    far += [(f, True, f.__name__, None, _weak(f)) for f in _methods(type(obj))]
+                    far += [(f, mine, f.__name__, None, _weak(f)) for f in _methods(type(obj))]
             skip = _REGISTRIES if isinstance(obj, torch.nn.Module) else ()
             stack += [(v, mine, f"{type(obj).__name__}.{k}", me, _Attr(k)) for k, v in attrs.items() if k not in skip]
     return _ways(nodes)
@@ -200,7 +217,9 @@ def _found(nodes: list, root) -> list:
             parts = _parts(obj) if isinstance(obj, functools.partial) else ()
             obj = parts[step] if step < len(parts) else _MISSING
         elif isinstance(step, _Attr):
-            obj = _get(attrs, step) if isinstance(attrs := getattr(obj, "__dict__", None), dict) else _MISSING
+            attrs = getattr(obj, "__dict__", None)
+            obj = _get(attrs, step) if isinstance(attrs, dict) else attrs.get(step, _MISSING) \
+                if isinstance(obj, type) else _MISSING
         elif isinstance(obj, dict):
             obj = _get(obj, step)
         elif isinstance(obj, (list, tuple)) and isinstance(step, int) and step < len(obj):
@@ -213,7 +232,8 @@ def _found(nodes: list, root) -> list:
 
 def reached(containers: list, root) -> list:
     """The watched objects and containers of ``watched``, found again now from ``root``."""
-    return [c for c, (_, _, _, watch) in zip(_found(containers, root), containers) if watch and c is not _MISSING]
+    return [c for c, (_, _, _, watch) in zip(_found(containers, root), containers)
+            if watch is True and c is not _MISSING]
 
 
 def _package(obj) -> str:
@@ -241,6 +261,13 @@ def _methods(cls: type) -> tuple:
     return tuple(_function(vars(cls.__mro__[i])[k]) for i, k in found)
 
 
+def _program_class(cls: type) -> bool:
+    """Whether a class is the program's own: not a library's, the engine's, nor the standard library's."""
+    module = cls.__module__ or ""
+    return not module.startswith(_LIBRARIES) and module.partition(".")[0] not in (*sys.stdlib_module_names,
+                                                                                   "builtins")
+
+
 def _function(v):
     return v.__func__ if isinstance(v, (staticmethod, classmethod)) else v
 
@@ -263,15 +290,29 @@ def keep(containers: list, root) -> list:
     """``(container, name, a copy of its contents, the live contents)`` for each of ``watched``'s
     containers, found again by its path from ``root`` (the live contents: the container, or an
     object's ``__dict__``); held only until the step's comparison ends."""
-    out, seen = [], set()
+    out, seen, told = Kept(), set(), set()
     for c, (_, _, label, watch) in zip(_found(containers, root), containers):
+        if watch is True:
+            told.add(id(c))
         if not watch or c is _MISSING or id(c) in seen:
             continue
         live = c if isinstance(c, (dict, list, set)) else getattr(c, "__dict__", None)
         if isinstance(live, (dict, list, set)):
             seen.add(id(c))
             out.append((c, label, _copy(live), live))
+    out.quiet = seen - told
     return out
+
+
+class Kept(list):
+    """``keep``'s entries, with the ids of the containers watched only ``QUIET``ly."""
+
+    quiet: set = frozenset()
+
+
+def told(changed: list, kept: Kept) -> list:
+    """The changes (``differ``'s entries) to report: not those of containers watched quietly."""
+    return [entry for entry in changed if id(entry[0]) not in kept.quiet]
 
 
 def differ(kept: list) -> list:

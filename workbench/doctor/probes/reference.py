@@ -9,7 +9,8 @@ graphs (the eager baseline a test compares with) announces that run (``events.re
 the zoo kit's ``compare`` does); under ``diagnose`` the doctor records it:
 
 * every call of the workload's functions, numbered (``called``, from ``raised``'s tracer), and
-  what each call returned (``returned``);
+  what each call returned (``returned``), or, for one that returned no tensor, what its writes of
+  small tensors left there when it returned (``_left``);
 * every op with the calls it ran in and, for small tensors, the values it was given.
 
 A graph's *root* is the outermost function of its captured code that the reference also called
@@ -20,8 +21,10 @@ root reads no static input, the count alone picks it, and a replay that gives th
 near the count is not said to differ (the count missed: the run without graphs made a dummy call).
 A first replay whose inputs hold what the capture read is the capture's own batch, no step (what
 differential replay finds there is held as for a replay that gave the run's answer).
-Where a replay's real rows differ from what that call returned, the doctor looks for why, with
-the same step on both sides (``reference_causes.py``):
+Where a replay's real rows differ from what that call returned -- or, where it returned no tensor
+(a kernel launcher, a solver step advancing its state in place), from what the call's same write
+left in the memory it wrote (``compare.written_by``) -- the doctor looks for why, with the same
+step on both sides (``reference_causes.py``):
 
 1. a static input the graph reads holds other values, in its real rows, than the tensor the
    reference gives the same op (by line and occurrence): the runner prepared the step wrongly --
@@ -86,7 +89,7 @@ from ..rules import mutation, reused, sync
 from ..rules.pool import block
 from ..tensors import host_only, placed, real_rows, signature
 from . import release
-from .compare import calls_near, capture_batch, comparable, differs_from, paired, verdict
+from .compare import calls_near, capture_batch, comparable, differs_from, paired, verdict, written_by
 from .coverage import Coverage
 from .dropped import Dropped
 from .eager_trace import number_origin
@@ -97,6 +100,7 @@ _LIFTS = (torch.ops.aten.lift_fresh, torch.ops.aten.lift_fresh_copy)     # const
 _SMALL = 1 << 16          # elements of an op's input kept as a value (metadata, ids, lengths; not activations)
 _CANDIDATES = 64          # reference calls, nearest the served run's count first, tried for a replay
 _BUDGET = 1 << 24         # elements kept in all (values and returns): past it, the reference keeps no more
+_LEFT_BUDGET = 1 << 22    # elements kept of what calls that return nothing left in the memory they wrote
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +113,7 @@ class Step:
     path: tuple
     values: tuple
     overwritten: tuple = ()       # positions of the inputs it writes without reading (a copy's destination)
+    target: tuple | None = None   # what it writes, small: (the tensor or its base, weakly; offset, shape, stride)
 
 
 class Reference:
@@ -121,6 +126,10 @@ class Reference:
         self.calls: dict = {}                     # code -> its call numbers in the reference, in order
         self.steps: list[Step] = []
         self.returned_values: dict[tuple, tuple] = {}   # (code, call number) -> the tensors it returned, where
+        self.opened: dict[int, int] = {}          # id(frame) -> the steps recorded before its call
+        self.left: dict[tuple, dict] = {}         # (code, call number) of a call that returned nothing -> what
+                                                  # it left where it wrote: id(step) -> (value, offset, stride)
+        self.left_budget = _LEFT_BUDGET
         self.kept: dict[tuple, tuple] = {}        # (storage, geometry, version) -> (its storage, weakly; value)
         self.budget = _BUDGET
         self.served: dict = {}                    # code -> its eager calls in the served run
@@ -133,6 +142,8 @@ class Reference:
         self.writers: dict[int, tuple] = {}       # static input -> (op, line, its name, where its value was chosen):
                                                   # its last write, served run
         self.found: dict[str, tuple] = {}         # graph name -> (info, kind, op, tensor, source, text, numbers)
+        self.guessed: dict[str, tuple] = {}       # ... found on a replay tied to its step by the count alone, where
+                                                  # no call agrees with its static inputs: the last evidence used
         self.by_input: set[str] = set()           # ... of those, found in a static input's values (``static_input``)
         self.unexplained: list[tuple] = []        # (graph name, text) of replays that differ, no cause found
         self.verdict: tuple | None = None         # the workload's own: None (not said), () (agrees), (result, diff)
@@ -153,15 +164,38 @@ class Reference:
         if self.recording:
             number = self.number = next(self.numbers)
             self.call[id(frame)] = number
+            self.opened[id(frame)] = len(self.steps)
             self.calls.setdefault(code, []).append(number)
         elif doctor.phase == "eager" and not doctor.dummy_run and code in self.calls:
             self.served[code] = self.served.get(code, 0) + 1
 
     def returned(self, frame, value) -> None:
-        found = tensors(value) if self.budget > 0 else ()
-        if found and (number := self.call.get(id(frame))) is not None:
+        number, start = self.call.get(id(frame)), self.opened.pop(id(frame), None)
+        found = list(tensors(value)) if self.budget > 0 else []
+        if found and number is not None:
             self.returned_values[(frame.f_code, number)] = ([self._keep(t, always=True) for t in found],
                                                             tuple(w for w, _ in placed(value)))
+        elif not found and number is not None and start is not None:
+            self._left(frame.f_code, number, start)
+
+    def _left(self, code, number: int, start: int) -> None:
+        """A call that returned no tensor gave its result in memory it wrote (a kernel launcher, a solver
+        step advancing its state in place): what each of its writes left there when it returned, to
+        be paired with a replay's outputs where those are what the graph's same write wrote."""
+        left = {}
+        with _disable_current_modes():
+            for s in self.steps[start:]:
+                if s.target is None or self.left_budget <= 0 or (base := s.target[0]()) is None:
+                    continue
+                offset, shape, stride = s.target[1:]
+                try:
+                    value = base.as_strided(shape, stride, offset)
+                except RuntimeError:                  # its storage was resized since
+                    continue
+                if (kept := self._keep(value, budget="left_budget")) is not None:
+                    left[id(s)] = (kept, offset, stride)
+        if left:
+            self.left[(code, number)] = left
 
     def eager_op(self, doctor, func, args, kwargs) -> None:
         """An op outside captures: recorded while the reference runs; after it, a write into a
@@ -183,14 +217,21 @@ class Reference:
         if func.is_view or func.overloadpacket not in _LIFTS and host_only(inputs, cuda=False):
             return                                # no launch (a view), or host work: in no graph's trace either
         path = tuple((f.f_code, self.call.get(id(f)), f.f_lineno) for f in reversed(user_frames()))
-        written = {id(w) for w in written_tensors(func, args, kwargs)} if overwrites(func, args, kwargs) else ()
+        writes = written_tensors(func, args, kwargs) if mutable(func) else []
+        written = {id(w) for w in writes} if overwrites(func, args, kwargs) else ()
+        target = None
+        if writes and writes[0].numel() <= _SMALL and writes[0].layout == torch.strided:
+            t = writes[0]
+            target = (weakref.ref(t if t._base is None else t._base), t.storage_offset(), tuple(t.shape), t.stride())
         self.steps.append(Step(Op(str(func), location(path[-1][0], path[-1][2]) if path else "<unknown>",
                                   sig=signature(func, args, kwargs)),
                                path, tuple(self._keep(t) for t in inputs),
-                               tuple(j for j, t in enumerate(inputs) if id(t) in written)))
+                               tuple(j for j, t in enumerate(inputs) if id(t) in written), target))
 
-    def _keep(self, t: torch.Tensor, always: bool = False) -> torch.Tensor | None:
-        if not isinstance(t, torch.Tensor) or (not always and t.numel() > _SMALL) or t.numel() > self.budget:
+    def _keep(self, t: torch.Tensor, always: bool = False, budget: str = "budget") -> torch.Tensor | None:
+        """A copy of ``t`` as it is now (one per storage, geometry and version), counted against
+        ``budget`` (the attribute: values and returns, or what void calls left)."""
+        if not isinstance(t, torch.Tensor) or (not always and t.numel() > _SMALL) or t.numel() > getattr(self, budget):
             return None
         try:
             key = (storage_key(t), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
@@ -200,7 +241,7 @@ class Reference:
         if held is None or held[0].expired():    # (a freed storage's identity is reused)
             with _disable_current_modes():
                 held = self.kept[key] = (StorageWeakRef(t.untyped_storage()), t.detach().clone())
-            self.budget -= t.numel()
+            setattr(self, budget, getattr(self, budget) - t.numel())
         return held[1]
 
     # ------------------------------------------------------------------ the served run
@@ -304,16 +345,20 @@ class Reference:
             outputs = [None if block(o) in blank else real_rows(o, pending.real, pending.size) for o in raw]
 
             def against(n: int) -> tuple:        # the replay's outputs and reference call n's return, paired
+                if (code, n) not in self.returned_values and (left := self.left.get((code, n))):
+                    return written_by(outputs, raw, ops, under, self._ops_of(code, n), left)
                 return paired(outputs, self.returned_values.get((code, n)), info.returned_paths.get(code), raw)
             got, expected = against(number)
             if (differs := differs_from(got, expected)) is None:
                 pending.agreed = comparable(got, expected)
                 return
+            guessed = compared is None and bool(values)   # static inputs read, and no call agrees with any
             if compared is None:                 # aligned by the count alone: a guess, which a near call may beat
                 if any(differs_from(*against(n)) is None for n in calls_near(self.calls[code], k)):
                     return
-                compared = []
-        release(doctor, info.held, info.held_state)   # what earlier replays' probes found, now borne out
+                compared = compare_views(ops, under, ref, values)
+        if not guessed:                          # (what a guess finds waits for the workload's results)
+            release(doctor, info.held, info.held_state)   # what earlier replays' probes found, now borne out
         with _disable_current_modes():           # a PIECEWISE step's other pieces are not in ``ops``: no trace
             by_input = static_input(self.writers, info, compared)
             found = by_input or narrower(ops, under, ref, values, doctor.views) or (
@@ -325,11 +370,17 @@ class Reference:
                 f"{differs[0]} (real rows) differs by max |diff| = {differs[1]:.3g} from the reference run's same "
                 f"step (call {self.calls[code].index(number) + 1} of {code.co_name})")
         if found is None:
-            self.unexplained.append((info.name, f"{text}; neither a static input it reads, its launch trace (beyond "
-                                                "padded rows), a number nor a tensor it only reads explains it"))
+            if not guessed:
+                self.unexplained.append((info.name, f"{text}; neither a static input it reads, its launch trace "
+                                                    "(beyond padded rows), a number nor a tensor it only reads "
+                                                    "explains it"))
             return
-        self.found[info.name] = (info, *found, text, {"replay": info.replays, "output": differs[0],
-                                                      "max_abs_diff": differs[1], "reference_call": number})
+        entry = (info, *found, text, {"replay": info.replays, "output": differs[0], "max_abs_diff": differs[1],
+                                      "reference_call": number})
+        if guessed:                              # later replays are still compared: they may be tied to their step
+            self.guessed.setdefault(info.name, entry)
+            return
+        self.found[info.name] = entry
         if by_input is not None:
             self.by_input.add(info.name)
 
@@ -337,8 +388,9 @@ class Reference:
         """(call number, its ops, its comparisons) of the reference's call of ``code`` that this replay
         serves: the call whose inputs agree with most of the static inputs the graph reads (the
         served run's count of steps breaks a tie: a training loop whose warmup was a real step is one
-        ahead), or None when no call agrees with any (nothing ties the replay to a step). What the
-        replay gives is not asked: a graph replayed for the wrong step gives another step's answer.
+        ahead); where no call agrees with any (a graph that reads other buffers than the step's eager
+        form is given), the k-th, as for a root that reads no static input. What the replay gives is
+        not asked: a graph replayed for the wrong step gives another step's answer.
         Where the step wrote static inputs the graph reads (``wrote``), only those tell which step it
         is: one it left as an earlier step wrote them is what may be wrong, and must not tie the
         replay to the step that wrote it (a block table left from another request whose token and
@@ -354,6 +406,8 @@ class Reference:
                         if not wrote or (t := buf.ref()) is not None and storage_key(t) in wrote)
             if agree and (best is None or agree > best[0]):
                 best = (agree, number, ref, compared)
+        if best is None and k < len(calls):      # no call agrees with any: the count is all there is
+            return calls[k], self._ops_of(code, calls[k]), None
         return best[1:] if best is not None else None
 
     def _ops_of(self, code, number) -> list:
@@ -424,6 +478,10 @@ class Reference:
             self.dropped.report(doctor, self)
         if not doctor.report.findings and self.verdict:
             frozen_scalar(doctor, self.verdict)
+        if not doctor.report.findings and self.verdict:     # a replay tied to its step by the count alone: last
+            for name, (info, kind, op, tensor, source, why, text, numbers) in self.guessed.items():
+                doctor.add(Finding(kind, name, op, tensor, source, f"{text}: {why}",
+                                   explain.reference_run(name, why), numbers), (kind, op, source))
         found = {g for f in doctor.report.findings for g in f.graph.split(", ")}
         doctor.report.unexplained += [text for name, text in self.unexplained if name not in found]
         if self.verdict and not doctor.report.findings and not doctor.report.unexplained:

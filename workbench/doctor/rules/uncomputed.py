@@ -50,6 +50,7 @@ class Read:
     read: int = 0                   # the capture's output storage it read
     used: bool = False              # what it computed was read again by eager code: the step went on with it
     made: dict = dataclasses.field(default_factory=dict)    # storage -> weak reference: what it computed
+    joined: list = dataclasses.field(default_factory=list)  # reads whose values went into what it computed
 
 
 def captured(doctor, info) -> None:
@@ -70,11 +71,13 @@ def replayed(doctor, info) -> None:
 
 
 def eager_op(doctor, func, args, kwargs, out) -> None:
-    """An eager op (after it ran): does it compute from uncomputed memory? Then so does what it wrote.
+    """An eager op (after it ran): does it compute from uncomputed memory? Then so does what it wrote,
+    followed as the first such input's; the reads of its other such inputs are joined to that one
+    (what feeds a capture fed it with each of them: two pieces' dummy outputs meeting in one op).
     (A graph that is gone took its blocks with it: their addresses are anyone's now.)"""
     if shape_only(func):
         return
-    read = None
+    reads: list[Read] = []
     for n, t in enumerate(op_tensors(args, kwargs)):
         if n == 0 and overwrites(func):
             continue
@@ -87,10 +90,12 @@ def eager_op(doctor, func, args, kwargs, out) -> None:
             read = doctor.followed[key] = Read(info, str(func), location(frame) if frame else "<unknown>",
                                                describe(t), _cached(info, frame),
                                                read=key)
-        if read is not None:
-            break
-    if read is None or len(doctor.followed) >= _FOLLOWED:
+        if read is not None and all(read is not r for r in reads):
+            reads.append(read)
+    if not reads or len(doctor.followed) >= _FOLLOWED:
         return
+    read = reads[0]
+    read.joined += [r for r in reads[1:] if all(r is not j for j in read.joined)]
     for t in [*tensors(out), *written_tensors(func, args, kwargs)]:
         doctor.followed[key := storage_key(t)] = read    # what the memory holds now
         read.made[key] = StorageWeakRef(t.untyped_storage())
@@ -124,10 +129,14 @@ def returned(doctor, value) -> None:
 
 def capture_reads(doctor, key: int) -> None:
     """A capture reads ``key``: if it holds values computed from uncomputed memory, those were a
-    dummy batch for this capture."""
-    read = _followed(doctor, key)
-    if read is not None:
-        read.captured = True
+    dummy batch for this capture, and so were those of every read joined to them."""
+    todo, seen = ([r] if (r := _followed(doctor, key)) is not None else []), set()
+    while todo:
+        read = todo.pop()
+        if id(read) not in seen:            # (a read joined after it fed one capture may feed the next)
+            seen.add(id(read))
+            read.captured = True
+            todo += read.joined
 
 
 def finish(doctor) -> None:
