@@ -41,7 +41,7 @@ def _final_checks(doctor) -> None:
     static buffer but were never replayed, so never probed. Where memory a graph reads has gone,
     garbage is collected first (about 0.1 s with torch loaded, so only then): a graph left in a
     reference cycle whose tensors went already is no longer anyone's graph. The doctor first lets
-    go of the way to the Python state each graph's eager step reaches (``pystate``): a closure's
+    go of the way to the Python state each graph's eager step reaches (``reach``): a closure's
     cell it kept would otherwise keep the runner, and its graphs, alive after the program let go."""
     for info in doctor.graphs.values():
         info.python = None

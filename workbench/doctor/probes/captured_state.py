@@ -28,7 +28,7 @@ import weakref
 import torch
 
 from ...engine.source import user_frames
-from . import pystate
+from . import reach
 
 _FRAMES = 2             # the user's frames around a capture whose locals are walked: the one that opened it, its caller
 _ATOMS = (int, float, bool, str, type(None))
@@ -41,11 +41,11 @@ def captured(info) -> None:
     frames = user_frames()[:_FRAMES]
     roots = [_locals(f) for f in frames]
     del frames
-    nodes = pystate.watched(roots)
+    nodes = reach.watched(roots)
     kept = {}
     with warnings.catch_warnings():     # (a library's deprecated attribute warns when looked at: not the program's)
         warnings.simplefilter("ignore")
-        for obj in pystate.reached(nodes, roots):
+        for obj in reach.reached(nodes, roots):
             attrs = getattr(obj, "__dict__", None)
             if not isinstance(attrs, dict) or isinstance(obj, (torch.Tensor, type)):
                 continue

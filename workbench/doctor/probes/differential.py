@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 from ...engine.opinfo import storage_key
 from ..tensors import alias, changed, disagrees, first_line, max_abs_diff, rng_state, set_rng_state, whole
 from ..rules import bounds, unread
-from . import captured_state, held, launch, nonfinite, pystate, rootcause, row_writes, unpadded
+from . import captured_state, held, launch, nonfinite, pystate, reach, rootcause, row_writes, unpadded
 from .compare import compare, rows_of, without_unwritten
 from .eager_trace import EagerRun
 
@@ -83,7 +83,7 @@ def begin(doctor, info) -> None:
     if info.pending.span:
         doctor.carried.replay_begins(doctor, info)
     if info.python is None:
-        info.python = pystate.watched(info.pending.eager)
+        info.python = reach.watched(info.pending.eager)
     info.pending.host = pystate.keep(info.python, info.pending.eager)
     with _disable_current_modes():
         pending = info.pending

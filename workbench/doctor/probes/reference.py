@@ -10,7 +10,7 @@ the zoo kit's ``compare`` does); under ``diagnose`` the doctor records it:
 
 * every call of the workload's functions, numbered (``called``, from ``raised``'s tracer), and
   what each call returned (``returned``), or, for one that returned no tensor, what its writes of
-  small tensors left there when it returned (``_left``);
+  small tensors left there when it returned (``reference_steps.Values.left``);
 * every op with the calls it ran in and, for small tensors, the values it was given.
 
 A graph's *root* is the outermost function of its captured code that the reference also called
@@ -71,19 +71,17 @@ a replay that differs was paired with the wrong call (a batch split otherwise): 
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import weakref
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ...engine.opinfo import describe, mutable, op_tensors, overwrites, storage_key, tensors, written_tensors
-from ...engine.source import frames_within, location, user_frame, user_frames
+from ...engine.opinfo import describe, mutable, op_tensors, storage_key, tensors, written_tensors
+from ...engine.source import frames_within, user_frame, user_frames
 from .. import explain
 from ..raised import decider
-from ..records import Op, unwritten_blocks
+from ..records import unwritten_blocks
 from ..report import Finding
 from ..rules import mutation, reused, sync
 from ..rules.pool import block
@@ -95,25 +93,10 @@ from .dropped import Dropped
 from .eager_trace import number_origin
 from .reference_causes import (bound, chosen_at, compare_views, frozen_number, frozen_scalar, moved_view, narrower,
                                numbers, only_read, padded_result, parting, static_input)
+from .reference_steps import SMALL, Values, step
 
 _LIFTS = (torch.ops.aten.lift_fresh, torch.ops.aten.lift_fresh_copy)     # constants made from Python data
-_SMALL = 1 << 16          # elements of an op's input kept as a value (metadata, ids, lengths; not activations)
 _CANDIDATES = 64          # reference calls, nearest the served run's count first, tried for a replay
-_BUDGET = 1 << 24         # elements kept in all (values and returns): past it, the reference keeps no more
-_LEFT_BUDGET = 1 << 22    # elements kept of what calls that return nothing left in the memory they wrote
-
-
-@dataclasses.dataclass(frozen=True)
-class Step:
-    """One op of the reference: its trace entry, the calls it ran in (``(code, call number,
-    line)``, outermost first), the values of its small tensor inputs (None for the others) and which
-    of them it overwrites."""
-
-    op: Op
-    path: tuple
-    values: tuple
-    overwritten: tuple = ()       # positions of the inputs it writes without reading (a copy's destination)
-    target: tuple | None = None   # what it writes, small: (the tensor or its base, weakly; offset, shape, stride)
 
 
 class Reference:
@@ -129,9 +112,7 @@ class Reference:
         self.opened: dict[int, int] = {}          # id(frame) -> the steps recorded before its call
         self.left: dict[tuple, dict] = {}         # (code, call number) of a call that returned nothing -> what
                                                   # it left where it wrote: id(step) -> (value, offset, stride)
-        self.left_budget = _LEFT_BUDGET
-        self.kept: dict[tuple, tuple] = {}        # (storage, geometry, version) -> (its storage, weakly; value)
-        self.budget = _BUDGET
+        self.values = Values()                    # copies of small tensors as the reference had them
         self.served: dict = {}                    # code -> its eager calls in the served run
         self.replayed: dict = {}                  # code -> replays of graphs rooted there
         # GraphInfo -> (root code, indices of its ops under it); weakly: a re-captured graph's new record
@@ -171,31 +152,12 @@ class Reference:
 
     def returned(self, frame, value) -> None:
         number, start = self.call.get(id(frame)), self.opened.pop(id(frame), None)
-        found = list(tensors(value)) if self.budget > 0 else []
+        found = list(tensors(value)) if self.values.budget["values"] > 0 else []
         if found and number is not None:
-            self.returned_values[(frame.f_code, number)] = ([self._keep(t, always=True) for t in found],
+            self.returned_values[(frame.f_code, number)] = ([self.values.keep(t, always=True) for t in found],
                                                             tuple(w for w, _ in placed(value)))
-        elif not found and number is not None and start is not None:
-            self._left(frame.f_code, number, start)
-
-    def _left(self, code, number: int, start: int) -> None:
-        """A call that returned no tensor gave its result in memory it wrote (a kernel launcher, a solver
-        step advancing its state in place): what each of its writes left there when it returned, to
-        be paired with a replay's outputs where those are what the graph's same write wrote."""
-        left = {}
-        with _disable_current_modes():
-            for s in self.steps[start:]:
-                if s.target is None or self.left_budget <= 0 or (base := s.target[0]()) is None:
-                    continue
-                offset, shape, stride = s.target[1:]
-                try:
-                    value = base.as_strided(shape, stride, offset)
-                except RuntimeError:                  # its storage was resized since
-                    continue
-                if (kept := self._keep(value, budget="left_budget")) is not None:
-                    left[id(s)] = (kept, offset, stride)
-        if left:
-            self.left[(code, number)] = left
+        elif not found and number is not None and start is not None and (left := self.values.left(self.steps[start:])):
+            self.left[(frame.f_code, number)] = left
 
     def eager_op(self, doctor, func, args, kwargs) -> None:
         """An op outside captures: recorded while the reference runs; after it, a write into a
@@ -217,32 +179,7 @@ class Reference:
         if func.is_view or func.overloadpacket not in _LIFTS and host_only(inputs, cuda=False):
             return                                # no launch (a view), or host work: in no graph's trace either
         path = tuple((f.f_code, self.call.get(id(f)), f.f_lineno) for f in reversed(user_frames()))
-        writes = written_tensors(func, args, kwargs) if mutable(func) else []
-        written = {id(w) for w in writes} if overwrites(func, args, kwargs) else ()
-        target = None
-        if writes and writes[0].numel() <= _SMALL and writes[0].layout == torch.strided:
-            t = writes[0]
-            target = (weakref.ref(t if t._base is None else t._base), t.storage_offset(), tuple(t.shape), t.stride())
-        self.steps.append(Step(Op(str(func), location(path[-1][0], path[-1][2]) if path else "<unknown>",
-                                  sig=signature(func, args, kwargs)),
-                               path, tuple(self._keep(t) for t in inputs),
-                               tuple(j for j, t in enumerate(inputs) if id(t) in written), target))
-
-    def _keep(self, t: torch.Tensor, always: bool = False, budget: str = "budget") -> torch.Tensor | None:
-        """A copy of ``t`` as it is now (one per storage, geometry and version), counted against
-        ``budget`` (the attribute: values and returns, or what void calls left)."""
-        if not isinstance(t, torch.Tensor) or (not always and t.numel() > _SMALL) or t.numel() > getattr(self, budget):
-            return None
-        try:
-            key = (storage_key(t), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
-        except (RuntimeError, NotImplementedError):     # no strided storage
-            return None
-        held = self.kept.get(key)
-        if held is None or held[0].expired():    # (a freed storage's identity is reused)
-            with _disable_current_modes():
-                held = self.kept[key] = (StorageWeakRef(t.untyped_storage()), t.detach().clone())
-            setattr(self, budget, getattr(self, budget) - t.numel())
-        return held[1]
+        self.steps.append(step(func, args, kwargs, path, inputs, self.values))
 
     # ------------------------------------------------------------------ the served run
     def captured(self, doctor, info, func, args, kwargs) -> None:
@@ -257,14 +194,14 @@ class Reference:
             buf = doctor.buffer(key := storage_key(t))
             if buf is not None and buf.role == "input":
                 views.append((j, buf, key, t.storage_offset(), tuple(t.shape), t.stride()))
-                if t.numel() <= _SMALL:           # what the capture's own batch gave it: kept at its end
+                if t.numel() <= SMALL:           # what the capture's own batch gave it: kept at its end
                     self.captured_with.setdefault(id(info), {})[(len(info.paths), j)] = t
         bound = []                               # small tensors it only references: (position, storage, geometry)
         for j, t in enumerate(op_tensors(args, kwargs)):
             key = storage_key(t)
             made_by = doctor.owner_of(key)       # (a tensor another graph's capture made: one it only reads too)
             if (key in info.externals or made_by not in (None, info)) and only_read(doctor.buffer(key)) \
-                    and t.numel() <= _SMALL:
+                    and t.numel() <= SMALL:
                 bound.append((j, key, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype))
         plain = {v for _, v in numbers(signature(func, args, kwargs))}
         # Where each number came from: a variable of the captured code that held it, else the function
@@ -457,7 +394,7 @@ class Reference:
                     f"{first.location}: {first.evidence}), but every replay gave the reference run's answers"
                     + (" and so did the workload's results" if self.verdict == () else "") + ": the eager form "
                     "is not the step, or the memory it depends on is the workload's own: not reported")
-        for name, (info, kind, op, tensor, source, why, text, numbers) in self.found.items():
+        for name, (_, kind, op, tensor, source, why, text, numbers) in self.found.items():
             if any(name in f.graph.split(", ") for f in doctor.report.findings):
                 continue
             if self.verdict == ():      # the workload's results agree: its steps were paired otherwise
@@ -465,8 +402,7 @@ class Reference:
                                            "graphs: that step is not the replay's (calls paired by their count): "
                                            "not reported")
                 continue
-            doctor.add(Finding(kind, name, op, tensor, source, f"{text}: {why}",
-                               explain.reference_run(name, why), numbers), (kind, op, source))
+            _report(doctor, name, kind, op, tensor, source, why, text, numbers)
         if not doctor.report.findings and self.misshaped:
             padded_result(doctor, self.verdict[0], *self.misshaped, self.padded)
         if not doctor.report.findings and self.verdict:
@@ -479,9 +415,8 @@ class Reference:
         if not doctor.report.findings and self.verdict:
             frozen_scalar(doctor, self.verdict)
         if not doctor.report.findings and self.verdict:     # a replay tied to its step by the count alone: last
-            for name, (info, kind, op, tensor, source, why, text, numbers) in self.guessed.items():
-                doctor.add(Finding(kind, name, op, tensor, source, f"{text}: {why}",
-                                   explain.reference_run(name, why), numbers), (kind, op, source))
+            for name, (_, *found) in self.guessed.items():
+                _report(doctor, name, *found)
         found = {g for f in doctor.report.findings for g in f.graph.split(", ")}
         doctor.report.unexplained += [text for name, text in self.unexplained if name not in found]
         if self.verdict and not doctor.report.findings and not doctor.report.unexplained:
@@ -503,3 +438,9 @@ class Reference:
                         best = (code, under)
             self.roots[info] = best
         return self.roots[info]
+
+
+def _report(doctor, name: str, kind: str, op: str, tensor: str, source: str, why: str, text: str, numbers: dict) -> None:
+    """The finding for a replay of ``name`` that differs from its step of the run without graphs."""
+    doctor.add(Finding(kind, name, op, tensor, source, f"{text}: {why}", explain.reference_run(name, why), numbers),
+               (kind, op, source))
