@@ -22,7 +22,7 @@ import workbench
 from workbench import doctor, plots
 from workbench import cases
 from workbench.cases import graph_doctor
-from workbench.engine import CaptureError, GraphRunner, IllegalMemoryAccess, events, graph, new_graph
+from workbench.engine import CaptureError, GraphRunner, IllegalMemoryAccess, events, graph, new_graph, synchronize
 from workbench.engine.queries import is_capturing
 from workbench.engine.source import user_frame
 
@@ -856,15 +856,51 @@ def test_a_host_read_the_doctor_also_watches_is_still_refused_in_a_capture(model
     assert [f.kind for f in report.findings] == ["sync-in-capture"]
 
 
-def test_a_sync_in_a_function_named_for_it_is_named_where_it_was_called():
+def refused_in_capture(model):
+    """The one finding of a capture of ``model`` that the engine refuses."""
     with doctor.watch() as report:
-        runner = make_runner(benchmark_in_capture)
+        runner = make_runner(model)
         with pytest.raises(CaptureError):
             runner.capture()
     (finding,) = report.findings
     assert finding.kind == "sync-in-capture"
-    assert finding.location == where(benchmark_in_capture, "stream_synchronize(x)")
+    return finding
+
+
+class Event:
+    """A stand-in for a runtime event: ``wait`` only passes the synchronisation on."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def wait(self):
+        synchronize(self.device)
+
+
+def reorder_in_capture(x):
+    y = x * 2
+    Event(x.device).wait()                     # the code that decided to wait
+    return y + 1
+
+
+def sync_by_hand(x):
+    synchronize(x.device)                      # one call among other work: the code that decided to sync
+    return x * 2
+
+
+@pytest.mark.parametrize("model, code", [(benchmark_in_capture, "stream_synchronize(x)"),
+                                         (reorder_in_capture, "Event(x.device).wait()")], ids=["named", "wrapper"])
+def test_a_sync_in_a_function_named_for_it_or_only_passing_it_on_is_named_where_it_was_called(model, code):
+    """``stream_synchronize`` is named for the sync; ``Event.wait`` does nothing but call the refused
+    synchronisation. Either is the sync's stand-in, and the line that called it decided to sync."""
+    finding = refused_in_capture(model)
+    assert finding.location == where(model, code)
     assert "the synchronisation itself" in finding.evidence
+
+
+def test_a_function_that_syncs_among_other_work_is_the_site():
+    finding = refused_in_capture(sync_by_hand)
+    assert finding.op == "synchronize()" and finding.location == where(sync_by_hand, "synchronize(x.device)")
 
 
 def cudaMalloc(x):
@@ -882,13 +918,8 @@ def lazy_workspace(x):
 def test_a_refused_call_in_a_function_named_for_it_is_named_where_it_was_called():
     """The refused op is a function of the workload's own, named for the runtime call it stands for:
     the site is the line that called it, as for a function named for a sync."""
-    with doctor.watch() as report:
-        runner = make_runner(lazy_workspace)
-        with pytest.raises(CaptureError):
-            runner.capture()
-    (finding,) = report.findings
-    assert finding.kind == "sync-in-capture" and finding.op == "cudaMalloc"
-    assert finding.location == where(lazy_workspace, "cudaMalloc(x)")
+    finding = refused_in_capture(lazy_workspace)
+    assert finding.op == "cudaMalloc" and finding.location == where(lazy_workspace, "cudaMalloc(x)")
 
 
 def test_capture_error_leaving_watch_is_listed_in_the_report():

@@ -412,6 +412,15 @@ def planned(out, lengths):
     return Planned(lengths).run(out)
 
 
+def planned_here(out, lengths):
+    indptr = [0, *torch.cumsum(lengths, 0).long().tolist()]
+    del lengths
+    q = out * 2                                        # derived here: what is checked is this function's choice
+    if q.shape[0] != len(indptr) - 1:
+        raise ValueError(f"q.shape[0] ({q.shape[0]}) does not match the plan's {len(indptr) - 1} rows")
+    return q
+
+
 def derived_then_asserted(out, lengths):
     scaled = out * 2                                   # derived eagerly: still the graph's 4 rows
     return asserted(scaled, lengths)
@@ -423,9 +432,12 @@ def derived_then_asserted(out, lengths):
     (indexed, IndexError, "return lengths[torch.arange(out.shape[0])]"),
     (derived_then_asserted, AssertionError, "assert out.shape[0] == lengths.shape[0]"),
     (listed, AssertionError, "assert len(out) == len(per_request)"),
-    (planned, ValueError, "raise ValueError(f\"q.shape[0] ({q.shape[0]}) does not match"),
+    (planned, ValueError, "return Planned(lengths).run(out)"),
+    (planned_here, ValueError, "raise ValueError(f\"q.shape[0] ({q.shape[0]}) does not match"),
 ])
 def test_eager_code_failing_on_padded_and_real_rows_is_padded_shape_mismatch(combine, error, line):
+    """The site is the line that met the two: where a kernel's check refuses what it was handed (its
+    message states both counts: ``planned``), the line that handed the padded rows to it."""
     with pytest.raises(error), doctor.watch() as report:
         m = Mixer()
         combine(m.step(), m.lengths)

@@ -92,6 +92,29 @@ def raises_at(code, at: int) -> bool:
     return 0 <= at < len(code.co_code) and code.co_code[at] in _RAISES
 
 
+# What a function that only passes one call on is made of: loads of what it was given or holds, the
+# call, and its return (3.11 to 3.13 spell the call differently).
+_PASSING = frozenset(dis.opmap[name] for name in (
+    "RESUME", "NOP", "CACHE", "COPY_FREE_VARS", "MAKE_CELL", "PUSH_NULL", "LOAD_FAST", "LOAD_DEREF", "LOAD_GLOBAL",
+    "LOAD_ATTR", "LOAD_METHOD", "LOAD_CONST", "LOAD_CLOSURE", "KW_NAMES", "PRECALL", "POP_TOP", "RETURN_VALUE",
+    "RETURN_CONST", "LOAD_FAST_CHECK", "LOAD_FAST_LOAD_FAST", "CALL_KW") if name in dis.opmap)
+_CALLS = frozenset(dis.opmap[name] for name in ("CALL", "CALL_KW", "CALL_FUNCTION_EX") if name in dis.opmap)
+_FORWARDS: dict = {}    # code object -> whether it forwards
+
+
+def forwards(code) -> bool:
+    """Whether a function does nothing but make one call, with what it was given or holds, and
+    return its result (``def wait(self): synchronize(self.device)``): a wrapper, a binding's
+    stand-in, which decides nothing. No branch, no arithmetic, no store: what it does was asked
+    for by its caller, whose line is the one to change."""
+    found = _FORWARDS.get(code)
+    if found is None:
+        ops = [i.opcode for i in dis.get_instructions(code)]
+        found = _FORWARDS[code] = sum(op in _CALLS for op in ops) == 1 and all(
+            op in _PASSING or op in _CALLS for op in ops)
+    return found
+
+
 def function_of(where: str) -> str:
     """The function of a ``file:line in function`` location, with or without the code after it."""
     return where.split(" in ", 1)[-1].split(":", 1)[0]

@@ -117,8 +117,8 @@ def watched(root: object) -> list:
                 continue                # a library's own object (an op overload, a logger), a graph's recording
             # A tensor is watched for the attributes the program set on it (a parameter's main_grad, the
             # gradient an optimizer reads from it), never walked into.
-            mine = (Watch.QUIET if watch == Watch.QUIET else Watch.REPORTED) if tensor or not module.startswith(_INFRA) \
-                else Watch.NO
+            mine = Watch.NO if not tensor and module.startswith(_INFRA) else \
+                Watch.QUIET if watch == Watch.QUIET else Watch.REPORTED
             if mine:
                 nodes[me][2], nodes[me][3] = type(obj).__name__, mine
                 if not tensor:

@@ -147,8 +147,9 @@ def _in_frame(step: PaddedStep, frame, line: int, message: str = "") -> tuple[st
     count. Such a number is named where it entered the computation: the frame that handed it in
     as an argument is the site (``sync.handed_in``, as for a number read from a tensor). Else when the
     frame holds the replay's padded tensor and the error's ``message`` states both counts (a kernel's
-    check: ``q.shape[0] (8) does not match qo_indptr[-1] (5)``). Where the padded tensor came to this
-    frame packed in another function's result (``handed_on``), that function is the site."""
+    check: ``q.shape[0] (8) does not match qo_indptr[-1] (5)``): where the frame was handed that
+    tensor as an argument, the line that called it is the site (``_checked``). Where the padded tensor
+    came to this frame packed in another function's result (``handed_on``), that function is the site."""
     filename = frame.f_code.co_filename
     if filename.startswith(SKIP_DIRS) or filename.startswith("<"):
         return None
@@ -167,7 +168,9 @@ def _in_frame(step: PaddedStep, frame, line: int, message: str = "") -> tuple[st
     if (number is None or rows is None) and padded is not None and _states(message, step):
         what = (f"`{padded[0]}` {describe(padded[1])} (the graph's {step.size} rows) against {step.real} "
                 f"({step.real} real rows), as the error states them")
-        return _handed(step, frame, line, padded[1], what) or (location(frame, line), what, _HERE)
+        checked = [n for n in on_line if isinstance(values[n], torch.Tensor) and _padded(step, values[n])]
+        return _handed(step, frame, line, padded[1], what) or _checked(frame, line, checked or [padded[0]], what) \
+            or (location(frame, line), what, _HERE)
     if number is None or rows is None or all(_size(values[n]) is None for n in (number, rows)):
         return None                    # (two bare numbers are no evidence: one side must hold rows)
     what = (f"`{number}` {_quantity(values[number])} (the graph's {step.size} rows) and `{rows}` "
@@ -190,6 +193,19 @@ def _handed(step: PaddedStep, frame, line: int, padded: torch.Tensor, what: str)
         return None
     return step.handed[1], what, (f"met in {function_name(frame.f_code)} (line {line}), after "
                                   f"{function_name(step.handed[0])} handed the padded rows on, packed in its result")
+
+
+def _checked(frame, line: int, names: list, what: str) -> tuple[str, str, str] | None:
+    """Where a function that refused the padded tensors it was handed (``names``, the padded ones
+    its failing line checks, all parameters: a kernel's or a library's check of its arguments'
+    shapes, which real code raises below the user's frames) was called: the caller chose what to
+    hand it. A function that checks a tensor it derived itself chose what it checks."""
+    code = frame.f_code
+    if any(n not in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount] for n in names) \
+            or not (callers := user_frames(frame.f_back)):
+        return None
+    return location(callers[0], callers[0].f_lineno), what, (f"checked in {function_name(code)} (line {line}), "
+                                                              "which was handed it as an argument")
 
 
 def _states(message: str, step: PaddedStep) -> bool:

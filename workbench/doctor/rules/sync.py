@@ -6,9 +6,10 @@ a kernel wrapper converting its scale arguments to launch parameters) syncs beca
 handed it a device tensor where a host value was needed: the finding names the frame that handed
 the tensor in, found by walking out from the syncing frame for as long as the tensor reached each
 frame as one of its arguments (or its ``*args``). Nor is a function named for the synchronisation
-(a ``cuda_synchronize()`` helper, a stand-in for ``cudaStreamSynchronize``): it is the sync itself,
-and the finding names the line that called it. Nor is a function that raises CUDA's refusal of a call
-itself (a binding's status check, ``checkCudaErrors(...)``): the call was made by its caller.
+(a ``cuda_synchronize()`` helper, a stand-in for ``cudaStreamSynchronize``), or one that only passes
+a refused runtime call on (an event's ``wait()``): it is the sync itself, and the finding names the
+line that called it. Nor is a function that raises CUDA's refusal of a call itself (a binding's
+status check, ``checkCudaErrors(...)``): the call was made by its caller.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from ...engine.capture_mode import WaitedElsewhereError
 from ...engine.errors import CaptureError
 from ...engine.host_sync import UploadGuard, blocking_copy_error, host_sync_error, is_host_sync
 from ...engine.opinfo import storage_key, tensors
-from ...engine.source import frames_within, location, mine, raises_at, user_frames
+from ...engine.source import forwards, frames_within, location, mine, raises_at, user_frames
 from .. import explain
 from . import guarded
 from ..report import Finding
@@ -126,12 +127,12 @@ def _named(error: BaseException, frames: list, tb) -> tuple | None:
     if isinstance(error, CaptureError) and error.op is not None:
         t = error.tensor() if error.tensor is not None else None
         caller = handed_in(frames, lambda v: v is t) if t is not None else None
-        return error.op, error.source or "<unknown>", caller, _stand_in(frames, error.op), False
+        return error.op, error.source or "<unknown>", caller, _stand_in(frames, error.op, t is None), False
     op = next((what for words, what in _REFUSED.items() if words in str(error)), None)
     if op is None or not frames:
         return None
     relay = _relay(tb, frames) if op == _REFUSED_CALL else None
-    return op, location(*frames[0]), None, relay or _stand_in(frames), relay is not None
+    return op, location(*frames[0]), None, relay or _stand_in(frames, call=op == _REFUSED_CALL), relay is not None
 
 
 # What CUDA, or torch's own check before it, raises for a host copy or synchronisation in a capture.
@@ -185,14 +186,18 @@ def handed_in(frames: list, same) -> str | None:
     return location(*frames[i])
 
 
-def _stand_in(frames: list, op: str | None = None) -> str | None:
+def _stand_in(frames: list, op: str | None = None, call: bool = False) -> str | None:
     """``frames`` (innermost first): where the innermost one was called, when its function is named
     for a synchronisation or for the refused op itself (it is the sync, a runtime call's stand-in, not
-    the code that decided to make it); else None."""
+    the code that decided to make it); else None. Where the refused thing is a runtime call (``call``:
+    a stream or device synchronisation, not an op reading a tensor), a function that only passes
+    that call on (``forwards``: an event's ``wait()`` that synchronizes) is its stand-in too, and so
+    is each such wrapper around it, walking out."""
     name = frames[0][0].f_code.co_name.lower() if frames else ""
-    if len(frames) > 1 and ("sync" in name or op is not None and name == op.lower()):
-        return location(*frames[1])
-    return None
+    i = int(len(frames) > 1 and ("sync" in name or op is not None and name == op.lower()))
+    while call and i + 1 < len(frames) and forwards(frames[i][0].f_code):
+        i += 1
+    return location(*frames[i]) if i else None
 
 
 def _argument(frame, same) -> bool:
