@@ -97,7 +97,7 @@ def raises_at(code, at: int) -> bool:
 _PASSING = frozenset(dis.opmap[name] for name in (
     "RESUME", "NOP", "CACHE", "COPY_FREE_VARS", "MAKE_CELL", "PUSH_NULL", "LOAD_FAST", "LOAD_DEREF", "LOAD_GLOBAL",
     "LOAD_ATTR", "LOAD_METHOD", "LOAD_CONST", "LOAD_CLOSURE", "KW_NAMES", "PRECALL", "POP_TOP", "RETURN_VALUE",
-    "RETURN_CONST", "LOAD_FAST_CHECK", "LOAD_FAST_LOAD_FAST", "CALL_KW") if name in dis.opmap)
+    "RETURN_CONST", "LOAD_FAST_CHECK", "LOAD_FAST_LOAD_FAST") if name in dis.opmap)
 _CALLS = frozenset(dis.opmap[name] for name in ("CALL", "CALL_KW", "CALL_FUNCTION_EX") if name in dis.opmap)
 _FORWARDS: dict = {}    # code object -> whether it forwards
 

@@ -115,10 +115,10 @@ def paired(got: list, returned: tuple | None, placed: dict | None = None, raw: l
 
 def written_by(got: list, raw: list, ops: list, under: tuple, ref: list, left: dict) -> tuple:
     """A replay's outputs beside what a reference call that returned nothing left where it wrote
-    (``Reference._left``): an output is paired with the value the reference's same write (op, line,
-    occurrence: ``aligned``) left, where the graph's last write into the output's memory is that
-    write and wrote exactly the output's elements; outputs no such write made are not compared
-    (None on both sides). None for the reference where no output is paired."""
+    (``reference_steps.Values.left``): an output is paired with the value the reference's same
+    write (op, line, occurrence: ``aligned``) left, where the graph's last write into the output's
+    memory is that write and wrote exactly the output's elements; outputs no such write made are not
+    compared (None on both sides). None for the reference where no output is paired."""
     expected: list = [None] * len(raw)
     for op, _, step in aligned(ops, under, ref):
         if (value := left.get(id(step))) is None:

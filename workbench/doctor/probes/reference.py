@@ -93,7 +93,7 @@ from .dropped import Dropped
 from .eager_trace import number_origin
 from .reference_causes import (bound, chosen_at, compare_views, frozen_number, frozen_scalar, moved_view, narrower,
                                numbers, only_read, padded_result, parting, static_input)
-from .reference_steps import SMALL, Values, step
+from .reference_steps import SMALL, Step, Values, step
 
 _LIFTS = (torch.ops.aten.lift_fresh, torch.ops.aten.lift_fresh_copy)     # constants made from Python data
 _CANDIDATES = 64          # reference calls, nearest the served run's count first, tried for a replay
