@@ -3070,6 +3070,51 @@ def test_a_kernel_scratch_written_past_its_result_buffer_is_an_undersized_buffer
     assert finding.numbers == {"buffer_bytes": 4, "written_past": 8}, finding
 
 
+@pytest.mark.parametrize("variant", ["bug", "fix", "own count"])
+def test_a_kernel_reading_real_row_metadata_at_the_padded_count_is_a_padded_shape_mismatch(variant):
+    """A graph of 4 rows serves 3 real ones; eager code after the replay hands its padded output and
+    the step's slot mapping (a view of the runner's buffer over the 3 real rows) to a cache-store
+    kernel, which reads one slot per row of the output through the mapping's pointer: the padded row
+    reads the buffer's next element, an earlier step's slot, and stores there. ``fix`` cuts the
+    output to the mapping's rows (vLLM's ``k = k[:slot_mapping.shape[0]]``); a kernel that reads the
+    mapping's own count takes a window within it. The site is the caller's line: the kernel was handed
+    the mapping (real code reads below the user's frames)."""
+    slots = torch.tensor([5, 6, 7, 1])                  # the runner's buffer: entry 3 is an earlier step's
+    ids = torch.zeros(4)
+    cache = torch.zeros(8)
+
+    def store_kernel(k, slot_mapping):
+        mem = torch.as_strided(slot_mapping, (slots.numel(),), (1,), 0)      # the device pointer
+        count = slot_mapping.shape[0] if variant == "own count" else k.shape[0]
+        at = mem[slot_mapping.storage_offset():slot_mapping.storage_offset() + count]
+        cache[at] = k[:count]
+
+    def store(k, real):
+        slot_mapping = slots[:real]
+        k = k[:slot_mapping.shape[0]] if variant == "fix" else k
+        store_kernel(k, slot_mapping)
+
+    def workload():
+        g = new_graph("cpu")
+        with events.warmup():
+            out = ids * 2 + 1
+        with graph(g, name="size 4"):
+            out = ids * 2 + 1
+        ids[:3].copy_(torch.tensor([1.0, 2.0, 3.0]))
+        events.serve(g, 3, 4, padded={"ids": ids}, outputs=out)
+        g.replay()
+        store(out, 3)
+        return cache.clone()
+
+    report = doctor.diagnose(workload)
+    if variant != "bug":
+        assert report.of("padded-shape-mismatch") == [], report
+        return
+    (finding,) = report.of("padded-shape-mismatch")
+    assert "store_kernel(k, slot_mapping)" in finding.source and finding.graph == "size 4", finding
+    assert finding.numbers == {"real": 3, "size": 4, "elements_read": 4}, finding
+
+
 def _weak(t):
     """A tensor on ``t``'s memory that does not own it (vLLM's ``weak_ref_tensors``)."""
     storage = torch._C._construct_storage_from_data_pointer(t.untyped_storage().data_ptr(), t.device,

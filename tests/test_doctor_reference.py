@@ -2261,3 +2261,50 @@ def test_a_step_returning_a_dict_is_compared_with_the_reference_by_key(variant):
         assert report.findings == [] and "differ" not in report.headline(), report
     else:
         assert report.findings or "differ" in report.headline(), report
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_check_that_fails_only_on_the_dummy_batch_is_named_at_the_check(variant):
+    """vLLM's fast-prefill metadata asserted that the logits indices are set: every real step sets
+    them, the dummy batch a runner warms up and captures on does not, so serving with graphs fails in
+    the warmup, and the run without graphs never does. ``fix`` accepts None (the forward then keeps
+    every row, as a uniform decode needs)."""
+    x = torch.zeros(4)
+
+    class Metadata:
+        def __init__(self, indices):
+            if variant == "bug":
+                assert indices is not None, "logits indices"
+            self.indices = indices
+
+    def forward(meta):
+        out = x * 2 + 1
+        return out if meta.indices is None else out.index_select(0, meta.indices)
+
+    def workload():
+        steps = [torch.randn(4, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+        with events.reference():
+            expected = []
+            for v in steps:
+                x.copy_(v)
+                expected.append(forward(Metadata(torch.arange(4))))
+        with events.warmup():
+            forward(Metadata(None))
+        g = new_graph("cpu")
+        with graph(g, name="decode"):
+            out = forward(Metadata(None))
+        got = []
+        for v in steps:
+            x.copy_(v)
+            g.replay()
+            got.append(out.clone())
+        events.results(expected, got)
+        return got
+
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [] and not report.errors, report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "warmup-divergence" and "in __init__: assert indices is not None" in finding.source, finding
+    assert "failed during warmup" in finding.evidence, finding

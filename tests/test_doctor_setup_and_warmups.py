@@ -526,6 +526,37 @@ def test_a_warmup_blocks_own_set_up_is_not_work_the_capture_skipped():
     assert not report.of("warmup-divergence"), report
 
 
+def test_work_run_eagerly_after_the_capture_in_the_same_step_is_not_work_the_capture_skipped():
+    """vLLM's dummy run: the target model, then the drafter, both eagerly in the warmup; in the capture
+    pass the target is captured and the drafter runs eagerly after it, outside any graph (its own graphs
+    are off). The drafter's lines ran in both passes: no work the capture skipped, for either size,
+    though no graph is replayed."""
+    w = torch.randn(3, 3)
+    x = torch.zeros(4, 3)
+
+    def target(n):
+        return x[:n] @ w
+
+    def drafter(h):
+        return torch.tanh(h).sum(-1)
+
+    def dummy_run(n, capture):
+        if capture:
+            with graph(new_graph("cpu"), name=f"size {n}"):
+                h = target(n)
+        else:
+            h = target(n)
+        return drafter(h)
+
+    def workload():
+        for n in (4, 2):
+            with events.warmup():
+                dummy_run(n, capture=False)
+            dummy_run(n, capture=True)
+    report = doctor.diagnose(workload)
+    assert report.captures == 2 and not report.of("warmup-divergence"), report
+
+
 # ------------------------------------------------------------------------------ tables of capture sizes
 SIZES = [2, 4]
 

@@ -386,6 +386,14 @@ def decision_mismatch(decision: str, graph: str) -> str:
             "the same way on every path that reaches the graph (an idle or dummy step too), or key the graphs on it.")
 
 
+def dummy_batch(check: str, phase: str) -> str:
+    return (f"The check `{check}` failed during a {phase}, on a batch the runner built for it rather than a real step. "
+            "Real steps carry what the check asks for, so the run without graphs passed it every time; the dummy "
+            "batch built for warmup and capture (its metadata made by another path, fields left None, lengths of "
+            "zero) does not. Build the dummy batch the way a real step is built, or let the code accept what a "
+            "dummy batch holds.")
+
+
 def padded_layout_mismatch(graph: str, size: int, real: int) -> str:
     return (f"{graph} was captured for {size} rows, and eager code preparing a step for it combined a tensor of those "
             f"{size} rows (padded rows included) with one of {real} rows, sized for the real requests only: the "

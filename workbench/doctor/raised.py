@@ -40,7 +40,8 @@ import torch
 
 from ..engine.source import SKIP_DIRS, function_name, location, mine, raises_at, short_path
 from . import failures
-from .rules import checks, clobbered, decisions, input_match, shapes, size_table, sync, torn_down, undersized
+from .rules import (checks, clobbered, decisions, dummy_batch, input_match, shapes, size_table, sync, torn_down,
+                    undersized)
 from .tensors import first_line, placement
 
 _RETURNS = {dis.opmap[name] for name in ("RETURN_VALUE", "RETURN_CONST", "YIELD_VALUE", "RETURN_GENERATOR")
@@ -136,6 +137,8 @@ class _Tracer:
                     reference.coverage.line(doctor, frame.f_code, frame.f_lineno, reference.number,
                                             reference.recording)
             elif event == "exception":
+                if (reference := doctor.reference) is not None and reference.recording:
+                    reference.coverage.raised.add((frame.f_code, frame.f_lineno))
                 self._raised(doctor, frame, arg[1], arg[2])
             elif event == "return" and (reference := doctor.reference) is not None and reference.recording:
                 reference.returned(frame, arg)
@@ -182,6 +185,7 @@ class _Tracer:
                 shapes.failed_count_check(doctor, error, at)
                 decisions.failed_flag_check(doctor, error, at)
                 input_match.failed_check(doctor, error, at)
+                dummy_batch.failed_check(doctor, error, at)
         if watched and (doctor.graphs or doctor.pools or doctor.buffers or doctor.phase != "eager") \
                 and (shapes.explainable(error) or isinstance(error, checks.MISUSE) or failures.pending(doctor, error)):
             where = f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} in {function_name(frame.f_code)}"

@@ -185,7 +185,8 @@ class GraphInfo:
         self.owners: tuple[int, tuple] = (0, ())    # rules.dangling's cache: (len(foreign), their graphs)
         self.warmup: list[Op] | None = None         # the first warmup run before this capture
         self.cells: tuple | None = None             # its eager form's closure cells at the last compared replay
-        self.eager_lines: set[str] = set()          # lines run eagerly after that warmup, outside the capture
+        self.eager_lines: set[str] = set()          # lines run eagerly after that warmup, outside the capture (and
+                                                    # after it, until captures are over: the rest of its step)
         self.pieces: list = []                      # later pieces of its step (PIECEWISE), captured after it
         self.called: set = set()                    # functions its captured ops ran in, inside the capture block
         self.opener = None                          # the function whose code opened the capture block

@@ -56,6 +56,7 @@ def _final_checks(doctor) -> None:
             mutation.unprobed(doctor, info)
     mutation.warmup_updates(doctor)
     unread.finish(doctor)
+    doctor.warm.captures_over()
     for info in doctor.graphs.values():
         warmup.check(doctor, info)
 

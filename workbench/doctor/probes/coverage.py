@@ -35,6 +35,7 @@ class Coverage:
         self.served: set = set()               # (code, line) the served run ran eagerly, in those functions
         self.warm: set = set()                 # (code, line) its warmups ran (before the captures are known)
         self.chosen: dict = {}                 # graph name -> the check whose answer chose to replay it, first seen
+        self.raised: set = set()               # (code, line) an exception passed in the reference run
 
     def wanted(self, doctor, code, recording: bool) -> bool:
         """Whether a call of ``code`` reports its lines."""

@@ -19,7 +19,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ...engine.opinfo import describe, mutable, storage_key, written_tensors
-from ...engine.source import user_frame
+from ...engine.source import location, user_frame, user_frames
 from .. import explain
 from ..report import Finding
 from ..tensors import span
@@ -40,9 +40,11 @@ def viewed(doctor, func, args, out) -> None:
             return
         buf = doctor.buffers.get(storage_key(base))
         name = buf.name if buf is not None and buf.ref() is base else None
-        entry = (b, v, user_frame(), name, describe(base))
+        entry = (b, v, user_frame(), name, describe(base), weakref.ref(base))
     elif (held := through.get(id(base))) is not None and held[0]() is base:
         entry = held[1]
+        if doctor.padded_step is not None and doctor.pattern is None and doctor.phase == "eager":
+            _padded_window(doctor, entry, out)
     else:
         return
     if len(through) & 63 == 63:                   # released views are swept now and then, not by callbacks
@@ -59,7 +61,7 @@ def wrote(doctor, func, args, kwargs) -> None:
         held = doctor.through.get(id(t))
         if held is None or held[0]() is not t or (w := span(t)) is None:
             continue
-        (b, v, made_at, name, what) = held[1]
+        b, v, made_at, name, what, _ = held[1]
         if (written := _indexed(func, args, t)) is not None:      # only the elements it indexes
             starts = written.reshape(-1) * t.element_size()
             inside_view = (starts >= v[0]) & (starts < v[1])
@@ -77,6 +79,38 @@ def wrote(doctor, func, args, kwargs) -> None:
             explain.past_extent(base, b[1] - b[0], v[1] - v[0]),
             {"buffer_bytes": b[1] - b[0], "written_past": outside}), ("undersized-buffer", "past extent", made_at))
         return
+
+
+def _padded_window(doctor, entry: tuple, window: torch.Tensor) -> None:
+    """A window taken through a raw-pointer view from where its base starts, over the base's elements
+    stretched from the real rows to the padded size of the step just replayed (``padded_step``): the
+    code treats a tensor sized for the real rows as holding the padded ones -- a kernel handed the
+    pointer of per-request metadata and a count taken from the padded outputs reads past its end,
+    which no shape check stops, and the padded rows get whatever lies there (``padded-shape-mismatch``).
+    Named where the base was handed in, when the function taking the window was given it as an
+    argument (a kernel's: real code reads below the user's frames), else where the window is taken."""
+    b, _, made_at, name, what, ref = entry
+    step, w = doctor.padded_step, span(window)
+    if step.real >= step.size or w is None or w[0] != b[0] or w[1] <= b[1] \
+            or (w[1] - w[0]) * step.real != (b[1] - b[0]) * step.size:
+        return
+    base, frames = ref(), user_frames()
+    if base is None or not frames:
+        return
+    code, source = frames[0].f_code, location(frames[0])
+    if any(frames[0].f_locals.get(n) is base for n in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]) \
+            and len(frames) > 1:
+        source = location(frames[1])
+    base_name = f"{name}: {what}" if name else what
+    count = (w[1] - w[0]) // window.element_size()
+    doctor.add(Finding(
+        "padded-shape-mismatch", step.graph, "as_strided", base_name, source,
+        f"{location(frames[0])} reads {count} element(s) from where {base_name} starts, through a view that "
+        f"as_strided made at {made_at}: {base_name} holds {(b[1] - b[0]) // window.element_size()}, for the "
+        f"{step.real} real rows; {count} is their count at the padded size {step.size} of replay {step.replay} "
+        f"of {step.graph}",
+        explain.padded_shape_mismatch(step.graph, step.real, step.size),
+        {"real": step.real, "size": step.size, "elements_read": count}), ("padded-shape-mismatch", "window", source))
 
 
 aten = torch.ops.aten

@@ -68,11 +68,19 @@ class Warmups:
             info.warmup = None           # nothing was captured to compare its warmup with
 
     def replay_begin(self) -> None:
-        if self.head is not None:        # captures are over, for now
+        self.captures_over()
+
+    def captures_over(self) -> None:
+        """Captures are over, for now (a replay, a new step's warmups, the end of the watch). Eager code
+        run since the step's last piece was captured is the rest of that step, kept outside its graphs
+        (a drafter run eagerly after the target's capture, as the warmup ran it after the target's
+        warmup): its lines are the step's, not work the capture skipped."""
+        if self.head is not None:
+            self.head.eager_lines |= self.eager_lines
             self.head, self.eager_lines = None, set()
 
     def warmup_begin(self) -> None:
-        self.replay_begin()              # a new step's warmups: eager code since the last capture is not its
+        self.captures_over()             # a new step's warmups: eager code since the last capture is not its
         self.opened = next(iter(user_frames()), None)
         self.runs.append([])
 
