@@ -38,6 +38,7 @@ import sysconfig
 
 import torch
 
+from ..engine.errors import IllegalMemoryAccess
 from ..engine.source import SKIP_DIRS, function_name, location, mine, raises_at, short_path
 from . import failures
 from .rules import (checks, clobbered, decisions, dummy_batch, input_match, shapes, size_table, sync, torn_down,
@@ -187,7 +188,8 @@ class _Tracer:
                 input_match.failed_check(doctor, error, at)
                 dummy_batch.failed_check(doctor, error, at)
         if watched and (doctor.graphs or doctor.pools or doctor.buffers or doctor.phase != "eager") \
-                and (shapes.explainable(error) or isinstance(error, checks.MISUSE) or failures.pending(doctor, error)):
+                and (shapes.explainable(error) or isinstance(error, checks.MISUSE) or failures.pending(doctor, error)
+                     or _modelled_fault(error, frame)):
             where = f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} in {function_name(frame.f_code)}"
             text = (f"{type(error).__name__}: {first_line(error)} (raised at {where}, during {doctor.phase})",
                     failures.stack_codes(frame))
@@ -237,6 +239,14 @@ def _came_from(tb, frame_id: int) -> bool:
             return True
         tb = tb.tb_next
     return False
+
+
+def _modelled_fault(error: BaseException, frame) -> bool:
+    """The workload's own ``raise`` of the engine's ``IllegalMemoryAccess``: its model of a kernel
+    that faults (a bound a CUDA kernel does not check), not a replay's read of released memory,
+    which the engine raises from its own code. Kept like any failure, so that a run that caught it
+    does not read "0 findings"."""
+    return isinstance(error, IllegalMemoryAccess) and raises_at(frame.f_code, frame.f_lasti)
 
 
 def _from_a_check(error: BaseException, frame) -> bool:
