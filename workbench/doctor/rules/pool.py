@@ -23,17 +23,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ...engine.opinfo import describe, overwrites, op_tensors, tensors, written_tensors
-from ...engine.source import function_of
 from .. import explain
 from ..report import Finding
-
-
-def _capture_order(producer, freer) -> str | None:
-    """Where memory handed on from one capture to another is decided: the line that captured the
-    producer, when one function captured both graphs. Which capture frees a block while its graph
-    still writes it, and which capture is given that block next, is that function's order of
-    captures (and of what each keeps alive), not the code of the op that wrote the block."""
-    return producer.site if function_of(producer.site) == function_of(freer.site) else None
 
 
 def block(t: torch.Tensor) -> tuple:
@@ -128,7 +119,6 @@ class PoolReads:
             kind = "dangling-reference" if handed_on else "overwritten-output"
             evidence = (f"before replay {info.replays + 1} of {info.name}: it reads the {tensor} that {producer.name}'s "
                         f"capture wrote ({op.name}), but {last.name}'s replay wrote that memory last")
-            where = (_capture_order(producer, last) if handed_on else None) or op.source
-            doctor.add(Finding(kind, info.name, op.name, tensor, where, evidence,
+            doctor.add(Finding(kind, info.name, op.name, tensor, op.source, evidence,
                                explain.pool_handed_on(tensor, producer.name, last.name, handed_on),
                                {"replays_before": info.replays}), (kind, op.name, op.source))
