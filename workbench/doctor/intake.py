@@ -251,7 +251,7 @@ class Doctor(RunnerEvents):
     def replay_begin(self, graph) -> None:
         if self.phase in _QUIET or self.capturing is not None:
             return              # (a replay asked inside a capture is refused, by CUDA and the CPU engine: no step)
-        self.warm.replay_begin()
+        self.warm.captures_over()
         info = self.info(graph)
         if info is None:
             self.unknown_replays += 1

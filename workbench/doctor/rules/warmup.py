@@ -67,9 +67,6 @@ class Warmups:
         if info is not None:
             info.warmup = None           # nothing was captured to compare its warmup with
 
-    def replay_begin(self) -> None:
-        self.captures_over()
-
     def captures_over(self) -> None:
         """Captures are over, for now (a replay, a new step's warmups, the end of the watch). Eager code
         run since the step's last piece was captured is the rest of that step, kept outside its graphs
