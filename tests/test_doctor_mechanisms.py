@@ -3726,3 +3726,67 @@ def test_a_graph_captured_on_a_buffer_the_steps_eager_form_is_not_given(variant)
         return
     assert [f.kind for f in report.findings] == ["warmup-divergence"], report
     assert "whole" in report.findings[0].evidence and "whole.copy_(batch)" in report.findings[0].source, report
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_binding_the_captured_step_adds_and_the_program_takes_away_is_host_work(variant):
+    """A hand-off through a Python attribute: the captured forward binds its hidden states to
+    ``model.hidden_cache`` (bug), which the code after the step reads and deletes. A replay runs no
+    Python, so after it there is no binding to read, where the eager step adds this step's tensor.
+    Differential replay takes that binding back after its eager run (the program goes on as the
+    replay left it, and fails as it would unwatched), and names the line that binds it. The fix
+    writes the hidden states into a persistent buffer the graph writes in place."""
+    from workbench.zoo.kit import capture, compare, replay
+    w = torch.linspace(-1, 1, 16).reshape(4, 4)
+
+    class Model:
+        def __init__(self):
+            self.buffer = torch.zeros(4, 4)
+
+        def forward(self, x):
+            hidden = torch.tanh(x @ w)
+            if variant == "bug":
+                self.hidden_cache = hidden
+            else:
+                self.buffer[: hidden.shape[0]].copy_(hidden)
+            return hidden.sum(-1)
+
+    def after_step(model, n):
+        if variant == "bug":
+            hidden = model.hidden_cache if hasattr(model, "hidden_cache") else None
+            if hasattr(model, "hidden_cache"):
+                del model.hidden_cache
+        else:
+            hidden = model.buffer[:n]
+        return hidden.mean(-1)           # (None after a replay: AttributeError)
+
+    batches = [rows(4, 4, seed=s) for s in range(3)]
+
+    def served():
+        model, x = Model(), torch.zeros(4, 4)
+        g, out = capture(lambda: model.forward(x), device="cpu", name="step", static={"x": x})
+        after_step(model, 4)
+        outs = []
+        for batch in batches:
+            x.copy_(batch)
+            outs += [replay(g, out).clone(), after_step(model, 4)]
+        return outs
+
+    def eager():
+        model, outs = Model(), []
+        for batch in batches:
+            outs += [model.forward(batch).clone(), after_step(model, 4)]
+        return outs
+
+    def run():
+        return compare("hand-off", variant, "cpu", served, eager)
+
+    outcome = run()
+    assert outcome.verdict == ("misbehaves" if variant == "bug" else "equals eager")
+    report = doctor.diagnose(run)
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "host-work-frozen" and "self.hidden_cache = hidden" in finding.source, report
+    assert "AttributeError" in str(report), report          # the workload's own failure, as unwatched

@@ -54,7 +54,8 @@ def test_an_attribute_rebound_by_the_step_is_host_work_frozen():
         (finding,) = report.findings
         assert finding.kind == "host-work-frozen" and finding.numbers["rebound"] == 1
         assert finding.tensor.startswith("Keeps.hidden: float32[2, 4]")
-        assert "h = self.x[:size] * 2" in finding.source       # the op that made the new value
+        assert "self.hidden = h" in finding.source             # the line that binds the new value,
+        assert "h = self.x[:size] * 2" in str(finding)         # and the op that made it
 
 
 # ------------------------------------------------------------------ a cursor Python advances each step

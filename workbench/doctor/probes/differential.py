@@ -109,12 +109,11 @@ def finish(doctor, info, pending) -> None:
     sampled = periodic or padded and doctor.state_moved
     doctor.state_moved &= not sampled
     cells = pystate.cells(pending.eager)
-    rebound, info.cells = info.cells is not None and cells != info.cells, cells
-    traced = info.traced_always or info.compared % TRACE_EVERY == 0 or sampled or rebound
+    cells_moved, info.cells = info.cells is not None and cells != info.cells, cells
+    traced = info.traced_always or info.compared % TRACE_EVERY == 0 or sampled or cells_moved
     while True:
         run, got, error = _eager(doctor, info, pending, replayed, rng_after, traced=traced,
                                  rows=(pending.real, pending.size, periodic) if sampled and traced else None)
-        changed = [c for c in run.rebound if _made_as_at_capture(info, pending, run, c[3])]
         what = None
         if error is None:
             eager_out, eager_state, extra = got
@@ -122,7 +121,7 @@ def finish(doctor, info, pending) -> None:
                 scratch = {k for k in extra if k not in run.read_first and k not in info.externals} if traced else ()
                 what = compare(graph_out, eager_out, replayed, eager_state,
                                 {k: v for k, v in extra.items() if k not in scratch}, pre)
-        if traced or error is not None or (what is None and not changed):
+        if traced or error is not None or (what is None and not run.rebound):
             break
         traced = True                               # a difference: the same step again, traced, to localise it
     info.traced_always |= bool(run.extra)
@@ -158,7 +157,7 @@ def finish(doctor, info, pending) -> None:
                              nonfinite=(pending.real, pending.size))
         nonfinite.report(doctor, info, pending, again)
     info.compared += 1
-    info.disagreed |= (what is not None or bool(changed)) and not pending.span and not pending.agreed
+    info.disagreed |= (what is not None or bool(run.rebound)) and not pending.span and not pending.agreed
     if what is not None and run.read_outputs:
         note = (f"differential replay of {info.name}: the eager step reads what the previous replay left in memory "
                 f"the graph owns and never reads ({run.read_outputs[0]}: a binding such as a parameter's .grad, which "
@@ -176,9 +175,10 @@ def finish(doctor, info, pending) -> None:
         with held(doctor, into):
             rootcause.classify(doctor, info, pending, what, divergence, run,
                                _host_work(doctor, info, pending, replayed, rng_after, run))
-    elif changed:       # host state the eager step leaves otherwise: held like state, as above
+    elif run.rebound:   # host state the eager step leaves otherwise: held like state, as above
         with held(doctor, info.held_state if _like_reference(pending) else None):
-            rootcause.rebound(doctor, info, pending, changed, run)
+            host = _host_work(doctor, info, pending, replayed, rng_after, run, {id(run.rebound[0][0])})
+            rootcause.rebound(doctor, info, pending, run.rebound, run, host and host[2])
     elif run.settings and (host := _host_work(doctor, info, pending, replayed, rng_after, run,
                                               {id(c) for c, *_ in run.settings})) is not None:
         # (with a run without graphs, held until the workload's own results say whether the value mattered)
@@ -366,11 +366,13 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
         captured_state.give_back(given)
         changed = pystate.differ(pending.replayed_host)
         told = pystate.told(changed, pending.replayed_host)
-        run.rebound = pystate.changes(told, run.new if run.seen else None)
+        run.rebound = [c for c in pystate.changes(told, run.new if run.seen else None)
+                       if _made_as_at_capture(info, pending, run, c[3])]
         run.host = [(entry[0], entry[1], pystate.what_changed(entry), pystate.rebinds_number(entry))
                     for entry in told]
         run.settings = pystate.settings(told)
         pystate.put_back(changed)
+        pystate.take_back(run.rebound)
     return run, got, error
 
 

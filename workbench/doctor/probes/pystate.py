@@ -13,7 +13,9 @@ would otherwise find them gone when the served step's own code (an eager piece b
 the code after the replay) looks for them. So the contents of every reachable container (an
 object's attributes, a dict, a list, a set) are kept before the step (``keep``) and after the
 replay, and put back (``put_back``) before and after each eager run: one level each, which covers
-nested containers since each of them is kept too. Keys a run adds stay (a cache it filled).
+nested containers since each of them is kept too. Keys a run adds stay (a cache it filled),
+but for one bound to a tensor the step made by a line the capture also ran: that is the step's
+own binding, which a replay does not make, and is taken back (``take_back``).
 
 Which containers are kept, and how each is found again, is ``reach.py``'s walk.
 """
@@ -147,10 +149,34 @@ def changes(entries: list, made: set | None) -> list[tuple]:
     """``(container, key, old, new)`` for every binding of a tensor that now holds another tensor,
     one the eager step made (``made``: its new storages; None when they are not known, and then any
     other tensor), with other values: a binding the replay left on the graph's own output, which
-    every replay writes, shows a reader this step's values as the eager step's new tensor does."""
-    return [(c, key, old, new) for c, _, key, old, new in _rebinds(entries)
-            if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)
-            and (made is None or storage_key(new) in made) and not _same_values(old, new)]
+    every replay writes, shows a reader this step's values as the eager step's new tensor does.
+    A binding the eager step adds (``old`` is ``MISSING``) to a tensor it made counts too: code
+    after the step that took the binding away (a hand-off deleted once read) finds none after a
+    replay, where the eager step leaves this step's tensor."""
+    rebound = [(c, key, old, new) for c, _, key, old, new in _rebinds(entries)
+               if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)
+               and (made is None or storage_key(new) in made) and not _same_values(old, new)]
+    return rebound + [(c, key, MISSING, new) for c, key, new in _added(entries)
+                      if isinstance(new, torch.Tensor) and (made is None or storage_key(new) in made)]
+
+
+def take_back(changed: list) -> None:
+    """Take away the bindings an eager run added (``changes``' entries whose old value is ``MISSING``):
+    the program goes on as the replay left it, without them (``put_back`` leaves added keys, a cache)."""
+    for c, key, _, _ in (entry for entry in changed if entry[2] is MISSING):
+        live = c if isinstance(c, dict) else getattr(c, "__dict__", None)
+        if isinstance(live, dict):
+            dict.pop(live, key, None)
+
+
+def _added(entries: list):
+    """``(container, key, value)`` for every key or attribute of a dict or an object, among
+    ``differ``'s entries, that was not there when kept."""
+    for c, _, was, now in entries:
+        if isinstance(now, dict):
+            for key in dict.__iter__(now):
+                if key not in was:
+                    yield c, key, get(now, key)
 
 
 def _same_values(old: torch.Tensor, new: torch.Tensor) -> bool:

@@ -160,16 +160,20 @@ def _frozen_reference(doctor, info, op, gkey: int, ekey: int | None, run, site: 
     return "warmup-divergence", op, tensor, site
 
 
-def rebound(doctor, info, pending, changed: list, run) -> None:
-    """The eager step rebound Python state that replays leave as capture left it."""
+def rebound(doctor, info, pending, changed: list, run, bound_at: str | None = None) -> None:
+    """The eager step rebound Python state that replays leave as capture left it. Named at the line
+    that binds it (``bound_at``, where the traced run found it), else where the tensor was made."""
     obj, key, old, new = changed[0]
     made = run.created_by.get(storage_key(new)) if hasattr(new, "untyped_storage") else None
     op = made or (run.ops[-1] if run.ops else None)
+    if bound_at is not None:
+        op = Op(op.name if op is not None else "-", bound_at)
     value = describe(new) if hasattr(new, "untyped_storage") else repr(new)[:40]
     names = ", ".join(pystate.name(o, k) for o, k, _, _ in changed[:4]) + (", ..." if len(changed) > 4 else "")
     text = f"the eager step rebinds {names}; a replay runs no Python, so it leaves them as capture bound them"
     site = (f"{pystate.name(obj, key)} becomes a {value}"
-            + (f" made by {made.name} at {made.source}." if made else ".")
+            + (f" made by {made.name} at {made.source}" if made else "")
+            + (f", bound at {bound_at}." if bound_at is not None else ".")
             + " Replays keep the binding capture made; state the step produces must live in memory the graph writes.")
     _add(doctor, info, pending, "host-work-frozen", op, f"{pystate.name(obj, key)}: {value}", text, site,
          {"rebound": len(changed)})
