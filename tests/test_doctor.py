@@ -922,6 +922,33 @@ def test_a_refused_call_in_a_function_named_for_it_is_named_where_it_was_called(
     assert finding.op == "cudaMalloc" and finding.location == where(lazy_workspace, "cudaMalloc(x)")
 
 
+class Stream:
+    """A library's bookkeeping of streams: waiting on an event recorded inside a capture from a
+    stream that is not capturing is refused, with the engine's error naming the runtime call only."""
+
+    def __init__(self, capturing: bool):
+        self.capturing = capturing
+
+    def wait(self, recorded_in_capture: bool):
+        if recorded_in_capture and not self.capturing and is_capturing():
+            raise CaptureError("operation would make the legacy stream depend on a capturing stream",
+                               op="cudaStreamWaitEvent")
+
+
+def accumulate_on_the_default_stream(x):
+    Stream(capturing=False).wait(recorded_in_capture=True)      # the line that made the wait
+    return x * 2
+
+
+def test_a_refusal_raised_without_a_line_is_named_where_its_raiser_was_called():
+    """A ``CaptureError`` the workload's own code raises names an op but no line: the finding stands
+    at the traceback, as for CUDA's own refusal, and the function that raised it (a status check)
+    stands for the call its caller made. Never ``<unknown>``."""
+    finding = refused_in_capture(accumulate_on_the_default_stream)
+    assert finding.op == "cudaStreamWaitEvent"
+    assert finding.location == where(accumulate_on_the_default_stream, "Stream(capturing=False).wait("), finding
+
+
 def test_capture_error_leaving_watch_is_listed_in_the_report():
     with pytest.raises(CaptureError), doctor.watch() as report:
         make_runner(sync_item).capture()

@@ -127,6 +127,10 @@ def _named(error: BaseException, frames: list, tb) -> tuple | None:
     if isinstance(error, CaptureError) and error.op is not None:
         t = error.tensor() if error.tensor is not None else None
         caller = handed_in(frames, lambda v: v is t) if t is not None else None
+        if error.source is None and frames:     # the workload's own code raised it, naming no line: as CUDA's below
+            relay = _relay(tb, frames)
+            return error.op, location(*frames[0]), caller, relay or _stand_in(frames, error.op, t is None), \
+                relay is not None
         return error.op, error.source or "<unknown>", caller, _stand_in(frames, error.op, t is None), False
     op = next((what for words, what in _REFUSED.items() if words in str(error)), None)
     if op is None or not frames:
