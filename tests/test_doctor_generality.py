@@ -382,6 +382,182 @@ def test_a_step_that_fails_on_what_the_runner_writes_into_padded_rows_is_stale_p
     assert function_of(finding.location) == "served" and finding.op == "aten.fill_.Scalar", finding.location
 
 
+def _aliased_slot(pad_slot: int, announce: bool):
+    """Three requests padded to a graph of 4. Each row writes its token's embedding (token + 1) at
+    position ``length + accept - 1`` of its request's slot in a flat cache (slot * 8 + position) and
+    reads back the sum of that slot's positions below ``length + accept``; lengths grow on the host
+    by what real rows accepted. The runner writes the padded row itself (token 0, accept 1) and pads
+    the slot column with ``pad_slot``: 0 is the live first request's slot, so the padded row writes
+    the position the first request (accept 2) reads next to its own; 4 is a null slot no request
+    has. Only ``bias`` is left as it was in padded rows, and only its own row reads it. The eager
+    step of the same padded batch does the same, so only the run without padding differs."""
+    width = 8
+
+    def pad(live):
+        return torch.cat([live, live.new_full((1,), pad_slot)])
+
+    def served(graphed):
+        cache, lengths = torch.zeros(5 * width), torch.tensor([2, 3, 1, 0, 0])
+        slots, accept = torch.zeros(4, dtype=torch.int64), torch.ones(4, dtype=torch.int64)
+        token, bias = torch.zeros(4), torch.zeros(4)
+
+        def step(n):
+            pos = lengths.index_select(0, slots[:n]) + accept[:n]
+            cache.index_put_((slots[:n] * width + pos - 1,), token[:n] + 1)
+            seen = torch.arange(width).unsqueeze(0) < pos.unsqueeze(1)
+            return (cache.view(5, width).index_select(0, slots[:n]) * seen).sum(1) + bias[:n]
+
+        static = {"slots": slots, "accept": accept, "token": token, "bias": bias}
+        g = capture(lambda: step(4), device="cpu", warmups=1, name="decode 4", static=static,
+                    state={"cache": cache}) if graphed else None
+        cache.zero_()
+        out = []
+        for i in range(2):
+            live = torch.tensor([0, 1, 2])
+            if graphed:
+                slots.copy_(pad(live))
+                accept[3:].fill_(1)
+                token[3:].zero_()
+            else:
+                slots[:3].copy_(live)
+            accept[:3].copy_(torch.tensor([2, 1, 1]))
+            token[:3].copy_(torch.tensor([1.0, 2.0, 3.0]) * (i + 1))
+            bias[:3].fill_(0.5 * i)
+            out.append((replay(*g, real=3, size=4, padded={"bias": bias} if announce else None)[:3] if graphed
+                        else step(3)).clone())
+            lengths[live] += accept[:3]
+        return out
+
+    return compare("slot", "bug" if pad_slot == 0 else "fix", "cpu", lambda: served(True), lambda: served(False))
+
+
+@pytest.mark.parametrize("announce", [True, False])
+@pytest.mark.parametrize("pad_slot", [0, 4])
+def test_a_pad_value_the_runner_writes_that_aliases_a_live_slot_is_stale_padding_where_it_is_made(pad_slot, announce):
+    """Nothing fails and the eager run of the padded step agrees with the replay: only the run
+    without graphs differs, at a padded replay. Neither fill of the padded rows the runner left
+    changes anything (``bias``, announced or not); filling the slots the runner
+    writes with 0 and with 1 does, so the pad value is named where it is made, in ``pad``, not at
+    the copy that writes it. The null slot is no finding."""
+    report = doctor.diagnose(lambda: _aliased_slot(pad_slot, announce))
+    if pad_slot == 4:
+        assert report.findings == [] and not report.unexplained, report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "stale-padding" and finding.tensor == "slots", finding
+    assert function_of(finding.location) == "pad", finding.location
+    assert "filled with 0 in one run and 1 in another" in finding.evidence
+
+
+# ------------------------------------------------------------------------------ one buffer, two names
+def _two_pieces(handed_on: bool):
+    """A model compiled as two pieces, each graph's inputs named by their place (``piece.arg0``): both
+    read the one ``positions`` buffer, which the runner fills once per step. Handed on (bug), the
+    runner also fills it with the second piece's positions (shifted by 4) before the first piece
+    replays, as a reuse pool that took it back after the first capture would."""
+    def served(graphed):
+        positions, table = torch.zeros(4, dtype=torch.int64), torch.arange(16.0)
+
+        def first():
+            return table[positions] * 2
+
+        def second():
+            return table[positions] + 1
+        if graphed:
+            g1 = capture(first, device="cpu", name="first", static={"first.arg0": positions})
+            g2 = capture(second, device="cpu", name="second", static={"second.arg0": positions})
+        out = []
+        for step in range(3):
+            positions.copy_(torch.arange(4) + step)
+            if not graphed:
+                out += [first().clone(), second().clone()]
+                continue
+            if handed_on:
+                positions.copy_(torch.arange(4) + step + 4)
+            a = replay(*g1).clone()
+            positions.copy_(torch.arange(4) + step + (4 if handed_on else 0))
+            out += [a, replay(*g2).clone() - (4 if handed_on else 0)]
+        return out
+
+    return compare("pieces", "bug" if handed_on else "fix", "cpu", lambda: served(True), lambda: served(False))
+
+
+@pytest.mark.parametrize("handed_on", [False, True])
+def test_one_buffer_two_graphs_name_alike_is_held_until_a_replay_differs(handed_on):
+    """Announced again under another name while the first graph still reads it, the buffer is held as
+    a dangling-reference: reported once the first graph's replay differs from the run without
+    graphs (handed on), a note while every replay agrees (two pieces reading one buffer alike)."""
+    report = doctor.diagnose(lambda: _two_pieces(handed_on))
+    if not handed_on:
+        assert report.findings == [], report
+        assert any("held until a replay bore them out (dangling-reference" in n for n in report.notes), report
+        return
+    finding = report.findings[0]
+    assert finding.kind == "dangling-reference" and finding.tensor.startswith("first.arg0"), finding
+    assert "announced again as second.arg0" in finding.evidence
+
+
+# ------------------------------------------------------------------------------ a task re-recorded each step
+def _re_recorded(other_code: bool):
+    """Three graphs in one pool, as a runner that updates one task of its graph each step: ``pre``
+    makes ``attn`` in the pool, the task graph writes it (captured again each step, on the step's
+    lengths), ``post`` reads it. With ``other_code`` a second graph, captured from other code, writes
+    ``attn`` too, after the task and before ``post``: what ``post`` reads is no longer the task's."""
+    from workbench.engine import graph_pool_handle
+
+    def served(graphed):
+        pool = graph_pool_handle("cpu") if graphed else None
+        x, lens = torch.zeros(4), torch.zeros(4)
+
+        def pre():
+            return x * 2, torch.zeros(4)
+
+        def task(attn):
+            attn.copy_(torch.tanh(lens) + 1)
+
+        def other(attn):
+            attn.mul_(0.5)
+
+        def post(h, attn):
+            return h + attn
+        out, tasks = [], []                 # (the runner keeps every task it recorded)
+        if graphed:
+            gp, (h, attn) = capture(pre, device="cpu", pool=pool, name="pre", static={"x": x})
+            tasks.append(capture(lambda: task(attn), device="cpu", pool=pool, name="attention task",
+                                 static={"lens": lens})[0])
+            gq, res = capture(lambda: post(h, attn), device="cpu", pool=pool, name="post")
+            go = capture(lambda: other(attn), device="cpu", pool=pool, name="other", warmups=0)[0]
+        for step in range(3):
+            x.fill_(step + 1.0)
+            lens.fill_(0.5 * step)
+            if not graphed:
+                h, attn = pre()
+                task(attn)
+                out.append(post(h, attn).clone())
+                continue
+            replay(gp, (h, attn))
+            if step:
+                tasks.append(capture(lambda: task(attn), device="cpu", pool=pool, name="attention task",
+                                     static={"lens": lens})[0])
+            replay(tasks[-1], attn)
+            if other_code:
+                replay(go, attn)
+            out.append(replay(gq, res).clone())
+        return out
+
+    return compare("task", "bug" if other_code else "fix", "cpu", lambda: served(True), lambda: served(False))
+
+
+@pytest.mark.parametrize("other_code", [False, True])
+def test_a_task_captured_again_each_step_is_the_producer_of_what_it_writes(other_code):
+    """The task graph captured again each step writes the memory ``post`` read from the first
+    task's capture: the same code captured again is the producer now, no overwritten output. A
+    graph of other code writing it before ``post`` replays is ``overwritten-output``."""
+    report = doctor.diagnose(lambda: _re_recorded(other_code))
+    kinds = [f.kind for f in report.findings]
+    assert ("overwritten-output" in kinds) == other_code, report
+
+
 # ------------------------------------------------------------------------------ a cache the graph only reads
 class LazyCache:
     """``-exp(a)`` kept in a buffer, refilled in Python when a flag says it is stale (a warmup refills

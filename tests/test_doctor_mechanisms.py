@@ -2968,10 +2968,20 @@ def test_two_captures_dummy_values_meeting_in_one_eager_op_feed_the_next_piece()
     assert report.findings == [], report
 
 
-def test_a_capture_s_outputs_a_dummy_run_drops_are_nobody_s_result():
+def _norm(h):
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+@pytest.mark.parametrize("answer, kept", [("clone", False), ("norm", False), ("norm", True)])
+def test_a_capture_s_outputs_a_dummy_run_drops_are_nobody_s_result(answer, kept):
     """A runner's capture loop runs each size once on a dummy batch through the path that captures,
-    which hands back what the capture returned, and drops it (vLLM's ``capture_model``); the real
-    steps replay. Nothing was taken for a result."""
+    which hands back what the capture returned -- a copy, or a final norm computed on it (several
+    eager ops, each reading the one before, in one function: Gemma3n's norm after its last piece)
+    -- and drops it (vLLM's ``capture_model``); the real steps replay. Nothing was taken for a
+    result. Kept (the first real step is the capturing one, and its answer goes out), it is
+    ``warmup-divergence``."""
+    finish = (lambda out: out.clone()) if answer == "clone" else _norm
+
     def workload():
         x = torch.zeros(4, 3)
         events.static_buffers("tiny", {"x": x})
@@ -2982,18 +2992,22 @@ def test_a_capture_s_outputs_a_dummy_run_drops_are_nobody_s_result():
             if "g" not in graphs:
                 g = new_graph("cpu")
                 with graph(g, name="decode"):
-                    out = torch.tanh(x * 2)
+                    out = torch.tanh(x * 2) + 0.5
                 graphs["g"] = (g, out)
-                return out.clone()                     # the capturing call's answer: uncomputed
+                return finish(out)                     # the capturing call's answer: uncomputed
             g, out = graphs["g"]
             g.replay()
-            return out.clone()
+            return finish(out)
 
-        step(torch.zeros(4, 3))                         # the capture loop's dummy batch: dropped
-        return [step(rows(4, 3, seed=s)) for s in range(2)]
+        first = step(rows(4, 3, seed=7) if kept else torch.zeros(4, 3))   # the capture loop's dummy batch
+        return ([first] if kept else []) + [step(rows(4, 3, seed=s)) for s in range(2)]
 
     report = doctor.diagnose(workload)
-    assert report.findings == [], report
+    if not kept:
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "warmup-divergence" and "taken for a result" in finding.evidence, finding
 
 
 @pytest.mark.parametrize("variant", ["bug", "fix"])

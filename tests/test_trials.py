@@ -91,6 +91,12 @@ GPU_DIFFERS: dict = {
         "both are differential replay's warmup-divergence for the LoRA launches the capture did not record; on the "
         "CPU the first op that parts is in _lora_block, on the H200 the finding stands at lora_shrink, its caller; "
         "why the localisation parts there is not known yet (found when the round was recorded)",
+    ("round87/vllm_22628_gemma3n_self_decoder_weakref_output_overwritten_by_cross_decoder_graph", "fix"):
+        "the dummy run of the capture loop computes the final norm on the cross-decoder capture's output and drops "
+        "it: on the CPU nothing reads those values again (no finding); on the H200 a later step's final norm reads "
+        "a storage the doctor still follows as computed from them, in another function than the one that computed "
+        "it, and the capture's output is taken for a result (warmup-divergence at __call__); which storage, and "
+        "why only there, is not known yet (found when the round was recorded; no H200 was lent again to look)",
     ("round77/vllm_45232_flex_custom_mask_block_mask_rebuilt_in_graph_with_capture_max_seq_len", "bug"):
         "both name the block-mask rebuild the capture recorded with its page count (_build_block_mask_direct); on "
         "the CPU the first sampled replay parts from the eager step in that op's argument shape (host-work-frozen) "
@@ -104,6 +110,17 @@ GPU_UNSTABLE = {
         "every padded token stores into the same last slot (index_put_ with repeated indices): which store lands "
         "is unspecified on CUDA, so the verdict and the doctor's answer change from run to run (seen on H200s: "
         "stale-padding, warmup-divergence or no finding at basic_cache, and once 'equals eager')",
+    ("round86/tokenspeed_531_dflash_padded_rows_alias_req_pool_slot0_draft_kv", "bug"):
+        "the padded row and request 0 store draft K/V into two of the same slots in one index_put_: which store "
+        "lands is unspecified on CUDA, so two runs of one workload can differ where request 0 reads those slots: "
+        "on one H200 the doctor named stale-padding at _write_native_cache (the cache's writer) in one run and "
+        "at _pad_graph_req_pool_indices, as on the CPU, in another",
+}
+
+
+# Rounds not yet recorded on a GPU, and why: their programs are left out of the comparison until they are.
+GPU_PENDING = {
+    "round88": "written and measured on 2026-12-03, when no H200 could be started for the rest of the session",
 }
 
 
@@ -114,9 +131,10 @@ def test_the_gpu_record_says_what_the_cpu_says(answers):
     if rec is None:
         pytest.skip("results/gpu/doctor_trials.json not recorded yet (scripts/gpu_session.py OUT doctor_trials)")
     gpu = rec["programs"]
-    assert set(gpu) == set(NAMES), "record the trials again: the set of programs changed"
+    recorded = [n for n in NAMES if n.split("/")[0] not in GPU_PENDING]
+    assert set(gpu) == set(recorded), "record the trials again: the set of programs changed"
     compared, differ = 0, {}
-    for n in NAMES:
+    for n in recorded:
         for v in zoo.VARIANTS:
             g = gpu[n][v]
             if (n, v) in GPU_UNSTABLE:
@@ -129,7 +147,7 @@ def test_the_gpu_record_says_what_the_cpu_says(answers):
             if (g["kind"], g["site"]) != (answers[n][v]["kind"], answers[n][v]["site"]):
                 differ[(n, v)] = (g, answers[n][v])
     assert set(differ) == set(GPU_DIFFERS), differ
-    assert compared >= len(NAMES)          # most variants behave alike on both
+    assert compared >= len(recorded)       # most variants behave alike on both
 
 
 def test_a_gpu_record_of_some_programs_is_merged_with_a_reason(tmp_path, monkeypatch):

@@ -61,9 +61,12 @@ def diagnose(target: Callable[[], Any], make_batch: Callable[[int, int], Mapping
         pass                                            # found by the index contract: summary left it checked
     elif doctor.padded_steps == 0:
         short = sum(real < size for real, size, *_ in doctor.plan.steps)
-        if short and _failed(report) and (finding := _cured(workload, guard, doctor.plan.steps, _failed(report)[0])):
+        if short and (finding := _cured(workload, guard, doctor.plan.steps, _failed(report)[0]) if _failed(report)
+                      else _steered(workload, guard, doctor.plan.steps) if _unexplained_padded(report, doctor)
+                      else None):
             report.findings.append(finding)
             _explained_by_padding(report, finding)
+            report.not_checked.pop("stale-padding", None)
             return report
         report.not_checked["stale-padding"] = (
             f"{short} step(s) served fewer real rows than their graph's size, but the runner announced none of "
@@ -92,6 +95,8 @@ def diagnose(target: Callable[[], Any], make_batch: Callable[[int, int], Mapping
             finding = crashed_only_as_left(_failed(report)[0], runs[0][1].trace[-1] if runs[0][1].trace else None, 2)
         elif finding is None and _failed(report) and all(_failed(r[0]) for r in runs):
             finding = _cured(workload, guard, doctor.plan.steps, _failed(report)[0])
+        elif finding is None and not _failed(report) and _unexplained_padded(report, doctor):
+            finding = _steered(workload, guard, doctor.plan.steps)
         if finding is not None:         # (it says more than a finding of the watched run at the same op)
             report.findings = [f for f in report.findings if (f.kind, f.source) != (finding.kind, finding.source)]
             report.findings.append(finding)
@@ -102,22 +107,47 @@ def diagnose(target: Callable[[], Any], make_batch: Callable[[int, int], Mapping
     return report
 
 
+def _filled(workload: Callable[[], Any], guard: bool, steps: list, inputs, pattern: int = 0) -> tuple[Report, Doctor]:
+    """A padded-row run that fills the padded rows of the static inputs ``inputs`` ("all", or a set
+    of names) too, those the runner writes before a replay included."""
+    doctor = _planned(Doctor(guard=guard, pattern=pattern), steps)
+    doctor.plan.inputs = inputs
+    return _run(workload, doctor)
+
+
 def _cured(workload: Callable[[], Any], guard: bool, steps: list, error: str) -> Finding | None:
     """The run failed, and so did both runs with the padded rows the runner left filled: run again
     with the padded rows of every static input filled with 0, those the runner writes before a
     replay too. Where that run completes, one input at a time (at most ``_CURED``) says whose
-    padded rows, as the runner writes them, make the step fail: ``stale-padding`` at that write."""
-    def run(inputs) -> tuple[Report, Doctor]:
-        doctor = _planned(Doctor(guard=guard, pattern=0), steps)
-        doctor.plan.inputs = inputs
-        return _run(workload, doctor)
-    report, doctor = run("all")
+    padded rows, as the runner writes them, make the step fail: ``stale-padding`` where the values
+    written there are made."""
+    report, doctor = _filled(workload, guard, steps, "all")
     if _failed(report) or report.failure is not None:
         return None
-    for name, (graph, op, source) in list(doctor.plan.written.items())[:_CURED]:
-        alone, _ = run(frozenset((name,)))
+    for name, written in list(doctor.plan.written.items())[:_CURED]:
+        alone, _ = _filled(workload, guard, steps, frozenset((name,)))
         if not _failed(alone) and alone.failure is None:
-            return written_by_runner(error, name, graph, op, source)
+            return written_by_runner(name, *written, error=error)
+    return None
+
+
+def _steered(workload: Callable[[], Any], guard: bool, steps: list) -> Finding | None:
+    """A padded replay differed from the run without graphs, nothing explained it, and the two
+    fills of the padded rows the runner left gave real rows the same results: the padded rows the
+    runner *writes* (a pad value it chooses) may be what differs from a run without padding. Two
+    runs fill them too, with 0 and with 1; where real rows differ, one input at a time (at most
+    ``_CURED``) says whose padded rows reach them: ``stale-padding`` where those values are made."""
+    def differ(inputs) -> tuple[Finding | None, Doctor]:
+        runs = [_filled(workload, guard, steps, inputs, p) for p in (0, 1)]
+        if any(r.failure is not None for r, _ in runs):
+            return None, runs[0][1]
+        return compare_runs(*(d.trace for _, d in runs), *(_failed(r) for r, _ in runs)), runs[0][1]
+    found, doctor = differ("all")
+    if found is None:
+        return None
+    for name, written in list(doctor.plan.written.items())[:_CURED]:
+        if (alone := differ(frozenset((name,)))[0]) is not None:
+            return written_by_runner(name, *written, differs=alone)
     return None
 
 
@@ -128,6 +158,12 @@ def _held_neutral(report: Report, doctor: Doctor) -> bool:
     before the steps, that no step overwrote) are neutral. A latent hazard, a note: a runner that
     left an earlier step's data there would not have given the reference's results."""
     return doctor.reference is not None and doctor.reference.verdict == () and not _failed(report)
+
+
+def _unexplained_padded(report: Report, doctor: Doctor) -> bool:
+    """Whether a padded replay differs from the workload's run without graphs and no finding explains it."""
+    return doctor.reference is not None and any(padded and text in report.unexplained
+                                                for _, text, padded in doctor.reference.unexplained)
 
 
 def _failed(report: Report) -> list[str]:

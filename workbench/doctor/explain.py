@@ -99,20 +99,6 @@ def sync_elsewhere(op: str, mode: str) -> str:
             "read values), or capture before other threads serve.")
 
 
-def stale_padding(first_input: str | None) -> str:
-    via = (f" The first graph input whose real rows differ between the two runs is `{first_input}`: values "
-           "derived from padded rows decided what real rows read." if first_input else "")
-    return ("Real-row results depend on what padded rows hold: two otherwise identical runs, with the padded "
-            f"rows filled two different ways, gave different results for real rows.{via}")
-
-
-def padding_written(name: str) -> str:
-    return (f"Whether the step completes depends on what the padded rows of `{name}` hold: the runner writes "
-            "them itself before the replay, and with 0 there instead the same workload completes. A padded row "
-            "still runs every kernel of the graph, so the value the runner gives it must be valid for each of "
-            "them (a null block or slot, not a sentinel only some kernels skip).")
-
-
 def dangling_pool(tensor: str, op: str, owner: str, how: str) -> str:
     return (f"The graph reads the {tensor} tensor through {op}; that tensor is an output of {owner}, captured into "
             f"the same pool. {owner} was {how} afterwards, so its memory belongs to the pool again and the next "
@@ -277,33 +263,12 @@ def size_table(lookup: str, largest: int) -> str:
             "sized by (tokens, not requests, with several tokens per request) with the largest capture size.")
 
 
-def sentinel_index(op: str, value: int) -> str:
-    return (f"Fixed shapes (what a CUDA graph replays) pad a variable number of items -- neighbour pairs, tokens, "
-            f"slots -- with a sentinel ({value}) that means 'no item'. {op} takes it as an index: on the CPU it "
-            "raises, on a GPU a device-side assert or a write before the table's start. Mask the padded entries "
-            "before they index anything: point them at a dummy row whose result is dropped (and zero their "
-            "weights), or filter them with a mask the kernel honours.")
-
-
 def index_past_table(table: str, size: int) -> str:
     return (f"A real request's own index runs past the end of {table} ({size} entries): no padded row is to "
             "blame, the table is smaller than the indices requests bring (a stash sized by the batch or the "
             "capture size but indexed by request slot, token position or block id). On a GPU an illegal memory "
             f"access, or a silent read of other memory. Size {table} by the range of the index that looks it up "
             "(the request pool, the longest context), not by the batch.")
-
-
-def dummy_index(buffer: str, state: bool) -> str:
-    if state:
-        return (f"The dummy rows of a warmup or capture index through {buffer} at entries no request wrote (a "
-                "dummy request's row, left as allocated), and the index found there runs past the table it looks "
-                "up: on a GPU an illegal memory access at startup, or a silent read of other memory. Initialise "
-                f"the entries dummy and padded rows read ({buffer} zeroed, a reserved valid slot), or point those "
-                "rows at entries that hold valid indices.")
-    return (f"The runner's dummy batch puts an index into {buffer} that runs past the end of the table it looks up "
-            "(a position past the rotary cache, a slot past the pool): the dummy data does not fit what the graph "
-            "indexes. Bound the dummy batch by every table its indices reach, or size the table for the largest "
-            "index a capture can carry.")
 
 
 def update_in_a_copy(op: str, buffer: str) -> str:
@@ -331,28 +296,6 @@ def carried_input(buffer: str, op: str) -> str:
             "persistent state.")
 
 
-def nonfinite_padding(op: str) -> str:
-    return (f"Padded rows computed NaN or infinity (a row with no keys to attend to, memory no kernel wrote), and "
-            f"{op} mixes rows, so it hands them to every real row: a per-tensor scale from the whole padded batch, a "
-            "reduction over all tokens. Give padded rows values that stay finite (a sequence length of 1 on a null "
-            "slot, zeroed rows), or make the op read only the real rows.")
-
-
-def padding_reaches(graph: str, padded: str) -> str:
-    return (f"A replay of {graph} gives its real rows other results than the same step run on the real rows alone: "
-            f"what the padded rows hold ({padded}) reaches the real rows -- through a reduction over rows, a "
-            "lookup a padded row's index steers, metadata a padded row overwrites. Padded rows must change nothing a "
-            "real row gets: neutralise them before the replay (the values the kernel skips), or mask them inside the "
-            "captured code.")
-
-
-def padding_writes_owned(state: str, op: str) -> str:
-    return (f"The padded rows of this replay write {state} ({op}) where real rows keep their data: an index that a "
-            "padded row holds, or that the captured code derives from it (a clamp of -1 to 0, a modulo), names a "
-            "live slot, and the padded row's update lands there. Give padded rows a slot no request owns (a "
-            "reserved null slot), or make the kernel skip them (-1 checked before any clamp).")
-
-
 def startup_write(tensor: str, op: str) -> str:
     return (f"The runs made before capture (warmups on dummy inputs) wrote {tensor} with {op}, and a real step "
             "reads what they left there: its answer depends on the dummy batches. Memory that outlives the warmups "
@@ -371,43 +314,11 @@ def pool_handed_on(tensor: str, producer: str, writer: str, handed_on: bool) -> 
             "that reads its output, or copy the output out before any other graph of the pool replays.")
 
 
-def padded_scatter(op: str, index: str, state: str) -> str:
-    return (f"{op} runs over every row of the padded batch and writes {state} through the index in `{index}`. A "
-            "padded row's index names a slot that holds a real request's state -- one of this step's real rows, or a "
-            "request parked for this step that wrote it earlier -- so that slot gets the padded row's update too, "
-            "an update its request never asked for. Padded rows need slots of their own (one null slot they "
-            "share).")
-
-
 def decision_mismatch(decision: str, graph: str) -> str:
     return (f"The runner checks, before replaying {graph}, that the step decided as the capture did, and "
             f"{decision} says otherwise: the code that built this step's state never took the decision the "
             "capture of that graph took (a route, a mode, a layout left at its default). Take that decision "
             "the same way on every path that reaches the graph (an idle or dummy step too), or key the graphs on it.")
-
-
-def dummy_batch(check: str, phase: str) -> str:
-    return (f"The check `{check}` failed during a {phase}, on a batch the runner built for it rather than a real step. "
-            "Real steps carry what the check asks for, so the run without graphs passed it every time; the dummy "
-            "batch built for warmup and capture (its metadata made by another path, fields left None, lengths of "
-            "zero) does not. Build the dummy batch the way a real step is built, or let the code accept what a "
-            "dummy batch holds.")
-
-
-def padded_layout_mismatch(graph: str, size: int, real: int) -> str:
-    return (f"{graph} was captured for {size} rows, and eager code preparing a step for it combined a tensor of those "
-            f"{size} rows (padded rows included) with one of {real} rows, sized for the real requests only: the "
-            "shapes disagree and the step fails before its replay -- or, where they happen to broadcast, the "
-            "padded rows get the real rows' values. Size per-request quantities to the padded count, or write "
-            "them into the real rows' slice only.")
-
-
-def padded_shape_mismatch(graph: str, real: int, size: int) -> str:
-    return (f"A replay of {graph} served {real} real rows at its captured size {size}, so its outputs have "
-            f"{size} rows, padded rows included. Eager code after the replay combined them with tensors built for "
-            f"the {real} real rows (per-request indices, lengths or parameters): the shapes disagree, and the code "
-            "asserts, fails to broadcast or indexes out of range -- or, where the shapes happen to broadcast, "
-            "computes with the padded rows.")
 
 
 def capture_path(function: str, graph: str) -> str:

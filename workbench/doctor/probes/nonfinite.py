@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ...engine.opinfo import op_tensors, tensors
 from ...engine.source import user_frame
-from .. import explain
+from .. import explain_padding
 from ..report import Finding
 
 
@@ -83,5 +83,5 @@ def report(doctor, info, pending, run) -> None:
         "stale-padding", info.name, op, padded, source,
         f"sampled replay {info.replays} of {info.name} ({pending.real} real rows of {pending.size}): real-row outputs "
         f"hold NaN or infinity; in an eager run of the step, {op} is the first op that takes non-finite values "
-        "held only by padded rows and gives them to real rows", explain.nonfinite_padding(op),
+        "held only by padded rows and gives them to real rows", explain_padding.nonfinite_padding(op),
         {"replay": info.replays, "real": pending.real, "size": pending.size}), ("stale-padding", op, source))

@@ -61,11 +61,14 @@ class Plan:
         self.keys: dict[str, int] = {}            # each padded array's storage at the latest serve
         self.writes: dict[int, tuple] = {}        # storage -> (op, source) of eager code of a step that wrote it
         # A run that fills the padded rows of static inputs too (``fill_inputs``): the names to fill ("all": every
-        # one), the last eager write of each storage before a serve, and the inputs whose padded rows a step had
-        # written when they were filled -> (graph, op, source of that write)
+        # one), the last eager write of each storage before a serve, the inputs whose padded rows a step had
+        # written when they were filled -> (graph, op, source of that write, line that made the values written),
+        # and the line that made each eager tensor's values (a padded batch copied in was made elsewhere: that
+        # line chose what padded rows hold)
         self.inputs: frozenset | str | None = None
         self.before: dict[int, tuple] = {}
         self.written: dict[str, tuple] = {}
+        self.made: dict[int, str] = {}
 
 
 def served(doctor, real: int, size: int, padded: dict, columns: dict) -> None:
@@ -180,10 +183,10 @@ def fill(doctor, padded: dict, columns: dict, real: int, size: int) -> None:
 
 
 def fill_inputs(doctor, info, real: int, size: int) -> None:
-    """Rows ``[real, size)`` of the static inputs the graph reads, those the step wrote too, get 0 (a
-    run asked for when the run as the runner left the padded rows failed, and so did both fills of
-    the rows it left: whether what the runner *writes* there makes the step fail). Which of them the
-    step had written, and where, is kept (``Plan.written``)."""
+    """Rows ``[real, size)`` of the static inputs the graph reads, those the step wrote too, get the
+    run's value (0 in pattern 0; asked for when what the runner left in padded rows cannot explain a
+    failure or a difference from the run without graphs: whether what the runner *writes* there
+    does). Which of them the step had written, and where, is kept (``Plan.written``)."""
     plan = doctor.plan
     with _disable_current_modes():
         for key in info.externals:
@@ -194,7 +197,7 @@ def fill_inputs(doctor, info, real: int, size: int) -> None:
             fresh = doctor.fresh.get(key)
             if fresh is not None and fresh.shape == t.shape and bool(fresh[real:size].any()) and key in plan.before:
                 plan.written.setdefault(buf.name, (info.name, *plan.before[key]))
-            t[real:size].fill_(_value(0, 0, t.dtype))
+            t[real:size].fill_(_value(0, doctor.pattern or 0, t.dtype))
 
 
 def record_inputs(doctor, info) -> None:
@@ -239,7 +242,12 @@ def state_read(doctor, func, args, kwargs, out) -> None:
     if plan.in_step or plan.inputs is not None:
         if mutable(func):
             for t in written_tensors(func, args, kwargs):
-                (plan.writes if plan.in_step else plan.before)[storage_key(t)] = (str(func), user_frame())
+                if plan.in_step:
+                    plan.writes[storage_key(t)] = (str(func), user_frame())
+                else:
+                    plan.before[storage_key(t)] = (str(func), *_origin(plan, func, args))
+        elif not plan.in_step and isinstance(out, torch.Tensor):
+            _made(plan, func, args, kwargs, out)
         if plan.in_step:
             return
     if not doctor.trace or func._schema.name in _MOVES or not isinstance(out, torch.Tensor):
@@ -252,6 +260,25 @@ def state_read(doctor, func, args, kwargs, out) -> None:
     if writer is not None:
         with _disable_current_modes():
             doctor.trace[-1].setdefault("reads", []).append((str(func), user_frame(), digest(out), writer))
+
+
+def _origin(plan, func, args) -> tuple[str, str]:
+    """(where an eager write runs, where the values it writes were made): a copy's source tensor was
+    made where ``Plan.made`` says, any other write makes its values itself."""
+    here = user_frame()
+    src = args[1] if func._schema.name == "aten::copy_" and len(args) > 1 else None
+    return here, plan.made.get(storage_key(src), here) if isinstance(src, torch.Tensor) else here
+
+
+def _made(plan, func, args, kwargs, out: torch.Tensor) -> None:
+    """Where the values of a new tensor were made: a move or copy keeps its source's line; a view
+    is the same storage, already known."""
+    inputs = list(op_tensors(args, kwargs))
+    key = storage_key(out)
+    if any(storage_key(t) == key for t in inputs):
+        return
+    moved = plan.made.get(storage_key(inputs[0])) if func._schema.name in _MOVES and inputs else None
+    plan.made[key] = moved or user_frame()
 
 
 def _writer(doctor, key: int) -> tuple | None:

@@ -126,7 +126,7 @@ class Reference:
         self.guessed: dict[str, tuple] = {}       # ... found on a replay tied to its step by the count alone, where
                                                   # no call agrees with its static inputs: the last evidence used
         self.by_input: set[str] = set()           # ... of those, found in a static input's values (``static_input``)
-        self.unexplained: list[tuple] = []        # (graph name, text) of replays that differ, no cause found
+        self.unexplained: list[tuple] = []        # (graph name, text, padded?) of replays that differ, no cause found
         self.verdict: tuple | None = None         # the workload's own: None (not said), () (agrees), (result, diff)
         self.misshaped: tuple | None = None       # (served, reference) shapes of the first result they differ in
         self.padded: dict[tuple, tuple] = {}      # (size, real) of a padded replay -> (graph, line that replayed it)
@@ -310,7 +310,7 @@ class Reference:
             if not guessed:
                 self.unexplained.append((info.name, f"{text}; neither a static input it reads, its launch trace "
                                                     "(beyond padded rows), a number nor a tensor it only reads "
-                                                    "explains it"))
+                                                    "explains it", pending.real < pending.size))
             return
         entry = (info, *found, text, {"replay": info.replays, "output": differs[0], "max_abs_diff": differs[1],
                                       "reference_call": number})
@@ -390,10 +390,11 @@ class Reference:
             if held:
                 first = held[0][0]
                 doctor.report.notes.append(
-                    f"differential replay of {info.name}: {len(held)} finding(s) held ({first.kind} at "
+                    f"{info.name}: {len(held)} finding(s) held until a replay bore them out ({first.kind} at "
                     f"{first.location}: {first.evidence}), but every replay gave the reference run's answers"
-                    + (" and so did the workload's results" if self.verdict == () else "") + ": the eager form "
-                    "is not the step, or the memory it depends on is the workload's own: not reported")
+                    + (" and so did the workload's results" if self.verdict == () else "") + ": what was seen "
+                    "did not change what the step computes (an eager form that is not the step, memory that is "
+                    "the workload's own, a buffer two graphs read alike): not reported")
         for name, (_, kind, op, tensor, source, why, text, numbers) in self.found.items():
             if any(name in f.graph.split(", ") for f in doctor.report.findings):
                 continue
@@ -418,7 +419,7 @@ class Reference:
             for name, (_, *found) in self.guessed.items():
                 _report(doctor, name, *found)
         found = {g for f in doctor.report.findings for g in f.graph.split(", ")}
-        doctor.report.unexplained += [text for name, text in self.unexplained if name not in found]
+        doctor.report.unexplained += [text for name, text, _ in self.unexplained if name not in found]
         if self.verdict and not doctor.report.findings and not doctor.report.unexplained:
             i, diff = self.verdict
             doctor.report.unexplained.append(f"the workload's result {i} differs from its run without graphs' (max "

@@ -12,7 +12,7 @@ import torch
 
 from ...engine.opinfo import describe, storage_key
 from ...engine.source import function_of, location, user_frames
-from .. import explain
+from .. import explain, explain_padding
 from ..records import Op
 from ..report import Finding
 from ..rules import sync
@@ -163,7 +163,8 @@ def padded_result(doctor, index: int, served: tuple, reference: tuple, padded: d
         "padded-shape-mismatch", graph, "-", f"result {index}: {list(served)}", site,
         f"the workload's result {index} has {served[0]} rows where its run without graphs has {reference[0]}, as "
         f"many as {graph} serves padded and real: the padded rows were handed out with the real ones",
-        explain.padded_shape_mismatch(graph, reference[0], served[0]), {"size": served[0], "real": reference[0]}),
+        explain_padding.padded_shape_mismatch(graph, reference[0], served[0]),
+        {"size": served[0], "real": reference[0]}),
         ("padded-shape-mismatch", "result", site))
 
 

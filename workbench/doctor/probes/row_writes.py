@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ...engine.opinfo import describe, storage_key
 from ...engine.source import user_frame
-from .. import explain
+from .. import explain_padding
 from ..report import Finding
 from ..rules.mutation import held_live
 from ..rules.padded_scatter import SCATTERS
@@ -173,7 +173,7 @@ def report(doctor, info, pending, run) -> None:
                     f"the step, {op} changed {elements} element(s) of {label} for its padded rows alone, element(s) "
                     "that real rows write or read in this step, or wrote in an earlier one")
         doctor.add(Finding("stale-padding", info.name, op, label, source, evidence,
-                           explain.padding_writes_owned(label, op),
+                           explain_padding.padding_writes_owned(label, op),
                            {"replay": info.replays, "elements": elements, "real": real, "size": size}),
                    ("stale-padding", op, source))
         return
@@ -184,7 +184,7 @@ def report(doctor, info, pending, run) -> None:
                     f"{pending.size}) reads {elements} of those element(s) for its real rows, as the padded rows "
                     "left them")
         doctor.add(Finding("stale-padding", info.name, op, label, source, evidence,
-                           explain.padding_writes_owned(label, op),
+                           explain_padding.padding_writes_owned(label, op),
                            {"replay": replay, "read_at": info.replays, "elements": elements}),
                    ("stale-padding", op, source))
 

@@ -21,7 +21,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ...engine.opinfo import storage_key
-from .. import explain, failures
+from .. import explain_padding, failures
 from ..report import Finding
 from ..tensors import changed, disagrees, first_line, max_abs_diff
 
@@ -81,7 +81,7 @@ def crashed(doctor, info, pending, error: BaseException, run_eager) -> None:
                 f"{type(error).__name__}: {first_line(error)}; the same step on its {pending.real} real rows alone, "
                 "from the state before the replay, completes")
     doctor.add(Finding("stale-padding", info.name, name, padded, source, evidence,
-                       explain.padding_reaches(info.name, padded),
+                       explain_padding.padding_reaches(info.name, padded),
                        {"replay": info.replays, "crashed": type(error).__name__, "real": pending.real,
                         "size": pending.size, "unpadded": True}), ("stale-padding", name, source))
 
@@ -94,7 +94,7 @@ def _output(doctor, info, pending, i: int, diff: float) -> None:
                 f"rows of output {i} differ by max |diff| = {diff:.3g} from an eager run of the step on its "
                 f"{pending.real} real rows alone")
     doctor.add(Finding("stale-padding", info.name, name, padded, source, evidence,
-                       explain.padding_reaches(info.name, padded),
+                       explain_padding.padding_reaches(info.name, padded),
                        {"replay": info.replays, "output": i, "max_abs_diff": diff, "real": pending.real,
                         "size": pending.size, "unpadded": True}), ("stale-padding", name, source))
 
@@ -106,7 +106,7 @@ def _state(doctor, info, pending, key: int, label: str, elements: int) -> None:
                 f"replay changed {elements} element(s) of {label} that an eager run of the step on its real rows "
                 "alone leaves as they were, and that real rows of an earlier step wrote")
     doctor.add(Finding("stale-padding", info.name, name, label, source, evidence,
-                       explain.padding_writes_owned(label, name),
+                       explain_padding.padding_writes_owned(label, name),
                        {"replay": info.replays, "elements": elements, "real": pending.real, "size": pending.size,
                         "unpadded": True}),
                ("stale-padding", name, source))

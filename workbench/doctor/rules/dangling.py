@@ -11,6 +11,7 @@ from .. import explain
 from ...engine.errors import GraphError
 from ...engine.opinfo import describe, op_tensors, storage_key
 from ...engine.source import user_frame
+from ..probes import held
 from ..report import Finding
 from ..tensors import first_line
 from . import where as during
@@ -38,16 +39,21 @@ def handed_on(doctor, key: int, old, name: str, owner: str, source: str) -> None
 
 
 def _handed_on(doctor, info) -> None:
-    """Before a replay: each of its static inputs announced since in another role is a finding."""
+    """Before a replay: each of its static inputs announced since in another role is a finding --
+    held, where the workload runs a reference without graphs, until a replay of this graph (or the
+    workload's results) differs from it: two graphs announcing one buffer under two names (one
+    position buffer each piece of a model names by its argument's place) read it alike, and the
+    runner's one copy-in serves both."""
     for old, name, owner, source in info.handed_on:
         t = old.ref()
-        doctor.add(Finding(
-            "dangling-reference", info.name, "static_buffers", f"{old.name}: {describe(t) if t is not None else '-'}",
-            old.source,
-            f"{old.name} (announced by {old.owner}, read by {info.name}) is announced again as {name} by "
-            f"{owner} at {source}, and {info.name} replays: one buffer, two static inputs",
-            explain.handed_on_input(old.name, name, info.name), {}),
-            ("dangling-reference", "static_buffers", old.name, name))
+        with held(doctor, info.held if doctor.reference is not None else None):
+            doctor.add(Finding(
+                "dangling-reference", info.name, "static_buffers",
+                f"{old.name}: {describe(t) if t is not None else '-'}", old.source,
+                f"{old.name} (announced by {old.owner}, read by {info.name}) is announced again as {name} by "
+                f"{owner} at {source}, and {info.name} replays: one buffer, two static inputs",
+                explain.handed_on_input(old.name, name, info.name), {}),
+                ("dangling-reference", "static_buffers", old.name, name))
     info.handed_on.clear()
 
 

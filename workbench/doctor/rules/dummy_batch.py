@@ -14,7 +14,7 @@ from __future__ import annotations
 import ast
 
 from ...engine.source import location
-from .. import explain, failures
+from .. import explain_padding, failures
 from ..report import Finding
 from ..tensors import first_line
 from . import checks
@@ -37,5 +37,5 @@ def failed_check(doctor, error: BaseException, frame) -> None:
         "warmup-divergence", graph, "check", what, source,
         f"the program's check `{what}` failed during {doctor.phase} ({first_line(error) or type(error).__name__}), "
         "on the batch the runner made for it; the run without graphs ran the same check at every step and "
-        "never failed it", explain.dummy_batch(what, doctor.phase), {})
+        "never failed it", explain_padding.dummy_batch(what, doctor.phase), {})
     doctor.explanation = (id(error), finding, ("warmup-divergence", "dummy batch", source))

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ...engine.opinfo import describe, mutable, storage_key, written_tensors
 from ...engine.source import location, user_frame, user_frames
-from .. import explain
+from .. import explain, explain_padding
 from ..report import Finding
 from ..tensors import span
 
@@ -109,7 +109,7 @@ def _padded_window(doctor, entry: tuple, window: torch.Tensor) -> None:
         f"as_strided made at {made_at}: {base_name} holds {(b[1] - b[0]) // window.element_size()}, for the "
         f"{step.real} real rows; {count} is their count at the padded size {step.size} of replay {step.replay} "
         f"of {step.graph}",
-        explain.padded_shape_mismatch(step.graph, step.real, step.size),
+        explain_padding.padded_shape_mismatch(step.graph, step.real, step.size),
         {"real": step.real, "size": step.size, "elements_read": count}), ("padded-shape-mismatch", "window", source))
 
 

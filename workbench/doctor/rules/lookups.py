@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ...engine import memory
 from ...engine.opinfo import describe, storage_key, tensors
 from ...engine.source import user_frame
-from .. import explain
+from .. import explain, explain_padding
 from ..report import Finding
 from ..tensors import first_line
 from . import where
@@ -81,7 +81,7 @@ def _index_from(doctor, func, args, error: BaseException) -> None:
                 f"{value}, past the end of its dimension {dim} (size {size}); {holder.name} ({holder.role}, "
                 f"{describe(holder.ref())}) holds that index")
     doctor.add(Finding(kind, where(doctor), str(func), f"{holder.name}: {describe(holder.ref())}", source, evidence,
-                       explain.dummy_index(holder.name, holder.role == "state"),
+                       explain_padding.dummy_index(holder.name, holder.role == "state"),
                        {"index": value, "dimension": dim, "size": size}),
                (kind, holder.owner, holder.name, source))
 
@@ -115,7 +115,7 @@ def failed_sentinel(doctor, func, args, error: BaseException) -> bool:
         "stale-padding", where(doctor), str(func), describe(index), source,
         f"during {where(doctor)}, {func} failed ({first_line(error)}): {count} of the {index.numel()} entries of its "
         f"index {describe(index)} hold {value}, a padding sentinel, not an index",
-        explain.sentinel_index(str(func), value), {"sentinel": value, "entries": count, "of": index.numel()}),
+        explain_padding.sentinel_index(str(func), value), {"sentinel": value, "entries": count, "of": index.numel()}),
         ("stale-padding", str(func), source))
     return True
 
@@ -159,7 +159,7 @@ def failed_replay_lookup(doctor, info, pending, error: BaseException, op, args=(
                 "stale-padding", info.name, str(op.func), f"{holder.name}: {describe(t)}", op.source,
                 f"replay {info.replays + 1} of {info.name} ({pending.real} real rows of {pending.size}) failed: "
                 f"{op.func} looked a table up with index {value}, past the end of its dimension {dim} (size {size}); "
-                f"{where} hold that index", explain.dummy_index(holder.name, True),
+                f"{where} hold that index", explain_padding.dummy_index(holder.name, True),
                 {"index": value, "real": pending.real, "size": pending.size}),
                 ("stale-padding", holder.owner, holder.name, op.source))
             return

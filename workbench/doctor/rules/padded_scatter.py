@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ...engine.opinfo import describe, storage_key
 from ...engine.source import user_frame
-from .. import explain
+from .. import explain_padding
 from ..report import Finding
 from ..tensors import onto, whole
 
@@ -174,7 +174,7 @@ def _check(doctor, info, n: int, scatter: Scatter, real: int, size: int) -> None
         f"before replay {numbers['replay']} of {info.name} ({real} real rows of {size}): padded row {row} of the "
         f"index names slot {where} of {scatter.state}, {whose}, so {scatter.op} at {scatter.source} writes that "
         "slot for a padded row" + (": this step's eager code aimed the padded row there" if site else ""),
-        explain.padded_scatter(scatter.op, padded_by.name, scatter.state), numbers)
+        explain_padding.padded_scatter(scatter.op, padded_by.name, scatter.state), numbers)
     suspects = info.shared_slots.setdefault(n, {})     # reported once a later step's real rows name one again
     for s in slots[real:][shared].unique().tolist():
         suspects.setdefault(s, (finding, ("stale-padding", scatter.op, scatter.source, padded_by.name)))

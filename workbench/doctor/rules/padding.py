@@ -3,13 +3,14 @@
 Decided by ``diagnose`` from three runs of one deterministic workload: as the runner left the
 padded rows, and twice with them filled two different ways (``probes/padding.py``). The runs
 differ only in what padded rows hold, so any difference in what real rows get is the finding. Where
-all three fail, a run with the padded rows the runner itself writes filled too says whether those
-values make the step fail (``written_by_runner``)."""
+all three fail, or all three agree while the run differs from its run without graphs at a padded
+replay, runs with the padded rows the runner itself writes filled too say whether those values
+decide the step (``written_by_runner``)."""
 from __future__ import annotations
 
 import torch
 
-from .. import explain
+from .. import explain_padding
 from ..report import Finding
 
 
@@ -43,7 +44,7 @@ def compare_runs(a: list[dict], b: list[dict], errors_a: list[str], errors_b: li
                         f"computes other values ({op} at {source}) from memory the step writes with {writer}: "
                         "what the padded rows made it write reached a reader")
             return Finding("stale-padding", ra["graph"], writer, "-", written_at, evidence,
-                           explain.stale_padding(None), {"replay": k + 1})
+                           explain_padding.stale_padding(None), {"replay": k + 1})
     if len(a) != len(b) or errors_a != errors_b:
         shorter = a if len(a) <= len(b) else b
         what = "; ".join(f"pattern {i}: {e[0] if e else 'no error'}, {n} replays"
@@ -60,15 +61,27 @@ def crashed_only_as_left(error: str, record: dict | None, patterns: int) -> Find
                             "runs with padded rows filled with small values completed", {"crashed": error}, None)
 
 
-def written_by_runner(error: str, name: str, graph: str, op: str, source: str) -> Finding:
-    """The run failed, and so did both runs with the padded rows the runner left filled; with the
-    padded rows of static input ``name``, which the step itself writes (at ``source``), filled with 0
-    too, it completed: what the runner writes into padded rows made the difference."""
-    return Finding("stale-padding", graph, op, name, source,
-                   f"the run failed ({error}), and so did both runs with the padded rows the runner left filled; "
-                   f"with the padded rows of {name}, which the step writes at {source} before its replay, filled "
-                   "with 0 too, the workload completed: what the runner writes into padded rows makes the step fail",
-                   explain.padding_written(name), {"crashed": error})
+def written_by_runner(name: str, graph: str, op: str, source: str, made: str, *, error: str | None = None,
+                      differs: Finding | None = None) -> Finding:
+    """What the runner itself writes into the padded rows of static input ``name`` (at ``source``,
+    values made at ``made``) decides the step: with 0 there the failing workload completed
+    (``error``), or two runs with 0 and with 1 there gave real rows different results (``differs``,
+    asked for when the run differed from its run without graphs and the padded rows the runner
+    left could not explain it). The finding is where those values are made: where the runner
+    chooses what padded rows hold."""
+    where = source if made == source else f"{source} (values made at {made})"
+    if error is not None:
+        evidence = (f"the run failed ({error}), and so did both runs with the padded rows the runner left filled; "
+                    f"with the padded rows of {name}, which the runner writes before its replay at {where}, filled "
+                    "with 0 too, the workload completed: what the runner writes into padded rows makes the step fail")
+    else:
+        evidence = (f"the run differs from its run without graphs at a padded replay, and both runs with the padded "
+                    f"rows the runner left filled agree; with the padded rows of {name}, which the runner writes "
+                    f"before its replay at {where}, filled with 0 in one run and 1 in another, "
+                    f"{differs.evidence.split('; ')[0]}: what the runner writes into padded rows reaches real rows")
+    return Finding("stale-padding", graph, op, name, made, evidence,
+                   explain_padding.padding_written(name, error is not None),
+                   {"crashed": error} if error is not None else dict(differs.numbers))
 
 
 def _finding(record: dict | None, evidence: str, numbers: dict, first: str | None) -> Finding:
@@ -84,4 +97,4 @@ def _finding(record: dict | None, evidence: str, numbers: dict, first: str | Non
         (tensor, (op, source)) = next(iter(record["readers"].items()))
     else:
         op, source, tensor = "-", "-", "-"
-    return Finding("stale-padding", graph, op, tensor, source, evidence, explain.stale_padding(first), numbers)
+    return Finding("stale-padding", graph, op, tensor, source, evidence, explain_padding.stale_padding(first), numbers)

@@ -115,6 +115,9 @@ class PoolReads:
             last = self.last.get(b)
             if last is None or last is producer or last is info or b in last.expects:
                 continue                # (a block the last writer read first, too: state the graphs share)
+            now = self.producer.get(b)
+            if now is not None and now[0] is last and now[1].source == op.source:
+                continue                # (the producing code captured again, a task re-recorded: the producer now)
             handed_on = b in last.own_blocks
             kind = "dangling-reference" if handed_on else "overwritten-output"
             evidence = (f"before replay {info.replays + 1} of {info.name}: it reads the {tensor} that {producer.name}'s "

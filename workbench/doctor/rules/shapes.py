@@ -24,7 +24,7 @@ import torch
 from ...engine.errors import GraphError, IllegalMemoryAccess
 from ...engine.opinfo import describe, op_tensors, storage_key, tensors
 from ...engine.source import SKIP_DIRS, function_name, location, user_frame, user_frames
-from .. import explain
+from .. import explain, explain_padding
 from ..report import Finding
 from ..tensors import first_line
 from . import checks, sync
@@ -131,12 +131,20 @@ _HERE = "met at this line"
 
 def _report(doctor, step: PaddedStep, error: BaseException, source: str, what: str, where: str = "",
             op: str | None = None) -> None:
+    laid_out = _laid_out(doctor, error)
+    if laid_out is not None and laid_out.source != source:
+        return      # (the failing op's own line, over a frame further out that holds the replay's rows)
     numbers = {"replay": step.replay, "real": step.real, "size": step.size}
-    doctor.add(Finding(
+    finding = Finding(
         "padded-shape-mismatch", step.graph, op or type(error).__name__, what, source,
         f"the workload failed after replay {step.replay} of {step.graph}, which served {step.real} real rows of "
         f"{step.size}: {what} {where or _HERE} ({type(error).__name__}: {first_line(error)})",
-        explain.padded_shape_mismatch(step.graph, step.real, step.size), numbers), ("padded-shape-mismatch", source))
+        explain_padding.padded_shape_mismatch(step.graph, step.real, step.size), numbers)
+    if laid_out is not None:        # (the same line, and the replay's tensor named: one failure, one finding)
+        findings = doctor.report.findings
+        findings[findings.index(laid_out)] = finding
+    else:
+        doctor.add(finding, ("padded-shape-mismatch", source))
 
 
 def _in_frame(step: PaddedStep, frame, line: int, message: str = "") -> tuple[str, str, str] | None:
@@ -257,9 +265,12 @@ def failed_op(doctor, func, args, kwargs, error: BaseException) -> None:
     by the real one, and the step fails before its replay: ``padded-shape-mismatch`` at the op's
     line. (Data larger than its destination is ``undersized-buffer``'s; this is the other way.) One
     failure is one finding: an op failure another rule explained already (a write into an announced
-    buffer) is left to it, and so is one after a padded replay, which ``raised`` and ``failed`` tie
-    to that replay's tensors."""
-    if doctor.phase != "eager" or not explainable(error) or not doctor.graphs or doctor.padded_step is not None:
+    buffer) is left to it, and so is one on a padded replay's tensors, which ``raised`` and
+    ``failed`` tie to that replay (an op on none of them is laid out for a later step)."""
+    if doctor.phase != "eager" or not explainable(error) or not doctor.graphs:
+        return
+    step = doctor.padded_step
+    if step is not None and any(step.holds(_key(t)) for t in op_tensors(args, kwargs)):
         return
     pair = _mismatch(func, args, kwargs)
     graph = next((i for i in doctor.graphs.values() if pair and pair[0] in i.rows), None)
@@ -270,8 +281,16 @@ def failed_op(doctor, func, args, kwargs, error: BaseException) -> None:
     doctor.add(Finding(
         "padded-shape-mismatch", graph.name, str(func), f"a tensor of {size} rows and one of {real}", source,
         f"after the captures, {func} failed on a tensor of {size} rows ({graph.name} was captured for {size}) "
-        f"against one of {real} rows: {first_line(error)}", explain.padded_layout_mismatch(graph.name, size, real),
+        f"against one of {real} rows: {first_line(error)}",
+        explain_padding.padded_layout_mismatch(graph.name, size, real),
         {"size": size, "real": real}), ("padded-shape-mismatch", source))
+
+
+def _laid_out(doctor, error: BaseException) -> Finding | None:
+    """``failed_op``'s finding of this error (an op that failed on none of a padded replay's
+    tensors), if it made one."""
+    return next((f for f in doctor.report.findings if f.kind == "padded-shape-mismatch"
+                 and f.evidence.startswith("after the captures, ") and f.evidence.endswith(first_line(error))), None)
 
 
 def _mismatch(func, args, kwargs) -> tuple[int, int] | None:
@@ -343,7 +362,7 @@ def failed_count_check(doctor, error: BaseException, frame) -> None:
         "padded-shape-mismatch", graph.name, "check", f"counts {size} and {real}", location(frame),
         f"after the captures, the program's check that two counts are equal failed on {size} ({graph.name} was "
         f"captured for {size} rows) and {real}: {first_line(error)}",
-        explain.padded_layout_mismatch(graph.name, size, real), {"size": size, "real": real})
+        explain_padding.padded_layout_mismatch(graph.name, size, real), {"size": size, "real": real})
     doctor.explanation = (id(error), finding, ("padded-shape-mismatch", "check", location(frame)))
 
 

@@ -13,8 +13,9 @@ between two pieces of a PIECEWISE capture, the backward captured from the forwar
 nothing to report (and what they write into persistent state is dummy data, as a warmup's writes
 are: ``rules/mutation.py``). Where they never do, the step took the capture's outputs for results:
 ``warmup-divergence`` (the step took the capture's path where an eager step computes) -- if the
-workload went on with them: a value computed from them read again by eager code, held at the end,
-or returned by the workload. It is named where the capture was made, unless the first eager read
+workload went on with them: a value computed from them read again by eager code of another function
+than the one that computed it (the caller taking a result, not the next op of one expression),
+read on the host, held at the end, or returned by the workload. It is named where the capture was made, unless the first eager read
 is in a function the capture ran too: then that function kept memory its captured call made and
 reads it again on later calls (a table built lazily, cached on first use, when the first use was
 a capture), and the finding names that read. A runner's capture loop that runs each
@@ -50,6 +51,7 @@ class Read:
     read: int = 0                   # the capture's output storage it read
     used: bool = False              # what it computed was read again by eager code: the step went on with it
     made: dict = dataclasses.field(default_factory=dict)    # storage -> weak reference: what it computed
+    makers: dict = dataclasses.field(default_factory=dict)  # storage -> code of the function that computed it
     joined: list = dataclasses.field(default_factory=list)  # reads whose values went into what it computed
 
 
@@ -78,14 +80,16 @@ def eager_op(doctor, func, args, kwargs, out) -> None:
     if shape_only(func):
         return
     reads: list[Read] = []
+    code = None
     for n, t in enumerate(op_tensors(args, kwargs)):
         if n == 0 and overwrites(func):
             continue
         key = storage_key(t)
         read = _followed(doctor, key)
-        if read is not None:
-            read.used |= key != read.read                    # a value computed from them, read again
-        elif (info := doctor.uncomputed.get(block(t))) is not None and info.ref() is not None:
+        if read is not None and key != read.read and not read.used:     # a value computed from them, read again:
+            code = code or _code()                                       # by the caller, or on the host
+            read.used = read.makers.get(key) is not code or isinstance(out, (bool, int, float, complex))
+        elif read is None and (info := doctor.uncomputed.get(block(t))) is not None and info.ref() is not None:
             frame = user_code_frame()
             read = doctor.followed[key] = Read(info, str(func), location(frame) if frame else "<unknown>",
                                                describe(t), _cached(info, frame),
@@ -96,12 +100,19 @@ def eager_op(doctor, func, args, kwargs, out) -> None:
         return
     read = reads[0]
     read.joined += [r for r in reads[1:] if all(r is not j for j in read.joined)]
+    code = code or _code()
     for t in [*tensors(out), *written_tensors(func, args, kwargs)]:
         doctor.followed[key := storage_key(t)] = read    # what the memory holds now
         read.made[key] = StorageWeakRef(t.untyped_storage())
+        read.makers[key] = code
     for t in written_tensors(func, args, kwargs):
         if (key := storage_key(t)) in doctor.initial:
             mutation.dummy_written(doctor, key, t)  # a dummy batch's value in persistent state: not live data
+
+
+def _code():
+    frame = user_code_frame()
+    return frame.f_code if frame is not None else None
 
 
 def _cached(info, frame) -> bool:

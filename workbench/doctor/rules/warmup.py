@@ -123,8 +123,10 @@ def check(doctor, info) -> None:
 
     The skipped work is a finding, unless differential replay compared this graph's replays with
     eager steps and every one agreed, or gave what the workload's run without graphs gives at the same
-    step (``probes/reference.py``: the eager form is then not the step): then the capture skipped work
-    that changes no result (a check a library makes only outside a capture, say), and it is a note."""
+    step (``probes/reference.py``: the eager form is then not the step), or the workload says its
+    results agree with that run's (``events.results``): then the capture skipped work that changes no
+    result (a check a library makes only outside a capture, a loop that reads back its convergence
+    only when not capturing), and it is a note."""
     if info.warmup is None:
         return
     step = (info, *info.pieces)
@@ -147,6 +149,11 @@ def check(doctor, info) -> None:
     if info.compared and not info.disagreed:
         doctor.report.notes.append(f"{info.name}: the warmup ran work the capture skipped ({finding.source}); "
                                    f"{info.compared} replay(s) compared with eager steps agreed, so it changes no result")
+        return
+    if doctor.reference is not None and doctor.reference.verdict == () and not doctor.report.errors:
+        doctor.report.notes.append(f"{info.name}: the warmup ran work the capture skipped ({finding.source}); the "
+                                   "workload's results agree with its run without graphs, so it changed none of them "
+                                   "(a decision made on the host outside a capture, a path taken only when not capturing)")
         return
     fs = doctor.report.findings                 # the cause before what differential replay saw of it
     if doctor.add(finding, ("warmup-divergence", first.name, first.source)) is finding and fs[-1] is finding:
