@@ -903,6 +903,56 @@ def test_a_function_that_syncs_among_other_work_is_the_site():
     assert finding.op == "synchronize()" and finding.location == where(sync_by_hand, "synchronize(x.device)")
 
 
+def launch(kernel, device, stream=None):
+    """A launch helper: with no stream given, the legacy stream, which synchronises with the others."""
+    if stream is None:
+        synchronize(device)
+    return kernel()
+
+
+def blocking_copy(dst, src):
+    """A stand-in for ``cudaMemcpy``: synchronise, then copy."""
+    synchronize(dst.device)
+    dst.copy_(src)
+
+
+def scale_on_legacy_stream(x):
+    y = torch.empty_like(x)
+    launch(lambda: y.copy_(x * 2), x.device)   # the code that chose the legacy stream (no stream given)
+    return y + 1
+
+
+def gather_blocking(x):
+    y = torch.empty_like(x)
+    blocking_copy(y, x)                        # the code that chose a blocking copy
+    return y * 2
+
+
+def scale_then_block(x):
+    y = x * 2
+    synchronize(x.device)                      # after work of its own: the code that decided to sync
+    return y
+
+
+def scaled_and_blocked(x):
+    return scale_then_block(x) + 1
+
+
+@pytest.mark.parametrize("model, code", [(scale_on_legacy_stream, "launch(lambda"),
+                                         (gather_blocking, "blocking_copy(y, x)")], ids=["stream-argument", "always"])
+def test_a_function_that_synchronises_before_any_work_of_its_own_is_named_where_it_was_called(model, code):
+    """``launch`` synchronises when its caller gives no stream; ``blocking_copy`` always does. Neither
+    computed anything of its own before the sync (no local variable, none of the workload's functions):
+    only its arguments chose the path, and the line that called it chose to block."""
+    finding = refused_in_capture(model)
+    assert finding.location == where(model, code), finding
+
+
+def test_a_function_that_synchronises_after_work_of_its_own_is_the_site_when_another_calls_it():
+    finding = refused_in_capture(scaled_and_blocked)
+    assert finding.location == where(scale_then_block, "synchronize(x.device)"), finding
+
+
 def cudaMalloc(x):
     """A library's stand-in for a runtime call that a capture refuses (its own check, its own error)."""
     if is_capturing():

@@ -1933,18 +1933,21 @@ def test_a_raise_a_harness_caught_outside_the_workloads_code_is_reported(workspa
     assert "in aligned_alloc" in report.caught[0] and not report.clean
 
 
+@pytest.mark.parametrize("error", ["IllegalMemoryAccess", "GraphError"])
 @pytest.mark.parametrize("capacity", [7, 8])
-def test_a_kernels_fault_the_workload_models_and_a_harness_caught_is_reported(capacity):
+def test_a_kernels_fault_the_workload_models_and_a_harness_caught_is_reported(capacity, error):
     """A kernel stand-in that writes through a bare pointer raises the engine's ``IllegalMemoryAccess``
-    itself when a store leaves the allocation, as CUDA faults: the served run ends there, and the
-    report says so instead of "0 findings" (the engine's own ``IllegalMemoryAccess``, a replay's read
-    of released memory, is the dangling rules')."""
-    from workbench.engine import IllegalMemoryAccess
+    itself when a store leaves the allocation, as CUDA faults; one launched with a grid it cannot
+    have raises ``GraphError`` as CUDA refuses the launch: the served run ends there, and the report
+    says so instead of "0 findings" (the engine's own ``IllegalMemoryAccess``, a replay's read of
+    released memory, is the dangling rules')."""
+    from workbench import engine
     from workbench.zoo.kit import compare
+    fault = getattr(engine, error)
 
     def store_indices(out, n):
         if n > out.numel():
-            raise IllegalMemoryAccess("CUDA error: an illegal memory access was encountered")
+            raise fault("CUDA error: an illegal memory access was encountered")
         out[:n] = torch.arange(n, dtype=out.dtype)
 
     def build(n):
@@ -1960,7 +1963,7 @@ def test_a_kernels_fault_the_workload_models_and_a_harness_caught_is_reported(ca
     if capacity == 8:
         assert report.caught == [] and report.findings == [], report
         return
-    assert len(report.caught) == 1 and report.caught[0].startswith("IllegalMemoryAccess: CUDA error"), report
+    assert len(report.caught) == 1 and report.caught[0].startswith(f"{error}: CUDA error"), report
     assert "in store_indices" in report.caught[0] and not report.clean
 
 

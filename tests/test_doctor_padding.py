@@ -982,6 +982,42 @@ def test_padded_rows_read_by_a_reduction_over_all_rows_are_stale_padding(variant
     assert finding.kind == "stale-padding" and "h.abs().amax()" in finding.source, report
 
 
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_padded_token_ids_whose_small_fills_both_cure_the_step_are_stale_padding(variant):
+    """The padded rows of a token-id buffer reach real rows through a batch-wide amax of the
+    embeddings. The runner leaves them as a longer step wrote them (bug): large tokens there scale
+    the real rows. Filled with 0 or with 1 (valid tokens, small embeddings), both runs agree and
+    equal the run without graphs: only what the runner left there differs, which is the finding.
+    The fix zeroes the padded rows before each replay."""
+    from workbench.zoo.kit import capture, replay
+
+    def workload():
+        embed = torch.rand(8, 2, generator=torch.Generator().manual_seed(0)) + torch.tensor([0.0] * 2 + [1.0] * 4 + [9.0] * 2)[:, None]
+        embed[:2] = 0.01                                  # tokens 0 and 1: small embeddings
+        ids = torch.zeros(4, dtype=torch.int64)
+
+        def model(tokens):
+            h = embed[tokens]
+            scale = h.abs().amax() / 3.0
+            return torch.round(h / scale) * scale
+        steps = [torch.tensor(t) for t in ([2, 3, 6, 7], [3, 2], [4, 3, 2])]
+        with events.reference():
+            expected = [model(t) for t in steps]
+        g, out = capture(lambda: model(ids), device="cpu", static={"ids": ids})
+        got = []
+        for t in steps:
+            n = t.shape[0]
+            ids[:n] = t
+            if variant == "fix":
+                ids[n:] = 0
+            got.append(replay(g, out, real=n, size=4, padded={"ids": ids} if variant == "bug" else None)[:n].clone())
+        events.results(expected, got)
+        return expected, got
+    finding = finding_of(workload, variant)
+    if variant == "bug":
+        assert finding.tensor == "ids" and "with 1, its results equal" in finding.evidence, finding
+
+
 def _out_of_range_replay_on_cuda() -> dict:
     """(In a child process: a device-side assert would end the CUDA context.) A graph gathers rows of
     a table through a static index buffer; the runner then writes an index past the table's end.

@@ -20,7 +20,7 @@ from .intake import Doctor
 from .probes.padding import Plan
 from .report import Finding, Report
 from .rules import uncomputed
-from .rules.padding import compare_runs, crashed_only_as_left, written_by_runner
+from .rules.padding import compare_runs, crashed_only_as_left, neutralised, written_by_runner
 from . import composite, raised
 from .session import watching
 
@@ -96,7 +96,7 @@ def diagnose(target: Callable[[], Any], make_batch: Callable[[int, int], Mapping
         elif finding is None and _failed(report) and all(_failed(r[0]) for r in runs):
             finding = _cured(workload, guard, doctor.plan.steps, _failed(report)[0])
         elif finding is None and not _failed(report) and _unexplained_padded(report, doctor):
-            finding = _steered(workload, guard, doctor.plan.steps)
+            finding = _neutralised(doctor, runs) or _steered(workload, guard, doctor.plan.steps)
         if finding is not None:         # (it says more than a finding of the watched run at the same op)
             report.findings = [f for f in report.findings if (f.kind, f.source) != (finding.kind, finding.source)]
             report.findings.append(finding)
@@ -149,6 +149,19 @@ def _steered(workload: Callable[[], Any], guard: bool, steps: list) -> Finding |
         if (alone := differ(frozenset((name,)))[0]) is not None:
             return written_by_runner(name, *written, differs=alone)
     return None
+
+
+def _neutralised(doctor: Doctor, runs: list) -> Finding | None:
+    """A padded replay differed from the run without graphs, the two fills of the padded rows the
+    runner left agree, and with either fill the workload's results equal its run without graphs:
+    only the values the runner left there (an earlier step's data) make real rows differ, which
+    any neutral value cures (a reduction over the padded batch, an amax, that small values do not
+    move). The finding is at the graph's first reader of the padded buffers."""
+    if not runs or not all(d.filled_agrees for _, d in runs) or doctor.reference.verdict in (None, ()):
+        return None
+    graph, text = next((g, t) for g, t, padded in doctor.reference.unexplained if padded)
+    record = next((r for r in runs[0][1].trace if r["graph"] == graph and r["real"] < (r["size"] or 0)), None)
+    return neutralised(record, text.split(": ")[0], doctor.reference.verdict)
 
 
 def _held_neutral(report: Report, doctor: Doctor) -> bool:

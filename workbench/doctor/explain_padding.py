@@ -11,6 +11,14 @@ def stale_padding(first_input: str | None) -> str:
             f"rows filled two different ways, gave different results for real rows.{via}")
 
 
+def padding_left() -> str:
+    return ("Real-row results depend on what padded rows hold: as the runner left them (an earlier step's data) "
+            "they gave real rows other results than the run without graphs, and with 0 or 1 there the same "
+            "workload gives the same results as that run. Something over the whole padded batch (a reduction, a "
+            "batch-wide scale, a sort) reads the padded rows: give them a neutral value before the replay, or keep "
+            "them out of it.")
+
+
 def padding_written(name: str, completes: bool) -> str:
     what = ("Whether the step completes" if completes else "What real rows get")
     other = ("with 0 there instead the same workload completes" if completes else

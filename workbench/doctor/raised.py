@@ -38,7 +38,7 @@ import sysconfig
 
 import torch
 
-from ..engine.errors import IllegalMemoryAccess
+from ..engine.errors import GraphError, IllegalMemoryAccess
 from ..engine.source import SKIP_DIRS, function_name, location, mine, raises_at, short_path
 from . import failures
 from .rules import (checks, clobbered, decisions, dummy_batch, input_match, shapes, size_table, sync, torn_down,
@@ -242,11 +242,12 @@ def _came_from(tb, frame_id: int) -> bool:
 
 
 def _modelled_fault(error: BaseException, frame) -> bool:
-    """The workload's own ``raise`` of the engine's ``IllegalMemoryAccess``: its model of a kernel
-    that faults (a bound a CUDA kernel does not check), not a replay's read of released memory,
-    which the engine raises from its own code. Kept like any failure, so that a run that caught it
-    does not read "0 findings"."""
-    return isinstance(error, IllegalMemoryAccess) and raises_at(frame.f_code, frame.f_lasti)
+    """The workload's own ``raise`` of one of the engine's errors (``IllegalMemoryAccess``,
+    ``GraphError``): its model of a kernel that faults (a bound a CUDA kernel does not check) or of a
+    launch CUDA refuses (an empty grid), not a replay's read of released memory, which the engine
+    raises from its own code. Kept like any failure, so that a run that caught it does not read
+    "0 findings"."""
+    return isinstance(error, (IllegalMemoryAccess, GraphError)) and raises_at(frame.f_code, frame.f_lasti)
 
 
 def _from_a_check(error: BaseException, frame) -> bool:

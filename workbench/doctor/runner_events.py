@@ -12,6 +12,7 @@ from ..engine.source import user_frame
 from . import raised
 from .failures import contained
 from .probes import differential, padding as padding_probe
+from .probes.compare import verdict
 from .probes.reference import Reference
 from .records import Pending, announced
 from .rules import dangling, mutation, overwritten, undersized
@@ -88,6 +89,8 @@ class RunnerEvents:
     def results(self, reference: list, served: list) -> None:
         if self.reference is not None and not self.reference.recording:
             self.reference.results(reference, served)
+        elif self.pattern is not None:             # a padded-row run: did its fill give the reference's results
+            self.filled_agrees = verdict(reference, served)[0] == ()
 
     @contained
     def warmup_begin(self, real: bool = False) -> None:

@@ -35,7 +35,7 @@ def user_code_frame():
     """The innermost user frame itself (None outside user code), for a caller that keeps only its
     function (held briefly)."""
     frame = sys._getframe(1)
-    while frame is not None and not _mine(frame.f_code):
+    while frame is not None and not mine_code(frame.f_code):
         frame = frame.f_back
     return frame
 
@@ -48,7 +48,7 @@ def user_frames(start=_CALLER) -> list:
     default; None: no frame) outwards (frame objects: hold them only briefly)."""
     frames, frame = [], sys._getframe(1) if start is _CALLER else start
     while frame is not None:
-        if _mine(frame.f_code):
+        if mine_code(frame.f_code):
             frames.append(frame)
         frame = frame.f_back
     return frames
@@ -59,7 +59,7 @@ def frames_within(opened) -> list | None:
     is not on the stack): what a block called, not the code around it."""
     frames, frame = [], sys._getframe(1)
     while frame is not None and frame is not opened:
-        if _mine(frame.f_code):
+        if mine_code(frame.f_code):
             frames.append(frame)
         frame = frame.f_back
     return frames if frame is opened else None
@@ -137,10 +137,11 @@ def function_name(code) -> str:
 
 def mine(frame) -> bool:
     """Whether a frame runs the user's code (not torch, engine or doctor code)."""
-    return _mine(frame.f_code)
+    return mine_code(frame.f_code)
 
 
-def _mine(code) -> bool:
+def mine_code(code) -> bool:
+    """Whether a code object is the user's (``mine`` of a frame that would run it)."""
     mine = _USER.get(code)
     if mine is None:
         mine = _USER[code] = (not code.co_filename.startswith(SKIP_DIRS)

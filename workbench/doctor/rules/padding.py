@@ -61,6 +61,17 @@ def crashed_only_as_left(error: str, record: dict | None, patterns: int) -> Find
                             "runs with padded rows filled with small values completed", {"crashed": error}, None)
 
 
+def neutralised(record: dict | None, replay: str, result: tuple) -> Finding:
+    """The padded rows as the runner left them made a replay differ from the run without graphs
+    (``replay``, and the workload's result ``result``: (index, max |diff|)); filled with 0 or with 1,
+    the workload's results equalled that run's."""
+    i, diff = result
+    return _finding(record, f"{replay} differs from the run without graphs, and so does the workload's result {i} "
+                            f"(max |diff| = {diff:.3g}); with the padded rows the runner left filled with 0, and "
+                            "with 1, its results equal the run without graphs': what the runner left in the padded "
+                            "rows reaches real rows", {"max_abs_diff": diff}, None, explain_padding.padding_left())
+
+
 def written_by_runner(name: str, graph: str, op: str, source: str, made: str, *, error: str | None = None,
                       differs: Finding | None = None) -> Finding:
     """What the runner itself writes into the padded rows of static input ``name`` (at ``source``,
@@ -84,7 +95,7 @@ def written_by_runner(name: str, graph: str, op: str, source: str, made: str, *,
                    {"crashed": error} if error is not None else dict(differs.numbers))
 
 
-def _finding(record: dict | None, evidence: str, numbers: dict, first: str | None) -> Finding:
+def _finding(record: dict | None, evidence: str, numbers: dict, first: str | None, why: str | None = None) -> Finding:
     graph = record["graph"] if record else "-"
     if record and first:
         op, source = record["readers"].get(first, ("-", "-"))
@@ -97,4 +108,5 @@ def _finding(record: dict | None, evidence: str, numbers: dict, first: str | Non
         (tensor, (op, source)) = next(iter(record["readers"].items()))
     else:
         op, source, tensor = "-", "-", "-"
-    return Finding("stale-padding", graph, op, tensor, source, evidence, explain_padding.stale_padding(first), numbers)
+    return Finding("stale-padding", graph, op, tensor, source, evidence, why or explain_padding.stale_padding(first),
+                   numbers)

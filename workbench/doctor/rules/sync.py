@@ -6,13 +6,15 @@ a kernel wrapper converting its scale arguments to launch parameters) syncs beca
 handed it a device tensor where a host value was needed: the finding names the frame that handed
 the tensor in, found by walking out from the syncing frame for as long as the tensor reached each
 frame as one of its arguments (or its ``*args``). Nor is a function named for the synchronisation
-(a ``cuda_synchronize()`` helper, a stand-in for ``cudaStreamSynchronize``), or one that only passes
-a refused runtime call on (an event's ``wait()``): it is the sync itself, and the finding names the
-line that called it. Nor is a function that raises CUDA's refusal of a call itself (a binding's
+(a ``cuda_synchronize()`` helper, a stand-in for ``cudaStreamSynchronize``), one that only passes
+a refused runtime call on (an event's ``wait()``), or one that synchronises before computing
+anything of its own (a ``cudaMemcpy`` stand-in, a launch helper that takes the legacy stream when
+given no stream): it is the sync itself, and the finding names the line that called it. Nor is a function that raises CUDA's refusal of a call itself (a binding's
 status check, ``checkCudaErrors(...)``): the call was made by its caller.
 """
 from __future__ import annotations
 
+import dis
 import inspect
 
 import torch
@@ -21,7 +23,7 @@ from ...engine.capture_mode import WaitedElsewhereError
 from ...engine.errors import CaptureError
 from ...engine.host_sync import UploadGuard, blocking_copy_error, host_sync_error, is_host_sync
 from ...engine.opinfo import storage_key, tensors
-from ...engine.source import forwards, frames_within, location, mine, raises_at, user_frames
+from ...engine.source import forwards, frames_within, location, mine, mine_code, raises_at, user_frames
 from .. import explain
 from . import guarded
 from ..report import Finding
@@ -198,10 +200,43 @@ def _stand_in(frames: list, op: str | None = None, call: bool = False) -> str | 
     that call on (``forwards``: an event's ``wait()`` that synchronizes) is its stand-in too, and so
     is each such wrapper around it, walking out."""
     name = frames[0][0].f_code.co_name.lower() if frames else ""
-    i = int(len(frames) > 1 and ("sync" in name or op is not None and name == op.lower()))
+    i = int(len(frames) > 1 and ("sync" in name or op is not None and name == op.lower()
+                                 or call and _waits(op) and _unprepared(*frames[0])))
     while call and i + 1 < len(frames) and forwards(frames[i][0].f_code):
         i += 1
     return location(*frames[i]) if i else None
+
+
+def _waits(op: str | None) -> bool:
+    """A device, stream or event synchronisation (not a tensor's values read, not a copy)."""
+    return op is not None and ("synchronize" in op or "wait" in op.lower())
+
+
+def _unprepared(frame, line: int) -> bool:
+    """Whether a function synchronised before doing anything of its own: above that line it assigns
+    no local variable and names none of the workload's functions or classes, so only its arguments
+    chose the path there (a ``cudaMemcpy`` stand-in that synchronises, a launch helper that takes
+    the legacy stream when no stream is given). It is the runtime's call as its caller asked for it."""
+    code = frame.f_code
+    given = code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & inspect.CO_VARARGS) \
+        + bool(code.co_flags & inspect.CO_VARKEYWORDS)
+    parameters = set(code.co_varnames[:given])
+    for i in dis.get_instructions(code):
+        if i.positions.lineno is None or i.positions.lineno >= line:
+            continue
+        if i.opname in ("STORE_FAST", "STORE_DEREF") and i.argval not in parameters:
+            return False
+        if i.opname in ("LOAD_GLOBAL", "LOAD_NAME") and _workload_code(frame.f_globals.get(i.argval)):
+            return False
+    return True
+
+
+def _workload_code(value) -> bool:
+    """A function or class defined in the workload's own code."""
+    code = getattr(value, "__code__", None)
+    if code is None and isinstance(value, type):
+        code = getattr(getattr(value, "__init__", None), "__code__", None)
+    return code is not None and mine_code(code)
 
 
 def _argument(frame, same) -> bool:

@@ -79,7 +79,7 @@ class HostView:
 
     def __init__(self, arr: torch.Tensor, device: Device):
         self.arr, self.device = arr, device
-        self.mirror = host(torch.zeros_like(arr), device.torch_device)
+        self.mirror = host(torch.zeros(arr.shape, dtype=arr.dtype), device.torch_device)
 
     def numpy(self) -> torch.Tensor:
         self.mirror.copy_(self.arr, non_blocking=True)
