@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from test_doctor_setup_and_warmups import only_finding
 from workbench import doctor
 from workbench.engine import GraphRunner, events, graph, graph_pool_handle, is_capturing, new_graph, opinfo
 from workbench.engine.errors import GraphError, IllegalMemoryAccess
@@ -1135,6 +1136,41 @@ def test_nan_padded_rows_make_that_a_batch_wide_scale_hands_to_real_rows(fill):
     assert "o / wide.abs().amax()" in finding.source and "NaN" in finding.evidence, finding
 
 
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_nan_a_padded_row_stores_into_a_slot_real_rows_read_is_stale_padding(variant):
+    """Padded rows have length 0 (an attention row with no keys: NaN) and slot 0, the cache's null
+    slot. The step stores each row's output at its slot, then reads its rows' slots and slot 0 (a
+    page table's padding, weighted 0: 0 * NaN is NaN). The store hands the padded row's NaN to the
+    real rows through the cache (bug): the finding is at the store. The fix skips stores into the
+    null slot."""
+    keys = rows(4, width=3, seed=1)
+    lens, slots = torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
+    cache = torch.zeros(5, 3)
+
+    def forward(size):
+        valid = torch.arange(4)[None, :] < lens[:size, None]
+        scores = keys[None, :, 0].expand(size, 4).masked_fill(~valid, float("-inf"))
+        o = torch.softmax(scores, -1) @ keys
+        s = slots[:size]
+        if variant == "fix":
+            o = torch.where((s == 0)[:, None], cache[s], o)
+        cache.index_put_((s,), o)                   # the store
+        return cache[s] + 0.0 * cache[0]
+
+    def workload():
+        m = Manager(forward, [4], {"lens": lens, "slots": slots}, state={"cache": cache})
+        m.capture()
+        for n in (3, 2):
+            lens.fill_(0)
+            slots.fill_(0)
+            lens[:n], slots[:n] = torch.arange(1, n + 1), torch.arange(1, n + 1)
+            m.replay(n, padded={})
+    finding = only_finding(workload, variant)
+    if variant == "bug":
+        assert finding.kind == "stale-padding" and "cache.index_put_((s,), o)" in finding.source, finding
+        assert "into memory that is not per row" in finding.evidence, finding
+
+
 def test_only_an_op_that_mixes_rows_hands_padded_rows_nan_to_real_rows():
     """Of ops on a batch whose padded row (the last of 4) holds NaN: a per-row op keeps it there, a
     flattened copy of the rows is no mix (as large as what carried it), a reduction is one."""
@@ -1145,7 +1181,7 @@ def test_only_an_op_that_mixes_rows_hands_padded_rows_nan_to_real_rows():
     aten = torch.ops.aten
     for func, out, mixes in ((aten.mul.Tensor, x * 2, False), (aten.clone.default, x.reshape(-1).clone(), False),
                              (aten.sum.default, x.sum(), True)):
-        d = SimpleNamespace(nonfinite=(3, 4), crossed=None)
+        d = SimpleNamespace(nonfinite=(3, 4), crossed=None, stored={})
         nonfinite.on_op(d, func, (x,), {}, out)
         assert (d.crossed is not None) == mixes, func
 

@@ -63,7 +63,8 @@ class EagerRun:
     branch_at: tuple = ()                        # (the graph, the frame that runs the step): at its first op unlike
     branch: str | None = None                    # the capture's, the line where it left the capture's path (``branched``)
     nonfinite: tuple | None = None               # (real, size): find where padded rows' NaN reach real rows...
-    crossed: tuple | None = None                 # ... (op, source) of the first op that hands them over (nonfinite)
+    crossed: tuple | None = None                 # ... (op, source, reader or None) of the op that hands them over
+    stored: dict = dataclasses.field(default_factory=dict)   # storage -> (op, source) that stored them in state
     rebound: list = dataclasses.field(default_factory=list)    # tensor bindings it moved (pystate.changes)
     host: list = dataclasses.field(default_factory=list)   # (container, name, what changed): the replay left it
     settings: list = dataclasses.field(default_factory=list)   # plain values among them it set (pystate.settings)

@@ -14,14 +14,17 @@ op whose inputs hold them only in padded rows (rows ``real..size`` of a tensor w
 step's; ``[1, tokens]`` layouts along the tokens) and whose output holds them where real rows
 are (its real rows, or anywhere in a smaller output that is not per row: a scale, a sum; not a
 flattened or repeated copy of the rows) is where padding reached real rows: ``stale-padding`` at
-that op.
+that op. Padded rows also reach real rows through state: a store whose values hold them only in
+padded rows writes them into memory that is not per row (a KV cache slot the padded rows are sent
+to, which real rows read too). That memory carries them on; where an op then gives them to real
+rows, the finding is at the store.
 """
 from __future__ import annotations
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ...engine.opinfo import op_tensors, tensors
+from ...engine.opinfo import op_tensors, storage_key, tensors, written_tensors
 from ...engine.source import user_frame
 from .. import explain_padding
 from ..report import Finding
@@ -40,12 +43,14 @@ def on_op(d, func, args, kwargs, out) -> None:
     note it (``EagerRun.crossed``) if it carries non-finite values from padded rows to real ones."""
     real, size = d.nonfinite
     with _disable_current_modes():
-        carrier = 0                                     # the largest input holding them in padded rows only
+        carrier, via = 0, None                          # the largest input holding them in padded rows only
         for t in op_tensors(args, kwargs):
             if not t.is_floating_point():
                 continue
             mine, theirs = _split(t, real, size)
             if theirs is None:
+                if (key := storage_key(t)) in d.stored and not bool(torch.isfinite(t).all()):
+                    carrier, via = max(carrier, t.numel()), d.stored[key]     # state a padded row stored into
                 continue                                # not the step's rows: whose values, unknown
             if not bool(torch.isfinite(mine).all()):
                 return                                  # real rows already had them
@@ -53,14 +58,22 @@ def on_op(d, func, args, kwargs, out) -> None:
                 carrier = max(carrier, t.numel())
         if not carrier:
             return
-        for o in (out,) if isinstance(out, torch.Tensor) else tensors(out):
+        if via is None:
+            for w in written_tensors(func, args, kwargs):
+                if w.is_floating_point() and _split(w, real, size)[1] is None and not bool(torch.isfinite(w).all()):
+                    d.stored[storage_key(w)] = (str(func), user_frame())
+        outs = [o for o in ((out,) if isinstance(out, torch.Tensor) else tensors(out)) if o.is_floating_point()]
+        for o in outs:
             mine, theirs = _split(o, real, size)
             # An output without the step's rows counts when it is smaller than what carried them
             # (a reduction); a copy or an expansion of the rows (a flattened or repeated layout) is not.
-            if o.is_floating_point() and (theirs is not None or o.numel() < carrier) \
-                    and not bool(torch.isfinite(mine).all()):
-                d.crossed = (str(func), user_frame())
+            if (theirs is not None or o.numel() < carrier) and not bool(torch.isfinite(mine).all()):
+                d.crossed = (*via, (str(func), user_frame())) if via else (str(func), user_frame(), None)
                 return
+        if via is not None:             # values read from that state carry them on (a slot read as padding)
+            for o in outs:
+                if _split(o, real, size)[1] is None and not bool(torch.isfinite(o).all()):
+                    d.stored[storage_key(o)] = via
 
 
 def _split(t: torch.Tensor, real: int, size: int) -> tuple:
@@ -77,11 +90,14 @@ def _split(t: torch.Tensor, real: int, size: int) -> tuple:
 def report(doctor, info, pending, run) -> None:
     if run.crossed is None:
         return
-    op, source = run.crossed
+    op, source, reader = run.crossed
     padded = ", ".join(pending.padded) or "the padded rows"
+    how = (f"{op} is the first op that takes non-finite values held only by padded rows and gives them to real rows"
+           if reader is None else
+           f"{op} stores non-finite values held only by padded rows into memory that is not per row, and "
+           f"{reader[0]} at {reader[1]} gives them from there to real rows")
     doctor.add(Finding(
         "stale-padding", info.name, op, padded, source,
         f"sampled replay {info.replays} of {info.name} ({pending.real} real rows of {pending.size}): real-row outputs "
-        f"hold NaN or infinity; in an eager run of the step, {op} is the first op that takes non-finite values "
-        "held only by padded rows and gives them to real rows", explain_padding.nonfinite_padding(op),
+        f"hold NaN or infinity; in an eager run of the step, {how}", explain_padding.nonfinite_padding(op),
         {"replay": info.replays, "real": pending.real, "size": pending.size}), ("stale-padding", op, source))
