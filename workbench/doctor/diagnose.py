@@ -157,7 +157,7 @@ def _neutralised(doctor: Doctor, runs: list) -> Finding | None:
     only the values the runner left there (an earlier step's data) make real rows differ, which
     any neutral value cures (a reduction over the padded batch, an amax, that small values do not
     move). The finding is at the graph's first reader of the padded buffers."""
-    if not runs or not all(d.filled_agrees for _, d in runs) or doctor.reference.verdict in (None, ()):
+    if not runs or not all(d.plan.agrees for _, d in runs) or doctor.reference.verdict in (None, ()):
         return None
     graph, text = next((g, t) for g, t, padded in doctor.reference.unexplained if padded)
     record = next((r for r in runs[0][1].trace if r["graph"] == graph and r["real"] < (r["size"] or 0)), None)

@@ -58,7 +58,6 @@ class Doctor(RunnerEvents):
         self.report = Report()
         self.guard = guard
         self.pattern = pattern                      # diagnose's padded-row fill (0 or 1), else None
-        self.filled_agrees: bool | None = None      # a padded-row run: whether the workload's results agreed
         self.every = differential
         # Every capture's record, in capture order: a released graph's stays (what it held is reported),
         # and a new graph given a released one's id does not take its place.

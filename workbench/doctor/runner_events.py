@@ -89,8 +89,8 @@ class RunnerEvents:
     def results(self, reference: list, served: list) -> None:
         if self.reference is not None and not self.reference.recording:
             self.reference.results(reference, served)
-        elif self.pattern is not None:             # a padded-row run: did its fill give the reference's results
-            self.filled_agrees = verdict(reference, served)[0] == ()
+        elif self.pattern is not None and self.plan is not None:    # a padded-row run: did its fill give them
+            self.plan.agrees = verdict(reference, served)[0] == ()
 
     @contained
     def warmup_begin(self, real: bool = False) -> None:

@@ -69,6 +69,7 @@ class Plan:
         self.before: dict[int, tuple] = {}
         self.written: dict[str, tuple] = {}
         self.made: dict[int, str] = {}
+        self.agrees: bool | None = None           # a padded-row run: whether the workload's results agreed
 
 
 def served(doctor, real: int, size: int, padded: dict, columns: dict) -> None:

@@ -9,8 +9,9 @@ frame as one of its arguments (or its ``*args``). Nor is a function named for th
 (a ``cuda_synchronize()`` helper, a stand-in for ``cudaStreamSynchronize``), one that only passes
 a refused runtime call on (an event's ``wait()``), or one that synchronises before computing
 anything of its own (a ``cudaMemcpy`` stand-in, a launch helper that takes the legacy stream when
-given no stream): it is the sync itself, and the finding names the line that called it. Nor is a function that raises CUDA's refusal of a call itself (a binding's
-status check, ``checkCudaErrors(...)``): the call was made by its caller.
+given no stream): it is the sync itself, and the finding names the line that called it. Nor is a
+function that raises CUDA's refusal of a call itself (a binding's status check,
+``checkCudaErrors(...)``): the call was made by its caller.
 """
 from __future__ import annotations
 
