@@ -87,9 +87,9 @@ def diagnose(target: Callable[[], Any], make_batch: Callable[[int, int], Mapping
             return report
         finding = compare_runs(*(r[1].trace for r in runs), *(_failed(r[0]) for r in runs))
         if finding is not None and _held_neutral(report, doctor):
-            report.notes.append(f"stale-padding at {finding.location} is latent: {finding.evidence}; but as the runner "
-                                "left them, the padded rows held values under which this run's results equal its run "
-                                "without graphs' (a value it set once, before any step)")
+            report.note(f"stale-padding at {finding.location} is latent: {finding.evidence}; but as the runner "
+                        "left them, the padded rows held values under which this run's results equal its run "
+                        "without graphs' (a value it set once, before any step)")
             finding = None
         elif finding is None and _failed(report) and not any(_failed(r[0]) for r in runs):
             finding = crashed_only_as_left(_failed(report)[0], runs[0][1].trace[-1] if runs[0][1].trace else None, 2)
@@ -102,8 +102,8 @@ def diagnose(target: Callable[[], Any], make_batch: Callable[[int, int], Mapping
             report.findings.append(finding)
             _explained_by_padding(report, finding)
         report.not_checked.pop("stale-padding", None)
-        report.notes.append(f"stale-padding: {doctor.padded_steps} padded step(s); the workload was run twice "
-                            "more with padded rows filled two ways")
+        report.note(f"stale-padding: {doctor.padded_steps} padded step(s); the workload was run twice "
+                    "more with padded rows filled two ways")
     return report
 
 
@@ -197,10 +197,10 @@ def _explained_by_padding(report: Report, padding) -> None:
             (f.kind == "stale-padding" and "output" in f.numbers and "unpadded" in f.numbers) or
             "reference_call" in f.numbers)]:
         report.findings.remove(f)
-        report.notes.append(f"{f.kind} at {f.location} follows from the stale padded rows: {f.evidence}")
+        report.note(f"{f.kind} at {f.location} follows from the stale padded rows: {f.evidence}")
     for text in [u for u in report.unexplained if u.startswith("replay ") and f" of {padding.graph} (" in u]:
         report.unexplained.remove(text)
-        report.notes.append(f"a difference from the run without graphs follows from the stale padded rows: {text}")
+        report.note(f"a difference from the run without graphs follows from the stale padded rows: {text}")
 
 
 def exercise(make_runner: Callable[[], GraphRunner], make_batch: Callable[[int, int], Mapping[str, torch.Tensor]],

@@ -244,7 +244,7 @@ class Doctor(RunnerEvents):
         self.capturing, self.phase = None, "eager"
         self.warm.capture_abort(info)
         name = info.name if info is not None else "a graph"
-        self.report.notes.append(f"capture of {name} failed: {type(error).__name__}: {first_line(error)}")
+        self.report.note(f"capture of {name} failed: {type(error).__name__}: {first_line(error)}")
         sync.capture_failed(self, name, error, info)
 
     @contained

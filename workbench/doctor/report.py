@@ -120,6 +120,11 @@ class Report:
     failure: str | None = None
     seconds: float = 0.0
 
+    def note(self, text: str) -> None:
+        """A note, once: sampled replays of one graph see the same thing again."""
+        if text not in self.notes:
+            self.notes.append(text)
+
     @property
     def kinds(self) -> set[str]:
         return {f.kind for f in self.findings}

@@ -25,13 +25,13 @@ def finish(doctor) -> Report:
     elif not doctor.every and report.captures:
         report.skipped["differential replay"] = "off (watch(differential=N) or diagnose() turns it on)"
     if doctor.compared:
-        report.notes.append(f"differential replay: {doctor.compared} replay(s) compared with an eager run "
-                            "of the same step")
+        report.note(f"differential replay: {doctor.compared} replay(s) compared with an eager run "
+                    "of the same step")
     if doctor.startup.skipped:
-        report.notes.append(f"{doctor.startup.skipped} storage(s) the warmups wrote were too large to keep: what "
-                            "dummy batches left there was not checked")
+        report.note(f"{doctor.startup.skipped} storage(s) the warmups wrote were too large to keep: what "
+                    "dummy batches left there was not checked")
     if doctor.unknown_replays:
-        report.notes.append(f"{doctor.unknown_replays} replays of graphs captured before watch() were not checked")
+        report.note(f"{doctor.unknown_replays} replays of graphs captured before watch() were not checked")
     report.findings.sort(key=lambda f: KINDS.index(f.kind))
     return report
 

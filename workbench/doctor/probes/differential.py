@@ -129,8 +129,8 @@ def finish(doctor, info, pending) -> None:
         unread.not_read_eagerly(doctor, info, run)
     doctor.compared += 1
     if error is not None:
-        doctor.report.notes.append(f"differential replay of {info.name}: the eager step raised "
-                                   f"{type(error).__name__}: {first_line(error)}")
+        doctor.report.note(f"differential replay of {info.name}: the eager step raised "
+                           f"{type(error).__name__}: {first_line(error)}")
         return
     divergence = launch.compare(*launch.traces(info, pending, run)) if traced else None
     if what is not None and (at := launch.repeats(divergence, *launch.traces(info, pending, run))) is not None:
@@ -163,8 +163,7 @@ def finish(doctor, info, pending) -> None:
                 f"the graph owns and never reads ({run.read_outputs[0]}: a binding such as a parameter's .grad, which "
                 "capture found empty), so it does not start from the replay's state; its difference "
                 f"({what[0]}) is not evidence")
-        if note not in doctor.report.notes:
-            doctor.report.notes.append(note)
+        doctor.report.note(note)
     elif what is not None:
         # An output that differs from the eager form's while it is what the workload's run without graphs
         # gives at the same step: the eager form (the captured callable) is not that step. Held, as below.
@@ -186,8 +185,8 @@ def finish(doctor, info, pending) -> None:
             rootcause.host_set(doctor, info, pending, run.settings, host)
     else:
         if divergence is not None:
-            doctor.report.notes.append(f"differential replay of {info.name}: launch traces differ ("
-                                       f"{divergence.text()}) but outputs and state agree on the sampled steps")
+            doctor.report.note(f"differential replay of {info.name}: launch traces differ ("
+                               f"{divergence.text()}) but outputs and state agree on the sampled steps")
         # What the step would give from other starting memory (the static inputs' carried elements, the
         # state before the warmups) is held while the replay gives what the workload's run without graphs
         # gives at the same step (that run may build on the same memory): reported once a replay does not.

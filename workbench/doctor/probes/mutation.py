@@ -72,9 +72,9 @@ def probe(doctor, info, graph) -> None:
             kept = None if fresh[key] is None else ~fresh[key]
             found = _pattern(b0, b1, b2, kept)
             if found is not None and found[0] == "overwriting" and key in independent:
-                doctor.report.notes.append(f"{info.name} writes every element of the static input {buf.name} it "
-                                           "changes from its other inputs (the same values whatever the buffer "
-                                           "held): an output kept in an input buffer, not a mutation of one")
+                doctor.report.note(f"{info.name} writes every element of the static input {buf.name} it "
+                                   "changes from its other inputs (the same values whatever the buffer "
+                                   "held): an output kept in an input buffer, not a mutation of one")
             elif found is not None:
                 mutation.probed(doctor, info, key, buf, *found, b0)
 

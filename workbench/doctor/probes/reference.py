@@ -389,7 +389,7 @@ class Reference:
             held = info.held + info.held_state
             if held:
                 first = held[0][0]
-                doctor.report.notes.append(
+                doctor.report.note(
                     f"{info.name}: {len(held)} finding(s) held until a replay bore them out ({first.kind} at "
                     f"{first.location}: {first.evidence}), but every replay gave the reference run's answers"
                     + (" and so did the workload's results" if self.verdict == () else "") + ": what was seen "
@@ -399,9 +399,9 @@ class Reference:
             if any(name in f.graph.split(", ") for f in doctor.report.findings):
                 continue
             if self.verdict == ():      # the workload's results agree: its steps were paired otherwise
-                doctor.report.notes.append(f"{name}: {text}, but the workload's results agree with its run without "
-                                           "graphs: that step is not the replay's (calls paired by their count): "
-                                           "not reported")
+                doctor.report.note(f"{name}: {text}, but the workload's results agree with its run without "
+                                   "graphs: that step is not the replay's (calls paired by their count): "
+                                   "not reported")
                 continue
             _report(doctor, name, kind, op, tensor, source, why, text, numbers)
         if not doctor.report.findings and self.misshaped:

@@ -39,8 +39,7 @@ def check(doctor, info, pending, replayed: dict, graph_out, run_eager) -> None:
     _, got, error = run_eager(pending.unpadded)
     if error is not None or got is None:
         note = f"the unpadded step of {info.name} raised {type(error).__name__}: padded replays not compared with it"
-        if note not in doctor.report.notes:
-            doctor.report.notes.append(note)
+        doctor.report.note(note)
         return
     out, state, _ = got
     with _disable_current_modes():

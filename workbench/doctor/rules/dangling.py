@@ -102,7 +102,7 @@ def refused(doctor, pool, name: str, error: BaseException) -> None:
     made = doctor.pools.get(pool_key(pool)) if pool is not None else None
     what = f"{type(error).__name__}: {first_line(error)}"
     if made is None or not made[1]:
-        doctor.report.notes.append(f"the capture of {name} could not begin: {what}")
+        doctor.report.note(f"the capture of {name} could not begin: {what}")
         return
     site, graphs = made
     doctor.add(Finding(

@@ -297,7 +297,7 @@ def warm_writes_concluded(doctor, held_writes: list, agreed: bool) -> None:
     workload's results agree with its run without graphs (then the warmup ran the step itself)."""
     if agreed and held_writes:
         first = held_writes[0][0]
-        doctor.report.notes.append(
+        doctor.report.note(
             f"{first.evidence} ({first.location}), but the workload's results agree with its run without graphs: "
             "the warmup ran the step itself, its writes the step's own: not reported")
         held_writes.clear()

@@ -279,6 +279,6 @@ def handled(doctor) -> None:
     refused for a host synchronisation was handled (falling back to eager is a fix idiom). It is a note."""
     for f in doctor.report.of("sync-in-capture"):
         doctor.report.findings.remove(f)
-        doctor.report.notes.append(f"sync-in-capture at {f.location} ({f.evidence}): the capture failed, the workload "
-                                   "went on without raising, and its results equal the run without graphs': handled, "
-                                   "not reported")
+        doctor.report.note(f"sync-in-capture at {f.location} ({f.evidence}): the capture failed, the workload "
+                           "went on without raising, and its results equal the run without graphs': handled, "
+                           "not reported")

@@ -147,13 +147,13 @@ def check(doctor, info) -> None:
         explain.warmup(len(missing), first.name),
         {"warmup_ops": len(info.warmup), "captured_ops": captured, "missing": len(missing), "lines": len(lines)})
     if info.compared and not info.disagreed:
-        doctor.report.notes.append(f"{info.name}: the warmup ran work the capture skipped ({finding.source}); "
-                                   f"{info.compared} replay(s) compared with eager steps agreed, so it changes no result")
+        doctor.report.note(f"{info.name}: the warmup ran work the capture skipped ({finding.source}); "
+                           f"{info.compared} replay(s) compared with eager steps agreed, so it changes no result")
         return
     if doctor.reference is not None and doctor.reference.verdict == () and not doctor.report.errors:
-        doctor.report.notes.append(f"{info.name}: the warmup ran work the capture skipped ({finding.source}); the "
-                                   "workload's results agree with its run without graphs, so it changed none of them "
-                                   "(a decision made on the host outside a capture, a path taken only when not capturing)")
+        doctor.report.note(f"{info.name}: the warmup ran work the capture skipped ({finding.source}); the "
+                           "workload's results agree with its run without graphs, so it changed none of them "
+                           "(a decision made on the host outside a capture, a path taken only when not capturing)")
         return
     fs = doctor.report.findings                 # the cause before what differential replay saw of it
     if doctor.add(finding, ("warmup-divergence", first.name, first.source)) is finding and fs[-1] is finding:
