@@ -472,3 +472,36 @@ def test_a_graph_a_cache_key_chose_for_a_step_on_another_path_is_named_at_the_ke
     found = report.of("warmup-divergence")
     assert found and source.function_of(found[0].location) == "_cache_key", report
     assert "never ran" in found[0].evidence and "chose to replay it" in found[0].evidence
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_loop_count_read_from_host_memory_at_capture_is_frozen_host_work_on_both_devices(device):
+    """The captured step loops as many times as a host mirror says, read on the host (its ``max()``,
+    then ``int``). That is host work, which a capture does not record, so the eager step's launch
+    trace leaves it out too, and the two part where the loop does: a count frozen at capture
+    (host-work-frozen), on CUDA as on the CPU. (Beside a CUDA graph the eager trace kept the host
+    ``max``, parted there first, and called it a launch the graph lacks: warmup-divergence.)"""
+    mirror, x = host(torch.ones(2, dtype=torch.int64), device), torch.ones(3, device=device)
+
+    def forward():
+        y = x.clone()
+        for _ in range(int(mirror.max())):
+            y = y * 2 + 1
+        return y
+
+    def workload():
+        events.static_buffers("Loop", {"x": x})
+        with events.warmup():
+            forward()
+        g = new_graph(device)
+        with graph(g, name="loop"):
+            out = forward()
+        mirror.fill_(3)
+        for step in range(2):
+            x.fill_(step)
+            events.serve(g, 3, 3, padded={}, outputs=out, eager=forward)
+            g.replay()
+            events.handed_out(g, out)
+    finding = only_finding(workload, "bug")
+    assert (finding.kind, finding.op) == ("host-work-frozen", "aten.mul.Tensor"), finding
+    assert finding.source.endswith("in forward: y = y * 2 + 1"), finding.source

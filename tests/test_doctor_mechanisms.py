@@ -1663,6 +1663,38 @@ def test_an_output_whose_block_a_later_capture_was_given_is_overwritten_by_its_r
         assert finding.numbers["overwritten_by"] == "size 2" and "previous.sum()" in finding.source, finding
 
 
+@pytest.mark.parametrize("handed_out", [False, True])
+def test_a_block_one_capture_freed_and_the_next_was_given_is_dangling_or_an_overwritten_output(handed_out):
+    """Graph A frees a temporary inside its capture; B, captured next into the same pool, is given
+    that block for its tensor, and A's replays still write there. C reads B's tensor. Where B's
+    runner hands that tensor out as B's output, C reads an output A's replay overwrote
+    (``overwritten-output``); where nobody hands it out (a buffer a library keeps), it is memory
+    handed on while its first owner still uses it (``dangling-reference``)."""
+    x = torch.ones(4)
+
+    def workload():
+        pool, (a, b, c) = graph_pool_handle("cpu"), (new_graph("cpu") for _ in range(3))
+        events.static_buffers("Chunks", {"x": x})
+        with graph(a, pool=pool, name="A"):
+            t = x * 2                       # a temporary, freed inside A's capture
+            out_a = t.sum(0, keepdim=True)
+            del t
+        with graph(b, pool=pool, name="B"):
+            y = x + 3                       # given the block A freed
+        with graph(c, pool=pool, name="C"):
+            z = y * 5
+        for step in range(3):
+            x.fill_(step)
+            for g, real, out in ((b, 4, y), (a, 1, out_a), (c, 4, z)):
+                events.serve(g, real, real, padded={}, outputs=out)
+                g.replay()
+                if handed_out or g is not b:
+                    events.handed_out(g, out)
+    (finding,) = doctor.diagnose(workload, padding_probe=False).findings
+    assert (finding.kind, finding.graph) == ("overwritten-output" if handed_out else "dangling-reference", "C")
+    assert finding.source.endswith("y = x + 3                       # given the block A freed"), finding
+
+
 @pytest.mark.parametrize("alive", [True, False])
 def test_a_block_whose_producing_graph_is_gone_is_no_other_graphs_output(alive):
     """A capture reads a block another capture wrote: that graph's output, expected there at every

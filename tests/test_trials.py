@@ -61,11 +61,6 @@ GPU_DIFFERS: dict = {
         "CPU backend a plain CPU tensor is device memory, so that copy is a launch the capture never made "
         "(warmup-divergence at plan); on the H200 it is host work, and differential replay names the frozen plan "
         "(host-work-frozen at _plan_with_params)",
-    ("round33/sglang_11666_deepep_auto_mode_not_flipped_before_replay", "bug"):
-        "both name the launch the graph lacks (the buffer clean a mode switch does); on the CPU at the branch "
-        "that called it (set_dispatch_mode_as_low_latency), on the H200 at the clean itself: there the lines the "
-        "capture ran include that branch (the doctor of the session that recorded round 33 agreed on both; the "
-        "doctor of 99d5b58 already differed); why the capture's lines differ is not known yet",
     ("round47/vllmascend_11072_pcp_mtp_mask_none_in_capture_dummy_batch", "bug"):
         "both are differential replay's warmup-divergence for the mask the capture recorded as None; on the CPU "
         "the first op whose values part from the eager step's is the mask comparison in "
@@ -100,10 +95,6 @@ GPU_DIFFERS: dict = {
         "showed the capture's own blocks are 3 there against 6 on the CPU, and the first replay of self_decoder [8] "
         "marks every one of them computed, while the values the dummy run computed from cross_decoder [8]'s output "
         "stay followed and are read again by a later step's _rms_norm)",
-    ("round88/newton_3501_kamino_cg_capture_host_readback_freezes_iterations", "bug"):
-        "both name _run_capturable_loop, where the convergence read-back ran once, at capture; on the CPU the first "
-        "sampled replay's difference is classified host-work-frozen (the copy into the host mirror), on the H200 "
-        "warmup-divergence; why the classification parts there is not known yet (found when the round was recorded)",
     ("round77/vllm_45232_flex_custom_mask_block_mask_rebuilt_in_graph_with_capture_max_seq_len", "bug"):
         "both name the block-mask rebuild the capture recorded with its page count (_build_block_mask_direct); on "
         "the CPU the first sampled replay parts from the eager step in that op's argument shape (host-work-frozen) "

@@ -303,7 +303,12 @@ def startup_write(tensor: str, op: str) -> str:
             "writes to a scratch slot, or save that memory before the warmups and put it back before serving.")
 
 
-def pool_handed_on(tensor: str, producer: str, writer: str, handed_on: bool) -> str:
+def pool_handed_on(tensor: str, producer: str, writer: str, handed_on: bool, output: bool) -> str:
+    if handed_on and output:
+        return (f"The {tensor} is an output of {producer}, allocated during its capture from the shared graph pool, "
+                f"in memory that {writer} had freed during its own capture; {writer}'s replays still write there, "
+                f"so each of them overwrites {producer}'s output. Graphs whose outputs are read after other graphs "
+                "replay need memory those graphs do not use: a pool of their own, or the output copied out.")
     if handed_on:
         return (f"The {tensor} was allocated during the capture of {producer}, from the shared graph pool, in memory "
                 f"that {writer} had freed during its own capture; {writer}'s replays still write there. The graph "

@@ -227,6 +227,7 @@ class GraphInfo:
         self.host_copied: list = []                 # during capture: what each copy from host memory read
         self.blocks: set[tuple] = set()             # memory blocks the capture wrote (rules/pool.py)
         self.own_blocks: set[tuple] = set()         # of those, blocks it allocated
+        self.handed_blocks: set[tuple] = set()      # blocks of the outputs a runner handed out (rules/pool.py)
         self.rehanded: dict[tuple, tuple] = {}      # ... again, once freed: (the op whose output took it, when)
         self.aliases: dict[int, int] = {}           # storages of none of its tensors on its blocks -> first seen
         self.expects: dict[tuple, tuple] = {}       # blocks read from another capture -> that producer

@@ -16,6 +16,7 @@ from .probes.compare import verdict
 from .probes.reference import Reference
 from .records import Pending, announced
 from .rules import dangling, mutation, overwritten, undersized
+from .rules.pool import block
 from . import tensors
 
 
@@ -185,6 +186,7 @@ class RunnerEvents:
         self.handed_any = True
         for t in (tensors_out if isinstance(tensors_out, (tuple, list)) else (tensors_out,)):
             overwritten.tag(self, t, info)
+            info.handed_blocks.add(block(t))
         padding_probe.carry(self)
 
 

@@ -321,9 +321,8 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
     # replay does not (``extra``, kept and put back only by the mode): the run must leave no trace.
     aside = not traced and not info.traced_always and _get_current_dispatch_mode() is doctor.mode
     doctor.diff, doctor.phase = (EagerRun(set(pre), launch.graph_ops(info, pending), traced, not aside, rows,
-                                          bounds=info.cuda and traced, outputs=_unread_outputs(info, pending),
-                                          stacks_at=stacks, origin_of=origin_of,
-                                          nonfinite=nonfinite,
+                                          cuda=info.cuda, outputs=_unread_outputs(info, pending), stacks_at=stacks,
+                                          origin_of=origin_of, nonfinite=nonfinite,
                                           branch_at=(info, sys._getframe()) if traced and not pending.span else ()),
                                   "differential")
     got = error = None

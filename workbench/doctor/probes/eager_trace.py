@@ -21,7 +21,7 @@ from ...engine.source import frames_within, location, user_frame, user_frames
 from ..records import Op
 from ..skipped import parted
 from ..tensors import alias, host_only, signature
-from ..rules import bounds, unread
+from ..rules import bounds, host_copies, unread
 from . import nonfinite, row_writes
 
 aten = torch.ops.aten
@@ -36,7 +36,8 @@ class EagerRun:
     traced: bool = True                          # record the launch trace (else only new and extra storages)
     seen: bool = True                            # its ops went through the doctor's mode
     rows: tuple | None = None                    # (real, size, sampled) of a padded step whose writes are attributed
-    bounds: bool = False                         # check indices before each op (CUDA: ``rules/bounds.py``)...
+    cuda: bool = False                           # beside a CUDA graph: its capture records no host work, and
+    #                                              indices are checked before each op (``rules/bounds.py``)...
     out_of_range: BaseException | None = None    # ... and the CPU's error for the first past its dimension
     outputs: frozenset = frozenset()             # memory the graph owns and never reads: its previous outputs
     ops: list = dataclasses.field(default_factory=list)
@@ -93,10 +94,10 @@ def on_op(doctor, func, args, kwargs, run):
     if not d.traced:
         return _untraced(d, func, args, kwargs, run)
     inputs = op_tensors(args, kwargs)
-    if not lifted and host_only(inputs, cuda=False):
-        # Work on the CPU engine's host tensors, which it runs outside a capture: not in the graph's
-        # trace, so not in this one. (Beside a CUDA graph host memory is plain CPU memory, and a
-        # CUDA capture records its work as the eager step's trace does.)
+    if not lifted and host_only(inputs, d.cuda) and not (d.cuda and host_copies.onto_device(kwargs)):
+        # Host work, which a capture does not record (``capture.py``): on the CPU engine's host
+        # tensors, and beside a CUDA graph on any CPU tensor but a copy onto the device (a copy node).
+        # It is not in the graph's trace, so not in this one.
         return run()
     keys = {storage_key(t) for t in inputs}
     if lifted:                                   # a constant made from Python data in this run
@@ -104,7 +105,7 @@ def on_op(doctor, func, args, kwargs, run):
     _accessed(d, func, args, kwargs, inputs)
     if doctor.unread:
         unread.eager_read(doctor, d, func, args, kwargs, inputs)
-    if d.bounds:
+    if d.cuda:
         try:
             bounds.check(func, args, kwargs, run)
         except (IndexError, RuntimeError) as e:

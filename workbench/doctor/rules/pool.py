@@ -11,7 +11,9 @@ writing it and which capture wrote that block last (the producer), and, per repl
 wrote each such block last. A reader that finds another graph's writes there reads someone else's
 data: a graph whose capture freed the block and whose replays still write it
 (``dangling-reference``: the block was handed on while its first owner still uses it, aiter
-#5393), or a third graph that writes the producer's output (``overwritten-output``).
+#5393), or a third graph that writes the producer's output (``overwritten-output``). A block the
+producer's runner handed out as an output is an output whoever overwrites it: ``overwritten-output``
+(the reader reads an output another replay overwrote, whether or not the writer had freed it).
 
 Blocks are keyed by device and address, as the allocator hands them on (on the CPU emulation a
 handed-on block keeps its storage; on CUDA it gets a new one at the same address)."""
@@ -118,10 +120,10 @@ class PoolReads:
             now = self.producer.get(b)
             if now is not None and now[0] is last and now[1].source == op.source:
                 continue                # (the producing code captured again, a task re-recorded: the producer now)
-            handed_on = b in last.own_blocks
-            kind = "dangling-reference" if handed_on else "overwritten-output"
+            handed_on, output = b in last.own_blocks, b in producer.handed_blocks
+            kind = "dangling-reference" if handed_on and not output else "overwritten-output"
             evidence = (f"before replay {info.replays + 1} of {info.name}: it reads the {tensor} that {producer.name}'s "
                         f"capture wrote ({op.name}), but {last.name}'s replay wrote that memory last")
             doctor.add(Finding(kind, info.name, op.name, tensor, op.source, evidence,
-                               explain.pool_handed_on(tensor, producer.name, last.name, handed_on),
+                               explain.pool_handed_on(tensor, producer.name, last.name, handed_on, output),
                                {"replays_before": info.replays}), (kind, op.name, op.source))
