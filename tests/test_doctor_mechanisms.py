@@ -696,6 +696,44 @@ def test_a_crash_only_with_the_padded_rows_as_the_runner_left_them(variant):
     assert report.kinds == {"stale-padding", "persistent-mutation"}
 
 
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_row_values_placed_from_the_padded_end_are_a_padded_shape_mismatch(variant):
+    """The runner writes each real row's offset into a static buffer, counting back from the end of the
+    batch. The bug counts from the padded end (the real rows and the graph's padded rows), so every
+    offset lands as many rows late as the step has padded rows: the graph reads the reference's values
+    moved by the padding (``padded-shape-mismatch``, at the write). Counted from the real end, they
+    are where the graph reads them."""
+    x, offsets = torch.zeros(8, 3), torch.zeros(8)
+
+    def forward(size):
+        return x[:size] * 2 + offsets[:size, None]
+
+    def prepare(step, n, size):
+        x[:n].copy_(rows(n, 3, seed=step))
+        end = size if variant == "bug" else n
+        offsets[end - n:end] = torch.arange(1.0, n + 1) * (step + 1)     # the write
+
+    def workload():
+        with events.reference():
+            expected = []
+            for step in range(2):
+                prepare(step, 6, 6)
+                expected.append(forward(6).clone())
+        m = Manager(forward, [8], {"x": x, "offsets": offsets})
+        m.capture()
+        got = []
+        for step in range(2):
+            prepare(step, 6, 8)
+            got.append(m.replay(6).clone())
+        events.results(expected, got)
+
+    finding = only_finding(workload, variant)
+    if variant == "bug":
+        assert (finding.kind, finding.op) == ("padded-shape-mismatch", "aten.copy_.default"), finding
+        assert finding.source.endswith("offsets[end - n:end] = torch.arange(1.0, n + 1) * (step + 1)     # the write")
+        assert "moved by 2 row(s), as many as the step's padded rows" in finding.evidence, finding.evidence
+
+
 # ------------------------------------------------------------------------------ persistent state
 @pytest.mark.parametrize("variant", ["bug", "fix"])
 def test_a_recapture_warmup_writing_rows_of_running_requests(variant):
@@ -3079,6 +3117,48 @@ def test_a_capture_s_outputs_a_dummy_run_drops_are_nobody_s_result(answer, kept)
     report = doctor.diagnose(workload)
     if not kept:
         assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "warmup-divergence" and "taken for a result" in finding.evidence, finding
+
+
+@pytest.mark.parametrize("results", ["agree", "differ"])
+def test_a_capture_s_output_a_dummy_step_reads_on_the_host_is_judged_by_the_workloads_results(results):
+    """A runner's capture loop takes the capturing call's answer as its dummy step's: each row's argmax
+    is read on the host and written into the next step's input, which the loop then clears with the
+    rest of the dummy requests. What the capture left went nowhere that lasts: where the workload's
+    results equal its run without graphs', a note; where they differ, ``warmup-divergence``."""
+    def workload():
+        x, next_ids = torch.zeros(4, 3), torch.zeros(4, dtype=torch.long)
+        events.static_buffers("tiny", {"x": x})
+        graphs = {}
+
+        def step(batch):
+            x.copy_(batch)
+            if "g" not in graphs:
+                g = new_graph("cpu")
+                with graph(g, name="decode"):
+                    out = torch.tanh(x * 2) + 0.5
+                graphs["g"] = (g, out)
+            else:
+                g, out = graphs["g"]
+                g.replay()
+            logits = out.clone()
+            for i in range(4):
+                next_ids[i] = int(logits[i].argmax())      # read on the host, into the next step's input
+            return logits
+
+        with events.reference():
+            expected = [torch.tanh(rows(4, 3, seed=s) * 2) + 0.5 for s in range(2)]
+        step(torch.zeros(4, 3))                            # the capture loop's dummy step...
+        next_ids.zero_()                                   # ... whose requests it clears
+        got = [step(rows(4, 3, seed=s)) for s in range(2)]
+        events.results(expected, got if results == "agree" else [g + 1 for g in got])
+
+    report = doctor.diagnose(workload)
+    if results == "agree":
+        assert report.findings == [], report
+        assert any("went nowhere that lasts" in n for n in report.notes), report.notes
         return
     (finding,) = report.findings
     assert finding.kind == "warmup-divergence" and "taken for a result" in finding.evidence, finding

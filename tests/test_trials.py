@@ -86,15 +86,6 @@ GPU_DIFFERS: dict = {
         "both are differential replay's warmup-divergence for the LoRA launches the capture did not record; on the "
         "CPU the first op that parts is in _lora_block, on the H200 the finding stands at lora_shrink, its caller; "
         "why the localisation parts there is not known yet (found when the round was recorded)",
-    ("round87/vllm_22628_gemma3n_self_decoder_weakref_output_overwritten_by_cross_decoder_graph", "fix"):
-        "the dummy run of the capture loop computes the final norm on the cross-decoder capture's output and drops "
-        "it: on the CPU nothing reads those values again (no finding); on the H200 a later step's final norm reads "
-        "a storage the doctor still follows as computed from them, in another function than the one that computed "
-        "it, and the capture's output is taken for a result (warmup-divergence at __call__); which storage, and "
-        "why only there, is not known yet (found when the round was recorded; a debug run on an H200 on 2026-12-03 "
-        "showed the capture's own blocks are 3 there against 6 on the CPU, and the first replay of self_decoder [8] "
-        "marks every one of them computed, while the values the dummy run computed from cross_decoder [8]'s output "
-        "stay followed and are read again by a later step's _rms_norm)",
     ("round77/vllm_45232_flex_custom_mask_block_mask_rebuilt_in_graph_with_capture_max_seq_len", "bug"):
         "both name the block-mask rebuild the capture recorded with its page count (_build_block_mask_direct); on "
         "the CPU the first sampled replay parts from the eager step in that op's argument shape (host-work-frozen) "

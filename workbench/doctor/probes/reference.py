@@ -297,7 +297,7 @@ class Reference:
         if not guessed:                          # (what a guess finds waits for the workload's results)
             release(doctor, info.held, info.held_state)   # what earlier replays' probes found, now borne out
         with _disable_current_modes():           # a PIECEWISE step's other pieces are not in ``ops``: no trace
-            by_input = static_input(self.writers, info, compared)
+            by_input = static_input(self.writers, info, compared, pending.size - pending.real)
             found = by_input or narrower(ops, under, ref, values, doctor.views) or (
                 None if pending.span else (
                 parting(info, ops, ref, pending.real < pending.size) or frozen_number(info, ops, under, ref, pending.size)

@@ -60,12 +60,15 @@ def chosen_at(func, args) -> str | None:
     return sync.handed_in([(f, f.f_lineno) for f in user_frames()], sync.same_memory(src))
 
 
-def static_input(writers: dict, info, compared: list) -> tuple | None:
+def static_input(writers: dict, info, compared: list, padded: int = 0) -> tuple | None:
     """The first static input whose real rows differ from what the reference gives the same op.
     Where the step wrote none of the elements that differ (``info.step``, the writes since the
     graph's previous replay that differential replay notes), the graph read what an earlier step
     left there: ``stale-input``, at the op that reads it. Else the runner wrote this step's input
-    otherwise than the workload computes it: ``warmup-divergence``, at the line that wrote it."""
+    otherwise than the workload computes it: ``warmup-divergence``, at the line that wrote it --
+    unless what it wrote is the reference's values moved by as many rows as the step has padded
+    rows (``padded``): a position computed from the padded count where the real one was meant, or
+    the other way round, ``padded-shape-mismatch`` at that line."""
     for op, buf, mine, given, same, (shape, stride, offset) in compared:
         if same:
             continue
@@ -91,11 +94,28 @@ def static_input(writers: dict, info, compared: list) -> tuple | None:
                 return "stale-input", op.name, f"{buf.name}: {describe(mine)}", site, why
         writer = writers.get(storage_key(whole_buf), (op.name, op.source, None, None))
         chosen = f", with values chosen at {writer[3]}" if writer[3] else ""
+        written = f"it was last written by {writer[0]} at {writer[1]}{chosen}"
+        if _displaced(mine, given, padded):
+            why = (f"{buf.name} holds in its real rows the values the reference gives {op.name} at {op.source}, "
+                   f"moved by {padded} row(s), as many as the step's padded rows ({count} differ); {written}: the "
+                   "runner placed them by a count that includes the padded rows where the real one was meant, or "
+                   "the other way round")
+            return "padded-shape-mismatch", writer[0], f"{buf.name}: {describe(mine)}", writer[3] or writer[1], why
         why = (f"{buf.name} holds other values in its real rows than the reference gives {op.name} at "
-               f"{op.source} ({count}); it was last written by {writer[0]} at {writer[1]}{chosen}: the runner "
-               "prepares this step's input otherwise than the workload computes it without graphs")
+               f"{op.source} ({count}); {written}: the runner prepares this step's input otherwise than the "
+               "workload computes it without graphs")
         return "warmup-divergence", writer[0], f"{buf.name}: {describe(mine)}", writer[3] or writer[1], why
     return None
+
+
+def _displaced(mine: torch.Tensor, given: torch.Tensor, rows: int) -> bool:
+    """Whether ``mine`` is ``given`` moved by ``rows`` rows, one way or the other, over more than one
+    distinct value (a constant matches itself moved anywhere)."""
+    n = mine.shape[0] if mine.dim() else 0
+    if rows <= 0 or mine.shape != given.shape or n <= rows:
+        return False
+    return any(torch.equal(a, b) and a.unique().numel() > 1
+               for a, b in ((mine[rows:], given[:n - rows]), (mine[:n - rows], given[rows:])))
 
 
 def narrower(ops: list, under: tuple, ref: list, values: dict, views: dict) -> tuple | None:

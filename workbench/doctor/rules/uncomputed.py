@@ -153,9 +153,12 @@ def capture_reads(doctor, key: int) -> None:
 def finish(doctor) -> None:
     """One finding per capture none of whose followed values fed a capture, and some of which the
     workload went on with: read again, still held at its end, or returned by it. A dummy run's
-    output that is computed and dropped (a runner's capture loop) is nobody's result."""
+    output that is computed and dropped (a runner's capture loop) is nobody's result; so is one the
+    workload went on with while its results equal its run without graphs' (``events.results``):
+    what the capture left (poison on the CPU engine) reached none of them, a note."""
     fed = {id(r.info) for r in doctor.followed.values() if r.captured}
     reported = set()
+    agreed = doctor.reference is not None and doctor.reference.verdict == () and not doctor.report.errors
     for read in doctor.followed.values():
         if id(read.info) in fed or id(read.info) in reported:
             continue
@@ -164,9 +167,13 @@ def finish(doctor) -> None:
         reported.add(id(read.info))
         info = read.info
         site = read.line if read.cached else info.site
-        doctor.add(Finding(
-            "warmup-divergence", info.name, read.op, read.tensor, site,
-            f"{read.op} at {read.line} reads a {read.tensor} that the capture of {info.name} created, before any "
-            f"replay of {info.name} wrote it, and what it computes feeds no capture: it is taken for a result",
-            explain.uncomputed(info.name, read.op, read.cached), {"replays_before_read": 0}),
-            ("warmup-divergence", "uncomputed", site))
+        evidence = (f"{read.op} at {read.line} reads a {read.tensor} that the capture of {info.name} created, before "
+                    f"any replay of {info.name} wrote it, and what it computes feeds no capture")
+        if agreed:
+            doctor.report.note(f"{evidence}; but the workload's results equal its run without graphs': the values "
+                               "went nowhere that lasts (a dummy run's, cleared after it): not reported")
+            continue
+        doctor.add(Finding("warmup-divergence", info.name, read.op, read.tensor, site,
+                           f"{evidence}: it is taken for a result",
+                           explain.uncomputed(info.name, read.op, read.cached), {"replays_before_read": 0}),
+                   ("warmup-divergence", "uncomputed", site))
