@@ -3084,6 +3084,20 @@ def _norm(h):
     return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
+def _capture_or_replay(x, graphs):
+    """The decode graph of the two tests below: captured on the first call (whose outputs then hold
+    nothing computed), replayed on the later ones; returns its outputs."""
+    if "g" not in graphs:
+        g = new_graph("cpu")
+        with graph(g, name="decode"):
+            out = torch.tanh(x * 2) + 0.5
+        graphs["g"] = (g, out)
+        return out
+    g, out = graphs["g"]
+    g.replay()
+    return out
+
+
 @pytest.mark.parametrize("answer, kept", [("clone", False), ("norm", False), ("norm", True)])
 def test_a_capture_s_outputs_a_dummy_run_drops_are_nobody_s_result(answer, kept):
     """A runner's capture loop runs each size once on a dummy batch through the path that captures,
@@ -3101,15 +3115,7 @@ def test_a_capture_s_outputs_a_dummy_run_drops_are_nobody_s_result(answer, kept)
 
         def step(batch):
             x.copy_(batch)
-            if "g" not in graphs:
-                g = new_graph("cpu")
-                with graph(g, name="decode"):
-                    out = torch.tanh(x * 2) + 0.5
-                graphs["g"] = (g, out)
-                return finish(out)                     # the capturing call's answer: uncomputed
-            g, out = graphs["g"]
-            g.replay()
-            return finish(out)
+            return finish(_capture_or_replay(x, graphs))   # the capturing call's answer: uncomputed
 
         first = step(rows(4, 3, seed=7) if kept else torch.zeros(4, 3))   # the capture loop's dummy batch
         return ([first] if kept else []) + [step(rows(4, 3, seed=s)) for s in range(2)]
@@ -3135,15 +3141,7 @@ def test_a_capture_s_output_a_dummy_step_reads_on_the_host_is_judged_by_the_work
 
         def step(batch):
             x.copy_(batch)
-            if "g" not in graphs:
-                g = new_graph("cpu")
-                with graph(g, name="decode"):
-                    out = torch.tanh(x * 2) + 0.5
-                graphs["g"] = (g, out)
-            else:
-                g, out = graphs["g"]
-                g.replay()
-            logits = out.clone()
+            logits = _capture_or_replay(x, graphs).clone()
             for i in range(4):
                 next_ids[i] = int(logits[i].argmax())      # read on the host, into the next step's input
             return logits
