@@ -18,7 +18,7 @@ from ..engine.source import user_frame
 from .records import External, Op
 from .rules import dangling, host_copies, padded_scatter, sync, uncomputed, undersized, unread
 from .rules.pool import block
-from .tensors import by_value, host_only, signature
+from .tensors import by_value, signature
 
 aten = torch.ops.aten
 _COPY = aten.copy_.default
@@ -28,10 +28,9 @@ def recorded(doctor, func, args, kwargs, run):
     """One op inside a capture (``Doctor.capturing``): run it, record it."""
     info = doctor.capturing
     inputs = op_tensors(args, kwargs)
-    if info.cuda and host_only(inputs, True) and not host_copies.onto_device(kwargs):
+    if info.cuda and host_copies.unrecorded(inputs, kwargs, True):
         return run()            # host work (a pinned flag's ``.item()``): CUDA records none of it, and the
-        # CPU engine runs it where the doctor does not see it (``engine/host.py``); but a copy of host
-        # memory onto the device (``pinned.to("cuda")``) is a copy node, into memory the capture allocates
+        # CPU engine runs it where the doctor does not see it (``engine/host.py``)
     source = user_frame()
     sync.check(doctor, info, func, args, kwargs, source)
     from_host = host_copies.host_source(func, args, kwargs, info.cuda)

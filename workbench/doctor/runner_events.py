@@ -86,6 +86,11 @@ class RunnerEvents:
         if self.reference is not None:
             self.reference.recording = False
 
+    def results_agree(self) -> bool:
+        """Whether the workload said its results equal its run without graphs' (``results``) and
+        nothing it ran raised: what a hazard the doctor holds could change reached none of them."""
+        return self.reference is not None and self.reference.verdict == () and not self.report.errors
+
     @contained
     def results(self, reference: list, served: list) -> None:
         if self.reference is not None and not self.reference.recording:

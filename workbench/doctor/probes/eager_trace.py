@@ -20,7 +20,7 @@ from ...engine.opinfo import mutable, op_tensors, overwrites, storage_key, tenso
 from ...engine.source import frames_within, location, user_frame, user_frames
 from ..records import Op
 from ..skipped import parted
-from ..tensors import alias, host_only, signature
+from ..tensors import alias, signature
 from ..rules import bounds, host_copies, unread
 from . import nonfinite, row_writes
 
@@ -94,11 +94,8 @@ def on_op(doctor, func, args, kwargs, run):
     if not d.traced:
         return _untraced(d, func, args, kwargs, run)
     inputs = op_tensors(args, kwargs)
-    if not lifted and host_only(inputs, d.cuda) and not (d.cuda and host_copies.onto_device(kwargs)):
-        # Host work, which a capture does not record (``capture.py``): on the CPU engine's host
-        # tensors, and beside a CUDA graph on any CPU tensor but a copy onto the device (a copy node).
-        # It is not in the graph's trace, so not in this one.
-        return run()
+    if not lifted and host_copies.unrecorded(inputs, kwargs, d.cuda):
+        return run()        # host work: not in the graph's trace (``capture.py``), so not in this one
     keys = {storage_key(t) for t in inputs}
     if lifted:                                   # a constant made from Python data in this run
         d.new.update(keys)

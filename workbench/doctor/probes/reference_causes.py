@@ -60,7 +60,7 @@ def chosen_at(func, args) -> str | None:
     return sync.handed_in([(f, f.f_lineno) for f in user_frames()], sync.same_memory(src))
 
 
-def static_input(writers: dict, info, compared: list, padded: int = 0) -> tuple | None:
+def static_input(writers: dict, info, compared: list, padded: int) -> tuple | None:
     """The first static input whose real rows differ from what the reference gives the same op.
     Where the step wrote none of the elements that differ (``info.step``, the writes since the
     graph's previous replay that differential replay notes), the graph read what an earlier step

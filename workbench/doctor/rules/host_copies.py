@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ...engine.opinfo import describe, storage_key
 from ...engine.source import user_frames
 from ..report import Finding
-from ..tensors import alias, differs, host_memory
+from ..tensors import alias, differs, host_memory, host_only
 from .sync import handed_in, same_memory
 
 _COPY, _TO_COPY = torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default
@@ -44,6 +44,14 @@ def onto_device(kwargs) -> bool:
     """Whether an op names a CUDA device for what it makes (``_to_copy``'s ``device``)."""
     device = kwargs.get("device")
     return device is not None and torch.device(device).type == "cuda"
+
+
+def unrecorded(inputs, kwargs, cuda: bool) -> bool:
+    """Whether an op is host work, which a capture does not record (``host_only``: beside a CUDA
+    graph, work on any CPU tensor), and not a copy of host memory onto the CUDA device, which a
+    CUDA capture records as a copy node (``pinned.to("cuda")``). The capture and the eager step's
+    launch trace both ask this, so that their traces hold the same kind of work."""
+    return host_only(inputs, cuda) and not (cuda and onto_device(kwargs))
 
 
 def copied(doctor, info, src: torch.Tensor | None, source: str) -> None:

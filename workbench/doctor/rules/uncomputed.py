@@ -158,7 +158,7 @@ def finish(doctor) -> None:
     what the capture left (poison on the CPU engine) reached none of them, a note."""
     fed = {id(r.info) for r in doctor.followed.values() if r.captured}
     reported = set()
-    agreed = doctor.reference is not None and doctor.reference.verdict == () and not doctor.report.errors
+    agreed = doctor.results_agree()
     for read in doctor.followed.values():
         if id(read.info) in fed or id(read.info) in reported:
             continue

@@ -150,7 +150,7 @@ def check(doctor, info) -> None:
         doctor.report.note(f"{info.name}: the warmup ran work the capture skipped ({finding.source}); "
                            f"{info.compared} replay(s) compared with eager steps agreed, so it changes no result")
         return
-    if doctor.reference is not None and doctor.reference.verdict == () and not doctor.report.errors:
+    if doctor.results_agree():
         doctor.report.note(f"{info.name}: the warmup ran work the capture skipped ({finding.source}); the "
                            "workload's results agree with its run without graphs, so it changed none of them "
                            "(a decision made on the host outside a capture, a path taken only when not capturing)")
