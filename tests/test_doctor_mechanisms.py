@@ -1287,10 +1287,13 @@ def test_a_number_read_from_a_tensor_a_helper_was_handed_is_named_where_it_was_h
     assert line in finding.source and "in update:" in finding.source, finding
 
 
-def test_a_number_read_from_a_tensor_the_captured_lambda_closes_over_is_named_where_it_is_read():
-    """The captured callable is a lambda over the runner's tensor: the lambda chose nothing, so the
-    finding stays at the function that reads the number."""
+@pytest.mark.parametrize("unpacked", [False, True])
+def test_a_number_read_from_a_tensor_the_captured_lambda_closes_over_is_named_where_it_is_read(unpacked):
+    """The captured callable is a lambda over the runner's tensor, or over its tuple of static inputs
+    that it unpacks into the call (``lambda: model(*static_inputs)``): the lambda chose nothing, so
+    the finding stays at the function that reads the number."""
     limit = torch.tensor(3)
+    static_inputs = (limit,)
 
     def attention(n):
         return torch.ones(int(n.item()))
@@ -1299,7 +1302,7 @@ def test_a_number_read_from_a_tensor_the_captured_lambda_closes_over_is_named_wh
         g = new_graph("cpu")
         try:
             with graph(g):
-                (lambda: attention(limit))()
+                (lambda: attention(*static_inputs))() if unpacked else (lambda: attention(limit))()
         except Exception:  # noqa: BLE001 - the capture fails, as on CUDA
             pass
     (finding,) = doctor.diagnose(workload).findings

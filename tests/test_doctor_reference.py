@@ -2319,3 +2319,115 @@ def test_a_check_that_fails_only_on_the_dummy_batch_is_named_at_the_check(varian
     (finding,) = report.findings
     assert finding.kind == "warmup-divergence" and "in __init__: assert indices is not None" in finding.source, finding
     assert "failed during warmup" in finding.evidence, finding
+
+
+def _wrapped_for_capture(variant):
+    """A graph helper wraps a module's forward in the mode the capture needs (a scale of 2, as an
+    FP8 context) and leaves the wrapper bound (``bug``) or restores the forward once captured
+    (``fix``); the workload then calls the module itself, outside any graph, expecting its own mode."""
+    from workbench.zoo.kit import capture, compare, replay
+    w = torch.tensor([1.0, -2.0, 0.5])
+    xs = [torch.randn(3, generator=torch.Generator().manual_seed(40 + i)) for i in range(2)]
+
+    class Block:
+        scale = 1.0
+
+        def forward(self, x):
+            return x * w * self.scale
+
+    def graphed(block, x):
+        def wrap_for_capture(block):
+            old_forward = block.forward
+
+            def forward_in_mode(x):
+                block.scale = 2.0
+                try:
+                    return old_forward(x)
+                finally:
+                    block.scale = 1.0
+            block.forward = forward_in_mode
+            return old_forward
+
+        old = wrap_for_capture(block)
+        g, out = capture(lambda: block.forward(x), device="cpu", static={"x": x}, warmups=1, name="block")
+        if variant == "fix":
+            block.forward = old
+        return g, out
+
+    def served():
+        block, x = Block(), torch.zeros(3)
+        g, out = graphed(block, x)
+        outs = []
+        for step in xs:
+            x.copy_(step)
+            outs.append(replay(g, out).clone())
+            outs.append(block.forward(step))          # the module itself, in its own mode
+        return outs
+
+    def eager():
+        block = Block()
+        outs = []
+        for step in xs:
+            block.scale = 2.0
+            outs.append(block.forward(step))
+            block.scale = 1.0
+            outs.append(block.forward(step))
+        return outs
+
+    return lambda: compare("wrapped", variant, "cpu", served, eager)
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_wrapper_bound_for_the_capture_and_left_on_the_module_is_named_where_it_was_made(variant):
+    """The replays give the reference's answers; the module's own eager calls go through the
+    wrapper the capture needed, which the run without graphs never calls: ``warmup-divergence``
+    where the wrapper is defined (the function that installed it)."""
+    finding = only_finding(_wrapped_for_capture(variant), variant)
+    if finding is None:
+        return
+    assert finding.kind == "warmup-divergence" and function_of(finding.location) == "wrap_for_capture", finding
+    assert "forward_in_mode" in finding.evidence and "never calls it" in finding.evidence
+
+
+def _profiled_counter(variant):
+    """Both runs make one dummy step first (the served run as its graph's warmup, the run without
+    graphs as its profile step): a running count in persistent state builds on it in both. The graph
+    hands its output out as float32 (``bug``: the workload's runs then differ, the count being off by
+    the dummy step in the served run only; ``fix``: they agree), so no replay can be set beside its
+    step of the run without graphs, whose ``step`` returns float64."""
+    from workbench.zoo.kit import capture, compare, replay
+    xs = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 1.0]), torch.tensor([2.0, 2.0])]
+
+    def step(count, x):
+        count.add_(x.sum())
+        return x * count
+
+    def served():
+        count, x = torch.zeros((), dtype=torch.float64), torch.ones(2, dtype=torch.float64)
+        events.persistent_state("counter", {"count": count})
+        g, out = capture(lambda: step(count, x).float(), device="cpu", static={"x": x}, warmups=1, name="step")
+        outs = []
+        for v in xs:
+            x.copy_(v)
+            outs.append(replay(g, out).clone())
+        return outs
+
+    def eager():
+        count = torch.zeros((), dtype=torch.float64)
+        if variant == "fix":
+            step(count, torch.ones(2, dtype=torch.float64))      # the profile step
+        return [step(count, v.double()) for v in xs]
+
+    return lambda: compare("counter", variant, "cpu", served, eager)
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_what_a_step_would_give_from_the_state_before_the_warmups_waits_for_the_workloads_results(variant):
+    """The step's answer from the state before the warmups differs from the replay's (the count
+    built on the dummy step). No replay could be set beside its step of the run without graphs, so
+    that is held until the workload's results say: they agree (``fix``, the run without graphs made
+    the same dummy step): no finding; they differ (``bug``): ``persistent-mutation`` at the count."""
+    finding = only_finding(_profiled_counter(variant), variant)
+    if finding is None:
+        return
+    assert finding.kind == "persistent-mutation" and "state before the warmups" in finding.evidence, finding

@@ -333,6 +333,14 @@ def capture_path(function: str, graph: str) -> str:
             "on what decides the branch), or run such steps eagerly.")
 
 
+def left_installed(function: str, graph: str) -> str:
+    return (f"{graph}'s capture ran {function}, which the workload's run without graphs never calls, and the served "
+            f"run's own eager code calls it too: what the graph set-up installed for the capture (a wrapper over a "
+            "module's forward, a hook, a context entered for it) outlived the capture, so eager steps go on with "
+            "what was decided for the capture. Install such wrappers only around the capture, and restore what they "
+            "replaced when it ends.")
+
+
 def dropped_work(op: str, function: str, carried: bool = False) -> str:
     if carried:
         return (f"The run without graphs launches {op} at every step: a reset of memory the step then adds into. "

@@ -14,13 +14,20 @@ that line. (A line a warmup ran
 is no parting: the lazy set-up the reference does in its first step, the served run does in its
 warmup. Whether the capture then skipped it is ``rules/warmup.py``'s question.)
 
+The other way round, when nothing else explains results that differ (``installed``, asked last): a
+closure a capture ran, which the run without graphs never called, running in the served run's own
+eager code is set-up the graphs left on the eager path (a wrapper bound over a module's forward
+for the capture), named where it is defined.
+
 Lines are seen by ``raised``'s tracer (under ``diagnose``): every line of the workload's code
 while the reference is recorded and while a warmup runs, and after it the lines of the functions
 some capture ran, outside the doctor's own runs.
 """
 from __future__ import annotations
 
-from ...engine.source import function_name, location
+import linecache
+
+from ...engine.source import function_name, location, short_path
 from .. import explain
 from ..report import Finding
 
@@ -79,6 +86,40 @@ class Coverage:
         doctor.add(Finding("warmup-divergence", ", ".join(names), "-", "-", where, evidence,
                            explain.capture_path(function, names[0]), {"lines": len(lines)}),
                    ("warmup-divergence", "coverage", where))
+
+
+    def installed(self, doctor) -> None:
+        """The other way round: a function made at run time (a closure) that a capture ran, and the
+        run without graphs never called, runs in the served run's own eager code. Graph set-up left it on the eager path (a wrapper it
+        bound over a module's forward for the capture, a hook it registered): the eager steps go on
+        with what was decided for the capture. Named where the function is defined: the code that
+        made it (a closure's enclosing function) is the code that installed it."""
+        ran = {code for code, _ in self.first}
+        extra = [(code, line) for code, line in self.served if code not in ran and _enclosing(code)]
+        if not extra:
+            return
+        code = min(extra, key=lambda cl: (cl[0].co_firstlineno, cl[1]))[0]
+        graphs = [info for info in doctor.graphs.values() if info.lines_run]
+        names = [info.name for info in graphs if any(c is code for c, _ in info.lines_run)]
+        where = _defined(code)
+        evidence = (f"the served run's results differ from that run's; {function_name(code)}, which "
+                    f"{', '.join(names)} captured, runs in the served run's eager code too, and the run without "
+                    "graphs never calls it: the graph set-up left it on the eager path")
+        doctor.add(Finding("warmup-divergence", ", ".join(names), "-", "-", where, evidence,
+                           explain.left_installed(function_name(code), names[0]), {}),
+                   ("warmup-divergence", "installed", where))
+
+
+def _enclosing(code) -> str | None:
+    """The name of the function ``code``'s function is defined in (a closure's), else None."""
+    parts = code.co_qualname.split(".")
+    return parts[-3] if len(parts) >= 3 and parts[-2] == "<locals>" else None
+
+
+def _defined(code) -> str:
+    """Where a nested function is defined: its ``def`` line, in the function that encloses it."""
+    line = linecache.getline(code.co_filename, code.co_firstlineno).strip()
+    return f"{short_path(code.co_filename)}:{code.co_firstlineno} in {_enclosing(code)}: {line}"
 
 
 def _progress(reference, graphs, failed: bool) -> float:

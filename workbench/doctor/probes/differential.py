@@ -190,7 +190,8 @@ def finish(doctor, info, pending) -> None:
         # What the step would give from other starting memory (the static inputs' carried elements, the
         # state before the warmups) is held while the replay gives what the workload's run without graphs
         # gives at the same step (that run may build on the same memory): reported once a replay does not.
-        with held(doctor, info.held if _like_reference(pending) else None):
+        # A replay no step of that run could be set beside holds it until the workload's results say.
+        with held(doctor, info.held if _like_reference(pending) else _state_held(doctor, info, pending)):
             _from_other_memory(doctor, info, pending, replayed, rng_after, graph_out)
         if not padded:
             unpadded.owned_by_full_step(doctor, pending, replayed)

@@ -62,7 +62,8 @@ a tensor eager code computed from a graph's output, read again after a replay re
 output, is ``stale-input`` where it was computed (``rules/reused.py``); a served run that
 failed or differs is compared with the reference line by line (``coverage.py``); and one that
 differs, op by op: work the reference does at every step, which the served run did only while it
-prepared a graph that reads its result, is ``warmup-divergence`` where it was done (``dropped.py``).
+prepared a graph that reads its result, is ``warmup-divergence`` where it was done (``dropped.py``); last, a function only captures ran
+that the served run's eager code calls as well is set-up left on the eager path (``coverage.py``).
 
 Only a graph no other rule has a finding for gets one (one failure, one finding). A replay that
 agrees with the reference gives none, whatever its trace (a graph launching more work than eager
@@ -418,6 +419,8 @@ class Reference:
         if not doctor.report.findings and self.verdict:     # a replay tied to its step by the count alone: last
             for name, (_, *found) in self.guessed.items():
                 _report(doctor, name, *found)
+        if not doctor.report.findings and self.verdict:
+            self.coverage.installed(doctor)
         found = {g for f in doctor.report.findings for g in f.graph.split(", ")}
         doctor.report.unexplained += [text for name, text, _ in self.unexplained if name not in found]
         if self.verdict and not doctor.report.findings and not doctor.report.unexplained:

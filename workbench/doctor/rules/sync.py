@@ -251,9 +251,11 @@ def _argument(frame, same) -> bool:
 
 
 def _closed_over(frame, same) -> bool:
-    """Whether the frame holds the value only as a variable of an enclosing scope (a lambda's)."""
+    """Whether the frame holds the value only as a variable of an enclosing scope (a lambda's), or
+    as an element of one (a captured ``lambda: model(*static_inputs)`` unpacking its inputs)."""
     code, values = frame.f_code, frame.f_locals
-    names = [name for name, value in values.items() if same(value)]
+    names = [name for name, value in values.items()
+             if same(value) or isinstance(value, (tuple, list)) and any(same(x) for x in value)]
     return bool(names) and all(name in code.co_freevars for name in names)
 
 
