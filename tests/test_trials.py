@@ -92,12 +92,6 @@ GPU_DIFFERS: dict = {
         "and a later one where the eager step no longer launches it (warmup-divergence); on the H200 only the "
         "latter is reported; why the first comparison parts otherwise there is not known yet (found when the round "
         "was recorded)",
-    ("round93/rtpllm_2c2df848_block_table_assigned_into_max_width_graph_buffer", "fix"):
-        "the fix equals eager on both, and on the CPU what differential replay finds from the state before the "
-        "warmups is held until the workload's results agree; on the H200 the doctor's comparison of those results "
-        "(under diagnose) finds the first one differing from the run without graphs, which the program's own "
-        "comparison does not, so it is released (persistent-mutation at forward); why the results part under the "
-        "doctor there is not known yet (found when the round was recorded)",
 }
 # Variants whose run on a GPU is not reproducible, and why: not compared.
 GPU_UNSTABLE = {

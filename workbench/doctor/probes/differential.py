@@ -246,6 +246,9 @@ def before_launch(doctor, info) -> BaseException | None:
     with _disable_current_modes():
         now = {key: w.clone() for key, (w, _, _) in pending.pre.items()}
         rng = rng_state(info.cuda)
+        # (what the graph only reads, as this step left it: the eager run puts it back, and the replay
+        # that follows must read this step's metadata, not the bytes kept after the last replay)
+        pending.reads = _reads(info, pending, pending.pre)
     _replayed_host(info, pending)
     run, _, _ = _eager(doctor, info, pending, now, rng, traced=True)
     return run.out_of_range
