@@ -87,13 +87,11 @@ class Coverage:
                            explain.capture_path(function, names[0]), {"lines": len(lines)}),
                    ("warmup-divergence", "coverage", where))
 
-
     def installed(self, doctor) -> None:
-        """The other way round: a function made at run time (a closure) that a capture ran, and the
-        run without graphs never called, runs in the served run's own eager code. Graph set-up left it on the eager path (a wrapper it
-        bound over a module's forward for the capture, a hook it registered): the eager steps go on
-        with what was decided for the capture. Named where the function is defined: the code that
-        made it (a closure's enclosing function) is the code that installed it."""
+        """The other way round: a closure a capture ran, which the run without graphs never called,
+        runs in the served run's own eager code. Graph set-up left it on the eager path (a wrapper
+        bound over a module's forward for the capture, a hook): the eager steps go on with what was
+        decided for the capture. Named where it is defined: its enclosing function installed it."""
         ran = {code for code, _ in self.first}
         extra = [(code, line) for code, line in self.served if code not in ran and _enclosing(code)]
         if not extra:

@@ -188,9 +188,8 @@ def finish(doctor, info, pending) -> None:
             doctor.report.note(f"differential replay of {info.name}: launch traces differ ("
                                f"{divergence.text()}) but outputs and state agree on the sampled steps")
         # What the step would give from other starting memory (the static inputs' carried elements, the
-        # state before the warmups) is held while the replay gives what the workload's run without graphs
-        # gives at the same step (that run may build on the same memory): reported once a replay does not.
-        # A replay no step of that run could be set beside holds it until the workload's results say.
+        # state before the warmups) is held while the replay gives the run without graphs' answer at its
+        # step (reported once a replay does not), or, where no step could be paired, until the results say.
         with held(doctor, info.held if _like_reference(pending) else _state_held(doctor, info, pending)):
             _from_other_memory(doctor, info, pending, replayed, rng_after, graph_out)
         if not padded:
@@ -236,19 +235,16 @@ def _from_other_memory(doctor, info, pending, replayed: dict, rng_after, graph_o
 
 
 def before_launch(doctor, info) -> BaseException | None:
-    """On CUDA, before a sampled replay launches a graph that indexes: its step's eager form, run
-    from the state before it with every index checked (``rules/bounds.py``), gives the CPU's error
-    where an index is out of range -- the replay's own, which its kernel would raise as a device-side
-    assert that ends the CUDA context. None where every index is in range (the replay then runs)."""
+    """On CUDA, before a sampled replay launches a graph that indexes: its step's eager form, run from
+    the state before it with every index checked (``rules/bounds.py``; what the graph only reads put back
+    as this step left it), gives the CPU's error where an index is out of range -- the replay's own, a
+    device-side assert that ends the CUDA context. None where every index is in range (the replay runs)."""
     pending = info.pending
     if pending is None or not pending.pre or pending.span or not any(bounds.indexes(o.name) for o in info.ops):
         return None
     with _disable_current_modes():
         now = {key: w.clone() for key, (w, _, _) in pending.pre.items()}
-        rng = rng_state(info.cuda)
-        # (what the graph only reads, as this step left it: the eager run puts it back, and the replay
-        # that follows must read this step's metadata, not the bytes kept after the last replay)
-        pending.reads = _reads(info, pending, pending.pre)
+        rng, pending.reads = rng_state(info.cuda), _reads(info, pending, pending.pre)
     _replayed_host(info, pending)
     run, _, _ = _eager(doctor, info, pending, now, rng, traced=True)
     return run.out_of_range

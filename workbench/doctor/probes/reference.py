@@ -62,8 +62,9 @@ a tensor eager code computed from a graph's output, read again after a replay re
 output, is ``stale-input`` where it was computed (``rules/reused.py``); a served run that
 failed or differs is compared with the reference line by line (``coverage.py``); and one that
 differs, op by op: work the reference does at every step, which the served run did only while it
-prepared a graph that reads its result, is ``warmup-divergence`` where it was done (``dropped.py``); last, a function only captures ran
-that the served run's eager code calls as well is set-up left on the eager path (``coverage.py``).
+prepared a graph that reads its result, is ``warmup-divergence`` where it was done (``dropped.py``);
+last, a closure only captures ran that the served run's eager code calls too is set-up left on the
+eager path (``coverage.py``).
 
 Only a graph no other rule has a finding for gets one (one failure, one finding). A replay that
 agrees with the reference gives none, whatever its trace (a graph launching more work than eager
