@@ -565,6 +565,17 @@ def test_a_capture_refuses_python_data_copied_to_the_device_and_records_a_number
     assert t[0].tolist() == [3.0, 1.0, 1.0, 1.0] and t[1].tolist() == [3.0, 8.0, 8.0, 8.0]
 
 
+def test_python_numbers_a_capture_writes_into_host_memory_are_host_work_that_stays():
+    """A runner staging metadata into pinned memory inside a capture (``pinned[1] = n``, a slice,
+    listed elements, a numpy store): on CUDA each write is host work, done once at capture and kept,
+    and the graph records only the copy to the device (an H200 with torch 2.11, engine probe
+    ``python_into_host``). So a replay copies what the host holds then, not what the capture wrote."""
+    from workbench.host_data_probes import probe_python_into_host
+    answer = probe_python_into_host("cpu")
+    assert answer["after_capture"] == {"host": [3.0, 5.0, 7.0, 7.0, 8.0, 9.0], "device": [0.0] * 6}
+    assert answer["after_replay"] == {"host": [1.0] + [0.0] * 5, "device": [1.0] + [0.0] * 5}
+
+
 def test_host_requires_a_cpu_tensor_and_a_known_device():
     from workbench.engine import host
     with pytest.raises(TypeError, match="CPU tensor"):

@@ -92,6 +92,10 @@ GPU_DIFFERS: dict = {
         "and a later one where the eager step no longer launches it (warmup-divergence); on the H200 only the "
         "latter is reported; why the first comparison parts otherwise there is not known yet (found when the round "
         "was recorded)",
+    ("round94/flashinfer_652_prefill_cuda_graph_tile_bound_ignores_gqa_group", "bug"):
+        "both are warmup-divergence for the tile bound the capture's plan fixed; on the CPU the finding stands at "
+        "PrefillPlan, which made the plan, on the H200 at BatchPrefillWithRaggedKVCacheKernel, which runs the "
+        "grid the plan sized; why the localisation parts there is not known yet (found when the round was recorded)",
 }
 # Variants whose run on a GPU is not reproducible, and why: not compared.
 GPU_UNSTABLE = {

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from .childproc import run_in_child
-from .engine import graph, host, new_graph
+from .engine import graph, host, new_graph, synchronize
+from .pool_probes import _values
 
 
 MASK_ASSIGN = ("python_number", "host_tensor", "device_value", "masked_read", "tensor_made_on_device",
@@ -125,3 +126,28 @@ def _python_data(device: str, scenario: str) -> bool:
         return False
     except Exception:  # noqa: BLE001 - CUDA raises a RuntimeError, the CPU a CaptureError
         return True
+
+
+def probe_python_into_host(device: str) -> dict:
+    """Host metadata written with Python numbers inside a capture, as a runner's attention-metadata
+    builder stages it: one element (``pinned[1] = n``: torch copies the number from a CPU scalar),
+    a slice (``fill_``), listed elements (``index_put_``) and a store through numpy, then a captured
+    copy to the device. Every host write runs once, at capture, and stays; the graph records only
+    the copy, so a replay copies what the host holds then, not what the capture wrote."""
+    import numpy as np
+    pinned = host(torch.zeros(6), device)
+    dev = torch.zeros(6, device=device)
+    g = new_graph(device)
+    with graph(g):
+        pinned[1] = 5
+        pinned[2:4] = 7.0
+        pinned[[4, 5]] = torch.tensor([8.0, 9.0])
+        np.asarray(pinned.numpy())[0] = 3.0
+        dev.copy_(pinned, non_blocking=True)
+    synchronize(device)
+    after_capture = {"host": _values(pinned), "device": _values(dev)}
+    pinned.zero_()
+    pinned[0] = 1.0
+    g.replay()
+    synchronize(device)
+    return {"after_capture": after_capture, "after_replay": {"host": _values(pinned), "device": _values(dev)}}

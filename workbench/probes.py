@@ -15,7 +15,7 @@ from .childproc import on_cuda_in_child, run_in_child
 from .engine import CPUGraph, graph, host, new_graph, reuse_freed_blocks, synchronize
 from .pool_probes import (_values, probe_freed_in_capture, probe_freed_in_place, probe_freed_input,
                           probe_pool_handle_reuse, probe_recapture_pool, probe_shared_pool, probe_shared_retained)
-from .host_data_probes import probe_host_copy, probe_mask_assign, probe_python_data
+from .host_data_probes import probe_host_copy, probe_mask_assign, probe_python_data, probe_python_into_host
 from .thread_probes import probe_other_thread
 
 
@@ -323,6 +323,7 @@ PROBES = {
     "mask_assign": probe_mask_assign,
     "host_copy": probe_host_copy,
     "python_data": probe_python_data,
+    "python_into_host": probe_python_into_host,
     "other_thread": probe_other_thread,
 }
 

@@ -34,15 +34,15 @@ What a CUDA graph is, reduced to the rules that cause bugs in serving stacks:
   ``host_sync.py`` has the rules.
 * **Host memory is not the device's.** Plain CPU tensors are device memory; host memory is what
   ``host(t, device)`` returns and what ops on host memory return (``host`` says why a subclass, and
-  what it costs). Inside a capture, work on host memory runs once and is not recorded, ``.item()``
-  and ``.tolist()`` of it are legal, a 0-dim host tensor given to a device op is a constant of the
-  graph (CUDA passes it by value), and a captured ``copy_`` from host memory re-reads it at every
-  replay, by address (a CUDA memcpy node keeps the host pointer), also when the captured code made
-  it: it is no block of the graph, and once released it raises or, with ``on_freed="reuse"``, holds
-  the next host allocation's data -- if it is pinned (``host()``'s memory or a view of it) and the
-  copy is ``non_blocking``: a copy from pageable host memory, or a blocking one (torch then syncs the
-  stream), raises ``CaptureError``, as CUDA refuses both. A device op given host memory with
-  elements raises, as on CUDA.
+  what it costs). Inside a capture, work on host memory (with Python data, ``pinned[1] = n``) runs
+  once and is not recorded, ``.item()`` and ``.tolist()`` of it are legal, a 0-dim host tensor given
+  to a device op is a constant of the graph (CUDA passes it by value), and a captured ``copy_`` from
+  host memory re-reads it at every replay, by address (a CUDA memcpy node keeps the host pointer),
+  also when the captured code made it: it is no block of the graph, and once released it raises or,
+  with ``on_freed="reuse"``, holds the next host allocation's data -- if it is pinned (``host()``'s
+  memory or a view of it) and the copy is ``non_blocking``: a copy from pageable host memory, or a
+  blocking one (torch then syncs the stream), raises ``CaptureError``, as CUDA refuses both. A
+  device op given host memory with elements raises, as on CUDA.
 """
 from __future__ import annotations
 
@@ -171,7 +171,7 @@ class CPUGraph:
 
     def _record(self, func, args, kwargs):
         tensors = [t for t in flat(args, kwargs) if isinstance(t, torch.Tensor)]
-        if tensors and all(self._is_host(t) for t in tensors):
+        if any(map(self._is_host, tensors)) and all(self._is_host(t) or storage_key(t) in self._lifted for t in tensors):
             return self._run_on_host(func, args, kwargs)
         if is_host_sync(func, args, lambda t: storage_key(t) in self._lifted or self._is_host(t)):
             raise host_sync_error(str(func), user_frame())
