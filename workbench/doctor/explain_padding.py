@@ -102,3 +102,11 @@ def padded_shape_mismatch(graph: str, real: int, size: int) -> str:
             f"the {real} real rows (per-request indices, lengths or parameters): the shapes disagree, and the code "
             "asserts, fails to broadcast or indexes out of range -- or, where the shapes happen to broadcast, "
             "computes with the padded rows.")
+
+
+def padded_count(function: str, name: str, size: int) -> str:
+    return (f"The served step reached {function} with `{name}` of size {size}, the padded count a graph was captured "
+            f"for; the run without graphs reaches it with the real counts only. Code there combines the padded count "
+            "with something sized for the real rows (a valid span recorded for the scheduled tokens, a per-request "
+            "list, a check of one against the other) and fails. Hand it the real count, or let it accept the padded "
+            "rows (they hold inert values: read them as such, or slice them off).")

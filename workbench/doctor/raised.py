@@ -194,6 +194,8 @@ class _Tracer:
             text = (f"{type(error).__name__}: {first_line(error)} (raised at {where}, during {doctor.phase})",
                     failures.stack_codes(frame))
             description, deliberate = (text, None) if _from_a_check(error, frame) else (None, (text, 0))
+            if doctor.reference is not None and not doctor.reference.recording:
+                doctor.reference.failed_calls.raised(doctor, frame, error)
         self.pending[id(frame)] = (key, description, deliberate)
 
     def _follow(self, caller, key, text: tuple, left: int) -> None:

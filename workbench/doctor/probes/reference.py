@@ -56,20 +56,20 @@ A PIECEWISE step (several graphs, eager code between them) is one call of the ro
 those its first piece reads, its outputs what the runner hands out after the last, and only the
 first cause (a static input) is looked for (the other pieces' ops are not beside the first's).
 
-At the end, where no rule found anything: a result of the workload with a padded replay's rows
-where the reference has the real ones is ``padded-shape-mismatch`` at the line that replayed it;
-a tensor eager code computed from a graph's output, read again after a replay rewrote that
-output, is ``stale-input`` where it was computed (``rules/reused.py``); a served run that
-failed or differs is compared with the reference line by line (``coverage.py``); and one that
-differs, op by op: work the reference does at every step, which the served run did only while it
-prepared a graph that reads its result, is ``warmup-divergence`` where it was done (``dropped.py``);
-last, a closure only captures ran that the served run's eager code calls too is set-up left on the
-eager path (``coverage.py``).
+At the end, where no rule found anything: a result of the workload with a padded replay's rows where
+the reference has the real ones is ``padded-shape-mismatch`` at the line that replayed it; a tensor
+eager code computed from a graph's output, read again after a replay rewrote that output, is
+``stale-input`` where it was computed (``rules/reused.py``); a served run that failed or differs is
+compared with the reference line by line (``coverage.py``), and one that failed by the sizes its
+failing calls were passed (``failed_call.py``); one that differs, op by op: work the reference does
+at every step, which the served run did only while it prepared a graph that reads its result, is
+``warmup-divergence`` where it was done (``dropped.py``); last, a closure only captures ran that the
+served run's eager code calls too is set-up left on the eager path (``coverage.py``).
 
 Only a graph no other rule has a finding for gets one (one failure, one finding). A replay that
-agrees with the reference gives none, whatever its trace (a graph launching more work than eager
-is a standard fix). Where the workload's results agree with the reference's (``events.results``),
-a replay that differs was paired with the wrong call (a batch split otherwise): a note only.
+agrees with the reference gives none, whatever its trace (a graph launching more work than eager is
+a standard fix). Where the workload's results agree with the reference's (``events.results``), a
+replay that differs was paired with the wrong call (a batch split otherwise): a note only.
 """
 from __future__ import annotations
 
@@ -92,6 +92,7 @@ from . import release
 from .compare import calls_near, capture_batch, comparable, differs_from, paired, verdict, written_by
 from .coverage import Coverage
 from .dropped import Dropped
+from .failed_call import FailedCalls
 from .eager_trace import number_origin
 from .reference_causes import (bound, chosen_at, compare_views, frozen_number, frozen_scalar, moved_view, narrower,
                                numbers, only_read, padded_result, parting, static_input)
@@ -137,6 +138,7 @@ class Reference:
         self.captured_with: dict[int, dict] = {}  # id(GraphInfo) -> its static-input views' values at capture
         self.coverage = Coverage()                # the lines each run ran (``coverage.py``)
         self.dropped = Dropped()                  # the served run's eager launches (``dropped.py``)
+        self.failed_calls = FailedCalls()         # the sizes each call was passed (``failed_call.py``)
         self.warm_writes: list = []               # warmups' writes into live state, held (``mutation.warmup_wrote_state``)
 
     # ------------------------------------------------------------------ recording the reference
@@ -149,6 +151,7 @@ class Reference:
             self.call[id(frame)] = number
             self.opened[id(frame)] = len(self.steps)
             self.calls.setdefault(code, []).append(number)
+            self.failed_calls.called(frame)
         elif doctor.phase == "eager" and not doctor.dummy_run and code in self.calls:
             self.served[code] = self.served.get(code, 0) + 1
 
@@ -413,6 +416,7 @@ class Reference:
         failed = bool(doctor.failed_ops or doctor.report.errors)
         if not doctor.report.findings and (failed or self.verdict or self.unexplained):
             self.coverage.parted(doctor, self, failed)
+        self.failed_calls.report(doctor)
         if not doctor.report.findings and self.verdict:
             self.dropped.report(doctor, self)
         if not doctor.report.findings and self.verdict:
