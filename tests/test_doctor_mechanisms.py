@@ -2045,6 +2045,45 @@ def test_a_raise_a_harness_caught_outside_the_workloads_code_is_reported(workspa
     assert "in aligned_alloc" in report.caught[0] and not report.clean
 
 
+def _keyed_step(key: int, caught_by_workload: bool):
+    """Graphs captured, then a step that looks its parameters up in a table keyed by the captured
+    sizes, two calls down; a key no size has raises ``KeyError``. The workload's own caller may
+    catch it (a lookup with a fallback: a protocol), or the zoo's ``compare`` (a harness) does."""
+    from workbench.zoo.kit import compare
+
+    params = {1: torch.ones(1), 2: torch.ones(2)}
+
+    def lookup(size):
+        return params[size]
+
+    def update(size):
+        return lookup(size) * 2
+
+    def step():
+        try:
+            return update(key)
+        except KeyError:
+            if not caught_by_workload:
+                raise
+            return torch.zeros(key)
+
+    def served():
+        _served_once(torch.zeros(4, 4))
+        return [step().clone()]
+
+    return lambda: compare("keyed", "bug", "cpu", served, lambda: [torch.ones(key) * 2])
+
+
+@pytest.mark.parametrize("key, caught_by_workload", [(3, False), (3, True), (2, False)])
+def test_a_lookup_error_a_harness_caught_is_reported_and_one_the_workload_handled_is_not(key, caught_by_workload):
+    report = doctor.diagnose(_keyed_step(key, caught_by_workload))
+    if caught_by_workload or key == 2:
+        assert report.caught == [] and report.findings == [], report
+        return
+    assert len(report.caught) == 1 and report.caught[0].startswith("KeyError: 3"), report
+    assert "in lookup" in report.caught[0] and not report.clean
+
+
 @pytest.mark.parametrize("error", ["IllegalMemoryAccess", "GraphError"])
 @pytest.mark.parametrize("capacity", [7, 8])
 def test_a_kernels_fault_the_workload_models_and_a_harness_caught_is_reported(capacity, error):

@@ -12,7 +12,8 @@ an ``assert`` and then left that frame, not those the same function caught (a pr
 ``raise`` statement is raised on purpose, for the workload's own code to catch: it is kept only if
 code that is not the workload's caught it (a harness around the step, such as the zoo's
 ``compare``): it left two or more of the workload's frames, then a library's, and never reached
-the workload's frame above. The program's own checks are also handed to the rules that read them
+the workload's frame above. Any other error (a lookup's ``KeyError``, a library's own error class;
+not the end of an iteration) is followed so too: it may be a protocol, or the step's failure. The program's own checks are also handed to the rules that read them
 (``undersized.failed_fit_check``, ``clobbered.failed_check``, ``shapes.failed_size_check``,
 ``decisions.failed_flag_check``), and a value a reset bound to None to ``torn_down.failed``.
 After a padded replay it also hands each frame to ``rules/shapes.py``, which may tie the error
@@ -189,7 +190,7 @@ class _Tracer:
                 dummy_batch.failed_check(doctor, error, at)
         if watched and (doctor.graphs or doctor.pools or doctor.buffers or doctor.phase != "eager") \
                 and (shapes.explainable(error) or isinstance(error, checks.MISUSE) or failures.pending(doctor, error)
-                     or _modelled_fault(error, frame)):
+                     or _modelled_fault(error, frame) or _other(error)):
             where = f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} in {function_name(frame.f_code)}"
             text = (f"{type(error).__name__}: {first_line(error)} (raised at {where}, during {doctor.phase})",
                     failures.stack_codes(frame))
@@ -250,6 +251,13 @@ def _modelled_fault(error: BaseException, frame) -> bool:
     raises from its own code. Kept like any failure, so that a run that caught it does not read
     "0 findings"."""
     return isinstance(error, (IllegalMemoryAccess, GraphError)) and raises_at(frame.f_code, frame.f_lasti)
+
+
+def _other(error: BaseException) -> bool:
+    """Any other error of the workload's (a ``KeyError`` of a lookup, a library's own error class),
+    but the ends of an iteration: followed as a ``raise`` is, so kept only where it leaves two of the
+    workload's frames and a library's code catches it (a harness), never where it is a protocol."""
+    return isinstance(error, Exception) and not isinstance(error, (StopIteration, StopAsyncIteration))
 
 
 def _from_a_check(error: BaseException, frame) -> bool:
