@@ -2084,6 +2084,33 @@ def test_a_lookup_error_a_harness_caught_is_reported_and_one_the_workload_handle
     assert "in lookup" in report.caught[0] and not report.clean
 
 
+def _refused_setup(batch: int):
+    """A served run whose graph wrapper refuses the step's batch in its plan, before anything is
+    captured (a wrapper fixed to a batch size in graph mode), after its reference run; the zoo's
+    ``compare`` catches the error."""
+    from workbench.zoo.kit import compare
+
+    def plan(fixed, n):
+        if n != fixed:
+            raise ValueError(f"the batch size should be fixed in graph mode: {n} against {fixed}")
+        return torch.ones(n)
+
+    def prepare(n):
+        return plan(batch, n) * 2
+
+    return lambda: compare("refused", "bug", "cpu", lambda: [prepare(3).clone()], lambda: [torch.ones(3) * 2])
+
+
+@pytest.mark.parametrize("batch", [4, 3])
+def test_a_served_run_that_fails_before_any_capture_is_not_nothing_captured(batch):
+    report = doctor.diagnose(_refused_setup(batch))
+    if batch == 3:
+        assert report.caught == [] and "nothing was captured" in report.headline(), report
+        return
+    assert len(report.caught) == 1 and report.caught[0].startswith("ValueError: the batch size"), report
+    assert "nothing was captured" not in report.headline() and not report.clean
+
+
 @pytest.mark.parametrize("error", ["IllegalMemoryAccess", "GraphError"])
 @pytest.mark.parametrize("capacity", [7, 8])
 def test_a_kernels_fault_the_workload_models_and_a_harness_caught_is_reported(capacity, error):

@@ -13,7 +13,9 @@ an ``assert`` and then left that frame, not those the same function caught (a pr
 code that is not the workload's caught it (a harness around the step, such as the zoo's
 ``compare``): it left two or more of the workload's frames, then a library's, and never reached
 the workload's frame above. Any other error (a lookup's ``KeyError``, a library's own error class;
-not the end of an iteration) is followed so too: it may be a protocol, or the step's failure. The program's own checks are also handed to the rules that read them
+not the end of an iteration) is followed so too: it may be a protocol, or the step's failure. Before
+any graph exists, errors of the served run that follows an announced reference run are followed
+the same way (its set-up failed before it could capture, and a harness caught that). The program's own checks are also handed to the rules that read them
 (``undersized.failed_fit_check``, ``clobbered.failed_check``, ``shapes.failed_size_check``,
 ``decisions.failed_flag_check``), and a value a reset bound to None to ``torn_down.failed``.
 After a padded replay it also hands each frame to ``rules/shapes.py``, which may tie the error
@@ -188,13 +190,17 @@ class _Tracer:
                 decisions.failed_flag_check(doctor, error, at)
                 input_match.failed_check(doctor, error, at)
                 dummy_batch.failed_check(doctor, error, at)
-        if watched and (doctor.graphs or doctor.pools or doctor.buffers or doctor.phase != "eager") \
+        graphs = doctor.graphs or doctor.pools or doctor.buffers or doctor.phase != "eager"
+        # (before any graph, in the served run that follows an announced reference run: its set-up
+        # failed, and a harness that caught it must not leave "nothing was captured" alone)
+        serving = doctor.reference is not None and not doctor.reference.recording
+        if watched and (graphs or serving) \
                 and (shapes.explainable(error) or isinstance(error, checks.MISUSE) or failures.pending(doctor, error)
                      or _modelled_fault(error, frame) or _other(error)):
             where = f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} in {function_name(frame.f_code)}"
             text = (f"{type(error).__name__}: {first_line(error)} (raised at {where}, during {doctor.phase})",
                     failures.stack_codes(frame))
-            description, deliberate = (text, None) if _from_a_check(error, frame) else (None, (text, 0))
+            description, deliberate = (text, None) if graphs and _from_a_check(error, frame) else (None, (text, 0))
             if doctor.reference is not None and not doctor.reference.recording:
                 doctor.reference.failed_calls.raised(doctor, frame, error)
         self.pending[id(frame)] = (key, description, deliberate)
