@@ -1,27 +1,28 @@
 """Errors as they are raised in the watched code, caught later or not (``sys.settrace``, under ``diagnose``).
 
-A workload may catch its own failure and carry on: a test harness that compares outcomes, a
-serving loop that logs and drops the batch. An op that fails at dispatch is seen by the dispatch
-mode (``failures.op_failed``), but many errors are raised before any op reaches it: a composite
-op's argument check (``repeat_interleave`` with mismatched sizes), a tensor's ``__index__``, an
-``assert`` of the workload. Unseen, such a run reads "0 findings". The tracer sees each error in
-the first user frame it passes through and keeps, once graphs exist (or a runner has announced
-the buffers it captures with), those that came from a call into a library (torch's checks) or from
-an ``assert`` and then left that frame, not those the same function caught (a probe such as
-``try: torch.xpu.is_current_stream_capturing() except Exception: return False``). An error of a
-``raise`` statement is raised on purpose, for the workload's own code to catch: it is kept only if
-code that is not the workload's caught it (a harness around the step, such as the zoo's
-``compare``): it left two or more of the workload's frames, then a library's, and never reached
-the workload's frame above. Any other error (a lookup's ``KeyError``, a library's own error class;
-not the end of an iteration) is followed so too: it may be a protocol, or the step's failure. Before
-any graph exists, errors of the served run that follows an announced reference run are followed
-the same way (its set-up failed before it could capture, and a harness caught that). The program's own checks are also handed to the rules that read them
-(``undersized.failed_fit_check``, ``clobbered.failed_check``, ``shapes.failed_size_check``,
-``decisions.failed_flag_check``), and a value a reset bound to None to ``torn_down.failed``.
-After a padded replay it also hands each frame to ``rules/shapes.py``, which may tie the error
-to the padded rows; an item assignment that failed (into a NumPy staging array, which dispatches
-no op) goes to ``rules/undersized.py``'s write contract. A refusal raised while a capture is open
-goes to ``rules/sync.py`` as it is raised: code may catch it and go on with the capture still open.
+A workload may catch its own failure and carry on: a test harness that compares outcomes, a serving
+loop that logs and drops the batch. An op that fails at dispatch is seen by the dispatch mode
+(``failures.op_failed``), but many errors are raised before any op reaches it: a composite op's
+argument check (``repeat_interleave`` with mismatched sizes), a tensor's ``__index__``, an
+``assert`` of the workload. Unseen, such a run reads "0 findings". The tracer sees each error in the
+first user frame it passes through and keeps, once graphs exist (or a runner has announced the
+buffers it captures with), those that came from a call into a library (torch's checks) or from an
+``assert`` and then left that frame, not those the same function caught (a probe such as
+``try: torch.xpu.is_current_stream_capturing() except Exception: return False``). An error of a ``raise``
+statement is raised on purpose, for the workload's own code to catch: it is kept only if code that
+is not the workload's caught it (a harness around the step, such as the zoo's ``compare``): it left
+two or more of the workload's frames, then a library's, and never reached the workload's frame
+above. Any other error (a lookup's ``KeyError``, a library's own error class; not the end of an
+iteration) is followed so too: it may be a protocol, or the step's failure. Before any graph exists,
+errors of the served run that follows an announced reference run are followed the same way (its
+set-up failed before it could capture, and a harness caught that). The program's own checks are also
+handed to the rules that read them (``undersized.failed_fit_check``, ``clobbered.failed_check``,
+``shapes.failed_size_check``, ``decisions.failed_flag_check``), and a value a reset bound to None to
+``torn_down.failed``. After a padded replay it also hands each frame to ``rules/shapes.py``, which
+may tie the error to the padded rows; an item assignment that failed (into a NumPy staging array,
+which dispatches no op) goes to ``rules/undersized.py``'s write contract. A refusal raised while a
+capture is open goes to ``rules/sync.py`` as it is raised: code may catch it and go on with the
+capture still open.
 
 The tracer also keeps the last user function that returned (``returned``), without holding its
 frame: memory released as a function's locals go is released in that function (``released_at``).
@@ -200,8 +201,9 @@ class _Tracer:
             where = f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} in {function_name(frame.f_code)}"
             text = (f"{type(error).__name__}: {first_line(error)} (raised at {where}, during {doctor.phase})",
                     failures.stack_codes(frame))
-            description, deliberate = (text, None) if graphs and _from_a_check(error, frame) else (None, (text, 0))
-            if doctor.reference is not None and not doctor.reference.recording:
+            checked = graphs and _from_a_check(error, frame)
+            description, deliberate = (text, None) if checked else (None, (text, 0))
+            if serving:
                 doctor.reference.failed_calls.raised(doctor, frame, error)
         self.pending[id(frame)] = (key, description, deliberate)
 

@@ -92,8 +92,8 @@ from . import release
 from .compare import calls_near, capture_batch, comparable, differs_from, paired, verdict, written_by
 from .coverage import Coverage
 from .dropped import Dropped
-from .failed_call import FailedCalls
 from .eager_trace import number_origin
+from .failed_call import FailedCalls
 from .reference_causes import (bound, chosen_at, compare_views, frozen_number, frozen_scalar, moved_view, narrower,
                                numbers, only_read, padded_result, parting, static_input)
 from .reference_steps import SMALL, Step, Values, step
