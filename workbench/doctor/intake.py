@@ -38,6 +38,7 @@ from .runner_events import RunnerEvents
 from .threads import Threads
 from .rules import (bounds, clobbered, dangling, decisions, derived, host_copies, mutation, overwritten, padded_scatter,
                     reused, shapes, staging, sync, uncomputed, undersized, unread, unwritten, warmup)
+from .rules.empty_batch import EmptyBatch
 from .rules.pool import PoolReads
 from .tensors import first_line
 
@@ -96,6 +97,7 @@ class Doctor(RunnerEvents):
         self.host_reads: set[int] = set()           # host memory captured copies re-read by address
         self.touched: dict[int, str] = {}           # of those two, written outside graphs since: -> source line
         self.empty_inputs: list = []                # (finding, key) of empty capture inputs, until data is served
+        self.empty_batch = EmptyBatch()             # warmups and captures that cut no rows (rules.empty_batch)
         self.handed: dict[int, tuple] = {}          # rules.overwritten
         self.moved: dict[int, str] = {}             # storages given other memory in place -> where (rules.dangling)
         self.through: dict[int, tuple] = {}         # rules.extent: views past their base, followed

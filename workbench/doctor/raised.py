@@ -180,6 +180,7 @@ class _Tracer:
             undersized.failed_host_write(doctor, error, frame)
         description = deliberate = None              # not kept, but followed: its callers must not take it for new
         if watched:
+            doctor.empty_batch.raised(doctor, error)
             size_table.explained(doctor, error, frame)
             torn_down.failed(doctor, error, frame)
             if raises_at(frame.f_code, frame.f_lasti):                # the program's own check (``assert``, ``raise``), not a library's

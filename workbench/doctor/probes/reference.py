@@ -113,8 +113,8 @@ class Reference:
         self.steps: list[Step] = []
         self.returned_values: dict[tuple, tuple] = {}   # (code, call number) -> the tensors it returned, where
         self.opened: dict[int, int] = {}          # id(frame) -> the steps recorded before its call
-        self.left: dict[tuple, dict] = {}         # (code, call number) of a call that returned nothing -> what
-                                                  # it left where it wrote: id(step) -> (value, offset, stride)
+        self.left: dict[tuple, dict] = {}         # (code, call number), returning nothing -> id(step) -> (value,
+                                                  # offset, stride): what it left where it wrote
         self.values = Values()                    # copies of small tensors as the reference had them
         self.served: dict = {}                    # code -> its eager calls in the served run
         self.replayed: dict = {}                  # code -> replays of graphs rooted there
@@ -123,11 +123,9 @@ class Reference:
         self.roots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.at_replay: dict[int, tuple] = {}     # id(GraphInfo) -> (served steps before, static views' values)
         self.by_call: tuple | None = None         # (code, call number -> its steps), for the last root asked
-        self.writers: dict[int, tuple] = {}       # static input -> (op, line, its name, where its value was chosen):
-                                                  # its last write, served run
+        self.writers: dict[int, tuple] = {}       # static input -> its last write, served: (op, line, name, chosen at)
         self.found: dict[str, tuple] = {}         # graph name -> (info, kind, op, tensor, source, text, numbers)
-        self.guessed: dict[str, tuple] = {}       # ... found on a replay tied to its step by the count alone, where
-                                                  # no call agrees with its static inputs: the last evidence used
+        self.guessed: dict[str, tuple] = {}       # ... on a replay tied to its step by count alone: the last evidence
         self.by_input: set[str] = set()           # ... of those, found in a static input's values (``static_input``)
         self.unexplained: list[tuple] = []        # (graph name, text, padded?) of replays that differ, no cause found
         self.verdict: tuple | None = None         # the workload's own: None (not said), () (agrees), (result, diff)
@@ -332,11 +330,10 @@ class Reference:
         served run's count of steps breaks a tie: a training loop whose warmup was a real step is one
         ahead); where no call agrees with any (a graph that reads other buffers than the step's eager
         form is given), the k-th, as for a root that reads no static input. What the replay gives is
-        not asked: a graph replayed for the wrong step gives another step's answer.
-        Where the step wrote static inputs the graph reads (``wrote``), only those tell which step it
-        is: one it left as an earlier step wrote them is what may be wrong, and must not tie the
-        replay to the step that wrote it (a block table left from another request whose token and
-        position this step happens to repeat)."""
+        not asked: a graph replayed for the wrong step gives another step's answer. Where the step
+        wrote static inputs the graph reads (``wrote``), only those tell its step: one left as an
+        earlier step wrote it may be what is wrong (a block table left from another request whose
+        token and position this step repeats), and must not tie the replay to that step."""
         best, calls = None, self.calls[code]
         if not values and k < len(calls):         # no static input under the root: the count is all there is
             number = calls[k]
@@ -378,10 +375,9 @@ class Reference:
         for info in doctor.graphs.values():
             stale = any(h[0].kind in ("stale-input", "stale-padding") for h in info.held + info.held_state)
             if self.verdict and info.name in self.by_input and not stale:
-                # A replay that differs from the same step of the run without graphs, where a static input
-                # it reads holds other values than that step gives it, says more than what the eager form
-                # parted on, which only the workload's results bore out: that is reported (unless what was
-                # held is an input the step left stale, from which the differing values may derive).
+                # A replay that differs from its step of the run without graphs in a static input it reads
+                # says more than what the eager form parted on (only the workload's results bore that out),
+                # unless what was held is an input the step left stale, whence the differing values may come.
                 info.held.clear()
                 info.held_state.clear()
             if self.verdict:
@@ -429,9 +425,8 @@ class Reference:
         found = {g for f in doctor.report.findings for g in f.graph.split(", ")}
         doctor.report.unexplained += [text for name, text, _ in self.unexplained if name not in found]
         if self.verdict and not doctor.report.findings and not doctor.report.unexplained:
-            i, diff = self.verdict
-            doctor.report.unexplained.append(f"the workload's result {i} differs from its run without graphs' (max "
-                                             f"|diff| = {diff:.3g}), and no finding explains it")
+            doctor.report.unexplained.append(f"the workload's result {self.verdict[0]} differs from its run without "
+                                             f"graphs' (max |diff| = {self.verdict[1]:.3g}), and no finding explains it")
 
     def root(self, info) -> tuple | None:
         """(root code, the positions in ``info.paths`` of the ops under it): the function of the

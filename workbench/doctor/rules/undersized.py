@@ -1,6 +1,7 @@
 """undersized-buffer: shape contracts of static buffers, on every write path and every replay.
 
-* an announced buffer with a zero-sized dimension (a capture for no data);
+* an announced buffer with a zero-sized dimension (a capture for no data), and a warmup or capture
+  that failed having cut every announced input it took rows of to no rows (``empty_batch.py``);
 * a write into an announced buffer, in eager code, a warmup or a capture, by any op (``copy_``,
   slice assignment, ``index_put_``, ``fill_``...): data that does not fit its destination, an op
   that fails on it, or a slice that asks for more rows or columns than the buffer has (Python
@@ -134,6 +135,7 @@ def check_slice(doctor, args) -> None:
     buf = doctor.buffers.get(storage_key(t))
     if buf is None or buf.ref() is None:
         return
+    doctor.empty_batch.sliced(doctor, buf, t, args)
     end = args[3] if len(args) > 3 else None
     if isinstance(end, int) and end < _OPEN_END:
         _past_end(doctor, buf, args[1] if len(args) > 1 else 0, end, t.shape)
