@@ -7,7 +7,7 @@ handed-out views tracked without a callback per view.
 """
 from __future__ import annotations
 
-import collections
+import array
 import gc
 import itertools
 
@@ -183,7 +183,7 @@ class Drifts:
 
 def _served(model: Drifts, steps: int) -> tuple[doctor.Report, list]:
     from test_doctor_mechanisms import Manager, rows
-    seen = collections.deque()      # (not a list: the doctor puts back lists an eager run appends to)
+    seen = array.array("b")         # (not a list or deque: the doctor puts back those an eager run appends to)
     with doctor.watch(differential=1) as report:
         m = Manager(model.forward, [4], {"x": model.x})
         m.capture()
@@ -200,7 +200,7 @@ def _served(model: Drifts, steps: int) -> tuple[doctor.Report, list]:
             if step == model.drift_at:
                 model.scale = 3.0
             m.replay(3)
-    return report, list(seen)
+    return report, [bool(w) for w in seen]
 
 
 def test_eager_steps_are_watched_on_the_first_compared_replay_and_every_trace_every_th():

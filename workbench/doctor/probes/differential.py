@@ -23,7 +23,8 @@ No evidence against the replay: memory outside what the graph reads that the eag
 before reading (scratch), and what the previous replay left in memory the graph owns and never
 reads (a ``.grad`` the eager step accumulates into where the graph assigns). Traces that part on a
 line run another number of times are run once more to find the frame that loops
-(``launch.repeats``); a padded replay that raises is tried on its real rows alone (``failed``).
+(``launch.repeats``); a padded replay that raises is tried on its real rows alone (``failed``); an
+eager run that would wait forever fails instead (``waits``).
 
 Where the workload announced its run without graphs (``probes/reference.py``) and a replay gives
 what that run gives at the same step (or is the capture's own batch), two kinds of finding are
@@ -44,7 +45,7 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 from ...engine.opinfo import storage_key
 from ..tensors import alias, changed, disagrees, first_line, max_abs_diff, rng_state, set_rng_state, whole
 from ..rules import bounds, unread
-from . import captured_state, held, launch, nonfinite, pystate, reach, rootcause, row_writes, unpadded
+from . import captured_state, held, launch, nonfinite, pystate, reach, rootcause, row_writes, unpadded, waits
 from .compare import compare, rows_of, without_unwritten
 from .eager_trace import EagerRun
 
@@ -329,7 +330,7 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
     with _disable_current_modes():
         given = captured_state.restore(doctor, info)
     try:
-        with torch.set_grad_enabled(pending.grad):     # code may branch on it (is_grad_enabled())
+        with torch.set_grad_enabled(pending.grad), waits.bounded():    # (code may branch on is_grad_enabled())
             if aside:
                 _pop_torch_dispatch_stack(None)
             if host is not None:

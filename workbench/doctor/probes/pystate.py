@@ -11,7 +11,7 @@ The eager run must also start from the host state the replay started from, and l
 as the replay left it: a connector whose eager step takes this step's transfers off its queue
 would otherwise find them gone when the served step's own code (an eager piece between graphs,
 the code after the replay) looks for them. So the contents of every reachable container (an
-object's attributes, a dict, a list, a set) are kept before the step (``keep``) and after the
+object's attributes, a dict, a list, a set, a deque) are kept before the step (``keep``) and after the
 replay, and put back (``put_back``) before and after each eager run: one level each, which covers
 nested containers since each of them is kept too. Keys a run adds stay (a cache it filled),
 but for one bound to a tensor the step made by a line the capture also ran: that is the step's
@@ -21,6 +21,7 @@ Which containers are kept, and how each is found again, is ``reach.py``'s walk.
 """
 from __future__ import annotations
 
+from collections import deque
 from operator import is_
 
 import torch
@@ -30,6 +31,9 @@ from ...engine.opinfo import storage_key
 from ...engine.source import location, mine
 from ..tensors import disagrees
 from .reach import ATOMS, MISSING, Watch, found, get
+
+
+_CONTAINERS = (dict, list, set, deque)
 
 
 def keep(containers: list, root) -> list:
@@ -42,8 +46,8 @@ def keep(containers: list, root) -> list:
             told.add(id(c))
         if not watch or c is MISSING or id(c) in seen:
             continue
-        live = c if isinstance(c, (dict, list, set)) else getattr(c, "__dict__", None)
-        if isinstance(live, (dict, list, set)):
+        live = c if isinstance(c, _CONTAINERS) else getattr(c, "__dict__", None)
+        if isinstance(live, _CONTAINERS):
             seen.add(id(c))
             out.append((c, label, _copy(live), live))
     out.quiet = seen - told
@@ -75,6 +79,9 @@ def put_back(kept: list) -> None:
     for _, _, was, now in differ(kept):     # (the base type's methods: a subclass may redefine ``update``)
         if isinstance(now, list):
             list.__setitem__(now, slice(None), was)
+        elif isinstance(now, deque):
+            deque.clear(now)
+            deque.extend(now, was)
         elif isinstance(now, set):
             set.clear(now)
             set.update(now, was)
@@ -117,7 +124,7 @@ def _copy(live):
     if type(live) in (dict, list, set):
         return live.copy()
     return dict(dict.items(live)) if isinstance(live, dict) else list.copy(live) if isinstance(live, list) else \
-        set(set.__iter__(live))
+        list(deque.__iter__(live)) if isinstance(live, deque) else set(set.__iter__(live))
 
 
 def _same(now, was) -> bool:
@@ -129,7 +136,7 @@ def _same(now, was) -> bool:
         if all(map(is_, dict.values(now), was.values())) and all(map(is_, dict.__iter__(now), was)):
             return True                     # (the common case: nothing moved, in the same order)
         return dict.keys(now) == was.keys() and all(get(now, k) is v for k, v in was.items())
-    if isinstance(now, list):
+    if isinstance(now, (list, deque)):
         return all(map(is_, now, was))
     return {id(v) for v in now} == {id(v) for v in was}
 

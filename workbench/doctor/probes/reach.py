@@ -3,7 +3,9 @@
 A container is reachable from the step through closures, bound methods, ``functools.partial``,
 object ``__dict__`` entries (a tensor's too: attributes a program sets on a parameter), the class
 attributes and methods of the program's own classes (a generator or a singleton kept on a class),
-dicts, lists and tuples (an ``nn.Module``'s submodules and buffers included), up to
+dicts, lists, tuples and deques (an ``nn.Module``'s submodules and buffers included; a
+``queue.Queue``'s items, the work a step takes off it: an eager run that took it must give it back,
+or the next run blocks on an empty queue), up to
 ``_MAX_OBJECTS`` objects, found once per graph. The engine's own objects are walked through (a
 graph manager leads to the model) but not watched: their bookkeeping is not the step's.
 
@@ -14,8 +16,10 @@ machinery, put back after an eager run but never reported.
 """
 from __future__ import annotations
 
+import collections
 import enum
 import functools
+import queue
 import sys
 import types
 import weakref
@@ -39,7 +43,8 @@ _OPAQUE = (types.ModuleType, type, torch.dtype, torch.device, torch.Tensor)
 _INFRA = ("workbench.engine", "workbench.doctor", "torch.utils._python_dispatch")
 _THEIRS = ("torch", "numpy")
 _LIBRARIES = (*_THEIRS, "workbench.engine", "workbench.doctor")
-_STATEFUL = (torch.nn.Module, torch.optim.Optimizer)   # torch objects that hold a model's own state
+# Library objects that hold the program's state: a model's, an optimizer's, the work queued for later steps
+_STATEFUL = (torch.nn.Module, torch.optim.Optimizer, queue.Queue)
 _RECORDINGS = ("workbench.engine.cpu_graph", "workbench.engine.recorded", "workbench.engine.pool")
 # A module's hook registries: set up before serving, never a step's state (a dozen dicts per module,
 # each compared on every sampled step otherwise).
@@ -102,7 +107,7 @@ def watched(root: object) -> list:
                       (obj.__func__, watch, label, me, _FUNC)]
         elif isinstance(obj, functools.partial):
             stack += [(v, watch, label, me, _Part(i)) for i, v in enumerate(_parts(obj))]
-        elif isinstance(obj, (dict, list, tuple, set)):
+        elif isinstance(obj, (dict, list, tuple, set, collections.deque)):
             nodes[me][3] = watch if not isinstance(obj, tuple) else Watch.NO
             if isinstance(obj, set):            # (a set's members are reached, never found again by a key)
                 stack += [(v, watch, f"{label}[{_key(v)}]", None, _weak(v)) for v in obj]
@@ -111,9 +116,9 @@ def watched(root: object) -> list:
             stack += [(v, watch, f"{label}[{_key(k)}]", me, k) for k, v in items]
         elif isinstance(attrs := getattr(obj, "__dict__", None), dict):
             module, tensor = type(obj).__module__, isinstance(obj, torch.Tensor)
-            if not tensor and (module.startswith(_THEIRS) and not isinstance(obj, _STATEFUL)
-                               or module.startswith(_RECORDINGS)
-                               or module.partition(".")[0] in sys.stdlib_module_names):
+            if not tensor and not isinstance(obj, _STATEFUL) and (
+                    module.startswith(_THEIRS) or module.startswith(_RECORDINGS)
+                    or module.partition(".")[0] in sys.stdlib_module_names):
                 continue                # a library's own object (an op overload, a logger), a graph's recording
             # A tensor is watched for the attributes the program set on it (a parameter's main_grad, the
             # gradient an optimizer reads from it), never walked into.
@@ -215,7 +220,7 @@ def found(nodes: list, root) -> list:
                 if isinstance(obj, type) else MISSING
         elif isinstance(obj, dict):
             obj = get(obj, step)
-        elif isinstance(obj, (list, tuple)) and isinstance(step, int) and step < len(obj):
+        elif isinstance(obj, (list, tuple, collections.deque)) and isinstance(step, int) and step < len(obj):
             obj = obj[step]
         else:
             obj = MISSING

@@ -1,0 +1,87 @@
+"""Work a step's Python queues, under differential replay (``doctor/probes/reach.py``, ``pystate.py``,
+``waits.py``).
+
+A training layer that defers its weight gradient (TransformerEngine's ``WeightGradStore``) puts the
+backward's tensors on a ``queue.Queue`` and a later call takes them off. Captured, each Python call
+ran once, at capture; the doctor's eager run of a step's captured callable then starts from what
+the replays left, and must neither hang on an empty queue nor take the program's work off it.
+"""
+from __future__ import annotations
+
+import queue
+
+import torch
+
+from workbench import doctor
+from workbench.childproc import run_in_child
+from workbench.engine import graph_pool_handle
+from workbench.zoo.kit import capture, replay
+
+
+class DeferredLinear:
+    """``backward`` queues its input for ``backward_dw``, which takes it and accumulates the weight
+    gradient into ``main_grad``."""
+
+    def __init__(self) -> None:
+        self.weight = torch.arange(6.).reshape(2, 3) / 6
+        self.main_grad = torch.zeros(2, 3)
+        self.store = queue.Queue()
+
+    def backward(self, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        self.store.put((x, grad))
+        return grad @ self.weight
+
+    def backward_dw(self) -> None:
+        x, grad = self.store.get()
+        self.main_grad.add_(grad.T @ x)
+
+
+def _graphed_backward_dw() -> dict:
+    """The two calls captured as two graphs and replayed in turn: the eager form of ``backward_dw``
+    finds the queue as the replays left it, empty."""
+    layer, x, grad = DeferredLinear(), torch.ones(4, 3), torch.full((4, 2), 0.5)
+    pool = graph_pool_handle("cpu")
+
+    def workload():
+        bwd = capture(lambda: layer.backward(x, grad), device="cpu", pool=pool, warmups=0, name="bwd",
+                      static={"x": x, "grad": grad})
+        dw = capture(layer.backward_dw, device="cpu", pool=pool, warmups=0, name="bwd_dw",
+                     state={"main_grad": layer.main_grad})
+        for _ in range(3):
+            replay(*bwd)
+            replay(dw[0], (), size=4)
+
+    report = doctor.diagnose(workload)
+    return {"findings": [f.kind for f in report.findings], "notes": report.notes, "failure": report.failure}
+
+
+def test_an_eager_run_that_waits_on_an_empty_queue_fails_instead_of_hanging():
+    result = run_in_child(_graphed_backward_dw, timeout=180)
+    assert result.ok, result                       # (a hang is a TimeoutError here)
+    assert result.value["failure"] is None and result.value["findings"] == [], result.value
+    assert any("bwd_dw: the eager step raised EndlessWait" in n for n in result.value["notes"]), result.value
+
+
+def test_work_an_eager_run_took_off_a_queue_is_put_back():
+    """The runner queues a work item for each step; the captured step takes one (at capture: the
+    dummy one), and the runner's code after the replay takes the step's own, without waiting. The
+    doctor's eager run of the step took that item: it must be back in the queue when the run ends."""
+    work, x, w = queue.Queue(), torch.zeros(4, 3), torch.eye(3)
+    done = []
+
+    def step():
+        work.get()
+        return x @ w
+
+    def workload():
+        work.put("dummy")
+        g, out = capture(step, device="cpu", warmups=0, name="step", static={"x": x})
+        for i in range(4):
+            work.put(f"request {i}")
+            x.copy_(torch.full((4, 3), float(i)))
+            replay(g, out)
+            done.append(work.get_nowait())          # queue.Empty if the doctor took it
+
+    report = doctor.diagnose(workload)
+    assert report.errors == [] and report.caught == [] and report.findings == [], report
+    assert done[-4:] == [f"request {i}" for i in range(4)], done
