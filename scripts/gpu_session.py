@@ -2,7 +2,8 @@
 
 Runs on a machine with CUDA: the engine's semantic probes and architecture matrix, the runner's
 replay overhead, every case of the registry (``<case id>.json`` from its scenario's
-``gpu_record``), the graph doctor and the bug zoo. Every record carries the device, torch and CUDA
+``gpu_record``), the graph doctor, the bug zoo, and the outcome of every test marked ``cuda``
+(``cuda_tests``: CI has no GPU, so those tests are only ever run here). Every record carries the device, torch and CUDA
 versions and the date. Usage: ``python scripts/gpu_session.py OUT_DIR [name ...]`` (names: the keys
 of ``records()``; default: every one the visible GPUs can run). ``doctor_trials@FILE`` records only
 the trial programs FILE lists, one ``round/program`` a line (merge the result with ``python -m
@@ -14,7 +15,10 @@ from __future__ import annotations
 import datetime
 import importlib
 import json
+import os
 import pathlib
+import re
+import subprocess
 import sys
 import time
 import traceback
@@ -38,10 +42,32 @@ def records() -> dict[str, tuple[str, str, int]]:
         "zoo": ("workbench.zoo.record", "gpu_record", 1),
         "doctor_padding": ("workbench.doctor.padding_record", "gpu_record", 1),
         "doctor_trials": ("workbench.zoo.trials", "gpu_record", 1),
+        "cuda_tests": (__name__, "cuda_tests", 1),
     }
     for case in cases.CASES:
         found[case.id] = (f"{case.package}.scenario", "gpu_record", case.gpus)
     return found
+
+
+def cuda_test_files() -> list[str]:
+    """The test modules that mark a test ``cuda`` (only those are collected: the others may need
+    packages a GPU machine lacks)."""
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
+                  if "pytest.mark.cuda" in p.read_text())
+
+
+def cuda_tests(device: str = "cuda") -> dict:
+    """Every test marked ``cuda``, run by pytest on this machine: ``{node id: outcome}``."""
+    if device != "cuda":
+        raise ValueError(f"the CUDA tests run on cuda, not {device!r}")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rA", "-p", "no:cacheprovider",
+                          "-n", "4", "--tb=short", *cuda_test_files()], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "WORKBENCH_FAST": "1", "WORKBENCH_HEADLESS": "1"})
+    tests = {node: outcome.lower() for outcome, node in re.findall(
+        r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+)", run.stdout, re.M)}
+    failed = [line for line in run.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    return {"returncode": run.returncode, "tests": tests, "summary": run.stdout.strip().splitlines()[-1:],
+            "failures": failed, "output_tail": run.stdout[-4000:] if failed else ""}
 
 
 def metadata() -> dict:
