@@ -85,3 +85,41 @@ def test_work_an_eager_run_took_off_a_queue_is_put_back():
     report = doctor.diagnose(workload)
     assert report.errors == [] and report.caught == [] and report.findings == [], report
     assert done[-4:] == [f"request {i}" for i in range(4)], done
+
+
+def test_waits_are_bounded_only_for_the_threads_inside_and_restored_when_all_have_left(monkeypatch):
+    """Two threads replay side by side: the first to start an eager run ends it first, while the
+    second is still inside its own. The condition's ``wait`` is the library's again once the last
+    has left, and a thread's untimed wait on an empty queue fails only inside such a run."""
+    import threading
+
+    from workbench.doctor.probes import waits
+    original = threading.Condition.wait
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    errors = []
+
+    def first():
+        with waits.bounded():
+            first_in.set()
+            second_in.wait(timeout=10)
+        first_out.set()
+
+    def second():
+        first_in.wait(timeout=10)
+        with waits.bounded():
+            second_in.set()
+            first_out.wait(timeout=10)
+
+    threads = [threading.Thread(target=f) for f in (first, second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert threading.Condition.wait is original
+    monkeypatch.setattr(waits, "PATIENCE", 0.1)     # (a test runner's own threads may be alive)
+    with waits.bounded():
+        try:
+            queue.Queue().get()
+        except waits.EndlessWait:
+            errors.append("failed")
+    assert errors == ["failed"] and threading.Condition.wait is original

@@ -13,32 +13,47 @@ and every wait of another thread, are left alone.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 from collections.abc import Iterator
 
 PATIENCE = 30.0          # seconds a doctor's eager run waits while other threads could end the wait
 
+_original = threading.Condition.wait
+_bounded: collections.Counter = collections.Counter()   # thread id -> its doctor's eager runs in progress
+_lock = threading.Lock()
+
 
 class EndlessWait(RuntimeError):
     """A doctor's eager run waited for what nothing would give it."""
 
 
+def _wait(self, timeout=None):
+    if timeout is not None or threading.get_ident() not in _bounded:
+        return _original(self, timeout)
+    if _original(self, PATIENCE if threading.active_count() > 1 else 0):
+        return True
+    raise EndlessWait("the eager step waited on a condition nothing would signal (an empty queue's get, an unset "
+                      "event): the state the replay left lacks what the eager step waits for")
+
+
 @contextlib.contextmanager
 def bounded() -> Iterator[None]:
-    """Within the block, this thread's untimed condition waits are bounded (see the module)."""
-    me, original = threading.get_ident(), threading.Condition.wait
-
-    def wait(self, timeout=None):
-        if timeout is not None or threading.get_ident() != me:
-            return original(self, timeout)
-        if original(self, PATIENCE if threading.active_count() > 1 else 0):
-            return True
-        raise EndlessWait("the eager step waited on a condition nothing would signal (an empty queue's get, an "
-                          "unset event): the state the replay left lacks what the eager step waits for")
-
-    threading.Condition.wait = wait
+    """Within the block, this thread's untimed condition waits are bounded (see the module). The
+    class's ``wait`` is replaced while any thread is inside such a block (threads may replay, and so
+    run eager steps, side by side)."""
+    me = threading.get_ident()
+    with _lock:
+        if not _bounded:
+            threading.Condition.wait = _wait
+        _bounded[me] += 1
     try:
         yield
     finally:
-        threading.Condition.wait = original
+        with _lock:
+            _bounded[me] -= 1
+            if not _bounded[me]:
+                del _bounded[me]
+            if not _bounded:
+                threading.Condition.wait = _original
