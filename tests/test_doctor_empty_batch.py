@@ -22,7 +22,7 @@ HIDDEN = 3
 
 def capture_sizes(variant: str, max_bs: int) -> list[int]:
     sizes = sorted({max_bs - 1, max_bs})
-    return [s for s in sizes if (0 < s if variant == "fix" else True) and s <= max_bs]
+    return [s for s in sizes if s > 0] if variant == "fix" else sizes
 
 
 def argmax_kernel(logits: torch.Tensor) -> torch.Tensor:

@@ -36,9 +36,8 @@ from .failures import contained
 from .report import Finding, Report
 from .runner_events import RunnerEvents
 from .threads import Threads
-from .rules import (bounds, clobbered, dangling, decisions, derived, host_copies, mutation, overwritten, padded_scatter,
-                    reused, shapes, staging, sync, uncomputed, undersized, unread, unwritten, warmup)
-from .rules.empty_batch import EmptyBatch
+from .rules import (bounds, clobbered, dangling, decisions, derived, empty_batch, host_copies, mutation, overwritten,
+                    padded_scatter, reused, shapes, staging, sync, uncomputed, undersized, unread, unwritten, warmup)
 from .rules.pool import PoolReads
 from .tensors import first_line
 
@@ -97,7 +96,7 @@ class Doctor(RunnerEvents):
         self.host_reads: set[int] = set()           # host memory captured copies re-read by address
         self.touched: dict[int, str] = {}           # of those two, written outside graphs since: -> source line
         self.empty_inputs: list = []                # (finding, key) of empty capture inputs, until data is served
-        self.empty_batch = EmptyBatch()             # warmups and captures that cut no rows (rules.empty_batch)
+        self.empty_batch = empty_batch.EmptyBatch() # warmups and captures that cut no rows
         self.handed: dict[int, tuple] = {}          # rules.overwritten
         self.moved: dict[int, str] = {}             # storages given other memory in place -> where (rules.dangling)
         self.through: dict[int, tuple] = {}         # rules.extent: views past their base, followed
@@ -129,8 +128,7 @@ class Doctor(RunnerEvents):
         self.input_writes: dict[int, tuple] = {}    # static input -> (code that wrote data, last reset, step: clobbered.py)
         self.setup_writes: dict[int, tuple] = {}    # storage -> the frames that last wrote it in set-up (unwritten.py)
         self.upload_guard = None                    # entered around a CUDA capture (rules/sync.py)
-        self.explanation: tuple | None = None       # (id(error), finding, key): the last error explained where it was
-                                                    # raised, reported if it proves a failure (failures.explained)
+        self.explanation: tuple | None = None       # (id(error), finding, key) until it proves a failure (failures.py)
         self.pools: dict = {}                       # pool key -> (line that made the handle, graphs captured into it)
         self.found: dict[tuple, tuple] = {}          # each hazard once (``add``), by its key: (it, its graphs)
         self.reference: Reference | None = None     # the workload's run without graphs (probes/reference.py)

@@ -55,7 +55,6 @@ def _final_checks(doctor) -> None:
         if not info.probed:
             mutation.unprobed(doctor, info)
     mutation.warmup_updates(doctor)
-    doctor.empty_batch.finish(doctor)
     unread.finish(doctor)
     doctor.warm.captures_over()
     for info in doctor.graphs.values():

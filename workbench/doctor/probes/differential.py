@@ -22,9 +22,8 @@ small tensors the graph only reads (a cache the eager step may refill) are put b
 No evidence against the replay: memory outside what the graph reads that the eager step writes
 before reading (scratch), and what the previous replay left in memory the graph owns and never
 reads (a ``.grad`` the eager step accumulates into where the graph assigns). Traces that part on a
-line run another number of times are run once more to find the frame that loops
-(``launch.repeats``); a padded replay that raises is tried on its real rows alone (``failed``); an
-eager run that would wait forever fails instead (``waits``).
+line run more or fewer times are run again to find the looping frame (``launch.repeats``); a padded
+replay that raises is tried on its real rows (``failed``); no eager run waits forever (``waits``).
 
 Where the workload announced its run without graphs (``probes/reference.py``) and a replay gives
 what that run gives at the same step (or is the capture's own batch), two kinds of finding are

@@ -8,8 +8,9 @@ kernel refuses an empty launch grid (CUDA: "invalid configuration argument"), a 
 sizes has no entry for 0 -- and the error names the kernel, not the size. Where a warmup or a
 capture fails and every announced static input it cut rows from (along the first dimension) was
 cut to no rows, the failure is the empty capture batch: ``undersized-buffer`` (a zero-sized capture
-input) at the line that cut the first of them, reported once the error is known to have ended the
-run (the workload did not survive it, or a harness caught it).
+input) at the line that cut the first of them, the error's explanation, reported once the error
+proves a failure (``failures.explained``: the workload did not survive it, or a harness caught it;
+under ``diagnose``, whose tracer sees errors as they are raised).
 
 A capture for no data that fails nothing is no finding here: an expert no token was routed to is
 captured empty on purpose (``undersized.announced`` holds those until a step with rows is served).
@@ -17,20 +18,18 @@ captured empty on purpose (``undersized.announced`` holds those until a step wit
 from __future__ import annotations
 
 from ...engine.source import user_frame
-from .. import explain
+from .. import explain, failures
 from ..report import Finding
 from ..tensors import first_line
 
 
 class EmptyBatch:
-    """The row cuts of announced static inputs in the current warmup or capture, and the failures
-    of runs that cut only empty ones."""
+    """The row cuts of announced static inputs in the current warmup or capture."""
 
     def __init__(self) -> None:
         self.run = -1                       # which warmup or capture the cuts below belong to
         self.empty: dict[str, tuple] = {}   # input name -> (its shape, where it was cut to no rows)
         self.rows = False                   # some cut of this run had rows
-        self.failed: dict[int, tuple] = {}  # id(error) -> (its text, the finding it would be)
 
     def sliced(self, doctor, buf, t, args) -> None:
         """``aten.slice`` of an announced buffer's tensor ``t`` (``args``: dim, start, end)."""
@@ -50,26 +49,19 @@ class EmptyBatch:
             self.empty.setdefault(buf.name, ((0, *t.shape[1:]), user_frame()))
 
     def raised(self, doctor, error: BaseException) -> None:
-        """An error in a warmup or capture: held where every input it cut was cut to no rows."""
-        if doctor.phase not in ("warmup", "capture") or not self.empty or self.rows or id(error) in self.failed \
-                or self.run != doctor.report.warmups + doctor.report.captures:
+        """An error in a warmup or capture: explained where every input it cut was cut to no rows
+        (a rule that explains the error itself, raised further in, keeps its explanation)."""
+        if doctor.phase not in ("warmup", "capture") or not self.empty or self.rows \
+                or self.run != doctor.report.warmups + doctor.report.captures or failures.pending(doctor, error):
             return
         text = f"{type(error).__name__}: {first_line(error)}"
         (name, (shape, source)), cuts = next(iter(self.empty.items())), ", ".join(f"`{n}`" for n in self.empty)
         graph = doctor.capturing.name if doctor.phase == "capture" and doctor.capturing is not None else "a warmup"
         evidence = (f"the {doctor.phase} failed ({text}); every announced static input it took rows of ({cuts}) "
                     f"was cut to no rows: the capture batch is empty, the first cut at {source}")
-        self.failed[id(error)] = (text, Finding(
-            "undersized-buffer", graph, "aten.slice", f"{name}: {list(shape)}", source, evidence,
-            explain.zero_sized(name, shape), {"shape": list(shape), "empty_inputs": list(self.empty)}))
-
-    def finish(self, doctor) -> None:
-        """The held failures that ended the run (not those the workload handled and went past)."""
-        failures = [*doctor.failed_ops.values(), *doctor.report.errors]
-        for text, finding in self.failed.values():
-            if any(f.startswith(text) for f in failures):
-                doctor.add(finding, ("undersized-buffer", finding.graph, finding.tensor.split(":")[0]))
-                return
+        finding = Finding("undersized-buffer", graph, "aten.slice", f"{name}: {list(shape)}", source, evidence,
+                          explain.zero_sized(name, shape), {"shape": list(shape), "empty_inputs": list(self.empty)})
+        doctor.explanation = (id(error), finding, ("undersized-buffer", graph, name))
 
 
 def _bound(i: int, length: int) -> int:
