@@ -123,3 +123,53 @@ def test_waits_are_bounded_only_for_the_threads_inside_and_restored_when_all_hav
         except waits.EndlessWait:
             errors.append("failed")
     assert errors == ["failed"] and threading.Condition.wait is original
+
+
+def _graphed_step_on_a_simple_queue() -> dict:
+    """A step takes its work item from a ``queue.SimpleQueue`` (C: no condition to bound). The
+    capture took the runner's dummy item; replays take none, and the doctor's eager run of the step
+    finds the queue empty: only the wall-time limit ends its wait."""
+    from workbench.doctor.probes import waits
+    waits.LIMIT = 2.0
+    work, x, w = queue.SimpleQueue(), torch.zeros(4, 3), torch.eye(3)
+
+    def step():
+        work.get()
+        return x @ w
+
+    def workload():
+        work.put("dummy")
+        g, out = capture(step, device="cpu", warmups=0, name="step", static={"x": x})
+        for i in range(3):
+            x.copy_(torch.full((4, 3), float(i)))
+            replay(g, out)
+
+    report = doctor.diagnose(workload)
+    return {"findings": [f.kind for f in report.findings], "notes": report.notes, "failure": report.failure}
+
+
+def test_an_eager_run_blocked_in_c_is_stopped_by_the_wall_time_limit():
+    result = run_in_child(_graphed_step_on_a_simple_queue, timeout=120)
+    assert result.ok, result                       # (a hang is a TimeoutError here)
+    assert result.value["failure"] is None and result.value["findings"] == [], result.value
+    assert any("step: the eager step raised EndlessWait" in n for n in result.value["notes"]), result.value
+
+
+def test_the_wall_time_limit_leaves_a_program_s_own_alarm_alone(monkeypatch):
+    """Where the program handles ``SIGALRM`` itself, the doctor arms no timer and changes no handler."""
+    import signal
+
+    from workbench.doctor.probes import waits
+    monkeypatch.setattr(waits, "LIMIT", 0.2)
+    mine = lambda signum, frame: None        # noqa: E731
+    old = signal.signal(signal.SIGALRM, mine)
+    try:
+        with waits.bounded():
+            assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+            assert signal.getsignal(signal.SIGALRM) is mine
+        assert signal.getsignal(signal.SIGALRM) is mine
+    finally:
+        signal.signal(signal.SIGALRM, old)
+    with waits.bounded():                          # nobody's: armed, then given back
+        assert signal.getitimer(signal.ITIMER_REAL)[0] > 0
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0) and signal.getsignal(signal.SIGALRM) == signal.SIG_DFL
