@@ -51,15 +51,24 @@ def _graphed_backward_dw() -> dict:
             replay(*bwd)
             replay(dw[0], (), size=4)
 
-    report = doctor.diagnose(workload)
+    return _outcome(doctor.diagnose(workload))
+
+
+def _outcome(report) -> dict:
     return {"findings": [f.kind for f in report.findings], "notes": report.notes, "failure": report.failure}
 
 
-def test_an_eager_run_that_waits_on_an_empty_queue_fails_instead_of_hanging():
-    result = run_in_child(_graphed_backward_dw, timeout=180)
-    assert result.ok, result                       # (a hang is a TimeoutError here)
+def _ends_uncompared(workload, graph: str) -> None:
+    """The child's workload ends (a hang is a TimeoutError here) with no finding, and the report
+    notes that ``graph``'s step could not be compared."""
+    result = run_in_child(workload, timeout=180)
+    assert result.ok, result
     assert result.value["failure"] is None and result.value["findings"] == [], result.value
-    assert any("bwd_dw: the eager step raised EndlessWait" in n for n in result.value["notes"]), result.value
+    assert any(f"{graph}: the eager step raised EndlessWait" in n for n in result.value["notes"]), result.value
+
+
+def test_an_eager_run_that_waits_on_an_empty_queue_fails_instead_of_hanging():
+    _ends_uncompared(_graphed_backward_dw, "bwd_dw")
 
 
 def test_work_an_eager_run_took_off_a_queue_is_put_back():
@@ -144,15 +153,11 @@ def _graphed_step_on_a_simple_queue() -> dict:
             x.copy_(torch.full((4, 3), float(i)))
             replay(g, out)
 
-    report = doctor.diagnose(workload)
-    return {"findings": [f.kind for f in report.findings], "notes": report.notes, "failure": report.failure}
+    return _outcome(doctor.diagnose(workload))
 
 
 def test_an_eager_run_blocked_in_c_is_stopped_by_the_wall_time_limit():
-    result = run_in_child(_graphed_step_on_a_simple_queue, timeout=120)
-    assert result.ok, result                       # (a hang is a TimeoutError here)
-    assert result.value["failure"] is None and result.value["findings"] == [], result.value
-    assert any("step: the eager step raised EndlessWait" in n for n in result.value["notes"]), result.value
+    _ends_uncompared(_graphed_step_on_a_simple_queue, "step")
 
 
 def test_the_wall_time_limit_leaves_a_program_s_own_alarm_alone(monkeypatch):
