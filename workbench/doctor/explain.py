@@ -111,6 +111,12 @@ def overflow_slice(name: str, dim: int, end: int, length: int) -> str:
             f"dropping {end - length} of them from whatever is written through it or read from it; `narrow` raises.")
 
 
+def clamped_slice(dim: int, end: int, length: int, made: str) -> str:
+    return (f"A slice asked for elements [.., {end}) of dimension {dim} of a tensor that has {length} (made at {made}), "
+            "and silently gave only those; an op then failed on the short view. Size the tensor for the largest "
+            "step it serves (the largest graph size a dummy run pads to), or slice no more than it holds.")
+
+
 def failed_write(name: str, error: str) -> str:
     return f"A write into the static buffer `{name}` failed: {error}. The buffer was sized at capture for less than this data."
 

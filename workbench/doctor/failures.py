@@ -55,6 +55,8 @@ def op_failed(doctor, func, args, kwargs, error: BaseException) -> None:
         undersized.failed_write(doctor, func, args, kwargs, error)
         undersized.failed_read(doctor, func, args, kwargs, error)
         undersized.failed_allocation(doctor, func, args, kwargs, error)
+        if doctor.clamped.failed_op(doctor, func, args, kwargs, error):
+            return
         shapes.failed_op(doctor, func, args, kwargs, error)
         if doctor.phase in ("warmup", "capture") and not lookups.failed_sentinel(doctor, func, args, error):
             lookups.failed_lookup(doctor, func, args, error)

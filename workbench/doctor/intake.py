@@ -36,8 +36,8 @@ from .failures import contained
 from .report import Finding, Report
 from .runner_events import RunnerEvents
 from .threads import Threads
-from .rules import (bounds, clobbered, dangling, decisions, derived, empty_batch, host_copies, mutation, overwritten,
-                    padded_scatter, reused, shapes, staging, sync, uncomputed, undersized, unread, unwritten, warmup)
+from .rules import (bounds, clamped, clobbered, dangling, decisions, derived, empty_batch, host_copies, mutation,
+                    overwritten, padded_scatter, reused, shapes, staging, sync, uncomputed, undersized, unread, unwritten, warmup)
 from .rules.pool import PoolReads
 from .tensors import first_line
 
@@ -97,6 +97,7 @@ class Doctor(RunnerEvents):
         self.touched: dict[int, str] = {}           # of those two, written outside graphs since: -> source line
         self.empty_inputs: list = []                # (finding, key) of empty capture inputs, until data is served
         self.empty_batch = empty_batch.EmptyBatch() # warmups and captures that cut no rows
+        self.clamped = clamped.Clamped()            # slices past their tensor's end
         self.handed: dict[int, tuple] = {}          # rules.overwritten
         self.moved: dict[int, str] = {}             # storages given other memory in place -> where (rules.dangling)
         self.through: dict[int, tuple] = {}         # rules.extent: views past their base, followed
@@ -163,8 +164,7 @@ class Doctor(RunnerEvents):
         return entry[1] if entry is not None and not entry[0].expired() else None
 
     def buffer(self, key: int) -> Buffer | None:
-        buf = self.buffers.get(key)
-        return buf if buf is not None and buf.ref() is not None else None
+        return buf if (buf := self.buffers.get(key)) is not None and buf.ref() is not None else None
 
     @property
     def tracking_fresh(self) -> bool:
@@ -351,7 +351,7 @@ class Doctor(RunnerEvents):
             return eager_trace.on_op(self, func, args, kwargs, run)
         if self.staged and not func.is_view:
             staging.read(self, func, args, kwargs)
-        if func is _SLICE and self.buffers:
+        if func is _SLICE:
             undersized.check_slice(self, args)
         if phase == "eager" and pure_view(func):       # the hot path: eager code taking a view
             out = run()

@@ -130,13 +130,16 @@ def _check_shape(doctor, dst: torch.Tensor, src: tuple) -> None:
 
 
 def check_slice(doctor, args) -> None:
-    """``buffer[a:b]`` (``aten.slice``) with ``b`` past the end of an announced buffer's dimension."""
-    t = args[0]
-    buf = doctor.buffers.get(storage_key(t))
+    """``buffer[a:b]`` (``aten.slice``) with ``b`` past the end of an announced buffer's dimension;
+    of any other tensor, noted (``clamped``: an op may fail on the short view)."""
+    t, end = args[0], args[3] if len(args) > 3 else None
+    buf = doctor.buffers.get(storage_key(t)) if doctor.buffers else None
     if buf is None or buf.ref() is None:
+        if type(end) is int and end < _OPEN_END and (len(args) < 5 or args[4] == 1) \
+                and end > t.shape[dim := args[1] if len(args) > 1 else 0]:
+            doctor.clamped.sliced(doctor, t, dim, args[2] if len(args) > 2 else 0, end)
         return
     doctor.empty_batch.sliced(doctor, buf, t, args)
-    end = args[3] if len(args) > 3 else None
     if isinstance(end, int) and end < _OPEN_END:
         _past_end(doctor, buf, args[1] if len(args) > 1 else 0, end, t.shape)
 
