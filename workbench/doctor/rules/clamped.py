@@ -18,6 +18,8 @@ it was sliced. A clamped slice nothing fails on is no finding: code may clamp on
 """
 from __future__ import annotations
 
+from torch.multiprocessing.reductions import StorageWeakRef
+
 from ...engine import memory
 from ...engine.opinfo import describe, op_tensors, storage_key, written_tensors
 from ...engine.source import user_frame
@@ -33,7 +35,8 @@ class Clamped:
     """The clamped slices seen, by the view each gave."""
 
     def __init__(self) -> None:
-        self.views: dict[tuple, tuple] = {}     # (storage, offset, shape, strides) -> (tensor, dim, end, length,
+        self.views: dict[tuple, tuple] = {}     # (storage, offset, shape, strides) -> (its storage, weakly: an address is
+        #   reused once it is freed; tensor, dim, end, length,
         #   where it was sliced, (op, line) that made the tensor or None)
 
     def sliced(self, doctor, t, dim: int, start, end: int) -> None:
@@ -47,7 +50,8 @@ class Clamped:
             self.views.pop(next(iter(self.views)))
         shape = (*t.shape[:dim], length - start, *t.shape[dim + 1:])
         key = (storage_key(t), t.storage_offset() + start * t.stride(dim), shape, t.stride())
-        self.views[key] = (describe(t), dim, end, length, user_frame(), memory.created_by(t))
+        self.views[key] = (StorageWeakRef(t.untyped_storage()), describe(t), dim, end, length, user_frame(),
+                           memory.created_by(t))
 
     def failed_op(self, doctor, func, args, kwargs, error: BaseException) -> bool:
         """An op of the watched code failed: on a clamped view, the slice's short buffer explains it."""
@@ -58,9 +62,9 @@ class Clamped:
             if id(t) in written:
                 continue
             found = self.views.get((storage_key(t), t.storage_offset(), tuple(t.shape), t.stride()))
-            if found is None:
+            if found is None or found[0].expired():      # (a freed storage's address, handed to a new tensor)
                 continue
-            tensor, dim, end, length, sliced_at, made = found
+            _, tensor, dim, end, length, sliced_at, made = found
             op, source = made if made else ("aten.slice", sliced_at)
             doctor.add(Finding(
                 "undersized-buffer", where(doctor), op, tensor, source,
