@@ -66,8 +66,12 @@ def cuda_tests(device: str = "cuda") -> dict:
     tests = {node: outcome.lower() for outcome, node in re.findall(
         r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+)", run.stdout, re.M)}
     failed = [line for line in run.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    # pytest's own account of each failure (its tracebacks, up to the short summary), whole: a
+    # failure seen once on a lent GPU must be readable afterwards.
+    report = re.search(r"^=+ (?:FAILURES|ERRORS) =+$.*?(?=^=+ short test summary)", run.stdout, re.M | re.S)
     return {"returncode": run.returncode, "tests": tests, "summary": run.stdout.strip().splitlines()[-1:],
-            "failures": failed, "output_tail": run.stdout[-4000:] if failed else ""}
+            "failures": failed, "failure_report": report.group(0)[:60000] if report else "",
+            "stderr_tail": run.stderr[-4000:] if run.returncode else ""}
 
 
 def metadata() -> dict:

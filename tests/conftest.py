@@ -2,8 +2,6 @@ import os
 import pathlib
 import pickle
 
-import nbformat
-import papermill
 import pytest
 import torch
 
@@ -92,6 +90,10 @@ def _longest_groups_first(items):
 
 
 def _execute_notebook(stem: str, where: pathlib.Path) -> tuple[pathlib.Path, dict]:
+    # (imported here: a GPU machine that runs only the CUDA tests need not have the notebook tools)
+    import nbformat
+    import papermill
+
     path = ROOT / "notebooks" / f"{stem}.ipynb"
     source, out, kept = where / "input" / path.name, where / path.name, where / "kept.pickle"
     nb = nbformat.read(path, as_version=4)

@@ -794,6 +794,35 @@ def test_the_upload_guard_refuses_python_data_copied_to_a_gpu_and_nothing_else()
         assert torch.as_tensor(torch.ones(2), device="cpu").shape == (2,)
 
 
+@pytest.mark.cuda
+def test_no_garbage_collection_starts_while_a_cuda_capture_is_open():
+    """A collection inside a global-mode capture can finalise a dropped runner's graph, and
+    releasing it there invalidates the capture (CUDA says so at the next kernel: "operation failed
+    due to a previous error during capture"). With the collector as eager as it can be (a
+    collection at every new object), collections run around the captures, none inside one."""
+    started = []
+
+    def seen(phase, info):
+        if phase == "start":
+            started.append(torch.cuda.is_current_stream_capturing())
+
+    threshold = gc.get_threshold()
+    gc.callbacks.append(seen)
+    gc.set_threshold(1)
+    try:
+        x = torch.ones(4, device="cuda")
+        for _ in range(3):
+            g = new_graph("cuda")
+            with graph(g, name="size 4"):
+                ys = [x * k for k in range(3)]      # Python objects made inside the capture too
+            g.replay()
+    finally:
+        gc.callbacks.remove(seen)
+        gc.set_threshold(*threshold)
+    assert started and not any(started), f"{sum(started)} of {len(started)} collections began inside a capture"
+    assert ys[2].tolist() == [2.0] * 4
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_the_engine_says_a_capture_is_open_on_either_backend(device):
     """``is_capturing()`` answers for a real CUDA capture too: code that skips its host work while

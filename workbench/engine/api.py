@@ -112,20 +112,23 @@ def graph(g, pool=None, *, name: str | None = None, capture_error_mode: str = "g
             raise GraphError("A graph capture is already open; captures do not nest.")
         if getattr(g, "captured", False):
             raise GraphError("This graph already holds a capture. Call g.reset() first.")
-        # torch collects garbage on entering the capture; no collection may run inside it. A
-        # collection there can finalise a dropped runner's graphs or pool, and releasing CUDA
-        # resources during a global-mode capture invalidates it ("operation not permitted when
-        # stream is capturing", reported at whatever op comes next).
+        # No garbage collection may run inside the capture: one there can finalise a dropped
+        # runner's graphs or pool, and releasing CUDA resources during a global-mode capture
+        # invalidates it ("operation failed due to a previous error during capture", reported at
+        # the next kernel). torch collects on entering only under ``force_cudagraph_gc``, so dead
+        # cycles holding graphs are common; the collector is off before the capture begins (a
+        # collection triggered by the few objects made between the two was the window) and back
+        # on once it has closed, when what it collects is released outside any capture.
         # capture_end is announced once the capture has closed: an observer's own tensor work there
         # (a copy of what the graph read) must run now, not be recorded into the graph.
         collecting = gc.isenabled()
         begun = False
         open_capture = None
         try:
+            gc.disable()
             with capture_mode.opened(label, capture_error_mode, cpu=False) as open_capture, \
                     torch.cuda.graph(g, pool=pool, capture_error_mode=capture_error_mode), \
                     stream_waits_refused(lambda wait: capture_mode.refuse_elsewhere(wait, value_read=False)):
-                gc.disable()
                 begun = True
                 events.capture_begin(g, name)
                 events.pool_used(g, pool)
