@@ -113,3 +113,28 @@ def test_a_host_mirror_nothing_reads_after_its_first_upload_is_no_finding():
     assert doctor.diagnose(lambda: workload(False)).findings == []
     found = doctor.diagnose(lambda: workload(True)).findings
     assert [f.kind for f in found] == ["persistent-mutation"] and "mirror.copy_(given)" in found[0].source, found
+
+
+def test_data_nothing_reads_is_not_lost_when_its_block_is_filled_again():
+    """Pinned blocks handed out by an arena (a host allocator's free list): each step writes a
+    temporary into block 1, drops it unread, and uploads block 0, which it keeps. The same line
+    writes block 1 over with other values, but no reader ever wanted the first bytes: no finding.
+    Read block 1 once after the refills, and the earlier data never reached that read."""
+    def workload(read_block_1: bool):
+        arena, names = host(torch.zeros(2, 4)), torch.zeros(4)
+        events.static_buffers("runner", {"names": names})
+        arena[0] = 7.0
+        g = new_graph("cpu")
+        with graph(g, name="layer"):
+            out = names * 2
+        for n in range(3):
+            arena[1] = float(n)                                  # a temporary's bytes, dropped unread
+            names.copy_(arena[0], non_blocking=True)             # the kept block, uploaded
+            g.replay()
+        if read_block_1:
+            names.copy_(arena[1], non_blocking=True)
+        return out.clone()
+
+    assert doctor.diagnose(lambda: workload(False)).findings == []
+    found = doctor.diagnose(lambda: workload(True)).findings
+    assert [f.kind for f in found] == ["persistent-mutation"] and "arena[1] = float(n)" in found[0].source, found

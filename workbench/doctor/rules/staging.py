@@ -16,8 +16,10 @@ never reached a reader. As for static inputs (``unread._lost``), only the same l
 counts (another line patching a staged row, a reset then a fill, is an edit on purpose), and only
 elements whose values change; and only in a staging buffer, pinned memory some copy takes to the
 device (a flag the host writes and reads back itself is host state). A loss is reported when the
-buffer is next read, once such a copy has been seen: a host mirror the runner keeps up to date
-and nothing reads again (the device copies are filled from elsewhere) loses no one's data.
+buffer's rewritten elements are next read, once such a copy has been seen: a host mirror the runner
+keeps up to date and nothing reads again (the device copies are filled from elsewhere) loses no
+one's data, and neither does data nothing ever reads (bytes of a temporary freed unread, whose
+block a later temporary fills): a loss needs the reader that got the later data in its place.
 """
 from __future__ import annotations
 
@@ -66,7 +68,8 @@ def before_write(func, args, kwargs) -> list:
 class Staged:
     """A pinned storage's staged data: per line, the elements it wrote since their last read; whether
     a copy has taken the storage to the device (a staging buffer, not host state the host reads
-    itself); a loss not yet reported, reported at the next read of a staging buffer."""
+    itself); a loss not yet reported (the finding and the elements written over), reported when a
+    read of a staging buffer takes any of those elements: the reader that got the later data."""
 
     __slots__ = ("lines", "uploaded", "lost")
 
@@ -98,7 +101,7 @@ def wrote(doctor, func, before: list | None) -> None:
                 "written again by the same line with other values: the data it staged first never reached the "
                 "copy that takes the buffer to the device", explain.restaged(), {"elements_overwritten": n})
             if staged.lost is None:
-                staged.lost = finding
+                staged.lost = (finding, lost)
 
 
 def read(doctor, func, args, kwargs) -> None:
@@ -114,8 +117,12 @@ def read(doctor, func, args, kwargs) -> None:
             if func is _COPY and not staged.uploaded and not pinned(args[0]):
                 staged.uploaded = True
             if staged.uploaded and staged.lost is not None:
-                doctor.add(staged.lost, ("persistent-mutation", staged.lost.source, "restaged before read"))
-                staged.lost = None
+                finding, lost = staged.lost
+                with _disable_current_modes(), _unwrapped():
+                    reached = lost.shape != hit.shape or bool((lost & hit).any())
+                if reached:
+                    doctor.add(finding, ("persistent-mutation", finding.source, "restaged before read"))
+                    staged.lost = None
 
 
 def host_read(doctor, t: torch.Tensor) -> None:
