@@ -1122,3 +1122,57 @@ def test_a_warmup_only_allocation_shaped_like_its_input_is_no_skipped_work(varia
     report = doctor.diagnose(workload)
     found = [f for f in report.findings if f.kind == "warmup-divergence"]
     assert bool(found) == (variant == "lazy table"), report
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_capture_deferred_to_the_first_step_warms_up_on_the_live_state(variant):
+    """A simulation that captures its step only when the first step comes (a renderer that defers
+    the capture) announces its state then, already holding the force the workload staged for that
+    step. The warmup runs a real step on that state: it uses the force up and moves the body, and
+    the first replay runs the step again. Nothing wrote the state since its announcement, so it is
+    not live data by that measure; but the workload wrote it before announcing it, and its results
+    differ from its run without graphs: persistent-mutation at the warmup's write (the runner gives
+    no eager form of its step, so differential replay does not see it). The fix saves the state
+    before the warmup and puts it back before the capture."""
+    def run(graphs: bool) -> list:
+        pos, vel, force = torch.ones(2, 1), torch.zeros(2, 1), torch.zeros(2, 1)
+
+        def step():
+            vel.add_(force * 0.1 - 0.05)
+            pos.add_(vel * 0.1)
+            force.zero_()                                  # the staged force is used up
+            return pos * 1.0
+
+        g, out, results = None, None, []
+        for n in range(3):
+            force.fill_(1.0 + n)                           # staged for this step
+            if not graphs:
+                results.append(step())
+                continue
+            if g is None:                                  # the capture, deferred to the first step
+                events.persistent_state("simulation", {"pos": pos, "vel": vel, "force": force})
+                saved = [t.clone() for t in (pos, vel, force)]
+                with events.warmup():
+                    step()
+                if variant == "fix":
+                    for t, was in zip((pos, vel, force), saved):
+                        t.copy_(was)
+                g = new_graph("cpu")
+                with graph(g, name="simulation step"):
+                    out = step()
+            events.serve(g, 2, 2, outputs=out)              # (no eager form: no differential replay)
+            g.replay()
+            results.append(out.clone())
+        return results
+
+    def workload():
+        with events.reference():
+            expected = run(graphs=False)
+        got = run(graphs=True)
+        events.results(expected, got)
+        return expected, got
+
+    found = finding_of(workload, variant)
+    if variant == "bug":
+        assert found.kind == "persistent-mutation" and "force.zero_()" in found.source, found
+        assert "before announcing force" in found.evidence, found

@@ -172,11 +172,14 @@ def over_served(what: str, real: int, captured: int) -> str:
             "computes only the captured ones, so the rest are silently dropped or read out of bounds.")
 
 
-def live_state(name: str, owner: str) -> str:
+def live_state(name: str, owner: str, before: bool = False) -> str:
+    when = ("the workload's own data, written before it was announced; the workload's results differ from its "
+            "run without graphs and nothing else explains them" if before else "written since it was announced")
     return (f"A warmup run writes `{name}`, persistent state of {owner}, in rows that already hold live data "
-            "(written since it was announced). A warmup runs the model on a dummy batch; where that batch "
-            "writes its cache entries into rows of running requests (a re-capture after serving started), "
-            "those requests continue from corrupted state.")
+            f"({when}). A warmup runs the model on a dummy batch, or on the live state itself; where it writes "
+            "into rows of running requests (a re-capture after serving started) or advances the state a step "
+            "(a capture deferred to the first real step), what follows continues from corrupted state. Keep a "
+            "warmup's writes out of live state: warm up on scratch state, or save and restore it around the warmup.")
 
 
 def differential(graph: str, what: str, site: str) -> str:

@@ -127,7 +127,7 @@ class Doctor(RunnerEvents):
         self.derivations: dict[int, list] = {}      # tensors eager code computed from graph memory (reused.py)
         self.reused: Finding | None = None         # ... one read again after a replay rewrote its source
         self.input_writes: dict[int, tuple] = {}    # static input -> (code that wrote data, last reset, step: clobbered.py)
-        self.setup_writes: dict[int, tuple] = {}    # storage -> the frames that last wrote it in set-up (unwritten.py)
+        self.setup_writes, self.set_up_data = {}, set()   # set-up's writers per storage; its data in state not yet announced
         self.upload_guard = None                    # entered around a CUDA capture (rules/sync.py)
         self.explanation: tuple | None = None       # (id(error), finding, key) until it proves a failure (failures.py)
         self.pools: dict = {}                       # pool key -> (line that made the handle, graphs captured into it)

@@ -420,7 +420,7 @@ class Reference:
         if not doctor.report.findings and self.verdict:     # a replay tied to its step by the count alone: last
             for name, (_, *found) in self.guessed.items():
                 _report(doctor, name, *found)
-        if not doctor.report.findings and self.verdict:
+        if not doctor.report.findings and self.verdict and not mutation.unexplained_warm_writes(doctor, self.warm_writes):
             self.coverage.installed(doctor)
         found = {g for f in doctor.report.findings for g in f.graph.split(", ")}
         doctor.report.unexplained += [text for name, text, _ in self.unexplained if name not in found]

@@ -277,28 +277,56 @@ def warmup_wrote_state(doctor) -> None:
             live = held_live(doctor, key, was).reshape(rows, -1).any(1)
             written = changed(was, now).reshape(rows, -1).any(1)
             hit = (written & live).nonzero().reshape(-1)
+            set_up = _set_up_rows(doctor, key, was, rows) & written & ~live
             # What a warmup wrote is dummy data, not live data: a later warmup may overwrite it.
             doctor.initial[key].reshape(rows, -1)[written] = now.reshape(rows, -1)[written]
-        if not len(hit):
+        before = not len(hit) and bool(set_up.any())
+        if before:
+            hit, live = set_up.nonzero().reshape(-1), set_up
+        elif not len(hit):
             continue
+        how = (f"that held what the workload wrote before announcing {buf.name} (its non-zero rows)" if before
+               else "that held live data")
         # Held where the workload has a run without graphs: a warmup run on the step's own batch (a
         # graph captured lazily, the warmup's result served) writes the rows the step writes anyway.
         with held(doctor, doctor.reference.warm_writes if doctor.reference is not None else None):
             doctor.add(Finding(
                 "persistent-mutation", "warmup", op, f"{buf.name}: {describe(now)}", source,
-                f"a warmup changed {len(hit)} row(s) of {buf.name} that held live data (first row {int(hit[0])}; "
-                f"{int(live.sum())} live rows of {rows})", explain.live_state(buf.name, buf.owner),
-                {"rows_overwritten": len(hit), "live_rows": int(live.sum()), "rows": rows}),
+                f"a warmup changed {len(hit)} row(s) of {buf.name} {how} (first row {int(hit[0])}; "
+                f"{int(live.sum())} live rows of {rows})", explain.live_state(buf.name, buf.owner, before),
+                {"rows_overwritten": len(hit), "live_rows": int(live.sum()), "rows": rows,
+                 **({"before_announcement": True} if before else {})}),
                 ("persistent-mutation", op, source, buf.name))
+
+
+def _set_up_rows(doctor, key: int, was: torch.Tensor, rows: int) -> torch.Tensor:
+    """Rows of state announced after set-up code wrote the workload's data into it that still hold
+    that data: non-zero, and as announced (no warmup has written them). Only where the workload has
+    a run without graphs, whose results decide whether such a write mattered (a profile run's data
+    is no request's, and zeros are what an allocation leaves)."""
+    if key not in doctor.set_up_data or doctor.reference is None:
+        return torch.zeros(rows, dtype=torch.bool, device=was.device)
+    same = ~changed(doctor.initial[key], was) & ~changed(doctor.announced[key], was)
+    return (same & (was != 0)).reshape(rows, -1).any(1)
 
 
 def warm_writes_concluded(doctor, held_writes: list, agreed: bool) -> None:
     """The warmups' writes into live state held by ``warmup_wrote_state``: reported unless the
-    workload's results agree with its run without graphs (then the warmup ran the step itself)."""
+    workload's results agree with its run without graphs (then the warmup ran the step itself).
+    Writes over data set before the state was announced stay held (``unexplained_warm_writes``)."""
     if agreed and held_writes:
         first = held_writes[0][0]
         doctor.report.note(
             f"{first.evidence} ({first.location}), but the workload's results agree with its run without graphs: "
             "the warmup ran the step itself, its writes the step's own: not reported")
         held_writes.clear()
+    release(doctor, [w for w in held_writes if not w[0].numbers.get("before_announcement")])
+    held_writes[:] = [w for w in held_writes if w[0].numbers.get("before_announcement")]
+
+
+def unexplained_warm_writes(doctor, held_writes: list) -> bool:
+    """Last, where the workload's results differ from its run without graphs and nothing else explains
+    them: a warmup's writes over data the workload set before announcing the state (weaker evidence
+    than live rows: such data may be a profile run's, which nobody reads). Whether any was reported."""
     release(doctor, held_writes)
+    return bool(doctor.report.findings)

@@ -32,11 +32,17 @@ _OUT_OF_BOUNDS = re.compile(r"index (-?\d+) is out of bounds")
 
 
 def wrote(doctor, func, args, kwargs) -> None:
-    """An eager in-place write during set-up: which frames wrote each storage (innermost first)."""
+    """An eager in-place write during set-up: which frames wrote each storage (innermost first);
+    and, outside a dummy run and the run without graphs, into a storage not yet announced as
+    persistent state, that it holds the workload's own data (``mutation``: state announced after
+    its contents were set)."""
     frames = None
+    data = not doctor.dummy_run and (doctor.reference is None or not doctor.reference.recording)
     for t in written_tensors(func, args, kwargs):
         frames = frames or tuple((id(f), f.f_code, f.f_lineno) for f in user_frames())
-        doctor.setup_writes[storage_key(t)] = frames
+        doctor.setup_writes[key := storage_key(t)] = frames
+        if data and key not in doctor.announced:
+            doctor.set_up_data.add(key)
 
 
 def failed(doctor, func, args, kwargs, error: BaseException) -> bool:
