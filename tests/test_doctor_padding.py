@@ -1122,3 +1122,35 @@ def test_padded_slots_the_runner_set_to_a_sentinel_once_are_a_latent_note(varian
         assert any("is latent" in n for n in report.notes), report
     else:
         assert report.of("stale-padding"), report
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_an_index_the_graph_computes_from_padded_rows_metadata_past_the_table(variant):
+    """Each row looks its last token's page up at ``length - 1``; the runner gives padded rows a
+    length of 0 (bug), so the graph computes position -1 for them and the lookup runs off the page
+    table (on a GPU an illegal memory access). No buffer holds -1: the lookup's own index has it in
+    the padded row only. The fix gives padded rows a length of 1 (the null page's first slot)."""
+    def workload():
+        lengths, pages = torch.ones(4, dtype=torch.int64), torch.zeros(4, 3, dtype=torch.int64)
+        table = torch.arange(40.0).reshape(10, 4)
+
+        def forward():
+            last = pages.gather(1, (lengths - 1).unsqueeze(1) // 4)       # the page lookup
+            return table[last.squeeze(1)] * 1.0
+
+        g, out = captured(forward, {"lengths": lengths, "pages": pages})
+        served = []
+        for step in range(2):
+            lengths[:3] = torch.tensor([2, 5, 9]) + step
+            pages[:3] = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]])
+            lengths[3] = 0 if variant == "bug" else 1                     # the padded row
+            served.append(replay(g, out, 3, 4, {}).clone())
+        return served
+
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    (found,) = report.findings
+    assert found.kind == "stale-padding" and "the page lookup" in found.source, report
+    assert "padded row(s) 3" in found.tensor and "index -1" in found.evidence, found

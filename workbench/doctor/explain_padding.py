@@ -37,6 +37,14 @@ def sentinel_index(op: str, value: int) -> str:
             "weights), or filter them with a mask the kernel honours.")
 
 
+def padded_index() -> str:
+    return ("The graph computes an index from each row's metadata, and the values the runner leaves in padded rows "
+            "(a zero length under a query of one token, a slot of -1) give an index outside the table it looks up: "
+            "on a GPU an illegal memory access or a silent read of other memory, in every padded step. Give padded "
+            "rows metadata that is valid for every kernel that reads it (a length at least the query's, a reserved "
+            "valid slot), not only neutral for the real rows' results.")
+
+
 def dummy_index(buffer: str, state: bool) -> str:
     if state:
         return (f"The dummy rows of a warmup or capture index through {buffer} at entries no request wrote (a "

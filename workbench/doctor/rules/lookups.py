@@ -138,7 +138,9 @@ def failed_replay_lookup(doctor, info, pending, error: BaseException, op, args=(
     the table is smaller than the indices real requests carry (``_real_row_past_end``). Else an
     index held by padded rows of a static input only (rows ``real``..``size``), or by state, means
     padded rows carry metadata no real request gave them (a dummy request's unwritten token row):
-    ``stale-padding`` at the recorded op."""
+    ``stale-padding`` at the recorded op; so does an index no buffer holds that the lookup's own
+    index tensor has in padded rows only (the graph computed it from their metadata: a length of
+    zero under a query of one token gives position -1)."""
     found = _OUT_OF_BOUNDS.search(str(error))
     if found is None or op is None or pending is None or pending.real >= pending.size \
             or pending.differential and pending.unpadded is not None:
@@ -163,6 +165,15 @@ def failed_replay_lookup(doctor, info, pending, error: BaseException, op, args=(
                 {"index": value, "real": pending.real, "size": pending.size}),
                 ("stale-padding", holder.owner, holder.name, op.source))
             return
+    if rows:                    # no buffer holds it: the graph computed it, for padded rows only
+        doctor.add(Finding(
+            "stale-padding", info.name, str(op.func), f"its index: padded row(s) {', '.join(map(str, sorted(rows)))}",
+            op.source, f"replay {info.replays + 1} of {info.name} ({pending.real} real rows of {pending.size}) failed: "
+            f"{op.func} looked a table up with index {value}, past the end of its dimension {dim} (size {size}); only "
+            f"padded rows of the lookup's index hold it, computed inside the graph from what those rows hold",
+            explain_padding.padded_index(),
+            {"index": value, "real": pending.real, "size": pending.size, "rows": sorted(rows)}),
+            ("stale-padding", info.name, op.source))
 
 
 def _rows_holding(args, value: int, size: int) -> set:
