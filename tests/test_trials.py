@@ -26,30 +26,9 @@ def test_the_trials_span_rounds_and_families():
     assert {trials.program(n).FAMILY for n in NAMES} == set(zoo.FAMILIES)
 
 
-# Variants whose answer on the CPU has been seen to change with what ran before in the same process,
-# with every answer seen (the table holds the first), and why: the answer must be one of them.
-HISTORY_DEPENDENT = {
-    ("round81/vllmascend_7740_eagle_token_arange_one_short_max_capture_query_start_loc_truncated", "bug"): (
-        [("warmup-divergence", "forward"), ("dangling-reference", "out")],
-        "once, in a full test run on two workers (2026-12-04), dangling-reference at the FIA task's `out`; never "
-        "alone, nor after every trial program had run in one process, nor under other heap layouts, hash seeds "
-        "or collector thresholds: the cause is not known yet"),
-}
-
-
-def settled(answers: dict) -> dict:
-    """``answers`` with each history-dependent variant's answer set to the table's, where it is one
-    of those seen (another answer is left as it is, and shows in the comparison)."""
-    out = {n: dict(a) for n, a in answers.items()}
-    for (n, v), (seen, _) in HISTORY_DEPENDENT.items():
-        if n in out and (out[n][v]["kind"], out[n][v]["site"]) in seen:
-            out[n][v] = {**out[n][v], "kind": seen[0][0], "site": seen[0][1]}
-    return out
-
-
 def test_the_committed_table_is_what_the_doctor_says_now(answers):
     committed = trials.TABLE.read_text()
-    assert committed.split("\n\n", 1)[1] == trials.table(settled(answers)), \
+    assert committed.split("\n\n", 1)[1] == trials.table(trials.settled(answers)), \
         "regenerate with: python -m workbench.zoo.trials"
 
 
@@ -157,7 +136,7 @@ def test_the_gpu_record_says_what_the_cpu_says(answers):
                     or (g["error"] or [None])[0] != (cpu.error or [None])[0]:
                 continue                    # it does not behave alike: another verdict, or another error
             compared += 1
-            cpu_answer = settled(answers)[n][v] if (n, v) in HISTORY_DEPENDENT else answers[n][v]
+            cpu_answer = trials.settled(answers)[n][v] if (n, v) in trials.HISTORY_DEPENDENT else answers[n][v]
             if (g["kind"], g["site"]) != (cpu_answer["kind"], cpu_answer["site"]):
                 differ[(n, v)] = (g, answers[n][v])
     assert set(differ) == set(GPU_DIFFERS), differ
