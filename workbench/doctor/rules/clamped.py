@@ -35,9 +35,9 @@ class Clamped:
     """The clamped slices seen, by the view each gave."""
 
     def __init__(self) -> None:
-        self.views: dict[tuple, tuple] = {}     # (storage, offset, shape, strides) -> (its storage, weakly: an address is
-        #   reused once it is freed; tensor, dim, end, length,
-        #   where it was sliced, (op, line) that made the tensor or None)
+        # (storage, offset, shape, strides) -> (the storage, weakly: a freed storage's address is handed
+        # on), tensor, dim, end, length, where it was sliced, (op, line) that made the tensor or None)
+        self.views: dict[tuple, tuple] = {}
 
     def sliced(self, doctor, t, dim: int, start, end: int) -> None:
         """``t[start:end]`` along ``dim`` asked past the end of the dimension (``end`` > its length)."""
