@@ -3537,6 +3537,35 @@ def test_an_output_the_graph_only_allocates_is_not_compared(monkeypatch):
     assert report.findings == [], report
 
 
+def test_an_output_on_the_block_of_a_freed_unwritten_temporary_is_compared():
+    """A capture allocates scratch it never writes and frees it; the allocator gives that block to
+    the step's output. The output holds a result and is compared: here a factor Python read at
+    capture, changed since, which only the output shows. (Whether the block is reused is the
+    allocator's choice, so the test checks that some run reused it.)"""
+    blocks = []
+
+    def workload():
+        x, factor = torch.zeros(4, 3), [2.0]
+
+        def step(size):
+            scratch = torch.empty(size, 3)
+            blocks.append(scratch.data_ptr())
+            del scratch
+            out = x[:size] * factor[0]
+            blocks.append(out.data_ptr())
+            return out
+
+        m = Manager(step, [4], {"x": x})
+        m.capture()
+        factor[0] = 3.0
+        for seed in range(2):
+            x.copy_(rows(4, width=3, seed=seed))
+            m.replay(4)
+    report = doctor.diagnose(workload)
+    assert any(a == b for a, b in zip(blocks[::2], blocks[1::2])), "no block reused: the test shows nothing"
+    assert report.findings and "output 0" in report.findings[0].evidence, report
+
+
 def test_an_eager_step_returning_fewer_outputs_than_the_replay_hands_out_is_a_finding():
     """The capture's step returned two outputs, which the runner hands out; the eager step now takes
     another path and returns one: the counts are compared, and the difference is the finding."""

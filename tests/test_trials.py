@@ -28,7 +28,7 @@ def test_the_trials_span_rounds_and_families():
 
 def test_the_committed_table_is_what_the_doctor_says_now(answers):
     committed = trials.TABLE.read_text()
-    assert committed.split("\n\n", 1)[1] == trials.table(trials.settled(answers)), \
+    assert committed.split("\n\n", 1)[1] == trials.table(answers), \
         "regenerate with: python -m workbench.zoo.trials"
 
 
@@ -113,7 +113,9 @@ GPU_UNSTABLE = {
 
 
 # Rounds not yet recorded on a GPU, and why: their programs are left out of the comparison until they are.
-GPU_PENDING: dict[str, str] = {}
+GPU_PENDING: dict[str, str] = {
+    "round99": "written 2026-12-04, when no GPU was lent: recorded at the next session with one",
+}
 
 
 def test_the_gpu_record_says_what_the_cpu_says(answers):
@@ -125,7 +127,7 @@ def test_the_gpu_record_says_what_the_cpu_says(answers):
     gpu = rec["programs"]
     recorded = [n for n in NAMES if n.split("/")[0] not in GPU_PENDING]
     assert set(gpu) == set(recorded), "record the trials again: the set of programs changed"
-    compared, differ, cpu_answers = 0, {}, trials.settled(answers)
+    compared, differ = 0, {}
     for n in recorded:
         for v in zoo.VARIANTS:
             g = gpu[n][v]
@@ -136,7 +138,7 @@ def test_the_gpu_record_says_what_the_cpu_says(answers):
                     or (g["error"] or [None])[0] != (cpu.error or [None])[0]:
                 continue                    # it does not behave alike: another verdict, or another error
             compared += 1
-            if (g["kind"], g["site"]) != (cpu_answers[n][v]["kind"], cpu_answers[n][v]["site"]):
+            if (g["kind"], g["site"]) != (answers[n][v]["kind"], answers[n][v]["site"]):
                 differ[(n, v)] = (g, answers[n][v])
     assert set(differ) == set(GPU_DIFFERS), differ
     assert compared >= len(recorded)       # most variants behave alike on both

@@ -100,6 +100,8 @@ def recorded(doctor, func, args, kwargs, run):
             doctor.owned[key] = (StorageWeakRef(o.untyped_storage()), info)
             info.made[key] = (weakref.ref(o), str(func), source)
             info.created.add(key)
+            for gone in [k for k in info.unwritten if info.made[k][0]() is None]:
+                del info.unwritten[gone]        # freed in the capture: its block may be this tensor's now
             if func.overloadpacket in ALLOCATIONS:
                 info.unwritten[key] = block(o)
     if not func.is_view:

@@ -248,5 +248,6 @@ class GraphInfo:
 def unwritten_blocks(info, pending) -> set:
     """The memory blocks of a step's outputs that its graphs only allocate and no op of theirs writes
     (an attention output a later eager region fills): they hold no result, in a replay or in an eager
-    run, and are not compared. By block: a runner may hand out a pointer-made alias of the output."""
+    run, and are not compared. By block: a runner may hand out a pointer-made alias of the output. (An
+    allocation freed in the capture is forgotten: its block may be given to the next tensor.)"""
     return set().union(*(p.unwritten.values() for p in pending.span or (info,)))

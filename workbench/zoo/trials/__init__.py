@@ -38,7 +38,7 @@ from ...childproc import run_in_child
 from ...engine.source import function_of
 from .. import VARIANTS, _check
 
-ROUNDS = ("round4", "round5", "round6", "round7", "round8", "round9", "round10", "round11", "round12", "round13", "round14", "round15", "round16", "round17", "round18", "round19", "round20", "round21", "round22", "round23", "round24", "round25", "round26", "round27", "round28", "round29", "round30", "round31", "round32", "round33", "round34", "round35", "round36", "round37", "round38", "round39", "round40", "round41", "round42", "round43", "round44", "round45", "round46", "round47", "round48", "round49", "round50", "round51", "round52", "round53", "round54", "round55", "round56", "round57", "round58", "round59", "round60", "round61", "round62", "round63", "round64", "round65", "round66", "round67", "round68", "round69", "round70", "round71", "round72", "round73", "round74", "round75", "round76", "round77", "round78", "round79", "round80", "round81", "round82", "round83", "round84", "round85", "round86", "round87", "round88", "round89", "round90", "round91", "round92", "round93", "round94", "round95", "round96", "round97", "round98")
+ROUNDS = ("round4", "round5", "round6", "round7", "round8", "round9", "round10", "round11", "round12", "round13", "round14", "round15", "round16", "round17", "round18", "round19", "round20", "round21", "round22", "round23", "round24", "round25", "round26", "round27", "round28", "round29", "round30", "round31", "round32", "round33", "round34", "round35", "round36", "round37", "round38", "round39", "round40", "round41", "round42", "round43", "round44", "round45", "round46", "round47", "round48", "round49", "round50", "round51", "round52", "round53", "round54", "round55", "round56", "round57", "round58", "round59", "round60", "round61", "round62", "round63", "round64", "round65", "round66", "round67", "round68", "round69", "round70", "round71", "round72", "round73", "round74", "round75", "round76", "round77", "round78", "round79", "round80", "round81", "round82", "round83", "round84", "round85", "round86", "round87", "round88", "round89", "round90", "round91", "round92", "round93", "round94", "round95", "round96", "round97", "round98", "round99")
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 TABLE = ROOT / "benchmarks" / "results_trials.md"
 RESULT = ROOT / "results" / "gpu" / "doctor_trials.json"
@@ -89,28 +89,6 @@ def answers(device: str = "cpu", programs: Sequence[str] | None = None) -> dict:
     return {n: {v: doctor_of(n, v, device) for v in VARIANTS} for n in (programs or names())}
 
 
-# Variants whose answer on the CPU has been seen to change with what ran before in the same process,
-# with every answer seen (the table holds the first), and why: the answer must be one of them.
-HISTORY_DEPENDENT = {
-    ("round81/vllmascend_7740_eagle_token_arange_one_short_max_capture_query_start_loc_truncated", "bug"): (
-        [("warmup-divergence", "forward"), ("dangling-reference", "out")],
-        "dangling-reference at the FIA task's `out` once in a full test run on two workers and once in a "
-        "regeneration of the table (2026-12-04); never alone, nor after every trial program had run in one process "
-        "in another attempt, nor under other heap layouts, hash seeds or collector thresholds: the cause is not "
-        "known yet"),
-}
-
-
-def settled(found: dict) -> dict:
-    """``found`` (``answers``) with each history-dependent variant's answer set to the table's, where
-    it is one of those seen (another answer is left as it is, and shows in the comparison)."""
-    out = {n: dict(a) for n, a in found.items()}
-    for (n, v), (seen, _) in HISTORY_DEPENDENT.items():
-        if n in out and (out[n][v]["kind"], out[n][v]["site"]) in seen:
-            out[n][v] = {**out[n][v], "kind": seen[0][0], "site": seen[0][1]}
-    return out
-
-
 def table(found: dict) -> str:
     """The Markdown table of ``answers``: one row per program, then the count per round."""
     rows = ["| round | program | expected | bug: kind @ function | fix | verdict |", "|---|---|---|---|---|---|"]
@@ -134,7 +112,7 @@ def table(found: dict) -> str:
 
 def write_table() -> str:
     text = (f"The doctor on the held-out trial programs (`python -m workbench.zoo.trials`, CPU emulation, "
-            f"torch {torch.__version__}). Generated: do not edit by hand.\n\n{table(settled(answers()))}")
+            f"torch {torch.__version__}). Generated: do not edit by hand.\n\n{table(answers())}")
     TABLE.write_text(text)
     return text
 
