@@ -26,6 +26,21 @@ def test_the_trials_span_rounds_and_families():
     assert {trials.program(n).FAMILY for n in NAMES} == set(zoo.FAMILIES)
 
 
+# Upstream fixes that mended two defects, each modelled by a program of its own.
+TWO_DEFECTS = {
+    "https://github.com/1CatAI/1Cat-vLLM/commit/e64d39aa7ee170a44dcdd3789e480d9aa24140ea":
+        "metadata build() never refreshes, and a partition count filled at capture",
+    "https://github.com/lightseekorg/tokenspeed/pull/667":
+        "padded KV against real write locations, and a prewrite baking the capture's write locations",
+}
+
+
+def test_each_trial_models_an_upstream_fix_no_other_trial_models():
+    """A fix modelled again is a repeat, not a new bug: it is thrown away, whatever its answer."""
+    fixes = [trials.program(n).UPSTREAM for n in NAMES]
+    assert {u for u in fixes if fixes.count(u) > 1} == set(TWO_DEFECTS)
+
+
 def test_the_committed_table_is_what_the_doctor_says_now(answers):
     committed = trials.TABLE.read_text()
     assert committed.split("\n\n", 1)[1] == trials.table(answers), \
