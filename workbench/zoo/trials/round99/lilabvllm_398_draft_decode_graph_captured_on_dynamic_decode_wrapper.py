@@ -9,9 +9,8 @@ wrapper rebinds ``_paged_kv_indptr_buf`` / ``_paged_kv_last_page_len_buf`` and r
 plan, so a graph captured around it replays against freed memory"; the new ``persistent_decode_wrapper_eligible``
 signature with ``decode_shape`` / ``planned_decode_shapes`` / ``planning_for_capture``); a stored pre-fix
 ``vllm/v1/attention/backends/flashinfer.py`` of the fork (commit 1109032c, with #234's gate):
-``persistent_decode_wrapper_eligible``, ``FlashInferMetadataBuilder.__init__``, ``_get_decode_wrapper``,
-``_compute_flashinfer_kv_metadata``, ``build`` and ``fast_plan_decode``. The fixed file was not read: the fix is
-modelled from the description and the test.
+``persistent_decode_wrapper_eligible``, ``FlashInferMetadataBuilder.__init__``, ``_get_decode_wrapper``, ``build``,
+``_compute_flashinfer_kv_metadata``, ``fast_plan_decode``. The fix is modelled from the description and the test.
 Symptom: V2 model runner + MTP-3 speculator + ``cudagraph_mode=FULL_DECODE_ONLY`` on the FlashInfer decode backend:
 every graph captures, then the engine dies in ``warmup_kernels`` (3 of 3 starts) with ``cudaErrorIllegalAddress`` at
 the replay of the speculator's draft-decode FULL graph. Eager, or V2 without a speculator, serves fine.
@@ -19,14 +18,13 @@ Mechanism: the builder admits a batch to a persistent (CUDA-graph) decode wrappe
 ``1 + num_spec_tokens``, the target's verify shape. The speculator's builder has the same speculative config, but its
 draft-decode graphs run one token per request; so their capture builds take the dynamic wrapper, whose ``plan()`` puts
 fresh device tensors in ``_paged_kv_indptr_buf`` / ``_paged_kv_last_page_len_buf`` / ``_qo_indptr_buf`` at every call.
-The graph keeps the addresses of the capture-time ones; the next build (the next capture size, or the replay's own
-build) frees them, and the replay reads freed memory.
+The graph keeps the capture's addresses; the next build (another capture size, or the replay's own) frees them.
 Doctor: dangling-reference, at persistent_decode_wrapper_eligible: it sends the draft-decode capture to the dynamic
-wrapper, whose plan buffers the graph then reads after the next plan has released them.
+wrapper, whose plan buffers the graph reads after the next plan released them.
 Fix (upstream): record the shapes capture plans (``build_for_cudagraph_capture`` marks the capture-time build, which
 creates, plans and records a persistent wrapper), key ``_decode_wrappers_cudagraph`` on
 ``(num_decodes, q_len_per_req)``, and admit a batch to a persistent wrapper only for a recorded shape; others keep the
-dynamic wrapper, which replans per call (shapes no graph replays).
+dynamic wrapper (shapes no graph replays).
 Modelled: ``persistent_decode_wrapper_eligible``, ``FlashInferMetadataBuilder`` (``_get_decode_wrapper``,
 ``_compute_flashinfer_kv_metadata``, ``build``, ``build_for_cudagraph_capture``) and ``fast_plan_decode`` as in the
 fork; FlashInfer's wrappers and ``fast_decode_plan`` as its Python side behaves (a CUDA-graph wrapper copies into the
