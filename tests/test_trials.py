@@ -128,9 +128,7 @@ GPU_UNSTABLE = {
 
 
 # Rounds not yet recorded on a GPU, and why: their programs are left out of the comparison until they are.
-GPU_PENDING: dict[str, str] = {
-    "round99": "written 2026-12-04, when no GPU was lent: recorded at the next session with one",
-}
+GPU_PENDING: dict[str, str] = {}
 
 
 def test_the_gpu_record_says_what_the_cpu_says(answers):
