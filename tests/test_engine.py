@@ -378,6 +378,25 @@ def test_host_memory_in_capture_runs_once_and_is_not_replayed():
     assert out.tolist() == [12.0]                  # the captured copy re-reads the host buffer
 
 
+def test_device_memory_made_where_a_capture_freed_host_memory_is_device_memory():
+    """Host work in a capture makes temporaries that die; a device allocation after them may get the
+    same storage handle. The capture still takes it for device memory, so copying it is no pageable
+    copy (keys of a capture's storages are never reused while it is open)."""
+    from workbench.engine import host
+    lens = host(torch.arange(8, dtype=torch.float64), "cpu")
+    static, out = torch.ones(8, dtype=torch.float64), torch.zeros(8, dtype=torch.float64)
+    g = new_graph("cpu")
+    with graph(g):
+        for _ in range(200):
+            tmp = lens * 2                          # host work: runs once, not recorded, then freed
+            assert float(tmp.sum()) == 56.0
+            del tmp
+            out.copy_(torch.full((8,), 2.0, dtype=torch.float64) * static)
+    static.fill_(3.0)
+    g.replay()
+    assert out.tolist() == [6.0] * 8
+
+
 def test_device_op_on_host_memory_raises_naming_op_and_line():
     from workbench.engine import HostDeviceMixError, host
     h = host(torch.ones(3), "cpu")

@@ -59,7 +59,7 @@ from .host_sync import (HostSyncGuard, blocking_copy_error, copies_python_data, 
                         is_host_sync, non_blocking, pageable_copy_error)
 from .pool import Pool
 from .queries import is_capturing
-from .opinfo import describe, metadata_only, storage_key, written_tensors
+from .opinfo import describe, metadata_only, storage_key, unique_storage_keys, written_tensors
 from .recorded import ExternalRef, RecordedOp, _as_tuple, _poison
 from .source import user_frame
 
@@ -104,7 +104,7 @@ class CPUGraph:
         self._aliases: dict[tuple, torch.Tensor] = {}   # this graph's references to pool blocks
         self._alias_count: dict[int, int] = {}          # storage key -> number of aliases
         self._owned: list[torch.Tensor] = []
-        self._host: set[int] = set()                    # host storages made inside the capture
+        self._host: set[int] = set()                    # host storages made inside the capture (its keys never reused)
         self._host_kept: list[torch.Tensor] = []        # ... which live as long as the graph
         self._held: list[torch.UntypedStorage] = []     # those the graph copies from, until capture end
         self._lifted, self._constants = set(), []       # constants made in the capture: keys; tensors it holds
@@ -129,7 +129,7 @@ class CPUGraph:
         self._state = "capturing"
         queries.set_capturing(self)
         _CAPTURING.add(self)
-        self._modes = (HostSyncGuard(self._made_from_python), _Recorder(self))
+        self._modes = (unique_storage_keys(), HostSyncGuard(self._made_from_python), _Recorder(self))
         for mode in self._modes:
             mode.__enter__()
 
