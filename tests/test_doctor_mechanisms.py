@@ -4054,3 +4054,29 @@ def test_a_binding_the_captured_step_adds_and_the_program_takes_away_is_host_wor
     (finding,) = report.findings
     assert finding.kind == "host-work-frozen" and "self.hidden_cache = hidden" in finding.source, report
     assert "AttributeError" in str(report), report          # the workload's own failure, as unwatched
+
+
+def _bring(buf: torch.Tensor, values: torch.Tensor) -> None:
+    buf.copy_(values)                    # the one line that brings every step's data
+
+
+@pytest.mark.parametrize("eager_step", [True, False])
+def test_data_an_eager_warmup_step_reads_before_the_same_line_copies_again_reached_a_reader(eager_step):
+    """A runner that runs a step eagerly until its graph is stable (ggml's warmup) copies a step's
+    input, runs it under ``events.warmup()``, and copies the next: the warmup read the first copy.
+    Without that eager step, the same line overwrites data nothing read: ``persistent-mutation``."""
+    from workbench.zoo.kit import capture, replay
+
+    def workload():
+        x = torch.zeros(4)
+        g, out = capture(lambda: x * 2, device="cpu", static={"x": x}, warmups=0)
+        _bring(x, torch.arange(4.0))
+        replay(g, out)
+        _bring(x, torch.arange(4.0) + 1)
+        if eager_step:
+            with events.warmup():
+                (x * 2).sum()
+        _bring(x, torch.arange(4.0) + 5)
+        replay(g, out)
+    finding = only_finding(workload, "fix" if eager_step else "bug")
+    assert eager_step or (finding.kind == "persistent-mutation" and "in _bring" in finding.source)

@@ -721,13 +721,19 @@ def _comprehension_code():
     return [sys._getframe().f_code for _ in range(1)][0]
 
 
+def _generator_code():
+    return next(sys._getframe().f_code for _ in range(1))
+
+
 def test_a_comprehension_is_named_by_the_function_it_is_written_in():
     """Python 3.11 runs a list comprehension in a frame of its own, 3.12 inline: a site names the
-    enclosing function on both."""
+    enclosing function on both; a generator expression's frame, on every version, is named so too."""
     from workbench.engine.source import function_name, location
     code = _comprehension_code()
     assert function_name(code) == "_comprehension_code"
     assert " in _comprehension_code: return [sys._getframe()" in location(code, code.co_firstlineno)
+    code = _generator_code()
+    assert code.co_name == "<genexpr>" and function_name(code) == "_generator_code"
 
 
 def test_capture_end_is_announced_once_the_capture_has_closed():

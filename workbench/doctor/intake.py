@@ -79,8 +79,7 @@ class Doctor(RunnerEvents):
         self.warm_saved: dict[int, tuple] = {}      # persistent state before the current warmup wrote it
         self.warm_updates: dict[int, Finding] = {}  # static input -> a warmup building on an earlier one's update
         self.computed_from: dict[int, tuple] = {}   # rules/derived.py: what set-up code computed each storage from
-        self.copied: dict[int, tuple] = {}          # rules/unread.py: static-input elements copied since the last replay
-        self.copied_lines: dict[int, dict] = {}     # ... the same, per source line (a line that overwrites its own data)
+        self.copied, self.copied_lines = {}, {}    # rules/unread.py: copied into static inputs since a replay; per line
         self.aimed: dict[int, list] = {}            # rules/padded_scatter.py: scatter indices -> the step's writes
         self.before_replay: dict[int, torch.Tensor] = {}    # rules/mutation.py: static inputs a graph writes, before it
         self.replay_wrote: dict[int, tuple] = {}    # ... -> (graph, elements its last replay changed)
@@ -121,8 +120,7 @@ class Doctor(RunnerEvents):
         self.stepped_aside = False                  # our mode is off the stack for this replay
         self.fill = None                            # eager allocations' deterministic fill (uninit.py)
         self.failure: str | None = None             # the doctor's own error, once it has stopped
-        self.failed_ops: dict[int, str] = {}        # id(error) -> what an op of the watched code raised
-        self.failed_codes: set = set()              # the functions those errors were raised under
+        self.failed_ops, self.failed_codes = {}, set()  # id(error) -> what an op raised; the functions raising
         self.op_error: int | None = None            # id of the last error an op raised (composite.py: seen once)
         self.derivations: dict[int, list] = {}      # tensors eager code computed from graph memory (reused.py)
         self.reused: Finding | None = None         # ... one read again after a replay rewrote its source
@@ -389,6 +387,8 @@ class Doctor(RunnerEvents):
             if not func.is_view:
                 self.warm.warmup_op(func, args, kwargs, self.startup.constant)
                 self.startup.created_by(args, kwargs, out)
+                if self.unread or self.copied:      # an eager run of a step (ggml's warmup) uses its inputs
+                    unread.touched(self, func, args, kwargs)
             memory.record_new_storages(func, args, kwargs, out)
             return out
         view = func.is_view

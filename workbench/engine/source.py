@@ -120,13 +120,13 @@ def function_of(where: str) -> str:
     return where.split(" in ", 1)[-1].split(":", 1)[0]
 
 
-_INLINED = ("<listcomp>", "<dictcomp>", "<setcomp>")
+_INLINED = ("<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>")
 
 
 def function_name(code) -> str:
-    """The function a code object runs; for a list, dict or set comprehension, the function it is
-    written in: Python 3.12 runs those inline (PEP 709), 3.11 in a frame of their own, and a site
-    must not depend on the interpreter."""
+    """The function a code object runs; for a comprehension or a generator expression, the function
+    it is written in: Python 3.12 runs comprehensions inline (PEP 709), 3.11 in a frame of their own,
+    and a site must not depend on the interpreter; nor can anyone look up ``<genexpr>``."""
     if code.co_name not in _INLINED:
         return code.co_name
     parts = getattr(code, "co_qualname", code.co_name).split(".")
