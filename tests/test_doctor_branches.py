@@ -505,3 +505,30 @@ def test_a_loop_count_read_from_host_memory_at_capture_is_frozen_host_work_on_bo
     finding = only_finding(workload, "bug")
     assert (finding.kind, finding.op) == ("host-work-frozen", "aten.mul.Tensor"), finding
     assert finding.source.endswith("in forward: y = y * 2 + 1"), finding.source
+
+
+@pytest.mark.parametrize("device", ["cpu"])
+def test_state_a_replay_copies_into_pinned_host_memory_is_kept_once_the_copy_landed(device):
+    """A step whose graph writes its state back into pinned host memory by a non-blocking copy (Warp's
+    CPU arrays): a sampled step equals its eager run. On CUDA the copy lands when the stream reaches
+    it, after the launch returns, and the doctor waits for it before keeping the replay's state
+    (``tensors.landed``); the ``cuda`` parameter joins once a GPU has run it (``test_cuda_record``)."""
+    from workbench.zoo.kit import capture, replay
+    q = host(torch.linspace(0.0, 1.0, 1 << 16, dtype=torch.float64), device)
+    w = torch.eye(1024, dtype=torch.float64, device=device) * 0.5
+
+    def step():
+        d = torch.empty(q.shape, dtype=q.dtype, device=device)
+        d.copy_(q, non_blocking=True)
+        for _ in range(8):                       # device work long enough for the write-back to land late
+            d = (d.view(64, 1024) @ w).view(-1) * 2.0 + 0.001
+        q.copy_(d, non_blocking=True)
+        return d
+
+    def workload():
+        g, out = capture(step, device=device, warmups=0, name="step", state={"q": q})
+        for _ in range(4):
+            replay(g, out)
+    with doctor.watch(differential=1) as report:
+        workload()
+    assert report.findings == [], report

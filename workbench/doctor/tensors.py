@@ -170,6 +170,14 @@ def rng_state(cuda: bool) -> tuple:
     return torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None
 
 
+def landed(cuda: bool) -> None:
+    """On CUDA, wait for the work launched so far before the doctor keeps or puts back state on the host:
+    a replay's non-blocking copies into pinned host memory (Warp's CPU arrays, written back by copy) land
+    when the stream reaches them, and a copy kept before then holds what was there before."""
+    if cuda:
+        torch.cuda.synchronize()
+
+
 def set_rng_state(state: tuple) -> None:
     torch.set_rng_state(state[0])
     if state[1] is not None:

@@ -1,37 +1,34 @@
 """Differential replay: does a replay give what an eager run of the same step gives?
 
-At sampled replays (every Nth served step with an ``eager`` callable) the doctor keeps the state the
-step may write (every storage the graph writes, every announced buffer), runs ``eager()`` from that
-state after the replay, keeps what it gives, and puts the replay's state back: the program goes on as
-if only the replay had run. Where outputs (real rows) or state differ, the launch traces say where the
-replay's frozen Python parted from what Python decides now (``launch``; on CUDA, the doctor's own
-records of the capture and of the eager run), and ``rootcause`` turns the parting into a kind, an op,
-a tensor and a line. Python state the eager step rebinds is compared and put back (``pystate``). Once
-per graph the step also runs from the state before the warmups (``startup``): a real step must not
+At sampled replays (every Nth served step with an ``eager`` callable) the doctor keeps the state the step may write
+(every storage the graph writes, every announced buffer), runs ``eager()`` from that state after the replay, keeps
+what it gives, and puts the replay's state back: the program goes on as if only the replay had run. Where outputs
+(real rows) or state differ, the launch traces say where the replay's frozen Python parted from what Python decides
+now (``launch``; on CUDA, the doctor's own records of the capture and of the eager run), and ``rootcause`` turns the
+parting into a kind, an op, a tensor and a line. Python state the eager step rebinds is compared and put back
+(``pystate``). Once per graph the step also runs from the state before the warmups (``startup``): a real step must not
 depend on what dummy batches wrote.
 
-Watching the eager step's ops (``eager_trace``: a dispatch mode on every op, a launch trace) costs
-more than the step itself, so it is watched on a graph's first compared replay, on every
-``TRACE_EVERY``-th after it, when the eager form's closure cells hold other objects than at the
-compared replay before (a closure captured inside the step that first ran it goes stale once that
-step rebinds its variables), and when the comparison finds a difference (run again, watched, to
-localise it). The other runs take the doctor's mode off the stack, and cannot see memory they write
-outside the kept state: a graph whose watched eager step wrote any is watched from then on, and the
-small tensors the graph only reads (a cache the eager step may refill) are put back after each run.
+Watching the eager step's ops (``eager_trace``: a dispatch mode on every op, a launch trace) costs more than the step
+itself, so it is watched on a graph's first compared replay, on every ``TRACE_EVERY``-th after it, when the eager
+form's closure cells hold other objects than at the compared replay before (a closure captured inside the step that
+first ran it goes stale once that step rebinds its variables), and when the comparison finds a difference (run again,
+watched, to localise it). The other runs take the doctor's mode off the stack, and cannot see memory they write
+outside the kept state: a graph whose watched eager step wrote any is watched from then on, and the small tensors the
+graph only reads (a cache the eager step may refill) are put back after each run.
 
-No evidence against the replay: memory outside what the graph reads that the eager step writes
-before reading (scratch), and what the previous replay left in memory the graph owns and never
-reads (a ``.grad`` the eager step accumulates into where the graph assigns). Traces that part on a
-line run more or fewer times are run again to find the looping frame (``launch.repeats``); a padded
-replay that raises is tried on its real rows (``failed``); no eager run waits forever (``waits``).
+No evidence against the replay: memory outside what the graph reads that the eager step writes before reading
+(scratch), and what the previous replay left in memory the graph owns and never reads (a ``.grad`` the eager step
+accumulates into where the graph assigns). Traces that part on a line run more or fewer times are run again to find
+the looping frame (``launch.repeats``); a padded replay that raises is tried on its real rows (``failed``); no eager
+run waits forever (``waits``).
 
-Where the workload announced its run without graphs (``probes/reference.py``) and a replay gives
-what that run gives at the same step (or is the capture's own batch), two kinds of finding are
-held: an output that differs from the eager form's (which is then not that step), and what the step
-would give from other starting memory (carried elements of static inputs, the state before the
-warmups). They are reported once a replay gives another answer than that run, noted otherwise; so
-are state the eager form writes otherwise and an output difference on a replay not paired with that
-run's answer, unless the workload says its results agree (``events.results``).
+Where the workload announced its run without graphs (``probes/reference.py``) and a replay gives what that run gives
+at the same step (or is the capture's own batch), two kinds of finding are held: an output that differs from the eager
+form's (which is then not that step), and what the step would give from other starting memory (carried elements of
+static inputs, the state before the warmups). They are reported once a replay gives another answer than that run,
+noted otherwise; so are state the eager form writes otherwise and an output difference on a replay not paired with
+that run's answer, unless the workload says its results agree (``events.results``).
 """
 from __future__ import annotations
 
@@ -42,7 +39,7 @@ from torch._C import _pop_torch_dispatch_stack, _push_on_torch_dispatch_stack
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
 from ...engine.opinfo import storage_key
-from ..tensors import alias, changed, disagrees, first_line, max_abs_diff, rng_state, set_rng_state, whole
+from ..tensors import alias, changed, disagrees, first_line, landed, max_abs_diff, rng_state, set_rng_state, whole
 from ..rules import bounds, unread
 from . import captured_state, held, launch, nonfinite, pystate, reach, rootcause, row_writes, unpadded, waits
 from .compare import compare, rows_of, without_unwritten
@@ -87,6 +84,7 @@ def begin(doctor, info) -> None:
     info.pending.host = pystate.keep(info.python, info.pending.eager)
     with _disable_current_modes():
         pending = info.pending
+        landed(info.cuda)
         pending.pre = {key: (w, label, w.clone()) for key, (w, label) in _state(doctor, info).items()}
         pending.rng = rng_state(info.cuda)
         pending.carried = doctor.carried.of_step(doctor, info, pending)
@@ -95,6 +93,7 @@ def begin(doctor, info) -> None:
 def finish(doctor, info, pending) -> None:
     pre = pending.pre
     with _disable_current_modes():
+        landed(info.cuda)
         replayed = {key: w.clone() for key, (w, _, _) in pre.items()}
         graph_out = without_unwritten(info, pending, rows_of(pending.outputs, pending.real, pending.size))
         rng_after = rng_state(info.cuda)
@@ -344,6 +343,7 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
                 if aside:
                     _push_on_torch_dispatch_stack(doctor.mode)
         with _disable_current_modes():
+            landed(info.cuda)
             size = pending.size if step is None else pending.real      # an unpadded step has only real rows
             got = (rows_of(out, pending.real, size, owned=True), {key: w.clone() for key, (w, _, _) in pre.items()},
                    {key: (before, w.clone()) for key, (w, before) in doctor.diff.extra.items()})
