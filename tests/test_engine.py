@@ -736,6 +736,14 @@ def test_a_comprehension_is_named_by_the_function_it_is_written_in():
     assert code.co_name == "<genexpr>" and function_name(code) == "_generator_code"
 
 
+def test_a_site_without_a_line_names_the_line_that_defines_its_function():
+    """A code object alone, or a frame whose instruction has no line (Python 3.12 gives None), is
+    named at its function's ``def`` line, never refused."""
+    from workbench.engine.source import location
+    code = _comprehension_code.__code__
+    assert location(code).endswith(f":{code.co_firstlineno} in _comprehension_code: def _comprehension_code():")
+
+
 def test_capture_end_is_announced_once_the_capture_has_closed():
     """As on CUDA: an observer's own tensor work at ``capture_end`` is not recorded into the graph,
     and an observer that raises there leaves no capture open behind it."""

@@ -65,14 +65,6 @@ def test_verdicts_name_right_wrong_and_missed():
 
 # Variants that behave alike on both backends but where the doctor answers otherwise, and why.
 GPU_DIFFERS: dict = {
-    ("round100/warp_1665_cpu_capture_skips_bvh_refit_queries_stale_bounds", "fix"):
-        "a finding on a fix, on the H200 only, in one of two runs (2026-12-05): warmup-divergence at the launch's "
-        "copy from the host arrays. Likely the doctor's: it kept the replay's state, pinned host arrays the graph "
-        "writes back by non-blocking copies, before those landed (tensors.landed, not yet run on a GPU)",
-    ("round100/warp_1677_cpu_capture_skips_hash_grid_build_replays_stale_buckets", "fix"):
-        "a finding on a fix, on the H200 only (2026-12-05): host-work-frozen at the host rebuild, from all 48 "
-        "elements of the pinned positions differing at the first sampled replay. Likely the doctor's: it kept the "
-        "replay's state before the graph's non-blocking copies into it landed (tensors.landed, not yet run on a GPU)",
     ("round19/vllm_25513_kv_scale_calc_skipped_by_full_graph", "bug"):
         "on the CPU the padded rows' cache write also changes elements real rows read (stale-padding, listed "
         "first); on the H200 it does not, and the same frozen scale (host-work-frozen) is the answer",

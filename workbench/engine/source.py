@@ -73,8 +73,11 @@ def codes_within(opened) -> frozenset:
 
 def location(frame, lineno: int | None = None) -> str:
     """``file:line in function: code`` of a frame, at the line it is running (or at ``lineno``; a
-    code object with a ``lineno`` names that line of its function)."""
-    code, lineno = getattr(frame, "f_code", frame), lineno or frame.f_lineno
+    code object with a ``lineno`` names that line of its function). Where no line is known (a code
+    object alone; a frame whose instruction has none, which Python 3.12 gives as None), the line
+    that defines the function."""
+    code = getattr(frame, "f_code", frame)
+    lineno = lineno or getattr(frame, "f_lineno", None) or code.co_firstlineno
     key = (code, lineno)
     text = _LINES.get(key)
     if text is None:
