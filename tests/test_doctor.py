@@ -953,6 +953,53 @@ def test_a_function_that_synchronises_after_work_of_its_own_is_the_site_when_ano
     assert finding.location == where(scale_then_block, "synchronize(x.device)"), finding
 
 
+def device_synchronize(device):
+    synchronize(device)
+
+
+class WaitedTemporary:
+    """A temporary that is released by a wait for the stream when it holds memory (a raw
+    allocation's destructor: synchronise, then free)."""
+
+    def __init__(self, x):
+        self.ptr = torch.empty_like(x)
+
+    def free(self):
+        if self.ptr is not None:
+            device_synchronize(self.ptr.device)
+            self.ptr = None
+
+
+def scratch_released_by_a_wait(x):
+    scratch = WaitedTemporary(x)
+    scratch.ptr.copy_(x * 2)
+    y = scratch.ptr + 1
+    scratch.free()                             # the code that chose a temporary released by a wait
+    return y
+
+
+def timed(kernel, x):
+    """A benchmark: launch, then wait for the device to time it."""
+    kernel(x)
+    device_synchronize(x.device)
+
+
+def autotune_in_capture(x):
+    timed(torch.neg, x)
+    return x + 1
+
+
+def test_a_release_that_only_waits_is_named_where_it_was_called_a_benchmark_that_launched_first_is_the_site():
+    """``WaitedTemporary.free`` does nothing but the call that waits (it tests and clears its own
+    field): it is the runtime's release as its caller asked for it, and the line that released the
+    temporary is the site, past the helper named for the sync and the method alike. ``timed``
+    launched a kernel before it waits: the benchmark decided to wait, and is the site."""
+    finding = refused_in_capture(scratch_released_by_a_wait)
+    assert finding.location == where(scratch_released_by_a_wait, "scratch.free()"), finding
+    finding = refused_in_capture(autotune_in_capture)
+    assert finding.location == where(timed, "device_synchronize(x.device)"), finding
+
+
 def cudaMalloc(x):
     """A library's stand-in for a runtime call that a capture refuses (its own check, its own error)."""
     if is_capturing():

@@ -199,11 +199,13 @@ def _stand_in(frames: list, op: str | None = None, call: bool = False) -> str | 
     the code that decided to make it); else None. Where the refused thing is a runtime call (``call``:
     a stream or device synchronisation, not an op reading a tensor), a function that only passes
     that call on (``forwards``: an event's ``wait()`` that synchronizes) is its stand-in too, and so
-    is each such wrapper around it, walking out."""
+    is each such wrapper around it, walking out; where the refused call is a wait, so is a function
+    whose one call is the line that waits (``_bare``: an allocation's release that waits for the
+    stream when it holds memory; not a benchmark that launched first, nor a lazy compile's caller)."""
     name = frames[0][0].f_code.co_name.lower() if frames else ""
     i = int(len(frames) > 1 and ("sync" in name or op is not None and name == op.lower()
                                  or call and _waits(op) and _unprepared(*frames[0])))
-    while call and i + 1 < len(frames) and forwards(frames[i][0].f_code):
+    while call and i + 1 < len(frames) and (forwards(frames[i][0].f_code) or _waits(op) and _bare(*frames[i])):
         i += 1
     return location(*frames[i]) if i else None
 
@@ -228,6 +230,20 @@ def _unprepared(frame, line: int) -> bool:
         if i.opname in ("STORE_FAST", "STORE_DEREF") and i.argval not in parameters:
             return False
         if i.opname in ("LOAD_GLOBAL", "LOAD_NAME") and _workload_code(frame.f_globals.get(i.argval)):
+            return False
+    return True
+
+
+def _bare(frame, line: int) -> bool:
+    """Whether a function does nothing but the call on ``line`` (which led to a wait): on its other
+    lines it calls nothing, assigns no local variable and names none of the workload's functions or
+    classes; it may test and set its object's fields (a release that waits only when it holds memory)."""
+    code = frame.f_code
+    for i in dis.get_instructions(code):
+        if i.positions.lineno is None or i.positions.lineno == line:
+            continue
+        if i.opname.startswith("CALL") or i.opname in ("STORE_FAST", "STORE_DEREF") \
+                or i.opname in ("LOAD_GLOBAL", "LOAD_NAME") and _workload_code(frame.f_globals.get(i.argval)):
             return False
     return True
 
