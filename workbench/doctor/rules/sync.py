@@ -220,32 +220,31 @@ def _unprepared(frame, line: int) -> bool:
     no local variable and names none of the workload's functions or classes, so only its arguments
     chose the path there (a ``cudaMemcpy`` stand-in that synchronises, a launch helper that takes
     the legacy stream when no stream is given). It is the runtime's call as its caller asked for it."""
+    return not _own_work(frame, lambda n: n < line, calls=False)
+
+
+def _bare(frame, line: int) -> bool:
+    """Whether a function does nothing but the call on ``line`` (which led to a wait): on its other
+    lines it does no work of its own and calls nothing; it may test and set its object's fields (a
+    release that waits only when it holds memory)."""
+    return not _own_work(frame, lambda n: n != line, calls=True)
+
+
+def _own_work(frame, on, calls: bool) -> bool:
+    """Whether, on the lines ``on`` accepts, the frame's function assigns a local variable that is not
+    a parameter, names one of the workload's functions or classes, or (``calls``) calls anything."""
     code = frame.f_code
     given = code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & inspect.CO_VARARGS) \
         + bool(code.co_flags & inspect.CO_VARKEYWORDS)
     parameters = set(code.co_varnames[:given])
     for i in dis.get_instructions(code):
-        if i.positions.lineno is None or i.positions.lineno >= line:
+        if i.positions.lineno is None or not on(i.positions.lineno):
             continue
-        if i.opname in ("STORE_FAST", "STORE_DEREF") and i.argval not in parameters:
-            return False
-        if i.opname in ("LOAD_GLOBAL", "LOAD_NAME") and _workload_code(frame.f_globals.get(i.argval)):
-            return False
-    return True
-
-
-def _bare(frame, line: int) -> bool:
-    """Whether a function does nothing but the call on ``line`` (which led to a wait): on its other
-    lines it calls nothing, assigns no local variable and names none of the workload's functions or
-    classes; it may test and set its object's fields (a release that waits only when it holds memory)."""
-    code = frame.f_code
-    for i in dis.get_instructions(code):
-        if i.positions.lineno is None or i.positions.lineno == line:
-            continue
-        if i.opname.startswith("CALL") or i.opname in ("STORE_FAST", "STORE_DEREF") \
-                or i.opname in ("LOAD_GLOBAL", "LOAD_NAME") and _workload_code(frame.f_globals.get(i.argval)):
-            return False
-    return True
+        if i.opname in ("STORE_FAST", "STORE_DEREF") and i.argval not in parameters \
+                or i.opname in ("LOAD_GLOBAL", "LOAD_NAME") and _workload_code(frame.f_globals.get(i.argval)) \
+                or calls and i.opname.startswith("CALL"):
+            return True
+    return False
 
 
 def _workload_code(value) -> bool:
