@@ -800,6 +800,30 @@ def test_a_captured_copy_from_a_shared_host_scratch_that_later_code_refills(vari
     assert finding.source.endswith("dst.copy_(scratch.expand(dst.shape), non_blocking=True)"), finding.source
 
 
+def test_host_memory_announced_as_a_static_input_is_refilled_on_purpose_not_handed_on():
+    """A captured copy re-reads announced host memory (pinned positions the runner refills before every
+    replay): that write is the runner's contract, not memory handed to someone else. What the replay
+    gets wrong here is the scale, a Python number read at capture: ``host-work-frozen``, not a
+    dangling reference to the refilled host memory."""
+    from workbench.engine import host
+
+    def workload():
+        positions = host(torch.zeros(3))
+        counter = {"step": 1}
+
+        def step():
+            staged = torch.empty(3)
+            staged.copy_(positions, non_blocking=True)
+            return staged * float(counter["step"])
+        g, out = captured(step, static={"positions": positions})
+        for i in range(2, 5):
+            counter["step"] = i
+            positions.copy_(torch.full((3,), float(i)))
+            served(g, out, step)
+    report = doctor.diagnose(workload)
+    assert [f.kind for f in report.findings] == ["host-work-frozen"], report
+
+
 def test_an_attribute_the_step_binds_to_its_own_output_is_no_finding():
     """The captured step keeps its result in an attribute (``self.energy = ...``): capture bound it to
     the graph's output, which every replay writes, so a reader of the attribute sees this step's

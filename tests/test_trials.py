@@ -108,6 +108,10 @@ GPU_DIFFERS: dict = {
         "and a later one where the eager step no longer launches it (warmup-divergence); on the H200 only the "
         "latter is reported; why the first comparison parts otherwise there is not known yet (found when the round "
         "was recorded)",
+    ("round100/warp_1665_cpu_capture_skips_bvh_refit_queries_stale_bounds", "bug"):
+        "recorded on the H200 as warmup-divergence at launch, the CPU's answer then; the CPU's answer moved to "
+        "host-work-frozen at bvh_refit_recursive, the host refit's NumPy read of the bounds the capture wrote, "
+        "with rules/host_writes.py (2026-12-05), and no device was lent to record it again",
     ("round94/flashinfer_652_prefill_cuda_graph_tile_bound_ignores_gqa_group", "bug"):
         "both are warmup-divergence for the tile bound the capture's plan fixed; on the CPU the finding stands at "
         "PrefillPlan, which made the plan, on the H200 at BatchPrefillWithRaggedKVCacheKernel, which runs the "
@@ -130,6 +134,7 @@ GPU_UNSTABLE = {
 # Rounds not yet recorded on a GPU, and why: their programs are left out of the comparison until they are.
 GPU_PENDING: dict[str, str] = {
     "round101": "written 2026-12-05; the device was not lent again that day after the record of round 100's Warp fixes",
+    "round102": "written 2026-12-05; no device was lent while it was measured",
 }
 
 

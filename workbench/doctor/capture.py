@@ -16,7 +16,7 @@ from ..engine.cpu_graph import ALLOCATIONS
 from ..engine.opinfo import describe, op_tensors, overwrites, storage_key, tensors, written_tensors
 from ..engine.source import user_frame
 from .records import External, Op
-from .rules import dangling, host_copies, padded_scatter, sync, uncomputed, undersized, unread
+from .rules import dangling, host_copies, host_writes, padded_scatter, sync, uncomputed, undersized, unread
 from .rules.pool import block
 from .tensors import by_value, signature
 
@@ -32,6 +32,8 @@ def recorded(doctor, func, args, kwargs, run):
         return run()            # host work (a pinned flag's ``.item()``): CUDA records none of it, and the
         # CPU engine runs it where the doctor does not see it (``engine/host.py``)
     source = user_frame()
+    if info.handed and not func.is_view:
+        host_writes.before(info, inputs, func, source)
     sync.check(doctor, info, func, args, kwargs, source)
     from_host = host_copies.host_source(func, args, kwargs, info.cuda)
     in_keys = {storage_key(t) for t in inputs}
@@ -111,4 +113,6 @@ def recorded(doctor, func, args, kwargs, run):
     if not func.is_view or lifted:              # a constant's value is part of the trace
         info.ops.append(Op(str(func), source, frozenset(in_keys), written,
                            frozenset(in_keys - info.created), sig))
+    if info.handed and not func.is_view:
+        host_writes.after(info, inputs)
     return out

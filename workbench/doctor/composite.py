@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 
 from .failures import DELIBERATE
 from .probes import held
-from .rules import shapes, undersized
+from .rules import host_writes, shapes, undersized
 
 _WATCHED = ("eager", "warmup", "capture")
 
@@ -33,6 +33,8 @@ class _Calls(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.doctor.capturing is not None and args and getattr(func, "__name__", None) in host_writes.HANDED:
+            host_writes.handed(self.doctor, args[0])
         try:
             return func(*args, **kwargs)
         except DELIBERATE:

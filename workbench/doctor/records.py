@@ -225,6 +225,8 @@ class GraphInfo:
         self.step: dict | None = None               # ... as they were when its current replay began
         self.consumed: set[int] = set()             # ... of those, inputs another graph's replay read since
         self.host_copied: list = []                 # during capture: what each copy from host memory read
+        self.handed: dict = {}                      # storage handed to host code in it -> (bytes, where) (host_writes)
+        self.host_work: dict = {}                   # ... which host code then wrote or read: storage -> HostWork
         self.blocks: set[tuple] = set()             # memory blocks the capture wrote (rules/pool.py)
         self.own_blocks: set[tuple] = set()         # of those, blocks it allocated
         self.handed_blocks: set[tuple] = set()      # blocks of the outputs a runner handed out (rules/pool.py)

@@ -18,7 +18,8 @@ kind of parting it is decides the kind:
   stream, thread, the host) -- ``host-work-frozen``, at the allocation;
 * the traces agree but the numbers do not: ``dangling-reference`` at a captured copy from host
   memory that code outside the graph has written since the capture (a replay re-reads it by
-  address: a temporary's memory handed on); else ``warmup-divergence``, at the op that wrote what
+  address: a temporary's memory handed on; announced host memory, a static input or state, the
+  runner writes on purpose); else ``warmup-divergence``, at the op that wrote what
   differs.
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .. import explain
 from ..raised import decider
 from ..records import Op
 from ..report import Finding
+from ..rules import host_writes
 from . import pystate
 
 
@@ -41,7 +43,9 @@ def classify(doctor, info, pending, what: tuple, divergence, run, host: tuple | 
     changed and the replay did not: where a number baked into the graph has no known origin, a number
     the step's Python rebinds is named as that origin."""
     text, numbers, key = what
-    handed = next(((k, e) for k, e in info.externals.items() if e.host_copy and k in doctor.touched), None)
+    # (host memory the runner announced -- a static input, persistent state -- is written on purpose)
+    handed = next(((k, e) for k, e in info.externals.items()
+                   if e.host_copy and k in doctor.touched and doctor.buffer(k) is None), None)
     if handed is not None:
         ext = handed[1]
         kind, op, tensor = "dangling-reference", Op(*ext.host_copy), f"{ext.tensor} (host memory)"
@@ -49,6 +53,8 @@ def classify(doctor, info, pending, what: tuple, divergence, run, host: tuple | 
                 "which a replay re-reads at the address it was captured from; code outside the graph has written "
                 f"that memory since the capture ({doctor.touched[handed[0]]}): the graph does not own it, and it was "
                 "handed on (a temporary released after the capture, its memory given to the next one).")
+    elif divergence is None and (written := host_writes.cause(info)) is not None:
+        kind, op, tensor, site = written
     elif divergence is None and (unwritten := _read_unwritten(info)) is not None:
         kind, op, tensor, site = unwritten
     elif divergence is None:
