@@ -7,7 +7,9 @@ tracer (``raised.py``) sees it in the workload's frame, but without the call's a
 what tell which rows or which buffer disagree. A function mode sees the call with its arguments,
 so a failure no dispatched op reported goes to the same shape contracts: a tensor of a graph's
 padded rows against one of the real rows (``shapes.failed_op``), and a range asked past the end of
-an announced buffer (``undersized.check_range``, the contract of a slice assignment).
+an announced buffer (``undersized.check_range``, the contract of a slice assignment). It also
+sees a tensor's memory handed to host code while a capture is open (``Tensor.numpy()``,
+``__array__``, ``data_ptr()``), which no op shows (``rules/host_writes.py``).
 
 Only under ``diagnose``, as the tracer: a function mode puts a Python call in front of every torch
 call, an emulated replay's ops included (let through at once: only the workload's own phases are
@@ -34,7 +36,10 @@ class _Calls(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.doctor.capturing is not None and args and getattr(func, "__name__", None) in host_writes.HANDED:
-            host_writes.handed(self.doctor, args[0])
+            try:
+                host_writes.handed(self.doctor, args[0])
+            except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
+                self.doctor.fail(e, "following memory handed to host code")
         try:
             return func(*args, **kwargs)
         except DELIBERATE:

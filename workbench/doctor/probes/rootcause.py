@@ -13,6 +13,9 @@ kind of parting it is decides the kind:
   ``warmup-divergence``;
 * the eager step launches work the graph never recorded (a plan, a lazy step, a branch), or the
   graph replays work Python no longer does: ``warmup-divergence``, at the first such op;
+* the traces agree, but during the capture host code read or wrote, through NumPy or a pointer,
+  memory the graph's ops use (``rules/host_writes.py``): ``host-work-frozen``, at the line that
+  handed the memory over;
 * the traces agree, but an op of the graph reads memory the graph allocated and none of its ops
   writes -- the work that filled it at capture ran where the capture does not record (another
   stream, thread, the host) -- ``host-work-frozen``, at the allocation;
