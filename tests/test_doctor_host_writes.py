@@ -101,3 +101,30 @@ def test_host_code_that_reads_what_the_capture_wrote_is_host_work_frozen_though_
     assert finding.kind == "host-work-frozen" and finding.tensor == "float32[2, 4]", report
     assert "self.bounds.numpy()" in finding.source, finding.source
     assert "memory a recorded op of the capture wrote" in finding.cause
+
+
+def test_only_the_programs_own_hand_offs_count_past_torchs_frames():
+    """``np.asarray(t)`` reaches ``Tensor.__array__`` through torch's frames: the program's call is
+    the first frame past them. The doctor's own reads of a tensor's address or bytes (a digest of a
+    constant, a tensor's start) hand nothing to host code."""
+    import os
+    import sys
+    import types
+
+    import workbench.doctor
+    from workbench.doctor.rules import host_writes
+
+    def frame_in(directory, name):
+        """A function whose code says it lives in ``directory``: it calls ``back(its own frame)``."""
+        scope = {"sys": sys}
+        exec(compile("def run(back):\n    return back(sys._getframe(0))\n", os.path.join(directory, name), "exec"),
+             scope)
+        return scope["run"]
+
+    doctor_code = frame_in(os.path.dirname(workbench.doctor.__file__), "own_code.py")
+    torch_code = frame_in(os.path.dirname(torch.__file__), "_tensor_stand_in.py")
+    t = torch.arange(4.0)
+    for caller, counted in ((doctor_code, False), (torch_code, True), (lambda back: back(sys._getframe(0)), True)):
+        capture = types.SimpleNamespace(handed={}, host_work={}, writes={}, created=set())
+        caller(lambda frame: host_writes.handed(types.SimpleNamespace(capturing=capture), t, frame))
+        assert bool(capture.handed) == counted, caller

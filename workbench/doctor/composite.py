@@ -18,6 +18,7 @@ watched). ``watch()`` alone, whose cost per step is measured, does not install i
 from __future__ import annotations
 
 import contextlib
+import sys
 
 from torch.overrides import TorchFunctionMode
 
@@ -37,7 +38,7 @@ class _Calls(TorchFunctionMode):
         kwargs = kwargs or {}
         if self.doctor.capturing is not None and args and getattr(func, "__name__", None) in host_writes.HANDED:
             try:
-                host_writes.handed(self.doctor, args[0])
+                host_writes.handed(self.doctor, args[0], sys._getframe(1))
             except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
                 self.doctor.fail(e, "following memory handed to host code")
         try:

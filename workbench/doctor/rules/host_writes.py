@@ -23,17 +23,21 @@ that handed the memory to host code (a write first).
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ... import engine
 from ...engine.opinfo import describe, storage_key
-from ...engine.source import user_frame
+from ...engine.source import mine, user_frame
 from ..records import Op
 
 # The tensor methods that give host code a tensor's memory, by name (``watch`` wraps some of them)
 HANDED = frozenset({"numpy", "__array__", "data_ptr"})
 _LIMIT = 16 << 20            # (bytes kept per storage handed over: a larger one is not followed)
+_FORWARDING = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(engine.__file__)),
+               os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "session.py"))
 
 
 @dataclasses.dataclass
@@ -48,10 +52,19 @@ class HostWork:
     op: Op | None
 
 
-def handed(doctor, t) -> None:
-    """(``composite``'s function mode) ``t``'s memory goes to host code while a capture is open."""
+def handed(doctor, t, caller) -> None:
+    """(``composite``'s function mode) ``t``'s memory goes to host code while a capture is open.
+    ``caller``: the frame that called the torch method. Only the program's calls count (its own code
+    or a library's), found past the frames that only pass them on: torch's (``np.asarray`` reaches
+    ``Tensor.__array__`` through them), the engine's capture guards, and the wrappers ``watch`` puts
+    on tensor methods (``session.py``). The doctor's own reads of a tensor's address or bytes (a
+    digest of a constant, a tensor's start) hand nothing over."""
     info = doctor.capturing
     if info is None or not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+        return
+    while caller is not None and caller.f_code.co_filename.startswith(_FORWARDING):
+        caller = caller.f_back
+    if caller is None or not mine(caller):
         return
     with _disable_current_modes(), torch._C.DisableTorchFunction():
         if t.untyped_storage().nbytes() > _LIMIT:
@@ -59,7 +72,7 @@ def handed(doctor, t) -> None:
         key, where = storage_key(t), user_frame()
         # (handed over again: the bytes the last recorded op left stay the baseline)
         kept = info.handed.get(key)
-        info.handed[key] = (_bytes(t) if kept is None else kept[0], where)
+        info.handed[key] = (_bytes(t).clone() if kept is None else kept[0], where)
         if key not in info.host_work and (key in info.writes or key in info.created):
             info.host_work[key] = HostWork(describe(t), where, False, info.writes.get(key))
 
@@ -81,7 +94,7 @@ def after(info, inputs: list) -> None:
     with _disable_current_modes(), torch._C.DisableTorchFunction():
         for t in inputs:
             if (kept := info.handed.get(key := storage_key(t))) is not None:
-                info.handed[key] = (_bytes(t), kept[1])
+                info.handed[key] = (_bytes(t).clone(), kept[1])
 
 
 def cause(info) -> tuple | None:
@@ -104,4 +117,5 @@ def cause(info) -> tuple | None:
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).clone()
+    """The bytes of ``t``'s whole storage (a view: clone what is kept)."""
+    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
