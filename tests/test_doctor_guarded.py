@@ -103,3 +103,42 @@ def test_a_misused_value_in_a_function_that_asks_is_no_refusal():
     report = doctor.diagnose(run)
     assert report.errors and "AttributeError" in report.headline(), report
     assert not report.of("host-work-frozen"), report
+
+
+def _load_plan(x, inner):
+    """A library's lazy set-up that runs a throwaway capture of its own (a cuDNN plan's warmup), or
+    replays a graph of its own, while the runner's capture is open."""
+    if inner is None:
+        with graph(new_graph("cpu"), name="plan warmup"):
+            x.mul(2)
+    else:
+        inner.replay()
+    return x + 1
+
+
+@pytest.mark.parametrize("nested", ["capture", "replay"])
+def test_a_graph_call_the_engine_refuses_in_a_capture_is_no_guard_of_the_workloads(nested):
+    """Beginning a capture, or replaying a graph, while a capture is open is refused by the engine
+    (CUDA refuses both): a call a capture cannot hold, named at the line that made it, not host work
+    refused by the workload's own check. Loaded before the capture, nothing is refused."""
+    def run(early: bool):
+        x = torch.ones(2)
+        inner = None
+        if nested == "replay":
+            inner = new_graph("cpu")
+            with graph(inner, name="plan"):
+                x.mul(2)
+        if early:
+            _load_plan(x, inner)
+        g = new_graph("cpu")
+        with graph(g, name="step"):
+            out = _load_plan(x, inner) if not early else x + 1
+        g.replay()
+        assert out.tolist() == [2.0, 2.0]
+
+    report = doctor.diagnose(lambda: run(early=False))
+    assert report.errors and not report.of("host-work-frozen"), report
+    found = report.of("sync-in-capture")
+    assert [function_of(f.location) for f in found] == ["_load_plan"], report
+    assert ("capture begun inside" if nested == "capture" else "replay while") in found[0].op
+    assert not doctor.diagnose(lambda: run(early=True)).findings

@@ -135,6 +135,7 @@ GPU_UNSTABLE = {
 GPU_PENDING: dict[str, str] = {
     "round101": "written 2026-12-05; the device was not lent again that day after the record of round 100's Warp fixes",
     "round102": "written 2026-12-05; no device was lent while it was measured",
+    "round103": "written 2026-12-05; no device was lent while it was measured",
 }
 
 

@@ -12,7 +12,7 @@ import torch
 
 from . import capture_mode, events, queries
 from .cpu_graph import CPUGraph, Pool
-from .errors import GraphError
+from .errors import CaptureError, GraphError
 from .host_sync import host_sync_error, stream_waits_refused
 from .source import user_frame
 
@@ -109,7 +109,8 @@ def graph(g, pool=None, *, name: str | None = None, capture_error_mode: str = "g
         events.capture_end(g)       # once the capture has closed, as on CUDA (below)
     elif isinstance(g, torch.cuda.CUDAGraph):
         if torch.cuda.is_current_stream_capturing():
-            raise GraphError("A graph capture is already open; captures do not nest.")
+            raise CaptureError("A graph capture is already open; captures do not nest.",
+                               op="a capture begun inside a capture")
         if getattr(g, "captured", False):
             raise GraphError("This graph already holds a capture. Call g.reset() first.")
         # No garbage collection may run inside the capture: one there can finalise a dropped

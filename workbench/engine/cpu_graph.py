@@ -12,8 +12,8 @@ What a CUDA graph is, reduced to the rules that cause bugs in serving stacks:
 * **Python is frozen at capture.** Replay runs no Python of the captured function: a branch or a
   lazy ``if state is None`` check keeps the outcome it had during capture. Libraries that ask
   ``torch.cuda.is_current_stream_capturing()`` get True on the capturing thread (``queries``).
-* **No replay while a capture is open** (on any thread): CUDA refuses it ("Cannot prepare for replay
-  during capturing stage"), so a wrapper that replays its own graph inside an outer capture fails.
+* **No replay while a capture is open** (on any thread), nor a capture begun inside it: CUDA refuses
+  both (``CaptureError``), so a wrapper that replays its own graph inside an outer capture fails.
 * **Capture launches nothing that lasts.** A CUDA capture does not execute kernels. The emulation
   has to execute ops (later Python needs their outputs), so it snapshots every pre-existing storage
   before the first write to it and restores it when capture ends; memory the graph allocated is
@@ -53,7 +53,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from . import events, memory, queries
-from .errors import GraphError, IllegalMemoryAccess
+from .errors import CaptureError, GraphError, IllegalMemoryAccess
 from .host import HostTensor, is_pinned
 from .host_sync import (HostSyncGuard, blocking_copy_error, copies_python_data, flat, host_sync_error,
                         is_host_sync, non_blocking, pageable_copy_error)
@@ -116,8 +116,8 @@ class CPUGraph:
     # ----------------------------------------------------------------- capture
     def capture_begin(self, pool: Pool | None = None) -> None:
         if is_capturing():
-            raise GraphError("A graph capture is already open on this thread; captures do not nest. "
-                             "Finish the outer `with graph(...)` block first.")
+            raise CaptureError("A graph capture is already open on this thread; captures do not nest. Finish "
+                               "the outer `with graph(...)` block first.", op="a capture begun inside a capture")
         if self._state != "new":
             raise GraphError("This graph already holds a capture. Call g.reset() first, or create "
                              "a new graph with new_graph().")
@@ -352,10 +352,10 @@ class CPUGraph:
             raise GraphError("replay() called before capture (or after reset): capture the graph "
                              "first with `with graph(g): ...`.")
         if _CAPTURING:
-            raise GraphError("Cannot prepare for replay during capturing stage: another graph's capture is "
-                             "open, and CUDA refuses every replay while one is (on any thread: the device's "
-                             "random-number state is registered with both graphs). Replay after that capture "
-                             "ends, or run the step eagerly while capturing (is_capturing()).")
+            raise CaptureError("Cannot prepare for replay during capturing stage: another graph's capture is open, "
+                               "and CUDA refuses every replay while one is (on any thread: the device's random-number "
+                               "state is registered with both graphs). Replay after that capture ends, or run the "
+                               "step eagerly while capturing (is_capturing()).", op="a replay while a capture is open")
         events.replay_begin(self)
         try:
             self._run()

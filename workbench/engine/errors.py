@@ -11,7 +11,8 @@ class GraphError(RuntimeError):
 
 
 class CaptureError(GraphError):
-    """An operation that cannot be captured, e.g. a host synchronisation (``.item()``, ``nonzero``).
+    """An operation that cannot be captured, e.g. a host synchronisation (``.item()``, ``nonzero``),
+    or a graph call CUDA refuses while a capture is open (a capture begun inside it, a replay).
 
     On CUDA these invalidate the stream capture (``cudaErrorStreamCaptureUnsupported``); the CPU
     emulation raises this error at the same point, naming the op and the user's source line.

@@ -12,6 +12,10 @@ anything of its own (a ``cudaMemcpy`` stand-in, a launch helper that takes the l
 given no stream): it is the sync itself, and the finding names the line that called it. Nor is a
 function that raises CUDA's refusal of a call itself (a binding's status check,
 ``checkCudaErrors(...)``): the call was made by its caller.
+
+A graph call CUDA refuses while a capture is open, a capture begun inside it (a library's throwaway
+warmup capture) or a replay of another graph, fails the capture the same way: the engine raises
+``CaptureError`` naming it, and it is reported here, never as the workload's own guard (``guarded``).
 """
 from __future__ import annotations
 
@@ -145,7 +149,8 @@ def _named(error: BaseException, frames: list, tb) -> tuple | None:
 # What CUDA, or torch's own check before it, raises for a host copy or synchronisation in a capture.
 _REFUSED_CALL = "a call not permitted in a capture"     # CUDA's error 900, which libraries relay as their own
 _REFUSED = {"during CUDA graph capture unless the CPU tensor is pinned": "a copy from pageable host memory",
-            "operation not permitted when stream is capturing": _REFUSED_CALL}
+            "operation not permitted when stream is capturing": _REFUSED_CALL,
+            "Cannot prepare for replay during capturing stage": "a replay while a capture is open"}
 
 
 def _relay(tb, frames: list) -> str | None:
