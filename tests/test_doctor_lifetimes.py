@@ -172,6 +172,41 @@ def test_a_graph_reading_a_storage_given_other_memory_in_place_reads_freed_memor
     assert "resize_" not in vars(torch.UntypedStorage)          # the doctor's wrapper is gone with the watch
 
 
+@pytest.mark.parametrize("owner", ["kept", "reset"])
+@pytest.mark.parametrize("freed", [True, False])
+def test_another_graphs_output_freed_in_place_while_held_is_a_dangling_read(owner, freed):
+    """A set-up graph's output, held by the program (a solver's analysis buffer) and read by the
+    graph captured after it, is freed in place by a runtime that takes it for graph memory it may
+    unmap: the next replay reads freed memory whether the set-up graph lives or was reset; the
+    finding stands where it was freed. Held and not freed, the read is sound."""
+    def unmap(t):
+        t.untyped_storage().resize_(0)
+
+    def workload():
+        pool, x = graph_pool_handle("cpu"), torch.ones(3)
+        setup = new_graph("cpu")
+        with graph(setup, pool=pool, name="analysis"):
+            buffer = x * 2
+        setup.replay()
+        solve = new_graph("cpu")
+        with graph(solve, pool=pool, name="solve"):
+            out = buffer + x
+        if owner == "reset":
+            setup.reset()
+        if freed:
+            unmap(buffer)
+        solve.replay()
+        return out
+
+    report = doctor.diagnose(workload)
+    if not freed:
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "dangling-reference" and finding.graph == "solve", report
+    assert finding.location.endswith("in unmap") and "freed in place" in finding.evidence, finding
+
+
 def test_a_read_of_a_tensor_whose_storage_was_freed_in_place_is_named_where_it_was_freed():
     """A cache keeps a tensor whose storage another owner frees in place (a graph tree freeing its
     previous generation's outputs): the eager read fails, and the finding stands at the release."""

@@ -54,9 +54,10 @@ def attend_clamped(q, cache, lens, max_len: int):
 class Runner:
     """Static ``q`` and ``lens``, one graph of size 2; ``prepare`` is the replay path's copy-in."""
 
-    def __init__(self, cache, variant: str, *, capture_len: int = CONTEXT, lens_offset: int = 0, kernel=attend):
+    def __init__(self, cache, variant: str, *, capture_len: int = CONTEXT, lens_offset: int = 0, kernel=attend,
+                 lens=(0, 0)):
         self.cache, self.variant, self.lens_offset = cache, variant, lens_offset
-        self.q, self.lens = torch.zeros(2, 4), torch.zeros(2, dtype=torch.long)
+        self.q, self.lens = torch.zeros(2, 4), torch.tensor(lens)
         events.static_buffers("runner", {"q": self.q, "lens": self.lens})
         step = lambda: kernel(self.q, self.cache, self.lens, capture_len)  # noqa: E731
         with events.warmup():
@@ -158,6 +159,38 @@ def test_an_input_the_replay_path_never_writes_is_stale_input_at_the_refresh_tha
     assert finding.kind == "stale-input" and "self.q.copy_(q)" in finding.source, finding
     assert finding.tensor.startswith("lens: ") and "this step wrote none of them" in finding.evidence, finding
     assert "refreshed q, which attend reads too" in finding.evidence, finding
+
+
+class SkippingBuilder(Runner):
+    """The lengths have a builder of their own, which refreshes them at every step but skips the
+    last one (``bug``: it takes that batch for a kind of step whose lengths the graph does not read).
+    The graph was captured on the second step's lengths, which the third then reads: putting back
+    what the capture saw changes nothing, and only the run without graphs tells."""
+
+    def __init__(self, cache, variant: str):
+        super().__init__(cache, variant, lens=LENGTHS[1])
+        self.steps = 0
+
+    def prepare(self, q, lens):
+        self.q.copy_(q)
+        self.steps += 1
+        self.build_lens(lens)
+
+    def build_lens(self, lens):
+        if self.variant == "fix" or self.steps < len(LENGTHS):
+            self.lens.copy_(lens)
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_an_input_its_own_refresh_skipped_this_step_is_named_at_that_refresh(variant):
+    """A static input that steps before this one refreshed, and this one did not, found against the
+    run without graphs: the refresh that skipped it is the one that wrote it before (``build_lens``),
+    not the copy of the step's other input that the same op reads."""
+    finding = finding_of(_workload(lambda cache: SkippingBuilder(cache, variant)), variant)
+    if finding is None:
+        return
+    assert finding.kind == "stale-input" and function_of(finding.location) == "build_lens", finding
+    assert "skipped" in finding.evidence and "self.lens.copy_(lens)" in finding.source, finding
 
 
 def lengths_apart(q, cache, lens, max_len: int):

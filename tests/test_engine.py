@@ -886,3 +886,25 @@ def test_a_replay_while_another_graph_is_capturing_is_refused_as_on_cuda():
             inner.replay()
     inner.replay()                                  # the capture is over: replays are allowed again
     assert torch.equal(y, x * 2)
+
+
+@pytest.mark.parametrize("on_freed", ["raise", "reuse"])
+def test_a_pool_block_freed_in_place_raises_at_the_next_replay_instead_of_crashing(on_freed):
+    """Another graph's output, still held, freed in place (``resize_(0)``: a runtime unmapping graph
+    memory it takes for its own) leaves the reading graph with an address and no bytes: its replay
+    raises ``IllegalMemoryAccess`` naming the recorded read, as CUDA faults there, and does not run a
+    kernel on a storage without memory (which crashed the process)."""
+    pool, x = graph_pool_handle("cpu"), torch.ones(3)
+    setup = new_graph("cpu", on_freed=on_freed)
+    with graph(setup, pool=pool):
+        buffer = x * 2
+    setup.replay()
+    solve = new_graph("cpu", on_freed=on_freed)
+    with graph(solve, pool=pool):
+        out = buffer + x
+    solve.replay()
+    assert out.tolist() == [3.0] * 3
+    buffer.untyped_storage().resize_(0)
+    with pytest.raises(IllegalMemoryAccess, match="freed in place") as e:
+        solve.replay()
+    assert "out = buffer + x" in str(e.value)

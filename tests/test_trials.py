@@ -108,14 +108,34 @@ GPU_DIFFERS: dict = {
         "and a later one where the eager step no longer launches it (warmup-divergence); on the H200 only the "
         "latter is reported; why the first comparison parts otherwise there is not known yet (found when the round "
         "was recorded)",
-    ("round100/warp_1665_cpu_capture_skips_bvh_refit_queries_stale_bounds", "bug"):
-        "recorded on the H200 as warmup-divergence at launch, the CPU's answer then; the CPU's answer moved to "
-        "host-work-frozen at bvh_refit_recursive, the host refit's NumPy read of the bounds the capture wrote, "
-        "with rules/host_writes.py (2026-12-05), and no device was lent to record it again",
     ("round94/flashinfer_652_prefill_cuda_graph_tile_bound_ignores_gqa_group", "bug"):
         "both are warmup-divergence for the tile bound the capture's plan fixed; on the CPU the finding stands at "
         "PrefillPlan, which made the plan, on the H200 at BatchPrefillWithRaggedKVCacheKernel, which runs the "
         "grid the plan sized; why the localisation parts there is not known yet (found when the round was recorded)",
+    ("round101/mlx_2813_graph_exec_update_keeps_cluster_dims", "bug"):
+        "both are host-work-frozen for the cluster dimensions the executable's update keeps; on the CPU the finding "
+        "stands at gemm_splitk_cluster_kernel, which reads them, on the H100 at contract_path, its caller; why the "
+        "localisation parts there is not known yet (found when the round was recorded)",
+    ("round102/warp_aa75c27_cpu_capture_runs_contact_radix_sort_once_replays_unsorted", "bug"):
+        "the program models Warp's capture on the CPU device, whose host sort hands CPU memory to NumPy "
+        "(rules/host_writes.py: host-work-frozen at radix_sort_pairs_host); run on CUDA its arrays are device "
+        "memory, nothing is handed to host code, and differential replay names the launch that reads the unsorted "
+        "contacts (warmup-divergence at narrow_phase_spheres); its fix misbehaves there too: the program has no "
+        "CUDA counterpart of the bug",
+    ("round6/llamacpp_7565_second_cpy_kernel_not_patched", "bug"):
+        "recorded on an H200 as stale-input at llama_set_inputs, the CPU's answer then; the CPU's answer moved to "
+        "ggml_backend_cuda_graph_compute, the last writer of the stale input while steps were served "
+        "(probes/reference_causes._refreshed_beside, 2026-12-05), after the day's device time was spent",
+    ("round25/llamacpp_7738_cached_num_nodes_truncates_cpy_patching", "bug"):
+        "as round 6's llamacpp_7565: recorded at llama_set_inputs, the CPU's answer now at "
+        "ggml_backend_cuda_graph_compute (2026-12-05), not recorded again",
+    ("round60/mstar_9e55017e_slot_idx_pinned_refill_races_queued_gather_h2d", "bug"):
+        "recorded as stale-input at forward, the CPU's answer then; the CPU's answer moved to the captured lambda, "
+        "the stale input's last writer while steps were served (2026-12-05), not recorded again",
+    ("round104/vllm_34077_gdn_spec_zero_len_pad_as_prefill_skips_graph_metadata_refresh", "bug"):
+        "on the CPU the replay's state indices, which the builder skipped, differ from the run without graphs "
+        "(stale-input at build); on the H100 the padded rows' fill probe reports first (stale-padding at forward); "
+        "why the two part there is not known yet (found when the round was recorded)",
 }
 # Variants whose run on a GPU is not reproducible, and why: not compared.
 GPU_UNSTABLE = {
@@ -133,9 +153,6 @@ GPU_UNSTABLE = {
 
 # Rounds not yet recorded on a GPU, and why: their programs are left out of the comparison until they are.
 GPU_PENDING: dict[str, str] = {
-    "round101": "written 2026-12-05; the device was not lent again that day after the record of round 100's Warp fixes",
-    "round102": "written 2026-12-05; no device was lent while it was measured",
-    "round103": "written 2026-12-05; no device was lent while it was measured",
 }
 
 

@@ -25,7 +25,8 @@ What a CUDA graph is, reduced to the rules that cause bugs in serving stacks:
   memory in place (``resize_``, which frees the old), the next replay reads freed memory: this
   raises ``IllegalMemoryAccess`` (CUDA after ``empty_cache``), or, with ``on_freed="reuse"``,
   silently reads whatever a later allocation put there (CUDA's caching allocator handing the block
-  on; graphs that referenced one address share one retained block).
+  on; graphs that referenced one address share one retained block). A pool block a holder frees
+  in place (``untyped_storage().resize_(0)``) raises at the next replay that reads it, either way.
 * **No host synchronisation inside capture.** ``.item()``, ``.cpu()``, ``nonzero``, printing values
   and boolean-mask indexing of device memory raise ``CaptureError`` naming the op and the user's
   source line -- except a mask filled with one host value (``x[mask] = 0``), which PyTorch runs as
@@ -60,7 +61,7 @@ from .host_sync import (HostSyncGuard, blocking_copy_error, copies_python_data, 
 from .pool import Pool
 from .queries import is_capturing
 from .opinfo import describe, metadata_only, storage_key, unique_storage_keys, written_tensors
-from .recorded import ExternalRef, RecordedOp, _as_tuple, _poison
+from .recorded import ExternalRef, RecordedOp, _as_tuple, _poison, check_blocks, spanned
 from .source import user_frame
 
 __all__ = ["CPUGraph", "ExternalRef", "Pool", "RecordedOp", "describe", "host_sync_error",
@@ -101,7 +102,7 @@ class CPUGraph:
         self._externals: list[ExternalRef] = []
         self._external_index: dict[tuple, ExternalRef] = {}
         self._pool: Pool | None = None
-        self._aliases: dict[tuple, torch.Tensor] = {}   # this graph's references to pool blocks
+        self._aliases: dict[tuple, tuple] = {}          # this graph's references to pool blocks (, bytes they span)
         self._alias_count: dict[int, int] = {}          # storage key -> number of aliases
         self._owned: list[torch.Tensor] = []
         self._host: set[int] = set()                    # host storages made inside the capture (its keys never reused)
@@ -308,14 +309,14 @@ class CPUGraph:
         """This graph's own reference to pool memory: never the user's tensor object, so a block
         whose user tensors are gone can be seen to be free (``pool``)."""
         key = (storage_key(t), t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
-        alias = self._aliases.get(key)
-        if alias is None:
+        entry = self._aliases.get(key)
+        if entry is None:
             with _disable_current_modes():
                 alias = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), t.storage_offset(),
                                                            t.shape, t.stride())
-            self._aliases[key] = alias
+            entry = self._aliases[key] = (alias, spanned(alias))
             self._alias_count[key[0]] = self._alias_count.get(key[0], 0) + 1
-        return alias
+        return entry[0]
 
     def _adopt(self, t: torch.Tensor, constant: bool = False) -> torch.Tensor:
         """Make ``t``'s storage a block of the pool; constants keep their value, the rest is
@@ -367,6 +368,7 @@ class CPUGraph:
         """The recorded kernels, outside autograd as on CUDA (a replay records no autograd history
         and may write tensors captured in inference mode)."""
         with torch.inference_mode():
+            check_blocks(self._aliases.values(), self._ops)
             live = [self._materialize(ref) for ref in self._externals]
             for op in self._ops:
                 if op.is_view or op.func.overloadpacket in ALLOCATIONS:
@@ -412,13 +414,9 @@ class CPUGraph:
         if self._pool is not None:
             self._pool._forget(self._ref)
         self._ops, self._externals, self._owned, self._host_kept, self._constants = [], [], [], [], []
-        self._aliases.clear()
-        self._alias_count.clear()
-        self._external_index.clear()
-        self._snapshots.clear()
-        self._host.clear()
-        self._held.clear()
-        self._lifted.clear()
+        for kept in (self._aliases, self._alias_count, self._external_index, self._snapshots, self._host, self._held,
+                     self._lifted):
+            kept.clear()
         self._state = "new"
         self.replays = 0
 

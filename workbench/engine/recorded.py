@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .errors import IllegalMemoryAccess
+
 
 @dataclasses.dataclass(eq=False)
 class ExternalRef:
@@ -94,6 +96,32 @@ class RecordedOp:
     def __repr__(self) -> str:
         kind = "view" if self.is_view else ("writes" if self.writes else "new")
         return f"<{self.name} ({kind}) at {self.source}>"
+
+
+def check_blocks(aliases, ops: list[RecordedOp]) -> None:
+    """Before a replay: every pool block the graph uses still holds the bytes its views reach. A
+    holder may free a block in place (``untyped_storage().resize_(0)``: a runtime unmapping graph
+    memory it takes for its own); the graph keeps the address, so its replay reads freed memory.
+    That raises here under either ``on_freed``: on CUDA the block may still be mapped and the read
+    silently takes what the pool put there next, but a storage left without bytes holds nothing
+    to read, and a CPU kernel run on it would crash the process."""
+    for alias, needed in aliases:
+        if alias.untyped_storage().nbytes() < needed:
+            storage = alias.untyped_storage()
+            reader = next((op for op in ops for slot in op.slots if isinstance(slot[3], torch.Tensor)
+                           and slot[3].untyped_storage()._cdata == storage._cdata), None)
+            where = f"{reader.name} at {reader.source}" if reader is not None else "a recorded op"
+            raise IllegalMemoryAccess(
+                f"graph replay read freed memory: {where}\n  reads a block of the graph's pool whose storage "
+                "was freed in place after capture (a resize_), though a tensor still holds it. A graph keeps only "
+                "the address.\n  Fix: free graph memory only with the graph that owns it (reset() or drop it).")
+
+
+def spanned(t: torch.Tensor) -> int:
+    """The bytes of its storage a view reaches (its offset included): what the storage must hold."""
+    if not t.numel():
+        return 0
+    return (t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
 
 
 def _as_tuple(out) -> tuple:

@@ -175,7 +175,7 @@ class Reference:
                 buf = doctor.buffer(key := storage_key(t))
                 if buf is not None and buf.role == "input" or buf is None and key in doctor.graph_reads:
                     self.writers[key] = (str(func), user_frame(), buf.name if buf is not None else describe(t),
-                                         chosen_at(func, args))
+                                         chosen_at(func, args), doctor.report.replays)
 
     def _record(self, func, args, kwargs) -> None:
         inputs = op_tensors(args, kwargs)

@@ -92,7 +92,7 @@ def static_input(writers: dict, info, compared: list, padded: int) -> tuple | No
                        + (f"; {refresh[1]} refreshed {refresh[0]}, {refresh[3]}, at {refresh[2]}" if refresh else ""))
                 site = refresh[2] if refresh else op.source
                 return "stale-input", op.name, f"{buf.name}: {describe(mine)}", site, why
-        writer = writers.get(storage_key(whole_buf), (op.name, op.source, None, None))
+        writer = writers.get(storage_key(whole_buf), (op.name, op.source, None, None, 0))
         chosen = f", with values chosen at {writer[3]}" if writer[3] else ""
         written = f"it was last written by {writer[0]} at {writer[1]}{chosen}"
         if _displaced(mine, given, padded):
@@ -152,6 +152,9 @@ def _refreshed_beside(writers: dict, info, compared: list, op, stale) -> tuple |
     None where the step wrote no static input of the graph."""
     if not info.step or (whole_stale := stale.ref()) is None:
         return None
+    stale_key = storage_key(whole_stale)
+    if (before := writers.get(stale_key)) is not None and before[4]:    # refreshed while steps were served
+        return stale.name, before[0], before[1], "in earlier steps (this step skipped it)"
     function = function_of(op.source)
     for near, how in ((lambda other: other is op, "which the same op reads"),
                       (lambda other: function_of(other.source) == function, f"which {function} reads too")):
@@ -160,13 +163,13 @@ def _refreshed_beside(writers: dict, info, compared: list, op, stale) -> tuple |
                 continue
             if (key := storage_key(whole_buf)) in info.step and (writer := writers.get(key)) is not None:
                 return buf.name, writer[0], writer[1], how
-    stale_key, by_function = storage_key(whole_stale), {}      # the step's refresh: by function
+    by_function = {}                                            # the step's refresh: by function
     for key in info.step:
         if key in writers and key != stale_key:
             by_function.setdefault(function_of(writers[key][1]), []).append(writers[key])
     if not by_function:
         return None
-    name, line, buffer, _ = max(by_function.values(), key=len)[-1]
+    name, line, buffer, *_ = max(by_function.values(), key=len)[-1]
     return buffer, name, line, "with most of the step's static inputs"
 
 

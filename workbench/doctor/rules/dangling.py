@@ -126,7 +126,7 @@ def check(doctor, info, *, before_replay: bool) -> None:
         except DanglingReferenceError:
             live.released = True
             raise
-    if info.foreign and not _owners_captured(info):
+    if info.foreign and (not _owners_captured(info) or not info.liveness.moved.isdisjoint(info.foreign)):
         _other_graph(doctor, info, before_replay)
 
 
@@ -175,7 +175,7 @@ def moved(doctor, storage) -> None:
     key, where = storage._cdata, user_frame()
     doctor.moved[key] = where
     for info in doctor.graphs.values():
-        if key in info.externals:
+        if key in info.externals or key in info.foreign:
             live = info.liveness
             live.moved.add(key)
             live.where[key] = where
@@ -220,27 +220,34 @@ def _other_graph(doctor, info, before_replay: bool) -> None:
     """A dropped or reset graph frees none of its outputs: a tensor still held keeps its block
     (CUDA's allocator returns a block to the pool only when its tensor goes). The read dangles
     once that holder has let go too (the block may have gone to a new capture's tensor already);
-    until then the output is checked again before each replay."""
+    until then the output is checked again before each replay. An output whose memory was freed in
+    place (``moved``: a runtime unmapping the graph memory it thinks its own) dangles while it is
+    held, whether its graph lives or not."""
     for key, (owner, op, source, tensor) in list(info.foreign.items()):
         graph = owner.ref()
-        if graph is not None and getattr(graph, "captured", True):
+        freed = info.liveness.where.get(key) if key in info.liveness.moved else None
+        if freed is None and graph is not None and getattr(graph, "captured", True):
             continue
         made = owner.made.get(key)
-        if made is not None and made[0]() is not None and key not in info.collected:
+        if freed is None and made is not None and made[0]() is not None and key not in info.collected:
             # Held, or only not yet collected (a cycle the program left): whether it is held must not
             # depend on when the collector last ran. One collection per output settles it.
             info.collected.add(key)
             gc.collect()
-        if made is not None and made[0]() is not None:  # the tensor its capture made is still the program's
+        if freed is None and made is not None and made[0]() is not None:  # still the program's tensor
             continue
         del info.foreign[key]
-        how, where = owner.gone or ("dropped" if graph is None else "reset", None)
+        if freed:       # (the output's memory itself was let go: "its owner" is whoever freed it)
+            how, where, cause = "freed in place", freed, explain.released_in_place(tensor, op, freed)
+        else:
+            how, where = owner.gone or ("dropped" if graph is None else "reset", None)
+            cause = explain.dangling_pool(tensor, op, owner.name, how)
+        gone = "" if freed else ": its memory went back to the shared pool"
         # (named where the owner was let go, the decisive act, as a released input is; the read is the evidence)
         finding = doctor.add(Finding(
             "dangling-reference", info.name, op, tensor, where or source,
             f"{_when(info, before_replay)}: the graph reads (through {op} at {source}) a {tensor} output of "
-            f"{owner.name}, which was {how}{f' at {where}' if where else ''}: its memory went back to the shared "
-            "pool", explain.dangling_pool(tensor, op, owner.name, how),
+            f"{owner.name}, which was {how}{f' at {where}' if where else ''}{gone}", cause,
             {"replays_before": info.replays}), ("dangling-reference", op, source))
         _stop(doctor, finding, before_replay)
 
