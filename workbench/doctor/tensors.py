@@ -12,23 +12,9 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..engine.host_sync import non_blocking
 from ..engine.memory import HOST_TYPES
-from ..engine.opinfo import tensors
+from ..engine.opinfo import span, tensors  # noqa: F401 - span: the rules' and probes' too
 
 aten = torch.ops.aten
-
-
-def span(t: torch.Tensor) -> tuple[int, int] | None:
-    """``[first, end)`` bytes of its storage that a view covers (None when it covers none)."""
-    if t.numel() == 0:
-        return None
-    lo = hi = t.storage_offset()
-    for size, stride in zip(t.shape, t.stride()):
-        if stride >= 0:
-            hi += (size - 1) * stride
-        else:
-            lo += (size - 1) * stride
-    size = t.element_size()
-    return lo * size, (hi + 1) * size
 
 
 def overlap(a: tuple[int, int] | None, b: tuple[int, int] | None) -> bool:

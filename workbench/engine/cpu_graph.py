@@ -60,8 +60,8 @@ from .host_sync import (HostSyncGuard, blocking_copy_error, copies_python_data, 
                         is_host_sync, non_blocking, pageable_copy_error)
 from .pool import Pool
 from .queries import is_capturing
-from .opinfo import describe, metadata_only, storage_key, unique_storage_keys, written_tensors
-from .recorded import ExternalRef, RecordedOp, _as_tuple, _poison, check_blocks, spanned
+from .opinfo import describe, metadata_only, span, storage_key, unique_storage_keys, written_tensors
+from .recorded import ExternalRef, RecordedOp, _as_tuple, _poison, check_blocks
 from .source import user_frame
 
 __all__ = ["CPUGraph", "ExternalRef", "Pool", "RecordedOp", "describe", "host_sync_error",
@@ -314,7 +314,7 @@ class CPUGraph:
             with _disable_current_modes():
                 alias = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), t.storage_offset(),
                                                            t.shape, t.stride())
-            entry = self._aliases[key] = (alias, spanned(alias))
+            entry = self._aliases[key] = (alias, (span(alias) or (0, 0))[1])
             self._alias_count[key[0]] = self._alias_count.get(key[0], 0) + 1
         return entry[0]
 

@@ -35,6 +35,20 @@ _COMBINES = {aten.index_put_: ("accumulate", 3), aten.scatter_: ("reduce", None)
 _keyed: dict[int, StorageWeakRef] | None = None
 
 
+def span(t: torch.Tensor) -> tuple[int, int] | None:
+    """``[first, end)`` bytes of its storage that a view covers (None when it covers none)."""
+    if t.numel() == 0:
+        return None
+    lo = hi = t.storage_offset()
+    for size, stride in zip(t.shape, t.stride()):
+        if stride >= 0:
+            hi += (size - 1) * stride
+        else:
+            lo += (size - 1) * stride
+    size = t.element_size()
+    return lo * size, (hi + 1) * size
+
+
 def storage_key(t: torch.Tensor) -> int:
     """Identity of a tensor's memory: views of one storage share it."""
     storage = t.untyped_storage()

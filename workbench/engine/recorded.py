@@ -117,13 +117,6 @@ def check_blocks(aliases, ops: list[RecordedOp]) -> None:
                 "the address.\n  Fix: free graph memory only with the graph that owns it (reset() or drop it).")
 
 
-def spanned(t: torch.Tensor) -> int:
-    """The bytes of its storage a view reaches (its offset included): what the storage must hold."""
-    if not t.numel():
-        return 0
-    return (t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
-
-
 def _as_tuple(out) -> tuple:
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 

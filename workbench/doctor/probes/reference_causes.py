@@ -145,16 +145,19 @@ def narrower(ops: list, under: tuple, ref: list, values: dict, views: dict) -> t
 
 def _refreshed_beside(writers: dict, info, compared: list, op, stale) -> tuple | None:
     """(buffer, op, line, how it is tied to ``stale``'s reader) of the refresh that skipped
-    ``stale``: a write this step made into another static input that the same op reads, else the
-    same function of the captured code (a builder copying one of two tables, a ``fill_params``
-    refreshing the lengths read beside a plan); else the last write of the function that wrote
-    most of the graph's static inputs this step (the step's refresh, which left this one out).
-    None where the step wrote no static input of the graph."""
+    ``stale``: its own last write while steps were served (a builder that refreshed it at earlier
+    steps, or wrote other elements of it at this one, and left these out); else a write this step
+    made into another static input that the same op reads, else the same function of the captured
+    code (a builder copying one of two tables, a ``fill_params`` refreshing the lengths read beside
+    a plan); else the last write of the function that wrote most of the graph's static inputs this
+    step (the step's refresh, which left this one out). None where the step wrote no static input
+    of the graph."""
     if not info.step or (whole_stale := stale.ref()) is None:
         return None
     stale_key = storage_key(whole_stale)
-    if (before := writers.get(stale_key)) is not None and before[4]:    # refreshed while steps were served
-        return stale.name, before[0], before[1], "in earlier steps (this step skipped it)"
+    if (before := writers.get(stale_key)) is not None and before[4]:    # (written with a replay served)
+        how = "at this step, leaving those elements out" if stale_key in info.step else "at earlier steps, not this one"
+        return stale.name, before[0], before[1], how
     function = function_of(op.source)
     for near, how in ((lambda other: other is op, "which the same op reads"),
                       (lambda other: function_of(other.source) == function, f"which {function} reads too")):
