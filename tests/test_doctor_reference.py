@@ -161,6 +161,36 @@ def test_an_input_the_replay_path_never_writes_is_stale_input_at_the_refresh_tha
     assert "refreshed q, which attend reads too" in finding.evidence, finding
 
 
+class AdvancingRunner(Runner):
+    """Keeps each request's length in the static buffer and advances it in place at every step after
+    the first (a KV length counter, as a serving context keeps one): the eager update builds on what
+    it wrote at the step before, by design. ``bug`` advances it at the first step too: one ahead."""
+
+    def __init__(self, cache, variant: str):
+        super().__init__(cache, variant)
+        self.steps = 0
+
+    def prepare(self, q, lens):
+        self.q.copy_(q)
+        if self.steps == 0:
+            self.lens.copy_(lens)
+        if self.steps or self.variant == "bug":
+            self.lens += 1
+        self.steps += 1
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_counter_advanced_in_place_is_a_finding_only_where_it_parts_from_the_run_without_graphs(variant):
+    """Without a run to compare (``watch``), an update in place that builds on its own last write is
+    reported at once (``test_doctor.py``); beside the reference run it is held until a replay parts
+    from that run: the fix's counter agrees with it at every step and gets no finding, the bug's
+    does not, and the finding names the update."""
+    finding = finding_of(_workload(lambda cache: AdvancingRunner(cache, variant)), variant)
+    if finding is None:
+        return
+    assert "self.lens += 1" in finding.source and finding.tensor.startswith("lens: "), finding
+
+
 class SkippingBuilder(Runner):
     """The lengths have a builder of their own, which refreshes them at every step but skips the
     last one (``bug``: it takes that batch for a kind of step whose lengths the graph does not read).

@@ -685,6 +685,44 @@ def test_a_step_whose_data_the_programs_own_check_refuses_for_a_static_input(var
         assert finding.kind == "undersized-buffer" and finding.tensor == "ids: int64[4]"
 
 
+class _AdoptingBuilder:
+    """A metadata builder that keeps, at its first build (the capture's), the splits it computed as the
+    graph's buffer, on itself and announced nowhere; later builds copy into it after a bare check
+    (``bug``). The fix allocates the buffer for the largest batch up front."""
+
+    def __init__(self, variant: str):
+        self.buf = None if variant == "bug" else torch.zeros(6, dtype=torch.int64)
+
+    def build(self, lens: list[int]) -> torch.Tensor:
+        splits = torch.tensor(lens) // 2 + 1
+        if self.buf is None:
+            self.buf = splits
+            return self.buf
+        n = splits.size(0)
+        assert n <= self.buf.size(0)
+        self.buf[:n].copy_(splits)
+        self.buf[n:].fill_(0)
+        return self.buf
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_bare_check_that_data_fits_a_buffer_kept_on_an_object_a_graph_reads(variant):
+    """The check measures ``self.buf``, no local of its frame and no announced static input, but the
+    memory the graph reads: a step of 6 requests after a capture of 4 (bug) fails it, and the
+    finding names the buffer and the check. The fix's buffer holds every batch: no finding."""
+    def workload():
+        builder = _AdoptingBuilder(variant)
+        buf = builder.build([2, 3, 4, 5])
+        g, out = captured(lambda: buf * 2)
+        served(g, out, lambda: buf * 2)
+        builder.build([1, 2, 3, 4, 5, 6])
+        served(g, out, lambda: buf * 2)
+    finding = only_finding(workload, variant)
+    if finding is not None:
+        assert finding.kind == "undersized-buffer" and finding.tensor == "self.buf: int64[4]", finding
+        assert finding.numbers == {"size": 4, "asked": 6} and "assert n <= self.buf.size(0)" in finding.source
+
+
 def _roll_state(x, state, lines):
     """A decode step's state update (a short convolution's): one state line per request."""
     batch, num_lines = x.shape[0], state.size(0)

@@ -122,20 +122,18 @@ GPU_DIFFERS: dict = {
         "memory, nothing is handed to host code, and differential replay names the launch that reads the unsorted "
         "contacts (warmup-divergence at narrow_phase_spheres); its fix misbehaves there too: the program has no "
         "CUDA counterpart of the bug",
-    ("round6/llamacpp_7565_second_cpy_kernel_not_patched", "bug"):
-        "recorded on an H200 as stale-input at llama_set_inputs, the CPU's answer then; the CPU's answer moved to "
-        "ggml_backend_cuda_graph_compute, the last writer of the stale input while steps were served "
-        "(probes/reference_causes._refreshed_beside, 2026-12-05), after the day's device time was spent",
-    ("round25/llamacpp_7738_cached_num_nodes_truncates_cpy_patching", "bug"):
-        "as round 6's llamacpp_7565: recorded at llama_set_inputs, the CPU's answer now at "
-        "ggml_backend_cuda_graph_compute (2026-12-05), not recorded again",
-    ("round60/mstar_9e55017e_slot_idx_pinned_refill_races_queued_gather_h2d", "bug"):
-        "recorded as stale-input at forward, the CPU's answer then; the CPU's answer moved to the captured lambda, "
-        "the stale input's last writer while steps were served (2026-12-05), not recorded again",
     ("round104/vllm_34077_gdn_spec_zero_len_pad_as_prefill_skips_graph_metadata_refresh", "bug"):
         "on the CPU the replay's state indices, which the builder skipped, differ from the run without graphs "
-        "(stale-input at build); on the H100 the padded rows' fill probe reports first (stale-padding at forward); "
-        "why the two part there is not known yet (found when the round was recorded)",
+        "(stale-input at build); on the H100 the two padded-row fills also give different real rows at a later "
+        "step with no padded rows (replay 5, FULL decode [6], 6 real rows of 6), so the fill probe reports first "
+        "(stale-padding at forward, in both recordings); the kernel's per-token index_copy_ stores repeated "
+        "indices (the null slot), whose order CUDA leaves unspecified: the likely cause, not verified",
+    ("round105/sglang_38663_cpu_compress_plan_temp_pinned_copy_captured", "bug"):
+        "the same function, another kind: on the H100 the captured copies of the plan's temporary pinned block "
+        "are found reading host memory that held other values before the capture ended (rules/host_copies: "
+        "dangling-reference at generate); on the CPU the engine's host memory made in a capture is not handed on, "
+        "and the finding is the device-lengths path the capture did not take (warmup-divergence at generate); "
+        "found when the round was recorded",
 }
 # Variants whose run on a GPU is not reproducible, and why: not compared.
 GPU_UNSTABLE = {

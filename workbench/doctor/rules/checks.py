@@ -43,6 +43,28 @@ def condition(frame) -> tuple[str, list[int]] | None:
 UNREAD = object()          # an operand that is no plain read (``read``)
 
 
+def measured(frame) -> list[tuple[str, object]]:
+    """``(source text, value)`` of what the failed check's comparison measures: ``x`` of each
+    ``len(x)``, ``x.numel()``, ``x.size(d)``, ``x.dim()`` or ``x.shape[d]`` in its operands, where ``x``
+    is a plain read (a buffer kept on an object, ``self.buf.size(0)``, is no local of the frame)."""
+    test = test_at(frame)
+    if not isinstance(test, ast.Compare):
+        return []
+    found = []
+    for node in ast.walk(test):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _METHODS:
+            inner = node.func.value
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "len" and node.args:
+            inner = node.args[0]
+        elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "shape":
+            inner = node.value.value
+        else:
+            continue
+        if (value := read(inner, frame)) is not UNREAD:
+            found.append((ast.unparse(inner), value))
+    return found
+
+
 def test_at(frame) -> ast.expr | None:
     """The test of the check that failed in ``frame``: the ``assert`` at its line, the ``if`` whose
     body raised, or the comparison it passed to a check helper (``helper_caller``)."""

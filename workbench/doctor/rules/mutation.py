@@ -4,6 +4,8 @@
   keeps changing it: ``probes/mutation.py``); a graph never replayed is reported unprobed.
 * Eager code around the graphs updates a static input in place, reading what is there (``+=``):
   harmless on rows the runner rewrites every step, drift on rows nobody rewrites (padded rows).
+  Beside a run without graphs it is held until a replay or the workload's results part from that
+  run: a counter kept in the buffer on purpose (a KV length advanced each step) builds on itself too.
   In warmups too: each warmup should run on the dummy batch as prepared, and one that builds on
   what the previous warmup left drifts (lengths past what was allocated).
 * A warmup overwrites rows of persistent state (announced KV/SSM caches) that hold live data.
@@ -101,7 +103,15 @@ def _accumulated(doctor, func, key: int, buf, was: torch.Tensor, mask: torch.Ten
                       (explain.warmup_update if warm else explain.eager_update)(str(func), buf.name, buf.owner), numbers)
     if warm:        # decided at the end: a graph that writes the buffer is the mutation probe's to judge
         doctor.warm_updates.setdefault(key, finding)
-    else:
+        return
+    # Beside a run without graphs, the drift must show: a counter the runner keeps in the buffer on purpose
+    # (a sequence's KV length, advanced each step) builds on what it wrote at every step, and is harmless
+    # while every row the graphs read is rewritten or advanced alike. Held by a graph that reads the buffer.
+    readers = [info for info in doctor.graphs.values() if key in info.externals] if doctor.reference is not None else []
+    if not readers:
+        doctor.add(finding, ("persistent-mutation", str(func), source, buf.name))
+        return
+    with held(doctor, readers[0].held):
         doctor.add(finding, ("persistent-mutation", str(func), source, buf.name))
 
 

@@ -311,7 +311,8 @@ def failed_fit_check(doctor, error: BaseException, frame) -> None:
     f"too large for {name}: {len(data)} > {buf.numel()}"``) failed: the message, or the compared
     operands (``checks.condition``), state the size of a tensor the raising frame holds, and a
     larger number. That is this rule's contract, checked by
-    the program: where the buffer is a static input, or while captures are being prepared (a pool
+    the program: where the buffer is a static input or memory a graph reads (a buffer the check
+    measures, kept on an object: ``assert n <= self.buf.size(0)``), or while captures are being prepared (a pool
     made and nothing captured yet, a warmup, a capture: a capture size's dummy batch), the buffer
     is smaller than what the step must put in it. Reported once the error proves a failure."""
     if not isinstance(error, (AssertionError, ValueError, RuntimeError)):
@@ -327,11 +328,11 @@ def failed_fit_check(doctor, error: BaseException, frame) -> None:
     # rows`` -- no data past a buffer; an ordering the check's source compares says which must hold which)
     numbers = [n for n in numbers if not any(n > m for m in numbers) or n not in sizes] + (
         compared[1] if compared else [])
-    for name, t in list(frame.f_locals.items()):
+    for name, t in checks.measured(frame) + list(frame.f_locals.items()):
         if not isinstance(t, torch.Tensor) or t.dim() == 0 or not numbers:
             continue
-        buf = doctor.buffer(storage_key(t))
-        if not preparing and (buf is None or buf.role != "input"):
+        buf = doctor.buffer(key := storage_key(t))
+        if not preparing and (buf is None or buf.role != "input") and key not in doctor.graph_reads:
             continue
         size = next((n for n in (*t.shape, t.numel()) if n in numbers), None)     # (a row or a column short)
         if size is None or not any(n > size for n in numbers):
