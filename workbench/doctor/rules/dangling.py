@@ -226,23 +226,24 @@ def _other_graph(doctor, info, before_replay: bool) -> None:
     for key, (owner, op, source, tensor) in list(info.foreign.items()):
         graph = owner.ref()
         freed = info.liveness.where.get(key) if key in info.liveness.moved else None
-        if freed is None and graph is not None and getattr(graph, "captured", True):
-            continue
-        made = owner.made.get(key)
-        if freed is None and made is not None and made[0]() is not None and key not in info.collected:
-            # Held, or only not yet collected (a cycle the program left): whether it is held must not
-            # depend on when the collector last ran. One collection per output settles it.
-            info.collected.add(key)
-            gc.collect()
-        if freed is None and made is not None and made[0]() is not None:  # still the program's tensor
-            continue
+        if freed is None:
+            if graph is not None and getattr(graph, "captured", True):
+                continue
+            made = owner.made.get(key)
+            if made is not None and made[0]() is not None and key not in info.collected:
+                # Held, or only not yet collected (a cycle the program left): whether it is held must not
+                # depend on when the collector last ran. One collection per output settles it.
+                info.collected.add(key)
+                gc.collect()
+            if made is not None and made[0]() is not None:      # still the program's tensor
+                continue
         del info.foreign[key]
-        if freed:       # (the output's memory itself was let go: "its owner" is whoever freed it)
-            how, where, cause = "freed in place", freed, explain.released_in_place(tensor, op, freed)
+        if freed is not None:       # (the output's memory itself was let go: "its owner" is whoever freed it)
+            how, where, gone = "freed in place", freed, ""
+            cause = explain.released_in_place(tensor, op, freed)
         else:
             how, where = owner.gone or ("dropped" if graph is None else "reset", None)
-            cause = explain.dangling_pool(tensor, op, owner.name, how)
-        gone = "" if freed else ": its memory went back to the shared pool"
+            gone, cause = ": its memory went back to the shared pool", explain.dangling_pool(tensor, op, owner.name, how)
         # (named where the owner was let go, the decisive act, as a released input is; the read is the evidence)
         finding = doctor.add(Finding(
             "dangling-reference", info.name, op, tensor, where or source,

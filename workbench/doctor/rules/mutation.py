@@ -18,6 +18,8 @@ last rule concerns them.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -107,11 +109,9 @@ def _accumulated(doctor, func, key: int, buf, was: torch.Tensor, mask: torch.Ten
     # Beside a run without graphs, the drift must show: a counter the runner keeps in the buffer on purpose
     # (a sequence's KV length, advanced each step) builds on what it wrote at every step, and is harmless
     # while every row the graphs read is rewritten or advanced alike. Held by a graph that reads the buffer.
-    readers = [info for info in doctor.graphs.values() if key in info.externals] if doctor.reference is not None else []
-    if not readers:
-        doctor.add(finding, ("persistent-mutation", str(func), source, buf.name))
-        return
-    with held(doctor, readers[0].held):
+    reader = next((info for info in doctor.graphs.values() if key in info.externals), None) \
+        if doctor.reference is not None else None
+    with held(doctor, reader.held) if reader is not None else contextlib.nullcontext():
         doctor.add(finding, ("persistent-mutation", str(func), source, buf.name))
 
 
