@@ -8,6 +8,7 @@ then through one graph per size; ``bug`` and ``fix`` differ only in the flawed l
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import types
@@ -55,7 +56,7 @@ class Runner:
     """Static ``q`` and ``lens``, one graph of size 2; ``prepare`` is the replay path's copy-in."""
 
     def __init__(self, cache, variant: str, *, capture_len: int = CONTEXT, lens_offset: int = 0, kernel=attend,
-                 lens=(0, 0)):
+                 lens=(0, 0), name: str = "decode"):
         self.cache, self.variant, self.lens_offset = cache, variant, lens_offset
         self.q, self.lens = torch.zeros(2, 4), torch.tensor(lens)
         events.static_buffers("runner", {"q": self.q, "lens": self.lens})
@@ -63,7 +64,7 @@ class Runner:
         with events.warmup():
             step()
         self.graph = new_graph("cpu")
-        with graph(self.graph, pool=graph_pool_handle("cpu"), name="decode"):
+        with graph(self.graph, pool=graph_pool_handle("cpu"), name=name):
             self.out = step()
         self.step = step
 
@@ -105,6 +106,46 @@ def test_a_replay_path_preparing_an_input_otherwise_is_named_where_it_wrote_it(v
         return
     assert finding.kind == "warmup-divergence" and " in prepare: " in finding.source, finding
     assert finding.tensor.startswith("lens: ") and "reference run" in finding.evidence, finding
+
+
+@dataclasses.dataclass
+class Attended:
+    """What a model step returns in many engines: a dataclass of its tensors (a ``ModelOutput``)."""
+    hidden: torch.Tensor
+
+
+def attend_into(q, cache, lens, max_len: int) -> Attended:
+    return Attended(attend(q, cache, lens, max_len))
+
+
+class HandsOutAField(Runner):
+    """The captured step returns an ``Attended``; the runner hands out its ``hidden``."""
+
+    def __call__(self, q, lens):
+        self.prepare(q, lens)
+        events.serve(self.graph, 2, 2, padded={}, outputs=self.out.hidden, eager=self.step)
+        self.graph.replay()
+        return self.out.hidden.clone()
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_step_that_returns_a_dataclass_is_compared_with_the_reference_on_its_fields(variant):
+    """The reference's call returns an ``Attended`` too: its fields are what it returned, paired with
+    what the replay hands out by field, so the bug's lengths are found as for a step returning a
+    tensor."""
+    def workload():
+        cache = _cache()
+        steps = [(_queries(i), torch.tensor(lens)) for i, lens in enumerate(LENGTHS)]
+        with events.reference():
+            expected = [attend_into(q, cache, lens, int(lens.max())).hidden for q, lens in steps]
+        runner = HandsOutAField(cache, variant, kernel=attend_into, lens_offset=1 if variant == "bug" else 0)
+        return expected, [runner(q, lens) for q, lens in steps]
+
+    finding = finding_of(workload, variant)
+    if finding is None:
+        return
+    assert finding.kind == "warmup-divergence" and " in prepare: " in finding.source, finding
+    assert "reference run" in finding.evidence, finding
 
 
 class ReplaysItsCapture(Runner):
@@ -2494,3 +2535,192 @@ def test_what_a_step_would_give_from_the_state_before_the_warmups_waits_for_the_
     if finding is None:
         return
     assert finding.kind == "persistent-mutation" and "state before the warmups" in finding.evidence, finding
+
+
+# ------------------------------------------------------------------ a buffer one graph makes and eager code fills
+def before_attention(x, w):
+    h = torch.tanh(x @ w)
+    return h, torch.empty_like(h)
+
+
+def before_attention_zeroed(x, w):
+    h = torch.tanh(x @ w)
+    return h, torch.zeros_like(h)
+
+
+def attention(h, cache, lens):
+    return torch.stack([cache[i, :n].mean(0) * h[i] for i, n in enumerate(lens)])
+
+
+def after_attention(h, attn_output, w):
+    return (h + attn_output) @ w
+
+
+class SplitAtAttention:
+    """A step captured as two graphs with eager attention between them, as a runner that splits at
+    attention does: ``before`` makes the attention output (``torch.empty_like``: no op of it writes
+    that memory), the eager attention fills it, ``after`` reads it as its static input. The host
+    lengths the attention reads are set per step; ``bug``: they stay the capture's dummy lengths.
+    ``zeroed``: ``before`` zeroes the attention output, and ``after`` is not told it reads it."""
+
+    def __init__(self, w, cache, variant: str, zeroed: bool = False):
+        from workbench.zoo.kit import capture
+        self.w, self.cache, self.variant = w, cache, variant
+        self.x, self.lens = torch.zeros(2, 3), [CONTEXT, CONTEXT]
+        pool = graph_pool_handle("cpu")
+        first = before_attention_zeroed if zeroed else before_attention
+        self.before, self.mid = capture(lambda: first(self.x, w), device="cpu", pool=pool, name="before",
+                                        static={"x": self.x})
+        self.attend(*self.mid)
+        self.after, self.out = capture(lambda: after_attention(*self.mid, w), device="cpu", pool=pool, name="after",
+                                       static=None if zeroed else {"attn_output": self.mid[1]})
+
+    def attend(self, h, out):
+        out[...] = attention(h, self.cache, self.lens)
+
+    def __call__(self, x, lens):
+        from workbench.zoo.kit import replay
+        if self.variant == "fix":
+            self.lens = lens
+        self.x.copy_(x)
+        h, out = replay(self.before, self.mid)
+        self.attend(h, out)
+        return replay(self.after, self.out).clone()
+
+
+@pytest.mark.parametrize("zeroed", [False, True])
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_buffer_one_graph_makes_and_eager_code_fills_is_the_next_graphs_input_at_every_step(variant, zeroed):
+    """The attention output lives in ``before``'s pool, and the eager attention writes it at every
+    step: that write is this step's input to ``after``. So ``after``'s first replay is a step of the
+    reference (not its capture's batch replayed: something was written), and the bug's lengths are
+    found there, once the workload's results differ too, at the write that prepared the input
+    otherwise -- not as an input the step never wrote. Where ``before`` zeroes the buffer and
+    ``after`` reads it unannounced (its first replay, with no input written, is its capture's batch),
+    the same: the eager write since ``before``'s replay, not an output of ``before`` kept past its
+    next replay."""
+    def workload():
+        gen = torch.Generator().manual_seed(3)
+        w, cache = torch.randn(3, 3, generator=gen), torch.randn(2, CONTEXT, 3, generator=gen)
+        steps = [(torch.randn(2, 3, generator=gen), lens) for lens in ([3, 5], [4, 6])]
+        with events.reference():
+            expected = []
+            for x, lens in steps:
+                h, _ = before_attention(x, w)
+                expected.append(after_attention(h, attention(h, cache, lens), w))
+        runner = SplitAtAttention(w, cache, variant, zeroed)
+        got = [runner(x, lens) for x, lens in steps]
+        events.results(expected, got)
+        return expected, got
+
+    finding = finding_of(workload, variant)
+    if finding is None:
+        return
+    assert finding.kind == "warmup-divergence" and " in attend: " in finding.source, finding
+    assert "wrote none" not in finding.evidence and ("replay 1 of after" in finding.evidence or zeroed), finding
+    assert ("written since that graph's replay" in finding.evidence) == zeroed, finding
+
+
+def test_a_reference_call_of_another_batch_size_agrees_with_no_replay():
+    """A replay aligned by the count alone gives way to a near call that gives its answer; a call the
+    replay's outputs cannot be compared with (another batch size: a padded step's neighbour) gives
+    none, although nothing differs between them either."""
+    from workbench.doctor.probes.compare import agrees, differs_from
+    nan_rows = [torch.full((3, 2), float("nan"))]
+    assert differs_from(nan_rows, [torch.zeros(4, 2)]) is None and not agrees(nan_rows, [torch.zeros(4, 2)])
+    assert agrees([torch.ones(3, 2)], [torch.ones(3, 2)]) and not agrees(nan_rows, [torch.zeros(3, 2)])
+
+
+class Prefetching(Runner):
+    """After each replay the runner writes the next step's lengths ahead (every request one token
+    longer), through the update it syncs with before each replay, which rewrites what it guessed
+    wrong (a request that did not grow). ``bug``: the sync is skipped: the guess is replayed."""
+
+    def update(self, lens):
+        self.lens.copy_(lens)
+
+    def __call__(self, q, lens):
+        self.q.copy_(q)
+        if self.variant == "fix":
+            self.update(lens)
+        events.serve(self.graph, 2, 2, padded={}, outputs=self.out, eager=self.step)
+        self.graph.replay()
+        out = self.out.clone()
+        self.update(lens + 1)
+        return out
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_data_a_runner_writes_ahead_and_corrects_before_the_replay_is_no_finding_where_replays_agree(variant):
+    """The fix's sync overwrites the guessed length of the request that did not grow before any
+    replay read it: data lost, by the same line, is what a builder run once per consumer on one
+    buffer looks like too; with a run without graphs whose answers every replay gives, it is no
+    finding (held, and noted). The bug replays the guess, and the lengths are found where the guess
+    was written."""
+    def workload():
+        cache = _cache()
+        steps = [(_queries(i), torch.tensor(lens)) for i, lens in enumerate(([3, 5], [4, 6], [4, 7]))]
+        with events.reference():
+            expected = [attend(q, cache, lens, int(lens.max())) for q, lens in steps]
+        runner = Prefetching(cache, variant, lens=(3, 5))
+        got = [runner(q, lens) for q, lens in steps]
+        events.results(expected, got)
+        return expected, got
+
+    finding = finding_of(workload, variant)
+    if finding is None:
+        report = doctor.diagnose(workload)
+        assert any("held until a replay bore them out" in n and "never reaches a reader" in n for n in report.notes)
+        return
+    assert finding.kind == "warmup-divergence" and "self.update(lens + 1)" in finding.source, finding
+
+
+def test_what_a_graph_whose_replays_all_agree_was_held_for_stays_held_where_another_graphs_replays_part():
+    """Two runners, serving one after the other: ``ahead`` writes lengths ahead and corrects them
+    (its replays give the run without graphs' answers), ``stale`` omits its lengths (its replays part).
+    The workload's results differ, but where ``stale``'s replays do: what was held for ``ahead`` is
+    noted, not reported."""
+    def workload():
+        cache = _cache()
+        lengths = ([3, 5], [4, 6], [4, 7])
+        steps = [(_queries(i), torch.tensor(lens)) for i, lens in enumerate(lengths)]
+        with events.reference():
+            expected = [attend(q, cache, lens, int(lens.max())) for _ in range(2) for q, lens in steps]
+        ahead = Prefetching(cache, "fix", lens=(3, 5), name="ahead")
+        stale = OmittingRunner(cache, "bug", name="stale")
+        got = [r(q, lens) for r in (ahead, stale) for q, lens in steps]
+        events.results(expected, got)
+        return expected, got
+
+    report = doctor.diagnose(workload)
+    assert report.findings and all(f.graph == "stale" for f in report.findings), report
+    assert any(n.startswith("ahead: ") and "the results part where stale did not" in n for n in report.notes), report
+
+
+def head_means(q, cache, lens, max_len: int):
+    """Each row's mean over its first ``max_len // 2`` entries, times the row: a width Python decides.
+    The slice is the whole row at the capture's width, so its ``reshape`` is a view there and a copy
+    at a narrower one: the same line launches other kernels."""
+    n = max_len // 2
+    count = torch.full((1,), float(n), dtype=q.dtype)
+    flat = q[:, :n].reshape(-1)
+    return flat.view(q.shape[0], n).sum(1, keepdim=True) / count * q
+
+
+def head_means_masked(q, cache, lens, max_len: int):
+    """The fix: the width read from ``lens`` on the device."""
+    n = lens.max() // 2
+    width = (torch.arange(q.shape[1]) < n).to(q.dtype)
+    return (q * width).sum(1, keepdim=True) / n * q
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_width_frozen_at_capture_where_the_traces_part_inside_one_line_is_the_number(variant):
+    """The bug's graph keeps the capture's width (4, the whole row), the step wants 2 or 3: the
+    launch traces part at the ``reshape`` (a view in the graph, a copy eagerly), inside one line,
+    where Python took no other path; the number the graph runs with is the cause."""
+    kernel = head_means if variant == "bug" else head_means_masked
+    finding = finding_of(_workload(lambda cache: Runner(cache, variant, kernel=kernel), kernel=kernel), variant)
+    if finding is None:
+        return
+    assert finding.kind == "host-work-frozen" and "runs with 4.0 in the graph" in finding.evidence, finding

@@ -308,7 +308,7 @@ class Doctor(RunnerEvents):
         if error is not None:
             self.replay_error = (error, failures.recorded_op(error, info.name))
             failures.replay_failed(self, info, error, self.replay_error[1])
-        info.replays += 1
+        info.replays, info.replayed_at = info.replays + 1, self.report.replays
         if self.uncomputed:
             uncomputed.replayed(self, info)
         if self.before_replay:

@@ -34,6 +34,7 @@ known exactly (``skipped.py``). Another tracer (a debugger, coverage) is left al
 """
 from __future__ import annotations
 
+import dataclasses
 import dis
 import gc
 import os
@@ -130,7 +131,7 @@ class _Tracer:
                 if doctor.padded_step is not None and arg is not None:
                     shapes.handed_on(doctor, frame, arg)
                 if (info := doctor.capturing) is not None:
-                    if isinstance(arg, (dict, list)) and arg:
+                    if isinstance(arg, (dict, list)) and arg or dataclasses.is_dataclass(arg):
                         info.returned_paths[frame.f_code] = placement(arg)    # (reference.py pairs by it)
                     elif type(arg) in (int, float) and arg not in (0, 1, -1):
                         # where a number the capture may bake in was computed (kept as launch signatures keep it)

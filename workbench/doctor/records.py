@@ -182,6 +182,8 @@ class GraphInfo:
         self.constants: set[int] = set()            # ... of those, Python data lifted in it (host values on CUDA)
         self.foreign: dict[int, tuple] = {}         # storage of another graph's pool -> (graph, op, source, tensor)
         self.collected: set[int] = set()            # ... of those, outputs a collection was run for (dangling)
+        self.filled: set[int] = set()               # ... of those, its static inputs no op of that graph writes:
+                                                    # eager code fills them each step (``probes/carried.py``)
         self.owners: tuple[int, tuple] = (0, ())    # rules.dangling's cache: (len(foreign), their graphs)
         self.warmup: list[Op] | None = None         # the first warmup run before this capture
         self.cells: tuple | None = None             # its eager form's closure cells at the last compared replay
@@ -200,7 +202,7 @@ class GraphInfo:
         self.writes_inputs = False                  # it writes a static input (rules/mutation.py)
         self.unread_outputs: frozenset | None = None    # storages it created and never reads (differential)
         self.refused: tuple | None = None           # the first refusal raised inside it (rules/sync.py)
-        self.replays = 0
+        self.replays, self.replayed_at = 0, 0      # ... and the doctor's count of all replays at its last
         self.size: int | None = None                # the size it was last served at (runner_events.serve)
         self.probed = False
         self.attempts = 0                           # mutation probes run (see probes/mutation.py)

@@ -2,6 +2,7 @@
 bytes a view covers, digests, tolerant comparison, RNG state, and a readable signature of an op's arguments."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 
@@ -283,8 +284,10 @@ def announced_of(announced: list, returned: list) -> list | None:
 
 
 def placed(obj, at: tuple = ()):
-    """``(where, tensor)`` for every tensor in nested tuples, lists and dicts, in ``tensors``' order:
-    where is its path of dict keys and list positions."""
+    """``(where, tensor)`` for every tensor in nested tuples, lists, dicts and dataclass instances
+    (what a model step returns: a ``ModelOutput`` dataclass of logits and hidden states), in
+    ``tensors``' order for the first three: where is its path of dict keys, list positions and
+    field names. A dataclass is walked to ``_DEPTH`` levels (one may hold its parent)."""
     if isinstance(obj, torch.Tensor):
         yield at, obj
     elif isinstance(obj, (tuple, list)):
@@ -293,6 +296,18 @@ def placed(obj, at: tuple = ()):
     elif isinstance(obj, dict):
         for k, x in dict.items(obj):
             yield from placed(x, (*at, k))
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type) and len(at) < _DEPTH:
+        for field in dataclasses.fields(obj):
+            yield from placed(getattr(obj, field.name, None), (*at, field.name))
+
+
+_DEPTH = 4
+
+
+def leaves(obj) -> list[torch.Tensor]:
+    """Every tensor a step returned or a runner handed out, in ``placed``'s order (a dataclass's
+    fields included, which ``tensors``, walking ops' arguments, does not enter)."""
+    return [t for _, t in placed(obj)]
 
 
 def placement(value) -> dict:

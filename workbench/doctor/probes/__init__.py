@@ -41,3 +41,38 @@ def release(doctor, *held: list, why: str = "") -> None:
             moved += 1
     for findings in held:
         findings.clear()
+
+
+def borne_out(doctor, verdict, by_input: set, compared: dict) -> None:
+    """At the end, what each graph's probes found and held: reported where the workload's results
+    differ from its run without graphs (``verdict``: ``events.results``), held state differences also
+    where it did not say; the rest is a note. Not a graph's held findings where each of its replays
+    compared gave the reference's answers while another graph's parted (``compared``: graph name ->
+    whether its replays agreed, parted): the results part where that one does. Nor where a replay of
+    it parted in a static input it reads (``by_input``), which says more than what its eager form
+    parted on, unless what was held is an input the step left stale, whence those values may come."""
+    parted = {name for name, seen in compared.items() if False in seen}
+    for info in doctor.graphs.values():
+        stale = any(h[0].kind in ("stale-input", "stale-padding") for h in info.held + info.held_state)
+        if verdict and info.name in by_input and not stale:
+            info.held.clear()
+            info.held_state.clear()
+        elsewhere = bool(parted) and compared.get(info.name) == {True}
+        if verdict:
+            i, diff = verdict
+            how = ("a replay of it gave another answer than its step of the run without graphs, and" if info.name in
+                   parted else f"no replay of {info.name} compared gave another answer than the run without graphs, but")
+            release(doctor, info.held_state, *(() if elsewhere else (info.held,)),
+                    why=f"; {how} the workload's result {i} differs from that run's (max |diff| = {diff:.3g})")
+        elif verdict is None:
+            release(doctor, info.held_state)
+        held = info.held + info.held_state
+        if held:
+            first = held[0][0]
+            doctor.report.note(
+                f"{info.name}: {len(held)} finding(s) held until a replay bore them out ({first.kind} at "
+                f"{first.location}: {first.evidence}), but every replay gave the reference run's answers"
+                + (" and so did the workload's results" if verdict == () else "")
+                + (f" (the results part where {', '.join(sorted(parted))} did not)" if elsewhere else "")
+                + ": what was seen did not change what the step computes (an eager form that is not the step, "
+                "memory that is the workload's own, a buffer two graphs read alike): not reported")

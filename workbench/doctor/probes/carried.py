@@ -67,9 +67,17 @@ class CarriedInputs:
         self.writers: dict[int, str] = {}              # static input -> the line that last wrote it
 
     def capture_end(self, doctor, info) -> None:
+        """Start noting what steps write into the graph's static inputs: its externals, and memory of
+        another graph's pool announced as its input that no op of that graph writes (``filled``): a
+        piece's output buffer that the eager code between pieces fills and the next piece reads is
+        this step's input as much as a buffer of its own."""
         info.window, info.consumed = {}, set()
         with _disable_current_modes():
-            for key in info.externals.keys() - self.captured.keys():
+            for key, (owner, *_) in info.foreign.items():
+                if (buf := doctor.buffer(key)) is not None and buf.role == "input" and not any(
+                        key in op.writes for op in owner.ops):
+                    info.filled.add(key)
+            for key in (info.externals.keys() | info.filled) - self.captured.keys():
                 if (buf := doctor.buffer(key)) is not None and buf.role == "input":
                     self.captured[key] = buf.ref().detach().clone()
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ...engine.opinfo import storage_key, tensors
+from ...engine.opinfo import storage_key
 from ..records import unwritten_blocks
 from ..rules.pool import block
-from ..tensors import announced_of, disagrees, geometry, max_abs_diff, real_rows
+from ..tensors import announced_of, disagrees, geometry, leaves, max_abs_diff, real_rows
 from .reference_causes import aligned, rows_like
 
 _NEAR = 32          # reference calls either side of the served run's count that may have given a replay's answer
@@ -25,7 +25,7 @@ def rows_of(out, real: int, size: int, owned: bool = False) -> list | None:
     if out is None:
         return None
     return [None if owned and not o.untyped_storage().resizable() else real_rows(o, real, size).detach().clone()
-            for o in tensors(out)]
+            for o in leaves(out)]
 
 
 def without_unwritten(info, pending, rows: list | None) -> list | None:
@@ -33,7 +33,7 @@ def without_unwritten(info, pending, rows: list | None) -> list | None:
     blank = unwritten_blocks(info, pending)
     if rows is None or not blank:
         return rows
-    return [None if block(o) in blank else r for o, r in zip(tensors(pending.outputs), rows)]
+    return [None if block(o) in blank else r for o, r in zip(leaves(pending.outputs), rows)]
 
 
 def compare(graph_out, eager_out, replayed, eager_state, extra, pre) -> tuple | None:
@@ -93,6 +93,12 @@ def differs_from(got: list, expected: list | None) -> tuple | None:
         if g is not None and bool(disagrees(g := rows_like(g, e), e).any()):
             return i, max_abs_diff(g, e)
     return None
+
+
+def agrees(got: list, expected: list | None) -> bool:
+    """Whether the outputs can be compared with the reference's and agree (``differs_from`` is None
+    for outputs that cannot be compared too: a call of another batch size agrees with nothing)."""
+    return comparable(got, expected) and differs_from(got, expected) is None
 
 
 def paired(got: list, returned: tuple | None, placed: dict | None = None, raw: list | None = None) -> tuple:
@@ -164,4 +170,10 @@ def capture_batch(info) -> bool:
     if info.replays or info.step is None:
         return False
     with _disable_current_modes():
-        return not any(bool(mask.any()) for key, mask in info.step.items() if key in info.externals)
+        return not written_inputs(info)
+
+
+def written_inputs(info) -> set[int]:
+    """The graph's static inputs (its externals, and memory it is ``filled`` with) this step wrote."""
+    return {key for key, mask in (info.step or {}).items()
+            if (key in info.externals or key in info.filled) and bool(mask.any())}

@@ -31,11 +31,12 @@ import collections
 
 import torch
 
-from ...engine.opinfo import mutable, storage_key, tensors, written_tensors
+from ...engine.opinfo import mutable, storage_key, written_tensors
 from ...engine.source import function_name, location, user_frames
 from .. import explain
 from ..report import Finding
 from ..rules.pool import block
+from ..tensors import leaves
 
 
 class Dropped:
@@ -64,7 +65,7 @@ class Dropped:
 
     def served(self, info, pending) -> None:
         """A replay's outputs that none of its step's graphs wrote."""
-        for o in tensors(pending.outputs):
+        for o in leaves(pending.outputs):
             if not any((b := block(o)) in p.blocks for p in pending.span or (info,)):
                 self.unwritten_outputs[b] = info.name
 

@@ -79,7 +79,7 @@ import weakref
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ...engine.opinfo import describe, mutable, op_tensors, storage_key, tensors, written_tensors
+from ...engine.opinfo import describe, mutable, op_tensors, storage_key, written_tensors
 from ...engine.source import frames_within, user_frame, user_frames
 from .. import explain
 from ..raised import decider
@@ -87,15 +87,15 @@ from ..records import unwritten_blocks
 from ..report import Finding
 from ..rules import mutation, reused, sync
 from ..rules.pool import block
-from ..tensors import host_only, placed, real_rows, signature
-from . import release
-from .compare import calls_near, capture_batch, comparable, differs_from, paired, verdict, written_by
+from ..tensors import host_only, leaves, placed, real_rows, signature
+from . import borne_out, release
+from .compare import agrees, calls_near, capture_batch, comparable, differs_from, paired, verdict, written_by, written_inputs
 from .coverage import Coverage
 from .dropped import Dropped
 from .eager_trace import number_origin
 from .failed_call import FailedCalls
-from .reference_causes import (bound, chosen_at, compare_views, frozen_number, frozen_scalar, moved_view, narrower,
-                               numbers, only_read, padded_result, parting, static_input)
+from .reference_causes import (bound, chosen_at, compare_views, frozen_scalar, launched, moved_view, narrower,
+                               numbers, only_read, padded_result, static_input)
 from .reference_steps import SMALL, Step, Values, step
 
 _LIFTS = (torch.ops.aten.lift_fresh, torch.ops.aten.lift_fresh_copy)     # constants made from Python data
@@ -128,6 +128,7 @@ class Reference:
         self.guessed: dict[str, tuple] = {}       # ... on a replay tied to its step by count alone: the last evidence
         self.by_input: set[str] = set()           # ... of those, found in a static input's values (``static_input``)
         self.unexplained: list[tuple] = []        # (graph name, text, padded?) of replays that differ, no cause found
+        self.compared: dict[str, set] = {}        # graph name -> whether its compared replays agreed (True), parted
         self.verdict: tuple | None = None         # the workload's own: None (not said), () (agrees), (result, diff)
         self.misshaped: tuple | None = None       # (served, reference) shapes of the first result they differ in
         self.padded: dict[tuple, tuple] = {}      # (size, real) of a padded replay -> (graph, line that replayed it)
@@ -155,10 +156,10 @@ class Reference:
 
     def returned(self, frame, value) -> None:
         number, start = self.call.get(id(frame)), self.opened.pop(id(frame), None)
-        found = list(tensors(value)) if self.values.budget["values"] > 0 else []
+        found = list(placed(value)) if self.values.budget["values"] > 0 else []
         if found and number is not None:
-            self.returned_values[(frame.f_code, number)] = ([self.values.keep(t, always=True) for t in found],
-                                                            tuple(w for w, _ in placed(value)))
+            self.returned_values[(frame.f_code, number)] = ([self.values.keep(t, always=True) for _, t in found],
+                                                            tuple(w for w, _ in found))
         elif not found and number is not None and start is not None and (left := self.values.left(self.steps[start:])):
             self.left[(frame.f_code, number)] = left
 
@@ -173,9 +174,12 @@ class Reference:
         if (doctor.buffers or doctor.graph_reads) and mutable(func):
             for t in written_tensors(func, args, kwargs):
                 buf = doctor.buffer(key := storage_key(t))
-                if buf is not None and buf.role == "input" or buf is None and key in doctor.graph_reads:
+                read = buf is not None and buf.role == "input" or buf is None and key in doctor.graph_reads
+                if read or buf is None and key in doctor.owned:     # (a graph's own memory: a piece's output)
+                    # where the values were chosen is asked only of inputs: it reads the callers' locals, and
+                    # on Python 3.11 the snapshot that takes keeps them alive (a graph the caller let go)
                     self.writers[key] = (str(func), user_frame(), buf.name if buf is not None else describe(t),
-                                         chosen_at(func, args), doctor.report.replays)
+                                         chosen_at(func, args) if read else None, doctor.report.replays)
 
     def _record(self, func, args, kwargs) -> None:
         inputs = op_tensors(args, kwargs)
@@ -276,12 +280,12 @@ class Reference:
         k, values, replayed = entry
         ops = [info.ops[info.paths[i][0]] for i in under]
         with _disable_current_modes():
-            wrote = {key for key, mask in (info.step or {}).items() if key in info.externals and bool(mask.any())}
+            wrote = written_inputs(info)
             match = self._step(code, k, ops, under, values, wrote)
             if match is None:
                 return
             number, ref, compared = match
-            raw, blank = list(tensors(pending.outputs)), unwritten_blocks(info, pending)
+            raw, blank = leaves(pending.outputs), unwritten_blocks(info, pending)
             outputs = [None if block(o) in blank else real_rows(o, pending.real, pending.size) for o in raw]
 
             def against(n: int) -> tuple:        # the replay's outputs and reference call n's return, paired
@@ -291,19 +295,22 @@ class Reference:
             got, expected = against(number)
             if (differs := differs_from(got, expected)) is None:
                 pending.agreed = comparable(got, expected)
+                if pending.agreed:
+                    self.compared.setdefault(info.name, set()).add(True)
                 return
             guessed = compared is None and bool(values)   # static inputs read, and no call agrees with any
             if compared is None:                 # aligned by the count alone: a guess, which a near call may beat
-                if any(differs_from(*against(n)) is None for n in calls_near(self.calls[code], k)):
+                if any(agrees(*against(n)) for n in calls_near(self.calls[code], k)):
                     return
                 compared = compare_views(ops, under, ref, values)
+            self.compared.setdefault(info.name, set()).add(False)
         if not guessed:                          # (what a guess finds waits for the workload's results)
             release(doctor, info.held, info.held_state)   # what earlier replays' probes found, now borne out
         with _disable_current_modes():           # a PIECEWISE step's other pieces are not in ``ops``: no trace
-            by_input = static_input(self.writers, info, compared, pending.size - pending.real)
+            by_input = static_input(self.writers, info, compared, pending.size - pending.real, doctor.carried.captured)
             found = by_input or narrower(ops, under, ref, values, doctor.views) or (
                 None if pending.span else (
-                parting(info, ops, ref, pending.real < pending.size) or frozen_number(info, ops, under, ref, pending.size)
+                launched(info, ops, under, ref, pending.size, pending.real < pending.size)
                 or bound(self.writers, doctor, info, ops, under, ref, replayed)
                 or (moved_view(ops, under, ref, replayed) if pending.real == pending.size else None)))
         text = (f"replay {info.replays} of {info.name} ({pending.real} real rows of {pending.size}): output "
@@ -367,35 +374,11 @@ class Reference:
     def conclude(self, doctor) -> None:
         """Findings for the graphs that no other rule found anything in; the replays that differ from
         the reference with no finding for their graph are the report's ``unexplained``. Held findings
-        are reported where the workload's results differ from its reference run's (it said so:
-        ``events.results``); held state differences also where it did not say."""
+        are reported where the workload's results bear them out (``probes.borne_out``)."""
         if self.verdict == () and not doctor.report.errors:
             sync.handled(doctor)
         mutation.warm_writes_concluded(doctor, self.warm_writes, agreed=self.verdict == ())
-        for info in doctor.graphs.values():
-            stale = any(h[0].kind in ("stale-input", "stale-padding") for h in info.held + info.held_state)
-            if self.verdict and info.name in self.by_input and not stale:
-                # A replay that differs from its step of the run without graphs in a static input it reads
-                # says more than what the eager form parted on (only the workload's results bore that out),
-                # unless what was held is an input the step left stale, whence the differing values may come.
-                info.held.clear()
-                info.held_state.clear()
-            if self.verdict:
-                i, diff = self.verdict
-                release(doctor, info.held, info.held_state,
-                         why=f"; no replay compared gave another answer than the run without graphs, but the "
-                         f"workload's result {i} differs from that run's (max |diff| = {diff:.3g})")
-            elif self.verdict is None:
-                release(doctor, info.held_state)
-            held = info.held + info.held_state
-            if held:
-                first = held[0][0]
-                doctor.report.note(
-                    f"{info.name}: {len(held)} finding(s) held until a replay bore them out ({first.kind} at "
-                    f"{first.location}: {first.evidence}), but every replay gave the reference run's answers"
-                    + (" and so did the workload's results" if self.verdict == () else "") + ": what was seen "
-                    "did not change what the step computes (an eager form that is not the step, memory that is "
-                    "the workload's own, a buffer two graphs read alike): not reported")
+        borne_out(doctor, self.verdict, self.by_input, self.compared)
         for name, (_, kind, op, tensor, source, why, text, numbers) in self.found.items():
             if any(name in f.graph.split(", ") for f in doctor.report.findings):
                 continue

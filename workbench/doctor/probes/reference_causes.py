@@ -1,11 +1,11 @@
 """Why a replay differs from the reference run's same step (``probes/reference.py``): the graph's
 ops are set beside the reference step's by op, line and occurrence, and these causes are looked
 for, in order -- a static input holding other values (``static_input``), a capture window narrower
-than the step's data (``narrower``), a launch trace that parts (``parting``), a number baked into
-the graph (``frozen_number``), a tensor the graph only reads holding other values (``bound``), a
-view taken elsewhere in its storage (``moved_view``). Each returns ``(kind, op, tensor, source,
-why)`` or None. Two more are asked of the workload's results when no finding explains them:
-padded rows handed out (``padded_result``) and a 0-dim host tensor taken by value (``frozen_scalar``)."""
+than the step's data (``narrower``), a launch trace that parts or a number baked in (``launched``),
+a tensor the graph only reads holding other values (``bound``), a view taken elsewhere in its
+storage (``moved_view``). Each returns ``(kind, op, tensor, source, why)`` or None. Two more are
+asked of the results when no finding explains them: padded rows handed out (``padded_result``) and
+a 0-dim host tensor taken by value (``frozen_scalar``)."""
 from __future__ import annotations
 
 import torch
@@ -60,11 +60,13 @@ def chosen_at(func, args) -> str | None:
     return sync.handed_in([(f, f.f_lineno) for f in user_frames()], sync.same_memory(src))
 
 
-def static_input(writers: dict, info, compared: list, padded: int) -> tuple | None:
+def static_input(writers: dict, info, compared: list, padded: int, tracked) -> tuple | None:
     """The first static input whose real rows differ from what the reference gives the same op.
     Where the step wrote none of the elements that differ (``info.step``, the writes since the
-    graph's previous replay that differential replay notes), the graph read what an earlier step
-    left there: ``stale-input``, at the op that reads it. Else the runner wrote this step's input
+    graph's previous replay that differential replay notes, for the buffers it notes them of:
+    ``tracked``, a graph's own static inputs -- not memory another graph owns and hands on, a
+    piece's output the next piece reads), the graph read what an earlier step left there:
+    ``stale-input``, at the op that reads it. Else the runner wrote this step's input
     otherwise than the workload computes it: ``warmup-divergence``, at the line that wrote it --
     unless what it wrote is the reference's values moved by as many rows as the step has padded
     rows (``padded``): a position computed from the padded count where the real one was meant, or
@@ -75,8 +77,9 @@ def static_input(writers: dict, info, compared: list, padded: int) -> tuple | No
         differ = disagrees(mine, given)
         count = f"{int(differ.sum())} element(s)"
         whole_buf = buf.ref()
-        written = info.step.get(storage_key(whole_buf)) if info.step is not None else None
-        if info.step is not None and (written is None or written.shape == whole_buf.shape):
+        noted = info.step is not None and storage_key(whole_buf) in tracked
+        written = info.step.get(storage_key(whole_buf)) if noted else None
+        if noted and (written is None or written.shape == whole_buf.shape):
             view = whole_buf.as_strided(shape, stride, offset)
             mask = torch.zeros(view.shape, dtype=torch.bool, device=view.device)
             if differ.dim():                      # (the view's leading rows: ``rows_like``)
@@ -239,6 +242,26 @@ def parting(info, ops: list, ref: list, padded: bool) -> tuple | None:
     return "warmup-divergence", op.name, "-", source or op.source, f"{why}: Python took another path at capture"
 
 
+def launched(info, ops: list, under: tuple, ref: list, size: int, padded: bool) -> tuple | None:
+    """Where the launch traces part (``parting``), else a number baked in (``frozen_number``). Where
+    they part inside a line both ran (an op whose kernels follow its shapes: an ``einsum`` that
+    copies, or not), Python took no other path: a number the graph runs with, if any, is the cause."""
+    split = parting(info, ops, ref, padded)
+    if split is not None and split[0] == "warmup-divergence" and _inside_a_line(info, ops, ref):
+        return frozen_number(info, ops, under, ref, size) or split
+    return split or frozen_number(info, ops, under, ref, size)
+
+
+def _inside_a_line(info, ops: list, ref: list) -> bool:
+    """Whether the eager step's first op the graph never recorded is at a line the capture ran, or
+    the graph's first op the eager step no longer launches at a line the reference step ran."""
+    d = launch.compare([Op(o.name, o.source) for o in ops], [Op(s.op.name, s.op.source) for s in ref])
+    if d.how == "skipped":
+        code, _, line = ref[d.index].path[-1]
+        return (code, line) in info.lines_run
+    return d.graph_op is not None and any(s.op.source == d.graph_op.source for s in ref)
+
+
 def _left_at(info, extra: tuple) -> str | None:
     """Where the reference left the capture's path, for work the graph never recorded: in the
     innermost function of the first extra op's stack that the capture ran too, the line that led to
@@ -342,7 +365,8 @@ def bound(writers: dict, doctor, info, ops: list, under: tuple, ref: list, repla
             given = step.values[j] if j < len(step.values) else None
             ext = info.externals.get(key)
             if given is not None and given.dtype == dtype and ext is None and key in info.foreign:
-                if (found := _made_elsewhere(doctor, info, key, op, given, (shape, stride, offset))) is not None:
+                found = _made_elsewhere(doctor, info, key, op, given, (shape, stride, offset), writers.get(key))
+                if found is not None:
                     return found
                 continue
             if given is None or given.dtype != dtype or ext is None or key in doctor.graph_writes:
@@ -366,14 +390,16 @@ def bound(writers: dict, doctor, info, ops: list, under: tuple, ref: list, repla
     return None
 
 
-def _made_elsewhere(doctor, info, key: int, op, given: torch.Tensor, geometry: tuple) -> tuple | None:
+def _made_elsewhere(doctor, info, key: int, op, given: torch.Tensor, geometry: tuple, writer) -> tuple | None:
     """A tensor another graph's capture made, which this graph reads, holds other values than the
     reference gives the op. Where that graph never replayed, nothing ever computed it: its capture
     decided to make it (a table rebuilt lazily inside a trace) and bound it where the program keeps
-    it, and every later step reads it (``warmup-divergence`` where it was made). Where that graph's
-    own replays were compared and gave the eager steps' answers, it computes right, and what this
-    step reads is what its latest replay wrote for another step: an output kept past the next replay
-    of its graph (a cache of graph outputs), ``overwritten-output`` where it was made."""
+    it, and every later step reads it (``warmup-divergence`` where it was made). Where eager code
+    wrote it last, since that graph's last replay (``writer``: an attention run between two pieces,
+    into the buffer the first made), that code prepared it otherwise than the workload computes it
+    without graphs (``warmup-divergence`` at that write). Where that graph's replays were compared
+    and gave the eager steps' answers, this step reads what its latest replay wrote for another step:
+    an output kept past its graph's next replay (a cache), ``overwritten-output`` where it was made."""
     owner, _, _, tensor = info.foreign[key]
     held = doctor.owned.get(key)
     if owner.replays and (not owner.compared or owner.disagreed) or key in owner.constants or held is None \
@@ -389,6 +415,12 @@ def _made_elsewhere(doctor, info, key: int, op, given: torch.Tensor, geometry: t
     differ = (f"{tensor} read by {op.name} at {op.source} holds other values than the reference gives that op ("
               + (f"{int(disagrees(mine, given).sum())} element(s) differ)" if mine is not None else
                  f"the reference's op reads a {describe(given)} there)"))
+    if owner.replays and writer is not None and writer[4] >= owner.replayed_at and not any(
+            g.replayed_at > writer[4] and any(key in o.writes for o in g.ops) for g in doctor.graphs.values()):
+        return ("warmup-divergence", writer[0], tensor, writer[1],
+                f"{differ}; it is an output of {owner.name} ({maker} at {source}), written since that graph's "
+                f"replay {owner.replays} by {writer[0]} at {writer[1]}: eager code prepares what {info.name} reads "
+                "otherwise than the workload computes it without graphs")
     if owner.replays:
         return ("overwritten-output", maker, tensor, source,
                 f"{differ}; it is an output of {owner.name} ({maker} at {source}), whose {owner.compared} compared "
