@@ -43,21 +43,21 @@ def release(doctor, *held: list, why: str = "") -> None:
         findings.clear()
 
 
-def borne_out(doctor, verdict, by_input: set, compared: dict) -> None:
+def borne_out(doctor, verdict, by_input: set, outcomes: dict) -> None:
     """At the end, what each graph's probes found and held: reported where the workload's results
     differ from its run without graphs (``verdict``: ``events.results``), held state differences also
     where it did not say; the rest is a note. Not a graph's held findings where each of its replays
-    compared gave the reference's answers while another graph's parted (``compared``: graph name ->
+    compared gave the reference's answers while another graph's parted (``outcomes``: graph name ->
     whether its replays agreed, parted): the results part where that one does. Nor where a replay of
     it parted in a static input it reads (``by_input``), which says more than what its eager form
     parted on, unless what was held is an input the step left stale, whence those values may come."""
-    parted = {name for name, seen in compared.items() if False in seen}
+    parted = {name for name, seen in outcomes.items() if False in seen}
     for info in doctor.graphs.values():
         stale = any(h[0].kind in ("stale-input", "stale-padding") for h in info.held + info.held_state)
         if verdict and info.name in by_input and not stale:
             info.held.clear()
             info.held_state.clear()
-        elsewhere = bool(parted) and compared.get(info.name) == {True}
+        elsewhere = bool(parted) and outcomes.get(info.name) == {True}
         if verdict:
             i, diff = verdict
             how = ("a replay of it gave another answer than its step of the run without graphs, and" if info.name in

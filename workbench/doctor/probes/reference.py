@@ -128,7 +128,7 @@ class Reference:
         self.guessed: dict[str, tuple] = {}       # ... on a replay tied to its step by count alone: the last evidence
         self.by_input: set[str] = set()           # ... of those, found in a static input's values (``static_input``)
         self.unexplained: list[tuple] = []        # (graph name, text, padded?) of replays that differ, no cause found
-        self.compared: dict[str, set] = {}        # graph name -> whether its compared replays agreed (True), parted
+        self.outcomes: dict[str, set] = {}        # graph name -> whether its compared replays agreed (True), parted
         self.verdict: tuple | None = None         # the workload's own: None (not said), () (agrees), (result, diff)
         self.misshaped: tuple | None = None       # (served, reference) shapes of the first result they differ in
         self.padded: dict[tuple, tuple] = {}      # (size, real) of a padded replay -> (graph, line that replayed it)
@@ -296,14 +296,14 @@ class Reference:
             if (differs := differs_from(got, expected)) is None:
                 pending.agreed = comparable(got, expected)
                 if pending.agreed:
-                    self.compared.setdefault(info.name, set()).add(True)
+                    self.outcomes.setdefault(info.name, set()).add(True)
                 return
             guessed = compared is None and bool(values)   # static inputs read, and no call agrees with any
             if compared is None:                 # aligned by the count alone: a guess, which a near call may beat
                 if any(agrees(*against(n)) for n in calls_near(self.calls[code], k)):
                     return
                 compared = compare_views(ops, under, ref, values)
-            self.compared.setdefault(info.name, set()).add(False)
+            self.outcomes.setdefault(info.name, set()).add(False)
         if not guessed:                          # (what a guess finds waits for the workload's results)
             release(doctor, info.held, info.held_state)   # what earlier replays' probes found, now borne out
         with _disable_current_modes():           # a PIECEWISE step's other pieces are not in ``ops``: no trace
@@ -378,7 +378,7 @@ class Reference:
         if self.verdict == () and not doctor.report.errors:
             sync.handled(doctor)
         mutation.warm_writes_concluded(doctor, self.warm_writes, agreed=self.verdict == ())
-        borne_out(doctor, self.verdict, self.by_input, self.compared)
+        borne_out(doctor, self.verdict, self.by_input, self.outcomes)
         for name, (_, kind, op, tensor, source, why, text, numbers) in self.found.items():
             if any(name in f.graph.split(", ") for f in doctor.report.findings):
                 continue

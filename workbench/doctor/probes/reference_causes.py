@@ -207,16 +207,12 @@ def rows_like(now: torch.Tensor, given: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-def parting(info, ops: list, ref: list, padded: bool) -> tuple | None:
-    """Where the graph's trace and the reference step's part, by op and line (``padded``: the graph
-    serves padded rows, for which code that loops over rows runs more times than for the real ones:
-    no evidence, unless those runs write memory the graph does not own -- a padded row's write into
-    state, which the real rows, differing, read: ``stale-padding`` at that write)."""
-    plain = lambda o: Op(o.name, o.source)  # noqa: E731 - shapes and tensors differ with padding
-    graph, eager = [plain(o) for o in ops], [plain(s.op) for s in ref]
-    d = launch.compare(graph, eager)
-    if d is None:
-        return None
+def parting(info, ops: list, ref: list, padded: bool, graph: list, eager: list, d) -> tuple | None:
+    """What it means where the graph's trace and the reference step's part (``d``: ``graph`` and
+    ``eager``, their ops by op and line) (``padded``: the graph serves padded rows, for which code
+    that loops over rows runs more times than for the real ones: no evidence, unless those runs
+    write memory the graph does not own -- a padded row's write into state, which the real rows,
+    differing, read: ``stale-padding`` at that write)."""
     why = f"the launch traces part: {d.text()}"
     at = launch.repeats(d, graph, eager)
     if at is not None and padded and not d.eager_runs_more:
@@ -246,16 +242,18 @@ def launched(info, ops: list, under: tuple, ref: list, size: int, padded: bool) 
     """Where the launch traces part (``parting``), else a number baked in (``frozen_number``). Where
     they part inside a line both ran (an op whose kernels follow its shapes: an ``einsum`` that
     copies, or not), Python took no other path: a number the graph runs with, if any, is the cause."""
-    split = parting(info, ops, ref, padded)
-    if split is not None and split[0] == "warmup-divergence" and _inside_a_line(info, ops, ref):
+    plain = lambda o: Op(o.name, o.source)  # noqa: E731 - shapes and tensors differ with padding
+    graph, eager = [plain(o) for o in ops], [plain(s.op) for s in ref]
+    d = launch.compare(graph, eager)
+    split = None if d is None else parting(info, ops, ref, padded, graph, eager, d)
+    if split is not None and split[0] == "warmup-divergence" and _inside_a_line(info, d, ref):
         return frozen_number(info, ops, under, ref, size) or split
     return split or frozen_number(info, ops, under, ref, size)
 
 
-def _inside_a_line(info, ops: list, ref: list) -> bool:
+def _inside_a_line(info, d, ref: list) -> bool:
     """Whether the eager step's first op the graph never recorded is at a line the capture ran, or
     the graph's first op the eager step no longer launches at a line the reference step ran."""
-    d = launch.compare([Op(o.name, o.source) for o in ops], [Op(s.op.name, s.op.source) for s in ref])
     if d.how == "skipped":
         code, _, line = ref[d.index].path[-1]
         return (code, line) in info.lines_run
