@@ -156,9 +156,7 @@ GPU_UNSTABLE = {
 
 
 # Rounds not yet recorded on a GPU, and why: their programs are left out of the comparison until they are.
-GPU_PENDING: dict[str, str] = {
-    "round110": "written and measured on 2026-12-05 after the day's GPU time; no device was lent again that day",
-}
+GPU_PENDING: dict[str, str] = {}
 
 
 def test_the_gpu_record_says_what_the_cpu_says(answers):
