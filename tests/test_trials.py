@@ -157,8 +157,8 @@ GPU_UNSTABLE = {
 
 # Rounds not yet recorded on a GPU, and why: their programs are left out of the comparison until they are.
 GPU_PENDING: dict[str, str] = {
-    "round111": "written and measured on 2026-12-05; no device machine could be started for it that day",
-    "round112": "written and measured on 2026-12-05; no device machine could be started for it that day",
+    "round113": "written and measured on 2026-12-05, after that day's GPU recording",
+    "round114": "written and measured on 2026-12-05, after that day's GPU recording",
 }
 
 
