@@ -157,8 +157,10 @@ GPU_UNSTABLE = {
 
 # Rounds not yet recorded on a GPU, and why: their programs are left out of the comparison until they are.
 GPU_PENDING: dict[str, str] = {
-    "round113": "written and measured on 2026-12-05, after that day's GPU recording",
-    "round114": "written and measured on 2026-12-05, after that day's GPU recording",
+    "round113": "written and measured on 2026-12-05; every later request for a device was refused, and the "
+                "refusals used up that day's device time",
+    "round114": "written and measured on 2026-12-05; every later request for a device was refused, and the "
+                "refusals used up that day's device time",
 }
 
 
