@@ -609,6 +609,51 @@ def test_a_step_laid_out_with_padded_and_real_rows_fails_before_its_replay(varia
     assert "increment[:] = new_lens - 1" in finding.source and finding.numbers == {"size": 4, "real": 3}
 
 
+class _Rotary:
+    """A layer that binds the positions it is called with (``self._positions = positions``) for an
+    eager helper to read after the graph (``bug``), or is handed them by every step (``fix``)."""
+
+    def __init__(self, variant):
+        self.variant, self._positions = variant, None
+
+    def forward(self, positions):
+        self._positions = positions
+        return positions * 2
+
+    def rotate(self, x, positions):
+        return x * (self._positions if self.variant == "bug" else positions)
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix", "eager view"])
+def test_an_attribute_bound_inside_a_capture_and_read_by_a_later_step(variant):
+    """An attribute assigned inside the captured region holds the last capture's view (2 rows);
+    eager code of a 4-row step reads it and fails: ``host-work-frozen`` at the assignment, which
+    replays never run. Handed the step's positions instead, the step is right (no finding). A
+    2-row view cut by eager code (no capture bound it) is a mismatch with another graph's size,
+    and the finding does not claim it was sized for this step's real requests."""
+    def workload():
+        pos, layer = torch.arange(4, dtype=torch.int64), _Rotary(variant)
+        g4, out4 = captured(lambda: layer.forward(pos[:4]), {"pos": pos}, name="size 4")
+        captured(lambda: layer.forward(pos[:2]), {"pos": pos}, name="size 2")
+        replay(g4, out4, 4, 4, {"pos": pos})
+        try:
+            return layer.rotate(out4, pos[:4]) if variant != "eager view" else out4 * pos[:2]
+        except RuntimeError:
+            return None
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [] and report.caught == [], report
+        return
+    (finding,) = report.findings
+    assert finding.numbers == {"size": 4, "real": 2}, finding
+    if variant == "bug":
+        assert finding.kind == "host-work-frozen" and finding.graph == "size 2", finding
+        assert finding.source.endswith("self._positions = positions") and "_Rotary._positions" in finding.tensor
+        return
+    assert finding.kind == "padded-shape-mismatch" and "size 2 was captured for 2" in finding.evidence, finding
+    assert "size 2 was captured for" in finding.cause and "sized for the real requests only" not in finding.cause
+
+
 # ------------------------------------------------------------------ the GPU record
 def test_the_zoo_padded_row_bugs_are_found_and_their_fixes_clean_on_the_cpu():
     for name in padding_record.programs():

@@ -161,6 +161,7 @@ GPU_PENDING: dict[str, str] = {
                 "refusals used up that day's device time",
     "round114": "written and measured on 2026-12-05; every later request for a device was refused, and the "
                 "refusals used up that day's device time",
+    "round115": "written and measured on 2026-12-06; not yet recorded on a GPU",
 }
 
 

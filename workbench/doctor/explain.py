@@ -388,3 +388,11 @@ def aliased_in_capture(tensor: str, taker: str) -> str:
             "it (until the capture ends, or until the last graph of the pool that reads it is captured), and take "
             "weak references only after that (the caching allocator may place things differently on another "
             "machine: the numbers can look right here and be wrong there).")
+
+
+def bound_in_capture(holder: str, graph: str, rows: int, size: int) -> str:
+    return (f"`{holder}` is assigned by Python inside the captured region, so the assignment ran when {graph} was "
+            f"captured and never runs at a replay: it still holds the {rows}-row tensor that capture handed in. Eager "
+            f"code of a later step ({size} rows) reads it and gets that capture's tensor -- of another size, or with "
+            "values that stop at that capture's rows. Pass per-step state to the code that reads it (an argument, a "
+            "context set every step outside the graph), not through an attribute a captured region binds.")

@@ -96,7 +96,17 @@ def dummy_batch(check: str, phase: str) -> str:
             "dummy batch holds.")
 
 
-def padded_layout_mismatch(graph: str, size: int, real: int) -> str:
+def padded_layout_mismatch(graph: str, size: int, real: int, other: str | None = None) -> str:
+    """``other``: a graph captured for ``real`` rows, when there is one. Then the smaller tensor need not be
+    sized for this step's real requests at all: it may be one cut for that graph (a view bound while it
+    was captured or served, and kept), and the text must not claim more than the shapes show."""
+    if other is not None:
+        return (f"{graph} was captured for {size} rows, and eager code around a step of it combined a tensor of "
+                f"those {size} rows with one of {real} rows, the size {other} was captured for: that tensor was "
+                "cut for the real requests or for that other graph (a view kept from its capture or its last "
+                "replay) -- the shapes alone do not tell which. They disagree and the step fails -- or, where "
+                "they happen to broadcast, rows get another step's values. Size each step's tensors from this "
+                "step's counts, never from a view an earlier capture or replay left in Python state.")
     return (f"{graph} was captured for {size} rows, and eager code preparing a step for it combined a tensor of those "
             f"{size} rows (padded rows included) with one of {real} rows, sized for the real requests only: the "
             "shapes disagree and the step fails before its replay -- or, where they happen to broadcast, the "

@@ -27,7 +27,7 @@ from ...engine.source import SKIP_DIRS, function_name, location, user_frame, use
 from .. import explain, explain_padding
 from ..report import Finding
 from ..tensors import first_line
-from . import checks, sync
+from . import bound_in_capture, checks, sync
 
 
 @dataclasses.dataclass
@@ -278,11 +278,16 @@ def failed_op(doctor, func, args, kwargs, error: BaseException) -> None:
     if graph is None or any(f.op == str(func) and f.source == source for f in doctor.report.findings):
         return
     size, real = pair
+    other = next((i for i in doctor.graphs.values() if real in i.rows and size not in i.rows), None)
+    if other is not None and (bound := bound_in_capture.finding(doctor, func, size, real, other, error)):
+        doctor.add(bound, ("host-work-frozen", bound.source))
+        return
+    other = other and other.name
     doctor.add(Finding(
         "padded-shape-mismatch", graph.name, str(func), f"a tensor of {size} rows and one of {real}", source,
         f"after the captures, {func} failed on a tensor of {size} rows ({graph.name} was captured for {size}) "
-        f"against one of {real} rows: {first_line(error)}",
-        explain_padding.padded_layout_mismatch(graph.name, size, real),
+        f"against one of {real} rows{f' ({other} was captured for {real})' if other else ''}: {first_line(error)}",
+        explain_padding.padded_layout_mismatch(graph.name, size, real, other),
         {"size": size, "real": real}), ("padded-shape-mismatch", source))
 
 
