@@ -609,25 +609,37 @@ def test_a_step_laid_out_with_padded_and_real_rows_fails_before_its_replay(varia
     assert "increment[:] = new_lens - 1" in finding.source and finding.numbers == {"size": 4, "real": 3}
 
 
+class _Metadata:
+    """Per-step metadata a captured forward keeps (attention metadata, a forward context)."""
+
+    def __init__(self, positions):
+        self.positions = positions
+
+
 class _Rotary:
-    """A layer that binds the positions it is called with (``self._positions = positions``) for an
-    eager helper to read after the graph (``bug``), or is handed them by every step (``fix``)."""
+    """A layer that binds the positions it is called with (``self._positions = positions``, and in
+    a metadata object) for an eager helper to read after the graph (``bug``, ``bug in metadata``),
+    or is handed them by every step (``fix``)."""
 
     def __init__(self, variant):
         self.variant, self._positions = variant, None
 
     def forward(self, positions):
         self._positions = positions
+        self.meta = _Metadata(positions)
         return positions * 2
 
     def rotate(self, x, positions):
+        if self.variant == "bug in metadata":
+            return x * self.meta.positions
         return x * (self._positions if self.variant == "bug" else positions)
 
 
-@pytest.mark.parametrize("variant", ["bug", "fix", "eager view"])
+@pytest.mark.parametrize("variant", ["bug", "bug in metadata", "fix", "eager view"])
 def test_an_attribute_bound_inside_a_capture_and_read_by_a_later_step(variant):
     """An attribute assigned inside the captured region holds the last capture's view (2 rows);
-    eager code of a 4-row step reads it and fails: ``host-work-frozen`` at the assignment, which
+    eager code of a 4-row step reads it (itself, or a field of the metadata object it holds) and
+    fails: ``host-work-frozen`` at the assignment of the attribute the failing line read, which
     replays never run. Handed the step's positions instead, the step is right (no finding). A
     2-row view cut by eager code (no capture bound it) is a mismatch with another graph's size,
     and the finding does not claim it was sized for this step's real requests."""
@@ -646,9 +658,11 @@ def test_an_attribute_bound_inside_a_capture_and_read_by_a_later_step(variant):
         return
     (finding,) = report.findings
     assert finding.numbers == {"size": 4, "real": 2}, finding
-    if variant == "bug":
+    if variant.startswith("bug"):
+        held, line = ("_positions", "self._positions = positions") if variant == "bug" else (
+            "meta.positions", "self.meta = _Metadata(positions)")
         assert finding.kind == "host-work-frozen" and finding.graph == "size 2", finding
-        assert finding.source.endswith("self._positions = positions") and "_Rotary._positions" in finding.tensor
+        assert finding.source.endswith(line) and f"_Rotary.{held}:" in finding.tensor, finding
         return
     assert finding.kind == "padded-shape-mismatch" and "size 2 was captured for 2" in finding.evidence, finding
     assert "size 2 was captured for" in finding.cause and "sized for the real requests only" not in finding.cause

@@ -10,11 +10,12 @@ values that stop at that capture's rows.
 
 What shows it is a failed eager op whose smaller operand has the rows another graph was captured
 for (``shapes.failed_op``). The attributes each capture left are kept (``captured_state``): one
-still bound to what that graph's capture left, holding a tensor of those rows, that a line run
-inside that capture assigned (``GraphInfo.lines_run``: a ``STORE_ATTR`` of that name), and that the
-failing code has in hand (a local of a frame on its stack, or an attribute of the object the failing
-method was called on) is the cause: ``host-work-frozen`` at that assignment. Without all four the
-failure stays ``shapes``' (a mismatch of a step's rows with another graph's).
+still bound to what that graph's capture left, holding a tensor of those rows (itself, or one level
+in: a metadata object's field, a tuple's item), that a line run inside that capture assigned
+(``GraphInfo.lines_run``: a ``STORE_ATTR`` of that name), and that the failing code has in hand (a
+local of a frame on its stack, or the attribute the failing line reads from the object its method
+was called on) is the cause: ``host-work-frozen`` at that assignment. Without all four the failure
+stays ``shapes``' (a mismatch of a step's rows with another graph's).
 """
 from __future__ import annotations
 
@@ -36,18 +37,34 @@ def finding(doctor, func, size: int, real: int, other, error: BaseException) -> 
     for ref, name, weak in (other.left or {}).values():
         obj = ref()
         value = getattr(obj, "__dict__", {}).get(name) if obj is not None else None
-        if not (isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == real and _same(value, weak)):
+        if value is None or not _same(value, weak):
             continue
-        store = _store_run(other, name)
-        if store is None or not _in_hand(value):
-            continue
-        holder = f"{type(obj).__name__}.{name}"
-        return Finding(
-            "host-work-frozen", other.name, str(func), f"{holder}: {tuple(value.shape)}", location(*store),
-            f"after the captures, {func} failed on a tensor of {size} rows against one of {real}: {first_line(error)}; "
-            f"`{holder}` still holds the {real}-row tensor the assignment bound while {other.name} was captured",
-            explain.bound_in_capture(holder, other.name, real, size), {"size": size, "real": real})
+        for path, t in _tensors_of(value):
+            if not (t.dim() and t.shape[0] == real) or (store := _store_run(other, name)) is None:
+                continue
+            if not _in_hand(name, value, t):
+                continue
+            holder = f"{type(obj).__name__}.{name}{path}"
+            return Finding(
+                "host-work-frozen", other.name, str(func), f"{holder}: {tuple(t.shape)}", location(*store),
+                f"after the captures, {func} failed on a tensor of {size} rows against one of {real}: "
+                f"{first_line(error)}; `{holder}` still holds the {real}-row tensor the assignment bound while "
+                f"{other.name} was captured", explain.bound_in_capture(holder, other.name, real, size),
+                {"size": size, "real": real})
     return None
+
+
+def _tensors_of(value) -> list:
+    """``(path, tensor)``: the value itself, or one level into it (a tuple's items, the attributes of
+    an object such as the metadata a captured forward keeps)."""
+    if isinstance(value, torch.Tensor):
+        return [("", value)]
+    if isinstance(value, (tuple, list)):
+        return [(f"[{i}]", v) for i, v in enumerate(value) if isinstance(v, torch.Tensor)]
+    attrs = getattr(value, "__dict__", None)
+    if not isinstance(attrs, dict) or isinstance(value, (type, torch.nn.Module)):
+        return []
+    return [(f".{k}", v) for k, v in attrs.items() if isinstance(v, torch.Tensor)]
 
 
 def _store_run(info, name: str) -> tuple | None:
@@ -62,17 +79,28 @@ def _store_run(info, name: str) -> tuple | None:
 @functools.lru_cache(maxsize=4096)
 def _stores(code) -> dict:
     """Line -> attribute names the function's bytecode assigns on it (``STORE_ATTR``)."""
+    return _names(code, ("STORE_ATTR",))
+
+
+@functools.lru_cache(maxsize=4096)
+def _loads(code) -> dict:
+    """Line -> attribute names the function's bytecode reads on it."""
+    return _names(code, ("LOAD_ATTR", "LOAD_METHOD"))
+
+
+def _names(code, opnames: tuple) -> dict:
     out: dict = {}
     for ins in dis.get_instructions(code):
-        if ins.opname == "STORE_ATTR" and ins.positions is not None and ins.positions.lineno is not None:
+        if ins.opname in opnames and ins.positions is not None and ins.positions.lineno is not None:
             out.setdefault(ins.positions.lineno, set()).add(ins.argval)
     return out
 
 
-def _in_hand(value: torch.Tensor) -> bool:
-    """Whether the failing code holds ``value``: bound to a local of one of the user's frames on the
-    stack, or read from the object the innermost of them is a method of (its first argument). An
-    object further out that merely holds it (the model in the serving loop's frame) is not enough."""
+def _in_hand(name: str, value, t: torch.Tensor) -> bool:
+    """Whether the failing code holds the attribute's ``value`` or its tensor ``t``: bound to a local
+    of one of the user's frames on the stack, or read as attribute ``name`` on the failing line of the
+    innermost of them, from the object it is a method of. An object further out that merely holds it
+    (the model in the serving loop's frame) is not enough, nor another attribute of the same object."""
     frames = user_frames()
     try:
         if not frames:
@@ -81,8 +109,9 @@ def _in_hand(value: torch.Tensor) -> bool:
         code = inner.f_code
         own = _locals(inner).get(code.co_varnames[0]) if code.co_argcount else None
         attrs = getattr(own, "__dict__", None)
-        if isinstance(attrs, dict) and not isinstance(own, type) and any(v is value for v in attrs.values()):
+        if (isinstance(attrs, dict) and not isinstance(own, type) and attrs.get(name) is value
+                and name in _loads(code).get(inner.f_lineno, ())):
             return True
-        return any(local is value for frame in frames for local in _locals(frame).values())
+        return any(local is value or local is t for frame in frames for local in _locals(frame).values())
     finally:
         del frames
