@@ -39,7 +39,7 @@ def captured(info) -> None:
     """Keep the attributes that hold tensors as this capture leaves them (at its end: what its
     Python saw and set)."""
     frames = user_frames()[:_FRAMES]
-    roots = [_locals(f) for f in frames]
+    roots = [frame_locals(f) for f in frames]
     del frames
     nodes = reach.watched(roots)
     kept = {}
@@ -60,7 +60,7 @@ def captured(info) -> None:
     info.left = kept
 
 
-def _locals(frame) -> dict:
+def frame_locals(frame) -> dict:
     """A copy of a frame's locals that leaves the frame holding none of them: before Python 3.13,
     ``f_locals`` caches a snapshot on a function's frame, which would keep alive what the function
     lets go after the capture (a tensor it releases while a graph still reads it)."""
@@ -89,7 +89,7 @@ def restore(doctor, info) -> list:
             continue
         attrs = vars(obj)
         now = attrs[name]
-        if not _same(now, latest) or _same(now, weak) or (value := _strong(weak)) is _GONE:
+        if not same(now, latest) or same(now, weak) or (value := _strong(weak)) is _GONE:
             continue
         attrs[name] = value
         undo.append((attrs, name, now, value))
@@ -171,7 +171,7 @@ def _tensors_in(weak) -> bool:
     return how == "tuple" and any(map(_tensors_in, weak[2]))
 
 
-def _same(value, weak) -> bool:
+def same(value, weak) -> bool:
     """Whether ``value`` is what ``weak`` keeps: an equal atom, the same tensor or object, or a
     tuple of those."""
     if weak is None:
@@ -181,4 +181,4 @@ def _same(value, weak) -> bool:
         return type(value) is type(weak[1]) and value == weak[1]
     if how in ("tensor", "object"):
         return value is weak[1]()
-    return isinstance(value, tuple) and len(value) == len(weak[2]) and all(map(_same, value, weak[2]))
+    return isinstance(value, tuple) and len(value) == len(weak[2]) and all(map(same, value, weak[2]))

@@ -26,23 +26,21 @@ import torch
 
 from ...engine.source import location, user_frames
 from .. import explain
-from ..probes.captured_state import _locals, _same
+from ..probes.captured_state import frame_locals, same
 from ..report import Finding
 from ..tensors import first_line
 
 
-def finding(doctor, func, size: int, real: int, other, error: BaseException) -> Finding | None:
+def finding(func, size: int, real: int, other, error: BaseException) -> Finding | None:
     """The assignment inside ``other``'s capture (a graph of ``real`` rows) that bound the tensor a
     failed op of a ``size``-row step read, as a finding; None when nothing fits (module docstring)."""
     for ref, name, weak in (other.left or {}).values():
         obj = ref()
         value = getattr(obj, "__dict__", {}).get(name) if obj is not None else None
-        if value is None or not _same(value, weak):
+        if value is None or not same(value, weak) or (store := _store_run(other, name)) is None:
             continue
         for path, t in _tensors_of(value):
-            if not (t.dim() and t.shape[0] == real) or (store := _store_run(other, name)) is None:
-                continue
-            if not _in_hand(name, value, t):
+            if not (t.dim() and t.shape[0] == real and _in_hand(name, value, t)):
                 continue
             holder = f"{type(obj).__name__}.{name}{path}"
             return Finding(
@@ -107,11 +105,11 @@ def _in_hand(name: str, value, t: torch.Tensor) -> bool:
             return False
         inner = frames[0]
         code = inner.f_code
-        own = _locals(inner).get(code.co_varnames[0]) if code.co_argcount else None
+        own = frame_locals(inner).get(code.co_varnames[0]) if code.co_argcount else None
         attrs = getattr(own, "__dict__", None)
         if (isinstance(attrs, dict) and not isinstance(own, type) and attrs.get(name) is value
                 and name in _loads(code).get(inner.f_lineno, ())):
             return True
-        return any(local is value or local is t for frame in frames for local in _locals(frame).values())
+        return any(local is value or local is t for frame in frames for local in frame_locals(frame).values())
     finally:
         del frames

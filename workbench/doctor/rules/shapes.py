@@ -279,15 +279,15 @@ def failed_op(doctor, func, args, kwargs, error: BaseException) -> None:
         return
     size, real = pair
     other = next((i for i in doctor.graphs.values() if real in i.rows and size not in i.rows), None)
-    if other is not None and (bound := bound_in_capture.finding(doctor, func, size, real, other, error)):
+    if other is not None and (bound := bound_in_capture.finding(func, size, real, other, error)):
         doctor.add(bound, ("host-work-frozen", bound.source))
         return
-    other = other and other.name
+    also = f" ({other.name} was captured for {real})" if other is not None else ""
     doctor.add(Finding(
         "padded-shape-mismatch", graph.name, str(func), f"a tensor of {size} rows and one of {real}", source,
         f"after the captures, {func} failed on a tensor of {size} rows ({graph.name} was captured for {size}) "
-        f"against one of {real} rows{f' ({other} was captured for {real})' if other else ''}: {first_line(error)}",
-        explain_padding.padded_layout_mismatch(graph.name, size, real, other),
+        f"against one of {real} rows{also}: {first_line(error)}",
+        explain_padding.padded_layout_mismatch(graph.name, size, real, other and other.name),
         {"size": size, "real": real}), ("padded-shape-mismatch", source))
 
 
