@@ -146,8 +146,12 @@ def breakdown(name: str = "gpt2") -> dict:
         kept = [runner(input_ids=ids)]
         buf, g, out = runner.buffers["input_ids"], runner.graphs[4], runner.outputs[4]
         with _disable_current_modes():
-            def watched(func, args):
-                return d.on_op(func, args, {}, _Call(func, args, {}))
+            def watched(func, args):             # as ``session._engine_op`` hands the engine's own ops over
+                d.engine_serving = True
+                try:
+                    return d.on_op(func, args, {}, _Call(func, args, {}))
+                finally:
+                    d.engine_serving = False
 
             def plain(func, args):
                 return func(*args)

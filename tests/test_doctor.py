@@ -1478,14 +1478,17 @@ def test_gpu_cost_record_at_base_size_stays_under_two_percent_and_never_syncs():
         assert r["syncs_per_step"] == {"plain": 0, "watched": 0}, r
 
 
-@pytest.mark.xfail(strict=True, reason="recorded on an H100 (2026-11-25): the doctor adds 94-113 us of host work per "
-                   "step on the tiny models on that host; gpt2's 0.13 ms step turns host-bound (median +38 % wall); "
-                   "bert +2.4 %, roberta +3.3 %")
-def test_gpu_cost_records_hide_the_host_cost_behind_the_tiny_models_steps():
-    """The tiny models on the H100: wall time moves by under 2 % (the target; not met)."""
+def test_gpu_cost_records_hide_the_host_cost_behind_the_tiny_models_steps_on_one_host_and_not_another():
+    """The tiny models on an H100: on the host of the current record (2026-12-06) wall time moves by
+    under 2 % (the target); on the host of 2026-11-25 (``graph_doctor_cost_h100_2026-11-25.json``)
+    tiny GPT-2's 0.13 ms step turned host-bound and lost far more. The doctor's host work is alike on
+    both; which host the device hangs off decides whether it shows."""
     for r in _gpu_cost_rows("H100")[:len(graph_doctor.COST_MODELS)]:
         assert r["device"] == "cuda" and r["host_added_us"] > 0, r
         assert abs(r["overhead"]) < 0.02, r
+    earlier = next(r for r in graph_doctor.gpu_costs() if r["file"] == "graph_doctor_cost_h100_2026-11-25.json")
+    gpt2 = earlier["results"]["overhead"][0]
+    assert gpt2["model"] == "gpt2" and gpt2["overhead"] > 0.02 and gpt2["host_added_us"] > 0, gpt2
 
 
 def test_gpu_piecewise_record_matches_the_cpu_evaluation(piecewise):

@@ -115,6 +115,29 @@ def test_a_storage_released_after_many_replays_is_found_at_the_next_one():
     assert finding.numbers == {"replays_before": 30}
 
 
+def test_a_served_step_looks_up_no_line_and_a_view_user_code_takes_keeps_its_own(monkeypatch):
+    """The engine's slice of a graph's output is the view it hands out: no walk up the stack for
+    it on a served step. A view eager code takes of the graph's own output and reads after a later
+    replay is still named where it was taken."""
+    from workbench.doctor.rules import overwritten
+    walks, user_frame = [], overwritten.user_frame
+    monkeypatch.setattr(overwritten, "user_frame", lambda: walks.append(1) or user_frame())
+    with doctor.watch() as report:
+        r = runner()
+        r(x=torch.ones(3, 4))
+        walks.clear()
+        for i in range(10):
+            r(x=torch.full((3, 4), float(i)))
+        assert walks == []
+        monkeypatch.undo()                          # (the counting wrapper would be the line found)
+        graph_output = r(x=torch.ones(3, 4))._base
+        kept = graph_output[:2]                     # user code's own view of the static output
+        r(x=torch.zeros(3, 4))
+        kept.sum()
+    (finding,) = report.of("overwritten-output")
+    assert "kept = graph_output[:2]" in finding.source, finding
+
+
 def test_handed_out_views_are_swept_and_a_stale_read_is_still_found():
     with doctor.watch() as report:
         r = runner()

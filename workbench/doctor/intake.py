@@ -117,7 +117,7 @@ class Doctor(RunnerEvents):
         self.padded_step = None                     # the last padded replay, its outputs (rules/shapes.py)
         self.mode = None                            # set by watching()
         self.threads = Threads()                    # other threads the mode is entered on (threads.py)
-        self.stepped_aside = False                  # our mode is off the stack for this replay
+        self.stepped_aside = self.engine_serving = False   # our mode is off for this replay; an engine op runs
         self.fill = None                            # eager allocations' deterministic fill (uninit.py)
         self.failure: str | None = None             # the doctor's own error, once it has stopped
         self.failed_ops, self.failed_codes = {}, set()  # id(error) -> what an op raised; the functions raising

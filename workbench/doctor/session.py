@@ -103,9 +103,11 @@ def _engine_op(doctor: Doctor):
         if _get_current_dispatch_mode() is not mode:     # a mode above ours: through the stack as usual
             return func(*args)
         _pop_torch_dispatch_stack(None)
+        doctor.engine_serving = True
         try:
             return _watched(doctor, func, args, {})
         finally:
+            doctor.engine_serving = False
             _push_on_torch_dispatch_stack(mode)
     return engine_op
 

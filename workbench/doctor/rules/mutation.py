@@ -19,6 +19,7 @@ last rule concerns them.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -61,6 +62,13 @@ def eager_write(doctor, func, args, kwargs, run, targets: list):
 _RELAYOUT = (torch.ops.aten.set_, torch.ops.aten.resize_, torch.ops.aten.resize_as_)
 
 
+@functools.cache
+def _relayouts(func) -> bool:
+    """Whether ``func`` gives its destination another geometry in place (asked once per op: a
+    served step writes its static inputs on every step)."""
+    return func.overloadpacket in _RELAYOUT or torch.Tag.inplace_view in func.tags
+
+
 def write(doctor, func, args, kwargs, run, targets: list, update: bool):
     """An op that writes announced buffers outside any graph: ``eager_write`` when it may be an
     update to track (``update``), else the shape contract alone. An op that gives a buffer another
@@ -68,7 +76,7 @@ def write(doctor, func, args, kwargs, run, targets: list, update: bool):
     re-allocates its destination to the source's size) voids what the rules knew of its elements
     -- which were written since the last replay, which an update or a copy last changed: they were
     elements of another layout. They start again from this op, which wrote the whole buffer."""
-    if func.overloadpacket not in _RELAYOUT and torch.Tag.inplace_view not in func.tags:
+    if not _relayouts(func):
         if update:
             return eager_write(doctor, func, args, kwargs, run, targets)
         return undersized.write(doctor, func, targets, run)

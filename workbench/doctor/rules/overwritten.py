@@ -32,8 +32,10 @@ def tag(doctor, t, info) -> None:
     holds that replay's output, as ``t`` does (``tag_view``)."""
     key = block(t)
     _remember(doctor, t, key, doctor.generation.setdefault(key, 0), info, info.replays, None)
-    if t._base is not None:
-        _remember(doctor, t._base, key, None, info, None, None)
+    base = t._base
+    if base is not None and ((kept := doctor.handed.get(id(base))) is None or kept[0]() is not base
+                             or kept[1:4] != (key, None, info)):   # (a runner hands out a view of it every step)
+        _remember(doctor, base, key, None, info, None, None)
 
 
 def tag_view(doctor, func, base, out) -> None:
@@ -41,10 +43,11 @@ def tag_view(doctor, func, base, out) -> None:
     first line that took a part of one (a slice, a row: ``_PARTS``) is kept with it: the code there
     chose to keep a piece of the graph's memory rather than a copy of it (views of that view keep
     the same line). A view of the whole (``detach``, a reshape) only hands the same output on in
-    another form."""
+    another form. The engine's own output slice is the view it hands out (``tag`` keeps it with no
+    line), so no line is looked up for it: a walk up the stack on every served step."""
     entry = doctor.handed.get(id(base))
     if entry is not None and entry[0]() is base:
-        made = entry[5] or (user_frame() if func.overloadpacket in _PARTS else None)
+        made = entry[5] or (user_frame() if func.overloadpacket in _PARTS and not doctor.engine_serving else None)
         key, generation, info, replays = entry[1:5]
         if generation is None:                    # the graph's own output: a view holds the latest replay
             generation, replays = doctor.generation.setdefault(key, 0), info.replays
