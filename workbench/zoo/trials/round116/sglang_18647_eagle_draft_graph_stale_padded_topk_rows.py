@@ -180,9 +180,8 @@ class EAGLEDraftCudaGraphRunner:
         buffers.hidden_states[:raw_bs].copy_(forward_batch.hidden_states)
         buffers.req_pool_indices[:raw_bs].copy_(forward_batch.req_pool_indices)
 
-        padded = {} if _variant == "fix" else {
-            "topk_p": buffers.topk_p, "topk_index": buffers.topk_index, "hidden_states": buffers.hidden_states,
-            "req_pool_indices": buffers.req_pool_indices}
+        padded = {"topk_p": buffers.topk_p, "topk_index": buffers.topk_index, "hidden_states": buffers.hidden_states,
+                  "req_pool_indices": buffers.req_pool_indices}
         out = replay(self.graphs[bs], self.output_buffers[bs], real=raw_bs, size=bs, padded=padded)
         if bs != raw_bs:
             out = self._postprocess_output_to_raw_bs(out, raw_bs)
