@@ -6,7 +6,8 @@ padded to 4, plain and watched runs taking turns; writes ``benchmarks/results_do
 * differential replay **off**: ``GraphRunner`` (``workbench.cases.graph_doctor.overhead``), the
   target being no more than +17 % per step;
 * differential replay **on** (every step sampled, the worst case): a graph manager that announces
-  its eager step (``serve(..., eager=...)``), the target being no more than 2.5x per sampled step.
+  its eager step (``serve(..., eager=...)``), the target being no more than 2.5x per sampled step;
+  and the same for GPT-2 from the tiny model to its base size (``differential_scaling``);
 
 and where the watched step's added host time goes (``breakdown``): the doctor's own Python per served
 step, piece by piece (each op the dispatch mode hands it, each event), with the dispatch mode's own
@@ -35,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from workbench import doctor
 from workbench.cases.graph_doctor import COST_MODELS, cost_table, gpu_costs, overhead
 from workbench.doctor.intake import Doctor
+from workbench.doctor.probes.differential import TRACE_EVERY
 from workbench.doctor.session import _Call, watching
 from workbench.engine import GraphRunner, events, graph, graph_pool_handle, new_graph
 from workbench.models.hf import tiny_model
@@ -75,9 +77,10 @@ class _Manager:
         return out
 
 
-def differential_cost(name: str, steps: int = 100, repeats: int = 7, batch: int = 3) -> dict:
-    """ms per served step with every step sampled by differential replay, against plain serving."""
-    model = tiny_model(name, seed=0).eval()
+def differential_cost(name: str, steps: int = 100, repeats: int = 7, batch: int = 3, **size) -> dict:
+    """ms per served step with every step sampled by differential replay, against plain serving
+    (``size``: ``tiny_model``'s width, layers and heads, where not the tiny default)."""
+    model = tiny_model(name, seed=0, **size).eval()
     ids = torch.randint(3, 100, (batch, 8), generator=torch.Generator().manual_seed(0))
 
     def serve(watched: bool) -> float:
@@ -105,6 +108,21 @@ def differential_table(results: list[dict]) -> str:
     lines += [f"| {r['model']} | {r['plain_ms_per_step']:.3f} | {r['sampled_ms_per_step']:.3f} | {r['ratio']:.2f}x | "
               f"{r['spread'][0]:.3f} - {r['spread'][1]:.3f} |" for r in results]
     return "\n".join(lines)
+
+
+# GPT-2 from the tiny model to its base size (width, layers, heads): the doctor's work on a sampled step
+# grows with the Python state and the ops the step has, the step itself faster.
+SCALES = ((32, 2, 4), (128, 4, 4), (256, 6, 8), (768, 12, 12))
+
+
+def differential_scaling(repeats: int = 3) -> list[dict]:
+    """``differential_cost`` of GPT-2 at each of ``SCALES``, fewer steps the larger it is."""
+    out = []
+    for hidden, layers, heads in SCALES:
+        r = differential_cost("gpt2", steps=max(10, 6400 // (hidden * layers)), repeats=repeats,
+                              hidden=hidden, layers=layers, heads=heads)
+        out.append({**r, "model": f"gpt2, {hidden} wide, {layers} layers"})
+    return out
 
 
 def _best(fn, calls: int = 50, repeats: int = 400) -> float:
@@ -195,6 +213,7 @@ def cpu_tables(steps: int = 300, repeats: int = 7) -> str:
     load = os.getloadavg()[0]
     off = [overhead("cpu", name, steps=steps, repeats=repeats) for name in COST_MODELS]
     on = [differential_cost(name, steps=steps // 3, repeats=repeats) for name in COST_MODELS]
+    scaled = differential_scaling()
     parts = [breakdown(name) for name in COST_MODELS]
     machine = (f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads, {os.cpu_count()} "
                f"cores, load average {load:.1f} at the start and {os.getloadavg()[0]:.1f} at the end")
@@ -204,6 +223,11 @@ def cpu_tables(steps: int = 300, repeats: int = 7) -> str:
             f"each step timed alone until it returns (on the CPU backend the two coincide).\n\n{cost_table(off)}\n\n"
             f"Differential replay on, every step sampled (a graph manager announcing its eager step, {steps // 3} "
             f"steps a run): the cost of one sampled step.\n\n{differential_table(on)}\n\n"
+            f"The same for GPT-2 from the tiny model to its base size (768 wide, 12 layers; vocabulary 100), medians "
+            f"over 3 runs: the sampled step runs the step's eager form beside its replay, and the doctor's own work "
+            f"on it (the Python state the step reaches, kept and compared; the state copied and put back; an eager "
+            f"run watched op by op every {TRACE_EVERY}th step) grows more slowly than the step.\n\n"
+            f"{differential_table(scaled)}\n\n"
             f"Where the added host time of a served step goes, differential replay off (µs, fastest of 400 x 50 "
             f"steps, the variants taking turns; each piece is the whole step minus that piece, so pieces need not "
             f"add up to the total).\n\n"
