@@ -1276,21 +1276,16 @@ def test_a_result_with_the_graphs_padded_rows_is_a_padded_shape_mismatch_where_i
     assert "has 4 rows where its run without graphs has 3" in finding.evidence, finding
 
 
-class PerSequenceState:
-    """A recurrent step over one row of a per-sequence state table: graphs are cached by the batch's
-    shape (bug), or by its shape and sequence (fix); the row is chosen when the graph is built."""
+class KeyedGraphs:
+    """A graph per key, captured at the key's first step and replayed for every step with that key
+    (its eager form announced: the captured closure)."""
 
     def __init__(self, variant: str):
         self.variant, self.graphs = variant, {}
-        self.state, self.x = torch.zeros(2, 4), torch.zeros(1, 4)
-        events.static_buffers("runner", {"x": self.x})
-        events.persistent_state("runner", {"state": self.state})
 
-    def __call__(self, x, seq):
-        key = (x.shape, seq) if self.variant == "fix" else x.shape
-        self.x.copy_(x)
+    def serve(self, key, make_step):
         if key not in self.graphs:
-            step = functools.partial(recurrent_step, self.x, self.state, seq)
+            step = make_step()
             g = new_graph("cpu")
             with graph(g, name=f"decode {key}"):
                 out = step()
@@ -1299,6 +1294,22 @@ class PerSequenceState:
         events.serve(g, 1, 1, padded={}, outputs=out, eager=step)
         g.replay()
         return out.clone()
+
+
+class PerSequenceState(KeyedGraphs):
+    """A recurrent step over one row of a per-sequence state table: graphs are cached by the batch's
+    shape (bug), or by its shape and sequence (fix); the row is chosen when the graph is built."""
+
+    def __init__(self, variant: str):
+        super().__init__(variant)
+        self.state, self.x = torch.zeros(2, 4), torch.zeros(1, 4)
+        events.static_buffers("runner", {"x": self.x})
+        events.persistent_state("runner", {"state": self.state})
+
+    def __call__(self, x, seq):
+        self.x.copy_(x)
+        key = (x.shape, seq) if self.variant == "fix" else x.shape
+        return self.serve(key, lambda: functools.partial(recurrent_step, self.x, self.state, seq))
 
 
 def _two_sequences(make_runner):
@@ -1328,9 +1339,52 @@ def test_a_graph_replayed_on_another_view_than_the_step_takes_is_named_where_it_
     finding = finding_of(_two_sequences(lambda: PerSequenceState(variant)), variant)
     if finding is None:
         return
-    assert finding.kind == "warmup-divergence" and " in __call__: g.replay()" in finding.source, finding
+    assert finding.kind == "warmup-divergence" and " in serve: g.replay()" in finding.source, finding
     assert "at offset 0 of its storage in the graph where the reference step's same op reads offset 4" \
         in finding.evidence, finding
+
+
+class GrowingContext(KeyedGraphs):
+    """One query attending over a cache that grows by a token a step: graphs are cached by the query's
+    shape (bug), or by its shape and the context length (fix); the cache view is taken when the graph
+    is built."""
+
+    def __init__(self, variant: str, cache: torch.Tensor):
+        super().__init__(variant)
+        self.cache, self.q = cache.clone(), torch.zeros(1, 4)
+        events.static_buffers("runner", {"q": self.q})
+
+    def __call__(self, q, length):
+        self.q.copy_(q)
+        key = (q.shape, length) if self.variant == "fix" else q.shape
+        return self.serve(key, lambda: functools.partial(attend_prefix, self.q, self.cache, length))
+
+
+def attend_prefix(q, cache, length):
+    keys = cache[:length]
+    return torch.softmax(q @ keys.T, -1) @ keys
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_graph_replayed_on_a_view_of_another_shape_than_the_step_takes_is_named_where_it_is_replayed(variant):
+    """``bug``: the graph built at a context of 2 tokens is replayed as the context grows, over its
+    capture's 2-token view of the cache. Its eager form is the captured closure (the same view):
+    differential replay agrees with the graph; the reference run's same step reads more tokens."""
+    cache = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    queries = [torch.full((1, 4), 0.5 * (i + 1)) for i in range(4)]
+
+    def workload():
+        with events.reference():
+            expected = [attend_prefix(q, cache, i + 2).clone() for i, q in enumerate(queries)]
+        runner = GrowingContext(variant, cache)
+        return expected, [runner(q, i + 2) for i, q in enumerate(queries)]
+
+    finding = finding_of(workload, variant)
+    if finding is None:
+        return
+    assert finding.kind == "warmup-divergence" and " in serve: g.replay()" in finding.source, finding
+    assert "reads a view (4, 2) in the graph where the reference step's same op reads (4, 3)" in finding.evidence, \
+        finding
 
 
 class ReusedGraph:

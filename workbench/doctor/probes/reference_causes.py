@@ -1,11 +1,10 @@
-"""Why a replay differs from the reference run's same step (``probes/reference.py``): the graph's
-ops are set beside the reference step's by op, line and occurrence, and these causes are looked
-for, in order -- a static input holding other values (``static_input``), a capture window narrower
-than the step's data (``narrower``), a launch trace that parts or a number baked in (``launched``),
-a tensor the graph only reads holding other values (``bound``), a view taken elsewhere in its
-storage (``moved_view``). Each returns ``(kind, op, tensor, source, why)`` or None. Two more are
-asked of the results when no finding explains them: padded rows handed out (``padded_result``) and
-a 0-dim host tensor taken by value (``frozen_scalar``)."""
+"""Why a replay differs from the reference run's same step (``probes/reference.py``): the graph's ops are set beside
+the reference step's by op, line and occurrence, and these causes are looked for, in order -- a static input holding
+other values (``static_input``), a capture window narrower than the step's data (``narrower``), a launch trace that
+parts or a number baked in (``launched``), a tensor the graph only reads holding other values (``bound``), a view taken
+elsewhere in its storage or of another shape (``moved_view``). Each returns ``(kind, op, tensor, source, why)`` or None.
+Two more are asked of the results when no finding explains them: padded rows handed out (``padded_result``) and a 0-dim
+host tensor taken by value (``frozen_scalar``)."""
 from __future__ import annotations
 
 import torch
@@ -317,22 +316,25 @@ def frozen_number(info, ops: list, under: tuple, ref: list, size: int) -> tuple 
 
 
 def moved_view(ops: list, under: tuple, ref: list, replayed: tuple) -> tuple | None:
-    """The first op (by line and occurrence) that the graph runs on a view starting elsewhere in its
-    storage than the reference step's same op, at the same shape (a state row chosen at build
-    time): the graph was captured for another view than the step takes now, and is replayed for it
-    -- keyed on a property of the step that does not decide which view it takes. Asked of unpadded
-    replays only: padding moves views of the last rows. ``replayed``: see ``chosen``."""
-    for op, _, step in aligned(ops, under, ref):
-        if len(step.op.sig) != len(op.sig):
-            continue
-        for mine, theirs in zip(op.sig, step.op.sig):
-            if isinstance(mine, TensorArg) and isinstance(theirs, TensorArg) and mine.shape == theirs.shape \
-                    and mine.offset != theirs.offset:
+    """The first op (by line and occurrence) that the graph runs on a view starting elsewhere in its storage than the
+    reference step's same op, at the same shape (a state row chosen at build time), else on a view of another shape (a
+    length grown since: a cache view over more tokens): the graph was captured for another view than the step takes
+    now, and is replayed for it -- keyed on a property of the step that does not decide which view it takes. Asked of
+    unpadded replays only: padding moves and resizes views of the last rows. ``replayed``: see ``chosen``."""
+    pairs = [(op, step.op) for op, _, step in aligned(ops, under, ref) if len(step.op.sig) == len(op.sig)]
+    for moved in (True, False):
+        for op, other in pairs:
+            for mine, theirs in zip(op.sig, other.sig):
+                if not (isinstance(mine, TensorArg) and isinstance(theirs, TensorArg)) or (
+                        mine.shape != theirs.shape or mine.offset == theirs.offset if moved
+                        else len(mine.shape) != len(theirs.shape) or mine.shape == theirs.shape):
+                    continue
+                view = (f"a view {mine.shape} at offset {mine.offset} of its storage in the graph where the reference "
+                        f"step's same op reads offset {theirs.offset}" if moved else
+                        f"a view {mine.shape} in the graph where the reference step's same op reads {theirs.shape}")
                 return ("warmup-divergence", op.name, "-", chosen(replayed),
-                        f"{op.name} at {op.source} reads a view {mine.shape} at offset {mine.offset} of its storage in "
-                        f"the graph where the reference step's same op reads offset {theirs.offset}: the graph was "
-                        f"captured for another view than this step takes, and is replayed for it at "
-                        f"{_replayed(replayed)}")
+                        f"{op.name} at {op.source} reads {view}: the graph was captured for another view than this "
+                        f"step takes, and is replayed for it at {_replayed(replayed)}")
     return None
 
 
