@@ -94,8 +94,8 @@ from .coverage import Coverage
 from .dropped import Dropped
 from .eager_trace import number_origin
 from .failed_call import FailedCalls
-from .reference_causes import (bound, chosen_at, compare_views, frozen_scalar, launched, moved_view, narrower,
-                               numbers, only_read, padded_result, static_input)
+from .reference_causes import (bound, chosen_at, compare_views, frozen_scalar, launched, narrower, numbers,
+                               only_read, other_view, padded_result, static_input)
 from .reference_steps import SMALL, Step, Values, step
 
 _LIFTS = (torch.ops.aten.lift_fresh, torch.ops.aten.lift_fresh_copy)     # constants made from Python data
@@ -312,7 +312,7 @@ class Reference:
                 None if pending.span else (
                 launched(info, ops, under, ref, pending.size, pending.real < pending.size)
                 or bound(self.writers, doctor, info, ops, under, ref, replayed)
-                or (moved_view(ops, under, ref, replayed) if pending.real == pending.size else None)))
+                or (other_view(ops, under, ref, replayed) if pending.real == pending.size else None)))
         text = (f"replay {info.replays} of {info.name} ({pending.real} real rows of {pending.size}): output "
                 f"{differs[0]} (real rows) differs by max |diff| = {differs[1]:.3g} from the reference run's same "
                 f"step (call {self.calls[code].index(number) + 1} of {code.co_name})")

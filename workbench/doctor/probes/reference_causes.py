@@ -2,7 +2,7 @@
 the reference step's by op, line and occurrence, and these causes are looked for, in order -- a static input holding
 other values (``static_input``), a capture window narrower than the step's data (``narrower``), a launch trace that
 parts or a number baked in (``launched``), a tensor the graph only reads holding other values (``bound``), a view taken
-elsewhere in its storage or of another shape (``moved_view``). Each returns ``(kind, op, tensor, source, why)`` or None.
+elsewhere in its storage or of another shape (``other_view``). Each returns ``(kind, op, tensor, source, why)`` or None.
 Two more are asked of the results when no finding explains them: padded rows handed out (``padded_result``) and a 0-dim
 host tensor taken by value (``frozen_scalar``)."""
 from __future__ import annotations
@@ -315,7 +315,7 @@ def frozen_number(info, ops: list, under: tuple, ref: list, size: int) -> tuple 
     return None
 
 
-def moved_view(ops: list, under: tuple, ref: list, replayed: tuple) -> tuple | None:
+def other_view(ops: list, under: tuple, ref: list, replayed: tuple) -> tuple | None:
     """The first op (by line and occurrence) that the graph runs on a view starting elsewhere in its storage than the
     reference step's same op, at the same shape (a state row chosen at build time), else on a view of another shape (a
     length grown since: a cache view over more tokens): the graph was captured for another view than the step takes
