@@ -113,9 +113,10 @@ def differential_table(results: list[dict]) -> str:
 # GPT-2 from the tiny model to its base size (width, layers, heads): the doctor's work on a sampled step
 # grows with the Python state and the ops the step has, the step itself faster.
 SCALES = ((32, 2, 4), (128, 4, 4), (256, 6, 8), (768, 12, 12))
+SCALE_REPEATS = 3       # runs of each size, plain and sampled taking turns (a base-size step takes 0.1 s)
 
 
-def differential_scaling(repeats: int = 3) -> list[dict]:
+def differential_scaling(repeats: int = SCALE_REPEATS) -> list[dict]:
     """``differential_cost`` of GPT-2 at each of ``SCALES``, fewer steps the larger it is."""
     out = []
     for hidden, layers, heads in SCALES:
@@ -224,9 +225,10 @@ def cpu_tables(steps: int = 300, repeats: int = 7) -> str:
             f"Differential replay on, every step sampled (a graph manager announcing its eager step, {steps // 3} "
             f"steps a run): the cost of one sampled step.\n\n{differential_table(on)}\n\n"
             f"The same for GPT-2 from the tiny model to its base size (768 wide, 12 layers; vocabulary 100), medians "
-            f"over 3 runs: the sampled step runs the step's eager form beside its replay, and the doctor's own work "
-            f"on it (the Python state the step reaches, kept and compared; the state copied and put back; an eager "
-            f"run watched op by op every {TRACE_EVERY}th step) grows more slowly than the step.\n\n"
+            f"over {SCALE_REPEATS} runs: the sampled step runs the step's eager form beside its replay, and the "
+            f"doctor's own work on it (the Python state the step reaches, kept and compared; the state copied and "
+            f"put back; an eager run watched op by op every {TRACE_EVERY}th step) grows more slowly than the step."
+            f"\n\n"
             f"{differential_table(scaled)}\n\n"
             f"Where the added host time of a served step goes, differential replay off (µs, fastest of 400 x 50 "
             f"steps, the variants taking turns; each piece is the whole step minus that piece, so pieces need not "
