@@ -74,6 +74,9 @@ class Runner:
 
     def __call__(self, q, lens):
         self.prepare(q, lens)
+        return self.replayed()
+
+    def replayed(self) -> torch.Tensor:
         events.serve(self.graph, 2, 2, padded={}, outputs=self.out, eager=self.step)
         self.graph.replay()
         return self.out.clone()
@@ -2697,9 +2700,7 @@ class Prefetching(Runner):
         self.q.copy_(q)
         if self.variant == "fix":
             self.update(lens)
-        events.serve(self.graph, 2, 2, padded={}, outputs=self.out, eager=self.step)
-        self.graph.replay()
-        out = self.out.clone()
+        out = self.replayed()
         self.update(lens + 1)
         return out
 
@@ -2778,3 +2779,172 @@ def test_a_width_frozen_at_capture_where_the_traces_part_inside_one_line_is_the_
     if finding is None:
         return
     assert finding.kind == "host-work-frozen" and "runs with 4.0 in the graph" in finding.evidence, finding
+
+
+def pair_energy(pos, species, table):
+    """One system's energy and per-atom forces: each pair's coupling is the product of its species'
+    entries in ``table``, times the squared distance."""
+    c = table[species]
+    diff = pos[:, None, :] - pos[None, :, :]
+    energy = (c[:, None] * c[None, :] * diff.pow(2).sum(-1)).sum().reshape(1) / 2
+    forces = -2 * ((c[:, None] * c[None, :])[..., None] * diff).sum(1)
+    return energy, forces
+
+
+class OneSystemStep:
+    """A calculator that captures one whole step for a system of five atoms and replays it as a step
+    of size 1 (one system): its forces have one row per atom, none of the step's size. ``bug``: a
+    species swap reuses the graph with positions refreshed and the species left as captured."""
+
+    def __init__(self, variant: str, species: torch.Tensor, table: torch.Tensor):
+        self.variant, self.pos, self.species = variant, torch.zeros(5, 3), species.clone()
+        events.static_buffers("calculator", {"pos": self.pos, "species": self.species})
+        self.step = lambda: pair_energy(self.pos, self.species, table)  # noqa: E731
+        with events.warmup():
+            self.step()
+        self.graph = new_graph("cpu")
+        with graph(self.graph, name="whole step"):
+            self.out = self.step()
+
+    def __call__(self, pos, species):
+        self.pos.copy_(pos)
+        if self.variant == "fix":
+            self.species.copy_(species)
+        events.serve(self.graph, 1, 1, outputs=self.out, eager=self.step)
+        self.graph.replay()
+        return [o.clone() for o in self.out]
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_an_unpadded_step_is_compared_whole_where_its_outputs_have_no_dimension_of_its_size(variant):
+    """Each output of a step with no padded rows is compared with the reference whole: the per-atom
+    forces of a step of one system are not cut to their first row (which left them incomparable
+    with the reference's, and the replays after the swap unchecked). The species the step never
+    refreshed is then stale input, at the refresh that left it out."""
+    def workload():
+        gen = torch.Generator().manual_seed(3)
+        table = torch.rand(4, generator=gen) + 0.5
+        base = torch.rand(5, 3, generator=gen)
+        steps = [(base + 0.01 * i, torch.tensor([0, 1, 2, 1, 0] if i < 2 else [2, 0, 1, 1, 3])) for i in range(4)]
+        with events.reference():
+            expected = [t for pos, species in steps for t in pair_energy(pos, species, table)]
+        calc = OneSystemStep(variant, steps[0][1], table)
+        return expected, [t for pos, species in steps for t in calc(pos, species)]
+
+    finding = finding_of(workload, variant)
+    if finding is None:
+        return
+    assert finding.kind == "stale-input" and finding.tensor.startswith("species: "), finding
+    assert "self.pos.copy_(pos)" in finding.source and "this step wrote none of them" in finding.evidence, finding
+
+
+class FreshInputs:
+    """A runner that uploads each step's inputs into tensors of their own and keeps the graph it
+    captured on the first (``bug``): every later replay reads the first step's inputs, kept alive by
+    the runner, while the step's own go unread. ``fix``: they are copied into the captured tensors."""
+
+    def __init__(self, variant: str, cache: torch.Tensor):
+        self.variant, self.cache, self.graph = variant, cache, None
+
+    def __call__(self, q, lens):
+        if self.graph is None or self.variant == "bug":
+            bound = torch.zeros_like(q).copy_(q), torch.zeros_like(lens).copy_(lens)
+        if self.graph is None:
+            self.q, self.lens = bound
+            events.static_buffers("runner", {"q": self.q, "lens": self.lens})
+            self.step = lambda: attend_clamped(self.q, self.cache, self.lens, CONTEXT)  # noqa: E731
+            self.graph = new_graph("cpu")
+            with graph(self.graph, name="decode"):
+                self.out = self.step()
+        elif self.variant == "fix":
+            self.q.copy_(q)
+            self.lens.copy_(lens)
+        events.serve(self.graph, 2, 2, outputs=self.out, eager=self.step)
+        self.graph.replay()
+        return self.out.clone()
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_replay_after_no_write_is_compared_with_the_step_its_count_gives_not_the_earlier_one_its_inputs_match(variant):
+    """A replay whose step wrote none of the static inputs the graph reads holds what an earlier step
+    left there: its inputs match that earlier step of the reference, whose answer it gives. Set beside
+    the step its count gives, the query it reads is not what the reference gives -- and the step wrote
+    the reference's values into a tensor of its own: the graph reads the tensor it was captured on, a
+    reference the capture froze (``warmup-divergence``, where the graph was replayed)."""
+    workload = _workload(lambda cache: FreshInputs(variant, cache), kernel=attend_clamped)
+    finding = finding_of(workload, variant)
+    if finding is None:
+        return
+    assert finding.kind == "warmup-divergence" and "(call 2 of attend_clamped)" in finding.evidence, finding
+    assert "yet another int64[2], made where the graph's was" in finding.evidence, finding
+    assert finding.source.endswith(" in __call__: self.graph.replay()"), finding
+
+
+class LateUpdate(Prefetching):
+    """``bug``: the replay path updates ``lens`` after the replay (a graph's parameters updated after
+    its launch), so every replay reads the previous step's lengths; ``fix``: before it."""
+
+    def __call__(self, q, lens):
+        self.q.copy_(q)
+        if self.variant == "fix":
+            self.update(lens)
+        out = self.replayed()
+        if self.variant == "bug":
+            self.update(lens)
+        return out
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_an_input_refreshed_after_the_replay_that_reads_it_is_named_where_replay_and_refresh_are_ordered(variant):
+    """The replay reads lengths its step has not written yet; the step's next write into them, after
+    the replay, puts there what the reference gave that step: the refresh came late, not never. The
+    finding is named in the frame that replays and then refreshes, at the line that refreshes."""
+    finding = finding_of(_workload(lambda cache: LateUpdate(cache, variant)), variant)
+    if finding is None:
+        return
+    assert finding.kind == "stale-input" and finding.tensor.startswith("lens: "), finding
+    assert finding.source.endswith(" in __call__: self.update(lens)"), finding
+    assert "the step writes them after the replay" in finding.evidence, finding
+
+
+class Group:
+    """A layer group's metadata builder: each group has an index buffer of its own."""
+
+    def __init__(self):
+        self.idx = torch.zeros(2, dtype=torch.int64)
+
+
+def two_groups(table, idx0, idx1):
+    return table[idx0] * 2 + table[idx1]
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_an_input_left_out_is_stale_input_though_a_buffer_made_alike_holds_its_values(variant):
+    """Two groups' index buffers, made by one line, both read by the graph, hold the same indices;
+    the runner refreshes only the first group's (``bug``). The second's values are in a buffer made
+    where its own was, but the step wrote the graph's other input: a refresh left out, not a step
+    that put its inputs in another instance of the buffer."""
+    def workload():
+        table = torch.randn(6, 3, generator=torch.Generator().manual_seed(5))
+        steps = [torch.tensor([i % 6, (i + 2) % 6]) for i in range(1, 4)]
+        with events.reference():
+            expected = [two_groups(table, idx, idx) for idx in steps]
+        groups = Group(), Group()
+        events.static_buffers("runner", {f"group{i}.idx": g.idx for i, g in enumerate(groups)})
+        step = lambda: two_groups(table, groups[0].idx, groups[1].idx)  # noqa: E731
+        g = new_graph("cpu")
+        with graph(g, name="groups"):
+            out = step()
+        got = []
+        for idx in steps:
+            for group in groups[:1] if variant == "bug" else groups:
+                group.idx.copy_(idx)
+            events.serve(g, 2, 2, outputs=out, eager=step)
+            g.replay()
+            got.append(out.clone())
+        return expected, got
+
+    finding = finding_of(workload, variant)
+    if finding is None:
+        return
+    assert finding.kind == "stale-input" and finding.tensor.startswith("group1.idx: "), finding

@@ -87,8 +87,10 @@ def at(values: torch.Tensor, view: torch.Tensor, buffer: torch.Tensor | None = N
 
 def real_rows(o: torch.Tensor, real: int | None, size: int | None) -> torch.Tensor:
     """The real rows of a graph's output: along its first dimension of the step's ``size`` (a
-    ``[1, tokens, vocab]`` layout has them second), else its first."""
-    if real is None or not o.dim():
+    ``[1, tokens, vocab]`` layout has them second), else its first. A step with no padded rows
+    keeps all of it: an output with no dimension of the step's size (per-atom forces of a step
+    served as one system) is not cut to its first rows."""
+    if real is None or not o.dim() or size is not None and real >= size:
         return o
     dim = next((d for d, n in enumerate(o.shape) if n == size), 0)
     return o.narrow(dim, 0, min(real, o.shape[dim]))

@@ -45,6 +45,20 @@ def created_by(t: torch.Tensor) -> tuple[str, str] | None:
     return entry[2], entry[1]
 
 
+def made_alike(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The other live storages of ``t``'s size that the op and line which created ``t``'s created:
+    other instances of the same buffer (a runner's input made again, another generator's)."""
+    mine = t.untyped_storage()
+    made = created_by(t)
+    found = []
+    for cdata, (weak, source, op) in list(_origins.items()):
+        if (op, source) == made and cdata != mine._cdata and not weak.expired():
+            other = torch.UntypedStorage._new_with_weak_ptr(weak.cdata)
+            if other is not None and other.nbytes() == mine.nbytes() and other.device == mine.device:
+                found.append(other)
+    return found
+
+
 def record_origin(t: torch.Tensor, source: str, op: str) -> None:
     """Note that ``op`` at ``source`` created ``t``'s storage (the doctor tracks origins itself)."""
     if len(_origins) >= 4096 and len(_origins) % 4096 == 0:

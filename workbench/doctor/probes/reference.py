@@ -30,11 +30,14 @@ step on both sides (``reference_causes.py``):
    reference gives the same op (by line and occurrence): the runner prepared the step wrongly --
    ``warmup-divergence`` at the line that last wrote that buffer; or, where this step wrote none of
    the elements that differ, it omitted them -- ``stale-input`` at the refresh that skipped them (the
-   step's write into another input that the op, or its function, reads; else the function that
-   wrote most of the step's inputs), at the op that reads them where the step wrote no input;
-   or the graph's view of it is narrower, in a dimension other than its rows, than the reference's
-   tensor: the capture's window is too small for this step -- ``undersized-buffer`` at the line
-   that took the view;
+   step's write into another input that the op, or its function, reads; else the function that wrote
+   most of the step's inputs), at the op that reads them where the step wrote no input, in the frame
+   that replays first where the step writes them after the replay (``late_refresh``), and where it
+   holds them, having written none of the graph's inputs, in another tensor made where the graph's was,
+   the graph reads one the capture bound -- ``warmup-divergence`` where it was chosen
+   (``written_elsewhere``); or the graph's view is narrower,
+   in a dimension other than its rows, than the reference's tensor: the capture's window is too small
+   for this step -- ``undersized-buffer`` at the line that took the view;
 2. else the launch traces part (by op and line; shapes differ where rows are padded): the graph
    replays what Python decided at capture -- a loop run another number of times is
    ``host-work-frozen`` at the frame that loops, another branch ``warmup-divergence``; a loop over
@@ -88,7 +91,7 @@ from ..report import Finding
 from ..rules import mutation, reused, sync
 from ..rules.pool import block
 from ..tensors import host_only, leaves, placed, real_rows, signature
-from . import borne_out, release
+from . import borne_out, late_refresh, release, written_elsewhere
 from .compare import agrees, calls_near, capture_batch, comparable, differs_from, paired, verdict, written_by, written_inputs
 from .coverage import Coverage
 from .dropped import Dropped
@@ -96,7 +99,7 @@ from .eager_trace import number_origin
 from .failed_call import FailedCalls
 from .reference_causes import (bound, chosen_at, compare_views, frozen_scalar, launched, narrower, numbers,
                                only_read, other_view, padded_result, static_input)
-from .reference_steps import SMALL, Step, Values, step
+from .reference_steps import SMALL, Step, Values, root, step
 
 _LIFTS = (torch.ops.aten.lift_fresh, torch.ops.aten.lift_fresh_copy)     # constants made from Python data
 _CANDIDATES = 64          # reference calls, nearest the served run's count first, tried for a replay
@@ -139,6 +142,7 @@ class Reference:
         self.dropped = Dropped()                  # the served run's eager launches (``dropped.py``)
         self.failed_calls = FailedCalls()         # the sizes each call was passed (``failed_call.py``)
         self.warm_writes: list = []               # warmups' writes into live state, held (``mutation.warmup_wrote_state``)
+        self.late: dict = {}                      # graph name -> a stale input, checked at the next write (``late_refresh``)
 
     # ------------------------------------------------------------------ recording the reference
     def called(self, doctor, frame) -> None:
@@ -179,7 +183,8 @@ class Reference:
                     # where the values were chosen is asked only of inputs: it reads the callers' locals, and
                     # on Python 3.11 the snapshot that takes keeps them alive (a graph the caller let go)
                     self.writers[key] = (str(func), user_frame(), buf.name if buf is not None else describe(t),
-                                         chosen_at(func, args) if read else None, doctor.report.replays)
+                                         chosen_at(func, args) if read else None, doctor.report.replays,
+                                         late_refresh.frames())
 
     def _record(self, func, args, kwargs) -> None:
         inputs = op_tensors(args, kwargs)
@@ -225,6 +230,7 @@ class Reference:
                 self.captured_with[id(info)] = {view: t.clone() for view, t in views.items()}
 
     def replay_begin(self, doctor, info) -> None:
+        late_refresh.check(self.late, self.writers, self.found)
         pending = info.pending
         if self.span is not None and (pending is None or not pending.span) and info in self.span[0].span:
             return                               # a later piece of a PIECEWISE step: counted at its first
@@ -281,7 +287,7 @@ class Reference:
         ops = [info.ops[info.paths[i][0]] for i in under]
         with _disable_current_modes():
             wrote = written_inputs(info)
-            match = self._step(code, k, ops, under, values, wrote)
+            match = self._step(code, k, ops, under, values, wrote, info.step is not None)
             if match is None:
                 return
             number, ref, compared = match
@@ -307,7 +313,11 @@ class Reference:
         if not guessed:                          # (what a guess finds waits for the workload's results)
             release(doctor, info.held, info.held_state)   # what earlier replays' probes found, now borne out
         with _disable_current_modes():           # a PIECEWISE step's other pieces are not in ``ops``: no trace
-            by_input = static_input(self.writers, info, compared, pending.size - pending.real, doctor.carried.captured)
+            by_input = static_input(self.writers, info, compared, pending.size - pending.real,
+                                    doctor.carried.captured, stale := [])
+            if stale and info.step is not None and not wrote \
+                    and (moved := written_elsewhere.found(stale[0], replayed, by_input)):
+                by_input, stale = moved, []
             found = by_input or narrower(ops, under, ref, values, doctor.views) or (
                 None if pending.span else (
                 launched(info, ops, under, ref, pending.size, pending.real < pending.size)
@@ -330,8 +340,10 @@ class Reference:
         self.found[info.name] = entry
         if by_input is not None:
             self.by_input.add(info.name)
+        if stale:
+            late_refresh.held(self.late, info.name, stale[0], doctor.report.replays)
 
-    def _step(self, code, k: int, ops: list, under: tuple, values: dict, wrote: set) -> tuple | None:
+    def _step(self, code, k: int, ops: list, under: tuple, values: dict, wrote: set, noted: bool) -> tuple | None:
         """(call number, its ops, its comparisons) of the reference's call of ``code`` that this replay
         serves: the call whose inputs agree with most of the static inputs the graph reads (the
         served run's count of steps breaks a tie: a training loop whose warmup was a real step is one
@@ -340,7 +352,11 @@ class Reference:
         not asked: a graph replayed for the wrong step gives another step's answer. Where the step
         wrote static inputs the graph reads (``wrote``), only those tell its step: one left as an
         earlier step wrote it may be what is wrong (a block table left from another request whose
-        token and position this step repeats), and must not tie the replay to that step."""
+        token and position this step repeats), and must not tie the replay to that step. Where the
+        step is known (``noted``) to have written none of them, all its inputs are what an earlier
+        step left (a runner binding each step's inputs in tensors the graph does not read): the
+        call they match is behind the count, and the call the count gives is the replay's step, if
+        its inputs are other ones."""
         best, calls = None, self.calls[code]
         if not values and k < len(calls):         # no static input under the root: the count is all there is
             number = calls[k]
@@ -351,10 +367,16 @@ class Reference:
             agree = sum(same for _, buf, _, _, same, _ in compared
                         if not wrote or (t := buf.ref()) is not None and storage_key(t) in wrote)
             if agree and (best is None or agree > best[0]):
-                best = (agree, number, ref, compared)
+                best = (agree, number, ref, compared, c)
         if best is None and k < len(calls):      # no call agrees with any: the count is all there is
             return calls[k], self._ops_of(code, calls[k]), None
-        return best[1:] if best is not None else None
+        if best is not None and noted and not wrote and best[4] < k < len(calls):
+            # nothing written since the last replay: the values are an earlier step's, left there
+            ref = self._ops_of(code, calls[k])
+            compared = compare_views(ops, under, ref, values)
+            if compared and not all(same for *_, same, _ in compared):
+                return calls[k], ref, compared
+        return best[1:4] if best is not None else None
 
     def _ops_of(self, code, number) -> list:
         if self.by_call is None or self.by_call[0] is not code:
@@ -375,6 +397,7 @@ class Reference:
         """Findings for the graphs that no other rule found anything in; the replays that differ from
         the reference with no finding for their graph are the report's ``unexplained``. Held findings
         are reported where the workload's results bear them out (``probes.borne_out``)."""
+        late_refresh.check(self.late, self.writers, self.found)
         if self.verdict == () and not doctor.report.errors:
             sync.handled(doctor)
         mutation.warm_writes_concluded(doctor, self.warm_writes, agreed=self.verdict == ())
@@ -412,20 +435,10 @@ class Reference:
                                              f"graphs' (max |diff| = {self.verdict[1]:.3g}), and no finding explains it")
 
     def root(self, info) -> tuple | None:
-        """(root code, the positions in ``info.paths`` of the ops under it): the function of the
-        captured code that the reference called and that runs the most of its ops (outermost on a tie)."""
+        """(root code, the positions in ``info.paths`` of the ops under it): ``reference_steps.root``."""
         if info not in self.roots:
-            best = None
-            for depth in range(max((len(p) for _, p, *_ in info.paths), default=0)):
-                for code in dict.fromkeys(p[depth] for _, p, *_ in info.paths if len(p) > depth):
-                    if code not in self.calls:
-                        continue
-                    under = tuple(i for i, (_, p, *_) in enumerate(info.paths) if code in p)
-                    if best is None or len(under) > len(best[1]):
-                        best = (code, under)
-            self.roots[info] = best
+            self.roots[info] = root(info.paths, self.calls)
         return self.roots[info]
-
 
 def _report(doctor, name: str, kind: str, op: str, tensor: str, source: str, why: str, text: str, numbers: dict) -> None:
     """The finding for a replay of ``name`` that differs from its step of the run without graphs."""

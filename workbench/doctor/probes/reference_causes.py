@@ -59,17 +59,16 @@ def chosen_at(func, args) -> str | None:
     return sync.handed_in([(f, f.f_lineno) for f in user_frames()], sync.same_memory(src))
 
 
-def static_input(writers: dict, info, compared: list, padded: int, tracked) -> tuple | None:
-    """The first static input whose real rows differ from what the reference gives the same op.
-    Where the step wrote none of the elements that differ (``info.step``, the writes since the
-    graph's previous replay that differential replay notes, for the buffers it notes them of:
-    ``tracked``, a graph's own static inputs -- not memory another graph owns and hands on, a
-    piece's output the next piece reads), the graph read what an earlier step left there:
-    ``stale-input``, at the op that reads it. Else the runner wrote this step's input
-    otherwise than the workload computes it: ``warmup-divergence``, at the line that wrote it --
-    unless what it wrote is the reference's values moved by as many rows as the step has padded
-    rows (``padded``): a position computed from the padded count where the real one was meant, or
-    the other way round, ``padded-shape-mismatch`` at that line."""
+def static_input(writers: dict, info, compared: list, padded: int, tracked, stale: list) -> tuple | None:
+    """The first static input whose real rows differ from what the reference gives the same op. Where the step
+    wrote none of the elements that differ (``info.step``, the writes since the graph's previous replay that
+    differential replay notes, for the buffers it notes them of: ``tracked``, a graph's own static inputs -- not
+    memory another graph owns and hands on, a piece's output the next piece reads), the graph read what an
+    earlier step left there: ``stale-input``, at the op that reads it (``stale`` gets its buffer, view geometry
+    and the reference's tensor, for ``late_refresh``). Else the runner wrote this step's input otherwise than
+    the workload computes it: ``warmup-divergence``, at the line that wrote it -- unless what it wrote is the
+    reference's values moved by as many rows as the step has padded rows (``padded``): a position computed from
+    the padded count where the real one was meant, or the other way round, ``padded-shape-mismatch`` there."""
     for op, buf, mine, given, same, (shape, stride, offset) in compared:
         if same:
             continue
@@ -93,6 +92,7 @@ def static_input(writers: dict, info, compared: list, padded: int, tracked) -> t
                        "step left there (an input the step omitted, a refresh skipped)"
                        + (f"; {refresh[1]} refreshed {refresh[0]}, {refresh[3]}, at {refresh[2]}" if refresh else ""))
                 site = refresh[2] if refresh else op.source
+                stale.append((buf, (shape, stride, offset), given))
                 return "stale-input", op.name, f"{buf.name}: {describe(mine)}", site, why
         writer = writers.get(storage_key(whole_buf), (op.name, op.source, None, None, 0))
         chosen = f", with values chosen at {writer[3]}" if writer[3] else ""

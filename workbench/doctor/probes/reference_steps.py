@@ -92,3 +92,18 @@ class Values:
                 if (kept := self.keep(value, budget="left")) is not None:
                     left[id(s)] = (kept, offset, stride)
         return left
+
+
+def root(paths: list, calls: dict) -> tuple | None:
+    """(root code, the positions in ``paths`` of the ops under it) of a graph whose captured ops ran
+    in the functions ``paths`` lists: the function of the captured code that the reference called
+    (``calls``) and that runs the most of its ops (outermost on a tie)."""
+    best = None
+    for depth in range(max((len(p) for _, p, *_ in paths), default=0)):
+        for code in dict.fromkeys(p[depth] for _, p, *_ in paths if len(p) > depth):
+            if code not in calls:
+                continue
+            under = tuple(i for i, (_, p, *_) in enumerate(paths) if code in p)
+            if best is None or len(under) > len(best[1]):
+                best = (code, under)
+    return best
