@@ -2948,3 +2948,60 @@ def test_an_input_left_out_is_stale_input_though_a_buffer_made_alike_holds_its_v
     if finding is None:
         return
     assert finding.kind == "stale-input" and finding.tensor.startswith("group1.idx: "), finding
+
+
+def by_path(q, positions, decode: bool):
+    """A decode step reads the queries alone; a prefill step reads the positions too."""
+    if decode:
+        return q * 2
+    return q * 2 + positions[:, None]
+
+
+class DecodeGraph:
+    """One graph captured on the decode path; the runner fills ``positions`` at every step, for the
+    eager prefill path. ``fix``: prefill steps run eagerly; ``bug``: they replay the decode graph."""
+
+    def __init__(self, variant: str):
+        self.variant, self.q, self.positions = variant, torch.zeros(2, 4), torch.zeros(2)
+        events.static_buffers("runner", {"q": self.q, "positions": self.positions})
+        self.decode = True
+        self.step = lambda: by_path(self.q, self.positions, self.decode)  # noqa: E731
+        self.graph = new_graph("cpu")
+        with graph(self.graph, name="decode"):
+            self.out = self.step()
+
+    def __call__(self, q, positions, decode: bool):
+        self.q.copy_(q)
+        self.positions.copy_(positions)
+        if not decode and self.variant == "fix":
+            return by_path(self.q, self.positions, False)
+        events.serve(self.graph, 2, 2, outputs=self.out, eager=self.step)
+        self.graph.replay()
+        return self.out.clone()
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_an_input_only_another_path_reads_is_a_finding_only_where_the_results_part(variant):
+    """The decode graph never reads the positions the runner fills at every step: the code names them
+    on a line the capture did not run. Where the graph serves only decode steps (``fix``), the
+    workload's results agree with its run without graphs, and that is a note; where it also serves
+    a prefill step (``bug``), the results part, and it is a finding."""
+    def workload():
+        gen = torch.Generator().manual_seed(7)
+        steps = [(torch.randn(2, 4, generator=gen), torch.tensor([float(i), i + 1.0]), i != 1) for i in range(4)]
+        with events.reference():
+            expected = [by_path(q, p, d) for q, p, d in steps]
+        runner = DecodeGraph(variant)
+        got = [runner(q, p, d) for q, p, d in steps]
+        events.results(expected, got)
+        return expected, got
+
+    expected, got = workload()
+    assert all(torch.equal(e, g) for e, g in zip(expected, got)) == (variant == "fix")
+    report = doctor.diagnose(workload)
+    passed_over = [f for f in report.findings if f.tensor.startswith("positions: ")]
+    if variant == "fix":
+        assert report.findings == [] and any("positions" in n and "not reported" in n for n in report.notes), report
+        return
+    assert passed_over and passed_over[0].kind == "warmup-divergence", report
+    assert "return q * 2 + positions[:, None]" in passed_over[0].source, report

@@ -3,7 +3,9 @@
 A static input that no graph reads at all, while the runner brings it data for the steps they
 serve, may have been left out of what the capture ran (a branch taken on an argument the capture
 was not given: ``inputs_embeds=None``), or be a buffer the runner keeps for kernels the graphs do
-not use: a note says so, not a finding.
+not use: a note says so, not a finding. Where the captured code names it on a line the capture did
+not run, it is ``warmup-divergence`` there; beside a run without graphs, only where the workload's
+results part from it (a buffer filled for another path's steps, which the graph never serves).
 
 A graph reads the views of its static inputs that the capture read: ``input_ids[:, :3]`` if it
 was captured on a batch of three tokens, whatever the buffer's width. A later step that copies four
@@ -329,7 +331,7 @@ def _dropped(doctor, key: int) -> None:
     mask, source, graph, replay, read, name, shape, captured_at, passed_over = doctor.unread.pop(key)
     n = int(mask.sum())
     if passed_over is not None:      # the captured code names the buffer on a line the capture never ran
-        doctor.add(Finding(
+        _passed_over(doctor, graph, Finding(
             "warmup-divergence", graph, "-", f"{name}: {shape}", passed_over,
             f"the runner fills the static input {name} for the steps {graph} serves ({n} element(s) of new data "
             f"before replay {replay}, at {source}), but no graph reads it; the captured code names it on this line, "
@@ -345,6 +347,23 @@ def _dropped(doctor, key: int) -> None:
         f"(it reads {read} element(s) of it, the views its capture read), and nothing read them before they were "
         "overwritten or the watch ended", explain.unread_copy(name, graph),
         {"elements_dropped": n, "elements_read": read}), ("undersized-buffer", graph, "copied, never read"))
+
+
+def _passed_over(doctor, graph: str, finding: Finding, key: tuple) -> None:
+    """A static input the graph's path at capture never read: a runner also fills a buffer for the
+    other path's steps (a prefill branch's positions) while a graph serves only steps of its own
+    path. Beside a run without graphs, that is a finding only where the workload's results part from
+    it: held until they are known, and a note where they agree."""
+    reference = doctor.reference
+    if reference is None or reference.verdict:
+        doctor.add(finding, key)
+    elif reference.verdict == ():
+        doctor.report.note(f"{finding.evidence} ({finding.location}), but the workload's results agree with its run "
+                           "without graphs: the graph's path served its steps: not reported")
+    else:
+        info = next((g for g in doctor.graphs.values() if g.name == graph), None)
+        with held(doctor, info.held_state if info is not None else None):
+            doctor.add(finding, key)
 
 
 def _note_unread(doctor, graph: str, name: str, n: int, replay: int, source: str, captured_at: str) -> None:
