@@ -21,7 +21,7 @@ def frames() -> tuple:
     return tuple((id(f), location(f)) for f in user_frames())
 
 
-def held(late: dict, name: str, stale: tuple, replays: int) -> None:
+def after_replay(late: dict, name: str, stale: tuple, replays: int) -> None:
     """After a replay found to read a stale input (``stale``: its buffer, the view's geometry and what
     the reference gave the op): what the next write into that buffer is checked against."""
     late[name] = (*stale, {fid for fid, _ in frames()}, replays)

@@ -32,12 +32,12 @@ step on both sides (``reference_causes.py``):
    the elements that differ, it omitted them -- ``stale-input`` at the refresh that skipped them (the
    step's write into another input that the op, or its function, reads; else the function that wrote
    most of the step's inputs), at the op that reads them where the step wrote no input, in the frame
-   that replays first where the step writes them after the replay (``late_refresh``), and where it
-   holds them, having written none of the graph's inputs, in another tensor made where the graph's was,
-   the graph reads one the capture bound -- ``warmup-divergence`` where it was chosen
-   (``written_elsewhere``); or the graph's view is narrower,
-   in a dimension other than its rows, than the reference's tensor: the capture's window is too small
-   for this step -- ``undersized-buffer`` at the line that took the view;
+   that replays first where the step writes them after the replay (``late_refresh``); where the step
+   wrote none of the graph's inputs and holds them in another tensor made where the graph's was, the
+   graph reads one the capture bound -- ``warmup-divergence`` where it was chosen
+   (``written_elsewhere``); or the graph's view is narrower, in a dimension other than its rows, than
+   the reference's tensor: the capture's window is too small for this step -- ``undersized-buffer``
+   at the line that took the view;
 2. else the launch traces part (by op and line; shapes differ where rows are padded): the graph
    replays what Python decided at capture -- a loop run another number of times is
    ``host-work-frozen`` at the frame that loops, another branch ``warmup-divergence``; a loop over
@@ -341,7 +341,7 @@ class Reference:
         if by_input is not None:
             self.by_input.add(info.name)
         if stale:
-            late_refresh.held(self.late, info.name, stale[0], doctor.report.replays)
+            late_refresh.after_replay(self.late, info.name, stale[0], doctor.report.replays)
 
     def _step(self, code, k: int, ops: list, under: tuple, values: dict, wrote: set, noted: bool) -> tuple | None:
         """(call number, its ops, its comparisons) of the reference's call of ``code`` that this replay
@@ -439,6 +439,7 @@ class Reference:
         if info not in self.roots:
             self.roots[info] = root(info.paths, self.calls)
         return self.roots[info]
+
 
 def _report(doctor, name: str, kind: str, op: str, tensor: str, source: str, why: str, text: str, numbers: dict) -> None:
     """The finding for a replay of ``name`` that differs from its step of the run without graphs."""

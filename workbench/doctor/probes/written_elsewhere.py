@@ -18,7 +18,7 @@ import torch
 from ...engine import memory
 from ...engine.opinfo import describe
 from ..tensors import disagrees
-from .reference_causes import rows_like
+from .reference_causes import chosen, rows_like
 
 
 def found(stale: tuple, replayed: tuple, by_input: tuple) -> tuple | None:
@@ -35,7 +35,7 @@ def found(stale: tuple, replayed: tuple, by_input: tuple) -> tuple | None:
         other = torch.empty(0, dtype=whole.dtype, device=whole.device).set_(storage, offset, shape, stride)
         now = rows_like(other, given)
         if now is not None and not bool(disagrees(now, given).any()):
-            site = replayed[1] or replayed[0]
+            site = chosen(replayed)
             return ("warmup-divergence", op, f"{buf.name}: {describe(given)}", site,
                     f"{why}; yet another {describe(whole)}, made where the graph's was ({made[1]}), holds this step's "
                     f"values: the graph reads the {buf.name} it was captured on, a reference the capture froze, and "
