@@ -36,7 +36,7 @@ from .failures import contained
 from .report import Finding, Report
 from .runner_events import RunnerEvents
 from .threads import Threads
-from .rules import (bounds, clamped, clobbered, dangling, decisions, derived, empty_batch, host_copies, mutation,
+from .rules import (bounds, clamped, clobbered, dangling, decisions, derived, empty_batch, graph_keys, host_copies, mutation,
                     overwritten, padded_scatter, reused, shapes, staging, sync, uncomputed, undersized, unread, unwritten, warmup)
 from .rules.pool import PoolReads
 from .tensors import first_line
@@ -182,11 +182,11 @@ class Doctor(RunnerEvents):
         if self.info(graph) is not None:            # the same graph captured again: the new capture replaces it
             del self.graphs[self.current[id(graph)]]
         info = GraphInfo(graph, name or f"graph #{len(self.graphs) + 1}")
+        graph_keys.capture_begin(info)
         self.warm.capture_begin(info)
         self.current[id(graph)] = self.report.captures
         self.graphs[self.report.captures] = info
-        self.capturing = info
-        self.phase = "capture"
+        self.capturing, self.phase = info, "capture"
         self.report.captures += 1
         self.upload_guard = sync.guard_uploads(info)
 

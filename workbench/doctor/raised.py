@@ -46,8 +46,8 @@ import torch
 from ..engine.errors import GraphError, IllegalMemoryAccess
 from ..engine.source import SKIP_DIRS, function_name, location, mine, raises_at, short_path
 from . import failures
-from .rules import (checks, clobbered, decisions, dummy_batch, input_match, shapes, size_table, sync, torn_down,
-                    undersized)
+from .rules import (checks, clobbered, decisions, dummy_batch, graph_keys, input_match, shapes, size_table, sync,
+                    torn_down, undersized)
 from .tensors import first_line, placement
 
 _RETURNS = {dis.opmap[name] for name in ("RETURN_VALUE", "RETURN_CONST", "YIELD_VALUE", "RETURN_GENERATOR")
@@ -183,6 +183,8 @@ class _Tracer:
         if watched:
             doctor.empty_batch.raised(doctor, error)
             size_table.explained(doctor, error, frame)
+            if not failures.pending(doctor, error):
+                graph_keys.raised(doctor, error, frame)
             torn_down.failed(doctor, error, frame)
             if raises_at(frame.f_code, frame.f_lasti):                # the program's own check (``assert``, ``raise``), not a library's
                 at = checks.helper_caller(frame) or frame     # (a check helper's: its caller compared)

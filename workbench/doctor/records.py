@@ -168,6 +168,7 @@ class GraphInfo:
         self.gone: tuple[str, str] | None = None    # ("reset" or "dropped", the user's line that did it)
         self.born, self.gone_at = next(_CLOCK), None    # when it was captured, and let go of
         self.site = user_frame()                    # the user's line that captured it
+        self.callers: list = []                     # (function, key-like locals, line) of the frames that opened it
         self.cuda = not hasattr(graph, "ops")       # a torch.cuda.CUDAGraph exposes no op list
         self.ops: list[Op] = []                     # the capture's launch trace
         self.externals: dict[int, External] = {}

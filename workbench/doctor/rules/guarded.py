@@ -21,7 +21,7 @@ from ...engine.source import location
 from ..report import Finding
 from . import checks
 
-_SAYS = re.compile(r"captur", re.IGNORECASE)
+SAYS_CAPTURE = re.compile(r"captur", re.IGNORECASE)
 
 
 def refused(doctor, graph: str, frames: list, error: BaseException) -> bool:
@@ -29,9 +29,9 @@ def refused(doctor, graph: str, frames: list, error: BaseException) -> bool:
     if not frames or any(graph in f.graph.split(", ") for f in doctor.report.findings):
         return False                # nothing of the user's raised it, or a finding already explains the capture
     frame = frames[0][0]
-    if not (_SAYS.search(str(error)) or _asks(frame.f_code) and not isinstance(error, checks.MISUSE)):
+    if not (SAYS_CAPTURE.search(str(error)) or _asks(frame.f_code) and not isinstance(error, checks.MISUSE)):
         return False
-    guard = len(frames) > 1 and _SAYS.search(frame.f_code.co_name) is not None
+    guard = len(frames) > 1 and SAYS_CAPTURE.search(frame.f_code.co_name) is not None
     site = location(*frames[1]) if guard else location(*frames[0])
     text = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
     evidence = (f"the capture of {graph} was refused by the workload's own check, at {location(*frames[0])}: "
@@ -45,4 +45,4 @@ def refused(doctor, graph: str, frames: list, error: BaseException) -> bool:
 
 def _asks(code) -> bool:
     """Whether a function's own code names a capture query (``is_current_stream_capturing``, ``capturing``)."""
-    return any(_SAYS.search(name) for name in code.co_names)
+    return any(SAYS_CAPTURE.search(name) for name in code.co_names)

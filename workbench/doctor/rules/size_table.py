@@ -21,7 +21,7 @@ from ...engine.source import location, mine
 from .. import explain
 from ..report import Finding
 
-_UNKNOWN = object()
+UNKNOWN = object()
 
 
 def explained(doctor, error: BaseException, frame) -> None:
@@ -30,13 +30,13 @@ def explained(doctor, error: BaseException, frame) -> None:
         return
     sizes = {n for info in doctor.graphs.values() if info.ref() is not None
              for n in (*info.rows, *([info.size] if info.size else []))}
-    node = _subscript(frame) if sizes else None
+    node = subscript(frame) if sizes else None
     if node is None:
         return
-    table = _value(node.value, frame)
-    index = error.args[0] if isinstance(error, KeyError) and error.args else _value(node.slice, frame)
+    table = plain_value(node.value, frame)
+    index = error.args[0] if isinstance(error, KeyError) and error.args else plain_value(node.slice, frame)
     largest = max(sizes)
-    if table is _UNKNOWN or not _past_sizes(table, index, largest):
+    if table is UNKNOWN or not _past_sizes(table, index, largest):
         return
     asked, source = frame, location(frame)
     if isinstance(node.slice, ast.Name) and node.slice.id in _arguments(frame.f_code) \
@@ -64,7 +64,7 @@ def _past_sizes(table, index, largest: int) -> bool:
     return by_size or holds_sizes
 
 
-def _subscript(frame) -> ast.Subscript | None:
+def subscript(frame) -> ast.Subscript | None:
     """The subscript expression the frame's failing instruction evaluates, from its source columns."""
     try:
         positions = list(frame.f_code.co_positions())[frame.f_lasti // 2]
@@ -81,18 +81,18 @@ def _subscript(frame) -> ast.Subscript | None:
     return node if isinstance(node, ast.Subscript) else None
 
 
-def _value(node, frame):
+def plain_value(node, frame):
     """A name, a constant or an attribute path of the frame's locals, read without running code
-    (an object's ``__dict__``, never a property); ``_UNKNOWN`` for anything else."""
+    (an object's ``__dict__``, never a property); ``UNKNOWN`` for anything else."""
     if isinstance(node, ast.Constant):
         return node.value
     if isinstance(node, ast.Name):
-        return frame.f_locals.get(node.id, frame.f_globals.get(node.id, _UNKNOWN))
+        return frame.f_locals.get(node.id, frame.f_globals.get(node.id, UNKNOWN))
     if isinstance(node, ast.Attribute):
-        owner = _value(node.value, frame)
-        attrs = getattr(owner, "__dict__", None) if owner is not _UNKNOWN else None
-        return attrs.get(node.attr, _UNKNOWN) if isinstance(attrs, dict) else _UNKNOWN
-    return _UNKNOWN
+        owner = plain_value(node.value, frame)
+        attrs = getattr(owner, "__dict__", None) if owner is not UNKNOWN else None
+        return attrs.get(node.attr, UNKNOWN) if isinstance(attrs, dict) else UNKNOWN
+    return UNKNOWN
 
 
 def _arguments(code) -> tuple:
