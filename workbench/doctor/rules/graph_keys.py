@@ -124,7 +124,7 @@ def _lazy_capture(doctor, frame):
         for name, value in _held(f).items():
             before = [v[name] for v in held.get(f.f_code, ()) if name in v]
             if before and len(before) == len(held[f.f_code]) and _structured(value) \
-                    and all(type(b) is type(value) and b != value for b in before):
+                    and all(type(b) is type(value) and _arity(b) == _arity(value) and b != value for b in before):
                 return f"`{name}` in {f.f_code.co_name}", value, before
     return None
 
@@ -175,8 +175,7 @@ def _arity(value) -> int:
 
 
 def _differ(asked, captured) -> list:
-    if not _structured(asked):
-        return [] if asked == captured else ["the key"]
+    """The fields of two keys of one type and arity that hold other values."""
     return [f for f in _names(asked) if _field(asked, f) != _field(captured, f)]
 
 
