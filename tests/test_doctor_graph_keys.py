@@ -7,6 +7,7 @@ Each workload has a ``bug`` and a ``fix`` variant that differ only in the flawed
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import pytest
 import torch
@@ -211,3 +212,51 @@ def test_an_unpadded_replays_stale_input_is_reported_beside_a_padded_rows_findin
     kinds = [f.kind for f in report.findings]
     assert "stale-input" in kinds, report
     assert next(f for f in report.findings if f.kind == "stale-input").tensor.startswith("slots"), report
+
+
+class Mode(enum.Enum):
+    FULL = 1
+
+
+def test_one_definition_of_a_key_serves_the_lookup_rule_and_the_decider():
+    """What a runner keys its graphs on is one notion (``graph_keys.keylike``): a scalar, an enum, a
+    dtype, a device, or a hashable tuple or dataclass of them, nested; never a tensor or another
+    object. A function that returns a non-empty such tuple or dataclass answered a graph lookup
+    (``raised._key``: the decider a replay is traced back to), a dispatcher's ``(mode, descriptor)``
+    among them."""
+    from workbench.doctor import raised
+    from workbench.doctor.rules import graph_keys
+
+    @dataclasses.dataclass
+    class Unhashable:              # (eq without frozen: no hash, no key)
+        n: int
+
+    assert graph_keys.keylike(Descriptor(4, True))
+    assert graph_keys.keylike((2, torch.float16, torch.device("cpu"), (3, 4), Mode.FULL))
+    assert not graph_keys.keylike((2, torch.zeros(1)))
+    assert not graph_keys.keylike(Unhashable(1))
+    assert not graph_keys.keylike(object())
+    assert raised._key((Mode.FULL, Descriptor(4, True)))
+    assert raised._key(Descriptor(4, True))
+    assert not raised._key(())
+    assert not raised._key(4)                    # (a number alone is a value, not a key's answer)
+    assert not raised._key([1, 2])
+
+
+def test_a_decision_noted_for_one_frame_is_never_read_for_another_that_reuses_its_id():
+    """The function whose answer chose a replayed graph is noted by its caller's frame id
+    (``raised.decider``); a frame that dies untraced (a library's, which called a dataclass's
+    ``__eq__``) leaves its id free for a later frame of the workload, which must not inherit it:
+    the note keeps the caller's code, and is read only for a frame running that code."""
+    import sys
+
+    from workbench.doctor import raised
+
+    frame = sys._getframe()
+    try:
+        raised._tracer.decided[id(frame)] = (compile("0", "<another function>", "eval"), "noted elsewhere")
+        assert raised.decider([frame]) is None
+        raised._tracer.decided[id(frame)] = (frame.f_code, "noted here")
+        assert raised.decider([frame]) == "noted here"
+    finally:
+        raised._tracer.decided.pop(id(frame), None)

@@ -69,15 +69,16 @@ def test_verdicts_name_right_wrong_and_missed():
 # Variants that behave alike on both backends but where the doctor answers otherwise, and why.
 GPU_DIFFERS: dict = {
     ("round122/vllmascend_16300_replicated_pcp_draft_prefill_graph_skips_block_table_slot_refresh", "bug"):
-        "on the CPU the first replay, with no padded rows, reads the slot mappings the capture left and the run "
-        "without graphs names them (stale-input, beside the later padded replay's stale-padding); on one H100 the "
-        "doctor gave stale-padding and warmup-divergence instead: why its comparison there names another kind is "
-        "not known yet",
+        "the first replay, with no padded rows, reads the slot mappings the capture left, all zero: its eight "
+        "tokens store their K/V into one slot through index_copy_ with repeated indices, whose winner CUDA leaves "
+        "unspecified. On the CPU the replay and its eager run agree and the run without graphs names the stale "
+        "slots (stale-input, beside the later padded replay's stale-padding); on one H100 the replay and its "
+        "eager run store other rows, differential replay parts there first (warmup-divergence) and the "
+        "comparison with the run without graphs is not reached",
     ("round123/lightllm_b4b13cc_gemma4_image_token_end_none_at_capture_freezes_text_branch", "bug"):
-        "the same warmup-divergence, named at serve on the CPU (the list comprehension that calls _prefill) and at "
-        "_prefill on one H100; that machine's Python (3.12) runs a comprehension in its function's frame where 3.11 "
-        "gives it one of its own, likely why the walk to where the step's values were chosen ends one frame apart "
-        "(not confirmed)",
+        "the same warmup-divergence, named where the step's token ids were chosen: at serve on the CPU, where "
+        "_prefill's input_ids.to(device) returns the tensor serve handed it, and at _prefill on CUDA, where that "
+        "copy makes the tensor _replay copies from (on the H100 machine's CPU, Python 3.12, it is serve too)",
     ("round19/vllm_25513_kv_scale_calc_skipped_by_full_graph", "bug"):
         "on the CPU the padded rows' cache write also changes elements real rows read (stale-padding, listed "
         "first); on the H200 it does not, and the same frozen scale (host-work-frozen) is the answer",

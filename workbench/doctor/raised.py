@@ -41,8 +41,6 @@ import os
 import sys
 import sysconfig
 
-import torch
-
 from ..engine.errors import GraphError, IllegalMemoryAccess
 from ..engine.source import SKIP_DIRS, function_name, location, mine, raises_at, short_path
 from . import failures
@@ -80,7 +78,7 @@ class _Tracer:
         self.returned: tuple | None = None
         # id(frame) -> where the last user function it called that answered True or False returned (with a
         # reference run): a check whose answer may have chosen a graph (``decider``)
-        self.decided: dict[int, str] = {}
+        self.decided: dict[int, tuple] = {}
 
     def start(self, doctor) -> None:
         if self.doctor is None and sys.gettrace() is not None:
@@ -125,9 +123,11 @@ class _Tracer:
                 self.returned = (frame.f_code, frame.f_lineno, id(caller), caller.f_lineno if caller else None)
                 if self.decided:
                     self.decided.pop(id(frame), None)
-                if doctor.reference is not None and caller is not None and (type(arg) is bool or _key(arg)):
-                    # (code made at run time without source, a dataclass's ``__eq__``: the caller's line compared)
-                    self.decided[id(caller)] = location(frame if mine(frame) else caller)
+                if doctor.reference is not None and caller is not None and mine(caller) \
+                        and (type(arg) is bool or _key(arg)):
+                    # (code made at run time without source, a dataclass's ``__eq__``: the caller's line compared;
+                    # keyed by the caller's id, which a later frame may reuse: its code is kept to tell them apart)
+                    self.decided[id(caller)] = (caller.f_code, location(frame if mine(frame) else caller))
                 if doctor.padded_step is not None and arg is not None:
                     shapes.handed_on(doctor, frame, arg)
                 if (info := doctor.capturing) is not None:
@@ -326,22 +326,15 @@ def decider(frames) -> str | None:
     graph-update check), or a key (a tuple of plain values: a graph cache's key function), whose
     answer chose to replay the graph it had. None if none did."""
     for frame in frames:
-        if (where := _tracer.decided.get(id(frame))) is not None:
-            return where
+        if (entry := _tracer.decided.get(id(frame))) is not None and entry[0] is frame.f_code:
+            return entry[1]
     return None
 
 
-_PLAIN = (int, float, str, bool, torch.dtype, torch.device)
-
-
 def _key(value) -> bool:
-    """Whether a returned value is a key: a non-empty tuple of numbers, strings, None, dtypes, devices,
-    shapes or such tuples (what a runner keys its graphs on), never one holding a tensor or an object."""
-    return type(value) is tuple and bool(value) and all(_plain(v) for v in value)
-
-
-def _plain(value) -> bool:
-    return type(value) in _PLAIN or value is None or type(value) in (tuple, torch.Size) and all(map(_plain, value))
+    """Whether a returned value is a key: a non-empty tuple or dataclass of plain values
+    (``graph_keys.keylike``: what a runner keys its graphs on)."""
+    return graph_keys.structured(value) and graph_keys.keylike(value) and value != ()
 
 
 def tracing() -> bool:

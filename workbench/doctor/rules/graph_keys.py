@@ -29,12 +29,14 @@ import dataclasses
 import enum
 import inspect
 
+import torch
+
 from ...engine.source import location, user_frames
 from ..report import Finding
 from . import guarded
 from .size_table import UNKNOWN, plain_value, subscript
 
-_SCALARS = (bool, int, float, str, type(None), enum.Enum)
+_SCALARS = (bool, int, float, str, type(None), enum.Enum, torch.dtype, torch.device)
 
 
 def capture_begin(info) -> None:
@@ -50,7 +52,7 @@ def _held(frame, cut: bool = False) -> dict:
     kept here (a tracer that reads it again refreshes it whole first); never inside a trace event of
     that frame, after which Python writes the snapshot back into its locals."""
     values = frame.f_locals
-    kept = {k: v for k, v in values.items() if _keylike(v)}
+    kept = {k: v for k, v in values.items() if keylike(v)}
     if cut and type(values) is dict and values is not frame.f_globals and frame.f_code.co_flags & inspect.CO_OPTIMIZED:
         for name in values.keys() - kept.keys():
             del values[name]
@@ -106,7 +108,7 @@ def _table_miss(doctor, key, frame):
     """``graphs[key]`` failed on a table whose values hold the captured graphs: its keys."""
     node = subscript(frame)
     table = plain_value(node.value, frame) if node is not None else UNKNOWN
-    if not isinstance(table, dict) or not table or not _structured(key) or not _keylike(key) \
+    if not isinstance(table, dict) or not table or not structured(key) or not keylike(key) \
             or not any(_holds_graph(doctor, v) for v in table.values()):
         return None
     captured = [k for k in table if type(k) is type(key) and _arity(k) == _arity(key)]
@@ -123,7 +125,7 @@ def _lazy_capture(doctor, frame):
     for f in user_frames(frame):
         for name, value in _held(f).items():
             before = [v[name] for v in held.get(f.f_code, ()) if name in v]
-            if before and len(before) == len(held[f.f_code]) and _structured(value) \
+            if before and len(before) == len(held[f.f_code]) and structured(value) \
                     and all(type(b) is type(value) and _arity(b) == _arity(value) and b != value for b in before):
                 return f"`{name}` in {f.f_code.co_name}", value, before
     return None
@@ -132,7 +134,7 @@ def _lazy_capture(doctor, frame):
 def _holder(frames, key) -> str | None:
     """Where the outermost of ``frames`` ((code, locals, where), outermost first) held ``key``."""
     for _, values, where in frames:
-        if any(_keylike(v) and type(v) is type(key) and v == key for v in values.values()):
+        if any(keylike(v) and type(v) is type(key) and v == key for v in values.values()):
             return where
     return None
 
@@ -143,20 +145,23 @@ def _holds_graph(doctor, value) -> bool:
     return doctor.info(value) is not None or any(doctor.info(v) is not None for v in inside)
 
 
-def _keylike(value) -> bool:
-    """A plain value a runner keys graphs on: a scalar, or a hashable tuple or dataclass of scalars."""
+def keylike(value) -> bool:
+    """A plain value a runner keys its graphs on: a scalar (a number, a string, None, an enum, a dtype,
+    a device), or a hashable tuple (a shape, a named tuple) or dataclass of such values; never one
+    that holds a tensor or another object."""
     if isinstance(value, _SCALARS):
         return True
-    if not _structured(value):
+    if not structured(value):
         return False
     try:                      # (the workload's own types: a hash or field that raises is no key)
         hash(value)
-        return all(isinstance(_field(value, f), _SCALARS) for f in _names(value))
+        return all(keylike(_field(value, f)) for f in _names(value))
     except Exception:  # noqa: BLE001
         return False
 
 
-def _structured(value) -> bool:
+def structured(value) -> bool:
+    """A tuple or a dataclass instance: a key with fields."""
     return isinstance(value, tuple) or dataclasses.is_dataclass(value) and not isinstance(value, type)
 
 
@@ -171,7 +176,7 @@ def _field(value, name: str):
 
 
 def _arity(value) -> int:
-    return len(_names(value)) if _structured(value) else 1
+    return len(_names(value)) if structured(value) else 1
 
 
 def _differ(asked, captured) -> list:
