@@ -76,8 +76,9 @@ class _Tracer:
         # (code, its last line, id of its caller's frame, the caller's line) of the last user function that
         # returned, until the next call: frames are not held (a frame keeps its locals alive)
         self.returned: tuple | None = None
-        # id(frame) -> where the last user function it called that answered True or False returned (with a
-        # reference run): a check whose answer may have chosen a graph (``decider``)
+        # id(frame) -> (its code, where the last function it called that answered True or False, or a key,
+        # returned), with a reference run: a check whose answer may have chosen a graph (``decider``); the code
+        # tells the frame from a later one given the same id
         self.decided: dict[int, tuple] = {}
 
     def start(self, doctor) -> None:
@@ -323,7 +324,7 @@ def released_at(running) -> str | None:
 def decider(frames) -> str | None:
     """Among ``frames`` (the user's, innermost first: those a replay was asked from), where the last
     check one of them called answered: a function returning True or False (``can_reuse_graph``, a
-    graph-update check), or a key (a tuple of plain values: a graph cache's key function), whose
+    graph-update check), or a key (``_key``: a graph cache's key function, a dispatcher), whose
     answer chose to replay the graph it had. None if none did."""
     for frame in frames:
         if (entry := _tracer.decided.get(id(frame))) is not None and entry[0] is frame.f_code:
