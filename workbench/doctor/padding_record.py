@@ -21,14 +21,14 @@ import torch
 from ..childproc import run_in_child
 from ..engine.source import function_of
 from ..zoo import VARIANTS, names, program
+from .report import PADDED_ROWS
 
 RESULT = pathlib.Path(__file__).resolve().parents[2] / "results" / "gpu" / "doctor_padding.json"
-FAMILY = ("stale-padding", "padded-shape-mismatch")
 
 
 def programs() -> list[str]:
     """The zoo programs whose expected finding is of the padded-rows family."""
-    return [name for name in names() if program(name).KIND in FAMILY]
+    return [name for name in names() if program(name).KIND in PADDED_ROWS]
 
 
 def findings_of(name: str, variant: str, device: str) -> dict:

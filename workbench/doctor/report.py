@@ -30,6 +30,9 @@ KINDS = (
                              # with tensors sized for the real rows
 )
 
+# The kinds that are about padded rows alone: a replay that serves no padded rows cannot be explained by them.
+PADDED_ROWS = ("stale-padding", "padded-shape-mismatch")
+
 FIX_PATTERNS = {
     "persistent-mutation": "Do not update a static input in place, inside the captured region or in the eager "
                            "code around it: use an out-of-place op (`y = x + c`) or a buffer the graph owns; if "

@@ -87,7 +87,7 @@ from ...engine.source import frames_within, user_frame, user_frames
 from .. import explain
 from ..raised import decider
 from ..records import unwritten_blocks
-from ..report import Finding
+from ..report import PADDED_ROWS, Finding
 from ..rules import mutation, reused, sync
 from ..rules.pool import block
 from ..tensors import host_only, leaves, placed, real_rows, signature
@@ -404,8 +404,7 @@ class Reference:
         borne_out(doctor, self.verdict, self.by_input, self.outcomes)
         for name, (_, kind, op, tensor, source, why, text, numbers) in self.found.items():
             unpadded = numbers["real"] == numbers["size"]    # padded rows' findings do not explain such a replay
-            if any(name in f.graph.split(", ")
-                   and not (unpadded and f.kind in ("stale-padding", "padded-shape-mismatch"))
+            if any(name in f.graph.split(", ") and not (unpadded and f.kind in PADDED_ROWS)
                    for f in doctor.report.findings):
                 continue
             if self.verdict == ():      # the workload's results agree: its steps were paired otherwise
