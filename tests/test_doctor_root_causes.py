@@ -473,3 +473,48 @@ def test_a_tensor_the_capture_fetched_from_a_context_is_named_where_it_was_fetch
         (finding,) = report.findings
         assert finding.kind == "warmup-divergence" and " in _attend: return _gather(q, cache, meta)" in finding.source
         assert "The step fetches that tensor at" in finding.evidence + finding.cause, finding
+
+
+# ------------------------------------------------------------------ a replay that raises where the eager step does not
+class Splits:
+    """Partial sums into a scratch of ``splits`` columns, at the split each element's static input
+    names: a plan Python makes per step. The scratch sized by the plan at capture (the bug), or by the
+    largest plan (``fixed``)."""
+
+    def __init__(self, fixed: bool):
+        self.x, self.split = torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.long)
+        self.splits, self.fixed = 2, fixed
+
+    def forward(self, size):
+        parts = torch.zeros(size, 4 if self.fixed else self.splits)
+        parts.scatter_add_(1, self.split[:size], self.x[:size])
+        return parts.sum(1, keepdim=True)
+
+
+def test_a_replay_that_raises_where_its_eager_step_completes_is_named_where_the_traces_part():
+    """The plan grows after capture: the replay scatters past the scratch it captured and raises,
+    while the same step run eagerly sizes its scratch anew and completes. A split past even the
+    largest plan fails without graphs too: not the graph's doing, no finding."""
+    for fixed, split in ((False, 2), (True, 2), (True, 4)):
+        raised = []
+
+        def workload():
+            model = Splits(fixed)
+            m = Manager(model.forward, [2], {"x": model.x, "split": model.split})
+            m.capture()
+            model.x.copy_(rows(2))
+            model.splits = 3
+            model.split.copy_(torch.tensor([0, 1, 2, split]).expand(2, 4))
+            try:                                     # a serving loop that drops the failed batch
+                m.replay(2)
+            except (RuntimeError, IndexError) as e:
+                raised.append(e)
+        report = doctor.diagnose(workload)
+        assert bool(raised) == (not fixed or split == 4)
+        if fixed:
+            assert report.findings == [], report
+            continue
+        (finding,) = report.findings
+        assert finding.kind == "host-work-frozen" and finding.numbers["crashed"] == "RuntimeError", finding
+        assert "an eager run of the same step, from the state before the replay, completes" in finding.evidence
+        assert "parts = torch.zeros(size, 4 if self.fixed else self.splits)" in finding.source, finding

@@ -563,7 +563,7 @@ SIZES = [2, 4]
 
 class _Runner:
     """Graphs of sizes 2 and 4 over one static input, and the host tables a runner keeps of them:
-    the padded size of each batch size, the sorted sizes, the graphs by size."""
+    the padded size of each batch size, the sorted sizes, the graphs by size (also per engine)."""
 
     def __init__(self):
         self.x = torch.zeros(max(SIZES))
@@ -572,6 +572,14 @@ class _Runner:
         for size in reversed(SIZES):
             self.graphs[size], self.outputs[size] = captured(lambda size=size: self.x[:size] * 2,
                                                              static={"x": self.x} if size == 4 else None)
+        self.engines = [self.graphs]
+
+    def run_on(self, engine, batch, size):
+        """``run`` on the graphs of one engine: a table of tables (vLLM's graphs of each virtual engine)."""
+        graph = self.engines[engine][size]
+        self.x[:len(batch)] = batch
+        served(graph, self.outputs[size], lambda: self.x[:size] * 2)
+        return self.outputs[size][:len(batch)].clone()
 
     def pad(self, n):
         return self.padded_size[n]
@@ -584,7 +592,7 @@ class _Runner:
 
 
 
-@pytest.mark.parametrize("form", ["padded size", "sorted sizes", "graphs by size"])
+@pytest.mark.parametrize("form", ["padded size", "sorted sizes", "graphs by size", "graphs per engine"])
 @pytest.mark.parametrize("variant", ["bug", "fix"])
 def test_a_batch_past_the_largest_capture_size_asked_of_a_size_table(form, variant):
     """A batch of 6 rows, more than the largest graph's 4, is sent to the graph path (bug): asking
@@ -600,6 +608,8 @@ def test_a_batch_past_the_largest_capture_size_asked_of_a_size_table(form, varia
             size = SIZES[bisect.bisect_left(SIZES, n)]
         else:
             size = n
+        if form == "graphs per engine":
+            return runner.run_on(0, batch, size)
         return runner.run(batch, size)
 
     def workload():
@@ -611,7 +621,8 @@ def test_a_batch_past_the_largest_capture_size_asked_of_a_size_table(form, varia
         return
     assert finding.kind == "undersized-buffer" and finding.numbers["largest"] == 4
     line = {"padded size": "size = runner.pad(n)", "sorted sizes": "size = SIZES[bisect.bisect_left(SIZES, n)]",
-            "graphs by size": "return runner.run(batch, size)"}[form]
+            "graphs by size": "return runner.run(batch, size)",
+            "graphs per engine": "return runner.run_on(0, batch, size)"}[form]
     assert finding.source.endswith(line), finding.source
 
 

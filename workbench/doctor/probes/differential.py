@@ -20,8 +20,8 @@ graph only reads (a cache the eager step may refill) are put back after each run
 No evidence against the replay: memory outside what the graph reads that the eager step writes before reading
 (scratch), and what the previous replay left in memory the graph owns and never reads (a ``.grad`` the eager step
 accumulates into where the graph assigns). Traces that part on a line run more or fewer times are run again to find
-the looping frame (``launch.repeats``); a padded replay that raises is tried on its real rows (``failed``); no eager
-run waits forever (``waits``).
+the looping frame (``launch.repeats``); a replay that raises is tried on its real rows, then as the whole step
+(``failed``); no eager run waits forever (``waits``).
 
 Where the workload announced its run without graphs (``probes/reference.py``) and a replay gives what that run gives
 at the same step (or is the capture's own batch), two kinds of finding are held: an output that differs from the eager
@@ -41,7 +41,8 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 from ...engine.opinfo import storage_key
 from ..tensors import alias, changed, disagrees, first_line, landed, max_abs_diff, rng_state, set_rng_state, whole
 from ..rules import bounds, unread
-from . import captured_state, held, launch, nonfinite, pystate, reach, rootcause, row_writes, unpadded, waits
+from . import (captured_state, crashed, held, launch, nonfinite, pystate, reach, rootcause, row_writes, startup, unpadded,
+               waits)
 from .compare import compare, rows_of, without_unwritten
 from .eager_trace import EagerRun
 
@@ -250,16 +251,19 @@ def before_launch(doctor, info) -> BaseException | None:
 
 
 def failed(doctor, info, pending, error: BaseException) -> None:
-    """A sampled padded replay raised: is it the padded rows? (``unpadded.crashed``; the state the
-    failed replay left is put back after.)"""
-    if pending.real >= pending.size or pending.unpadded is None or not pending.pre:
+    """A sampled replay raised. Padded: do its real rows alone complete (``unpadded.crashed``)? Else, does
+    the whole step complete eagerly (``crashed``)? (The state the failed replay left is put back after each.)"""
+    if not pending.pre:
         return
     with _disable_current_modes():
         left = {key: w.clone() for key, (w, _, _) in pending.pre.items()}
         rng_after = rng_state(info.cuda)
     _replayed_host(info, pending)
-    unpadded.crashed(doctor, info, pending, error,
-                     lambda step: _eager(doctor, info, pending, left, rng_after, step=step))
+    if pending.real < pending.size and pending.unpadded is not None and unpadded.crashed(
+            doctor, info, pending, error, lambda step: _eager(doctor, info, pending, left, rng_after, step=step)):
+        return
+    crashed.compare(doctor, info, pending, error,
+                    lambda **how: _eager(doctor, info, pending, left, rng_after, traced=True, **how))
 
 
 def _made_as_at_capture(info, pending, run, new) -> bool:
@@ -388,7 +392,7 @@ def _from_before_warmups(doctor, info, pending, replayed: dict, rng_after, graph
         if g is None or g.shape == e.shape and not bool(disagrees(g, e).any()):
             continue
         key, (_, mask, _, kept) = next(iter(reset.items()))
-        label = _announced(doctor, key, kept)
+        label = startup.label(doctor, key, kept)
         text = (f"output {i} (real rows) differs by max |diff| = {max_abs_diff(g, e):.3g} between the replay and an "
                 f"eager run of the same step from the state before the warmups ({int(mask.sum())} element(s) of "
                 f"{label} put back, first written by {kept.op} in a warmup)")
@@ -407,7 +411,7 @@ def _from_before_warmups(doctor, info, pending, replayed: dict, rng_after, graph
             # a count, a running statistic built on the dummy batches' contribution.
             built_on = (changed(was, after) | changed(start, eager)) & changed(after, eager)
         if bool(built_on.any()):
-            label = _announced(doctor, key, kept)
+            label = startup.label(doctor, key, kept)
             text = (f"state {label}: {int(built_on.sum())} element(s) this step writes differ between the replay "
                     f"and an eager run of the same step from the state before the warmups ({int(mask.sum())} "
                     f"element(s) put back, first written by {kept.op} in a warmup): the step builds on what the "
@@ -428,12 +432,6 @@ def _unread_outputs(info, pending) -> frozenset:
         return pieces[0].unread_outputs
     reads = frozenset().union(*(op.reads for p in pieces for op in p.ops))
     return frozenset().union(*(p.unread_outputs for p in pieces)) - reads
-
-
-def _announced(doctor, key: int, kept) -> str:
-    """A storage's announced name (how other rules on that buffer key their findings), else its shape."""
-    buf = doctor.buffer(key)
-    return buf.name if buf is not None else kept.tensor
 
 
 def _carried_over(doctor, info, pending, replayed: dict, rng_after, graph_out, carried: dict) -> tuple | None:

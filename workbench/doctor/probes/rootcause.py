@@ -72,7 +72,7 @@ def classify(doctor, info, pending, what: tuple, divergence, run, host: tuple | 
                      "of the step it was captured for, on that step's memory, and the check (or key) does not tell "
                      "the two apart.")
     else:
-        kind, op, tensor, site = _parted(doctor, info, divergence, run)
+        kind, op, tensor, site = parted(doctor, info, divergence, run)
         numbers = {**numbers, "launch": divergence.index + 1, "how": divergence.how}
         if divergence.how == "arguments" and divergence.origin is None and host is not None and host[3]:
             # a number no frame of the step holds, beside a number the step's Python rebinds each step
@@ -91,7 +91,8 @@ def classify(doctor, info, pending, what: tuple, divergence, run, host: tuple | 
     _add(doctor, info, pending, kind, op, tensor, text, site, numbers)
 
 
-def _parted(doctor, info, d, run) -> tuple:
+def parted(doctor, info, d, run) -> tuple:
+    """``(kind, op, tensor, why)`` of where the launch traces part (``d``), as the module's docstring says."""
     site = f"First divergence in the launch traces: {d.text()}."
     if not info.ops and d.eager_runs_more:       # the capture recorded nothing of the step
         return ("host-work-frozen", Op("capture", info.site), _read_by(doctor, info, d.first_extra),

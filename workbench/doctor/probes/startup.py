@@ -155,3 +155,9 @@ class Startup:
                 if bool(mask.any()):
                     out[key] = (now, mask, kept.before, kept)
         return out
+
+
+def label(doctor, key: int, kept: Kept) -> str:
+    """A kept storage's announced name (how other rules on that buffer key their findings), else its shape."""
+    buf = doctor.buffer(key)
+    return buf.name if buf is not None else kept.tensor

@@ -66,13 +66,13 @@ def own(doctor, key: int, dtype: torch.dtype, mask: torch.Tensor) -> None:
         doctor.real_writes[key] = (dtype, mask if owned is None else owned | mask)
 
 
-def crashed(doctor, info, pending, error: BaseException, run_eager) -> None:
+def crashed(doctor, info, pending, error: BaseException, run_eager) -> bool:
     """A padded replay raised: when the same step on its real rows alone completes, from the state
     before the replay, what the padded rows hold made it fail (a sentinel index the kernel does not
-    honour, a stale row's offset): ``stale-padding`` at the op the replay failed in."""
+    honour, a stale row's offset): ``stale-padding`` at the op the replay failed in. Whether it did."""
     _, got, unpadded_error = run_eager(pending.unpadded)
     if unpadded_error is not None or got is None:
-        return
+        return False
     op = failures.failed_op(error)
     name, source = (str(op.func), op.source) if op is not None else ("-", "-")
     padded = ", ".join(pending.padded) or "the padded rows"
@@ -83,6 +83,7 @@ def crashed(doctor, info, pending, error: BaseException, run_eager) -> None:
                        explain_padding.padding_reaches(info.name, padded),
                        {"replay": info.replays, "crashed": type(error).__name__, "real": pending.real,
                         "size": pending.size, "unpadded": True}), ("stale-padding", name, source))
+    return True
 
 
 def _output(doctor, info, pending, i: int, diff: float) -> None:

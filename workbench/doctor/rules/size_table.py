@@ -82,8 +82,9 @@ def subscript(frame) -> ast.Subscript | None:
 
 
 def plain_value(node, frame):
-    """A name, a constant or an attribute path of the frame's locals, read without running code
-    (an object's ``__dict__``, never a property); ``UNKNOWN`` for anything else."""
+    """A name, a constant, an attribute path of the frame's locals or an entry of a plain dict, list or
+    tuple they hold (a table of tables, one per engine), read without running code (an object's
+    ``__dict__``, never a property or a ``__getitem__``); ``UNKNOWN`` for anything else."""
     if isinstance(node, ast.Constant):
         return node.value
     if isinstance(node, ast.Name):
@@ -92,6 +93,15 @@ def plain_value(node, frame):
         owner = plain_value(node.value, frame)
         attrs = getattr(owner, "__dict__", None) if owner is not UNKNOWN else None
         return attrs.get(node.attr, UNKNOWN) if isinstance(attrs, dict) else UNKNOWN
+    if isinstance(node, ast.Subscript):
+        owner, key = plain_value(node.value, frame), plain_value(node.slice, frame)
+        if type(owner) is dict:
+            try:
+                return owner.get(key, UNKNOWN)
+            except TypeError:                   # (an unhashable key)
+                return UNKNOWN
+        if type(owner) in (list, tuple) and type(key) is int and -len(owner) <= key < len(owner):
+            return owner[key]
     return UNKNOWN
 
 
