@@ -69,11 +69,14 @@ def test_verdicts_name_right_wrong_and_missed():
 # Variants that behave alike on both backends but where the doctor answers otherwise, and why.
 GPU_DIFFERS: dict = {
     ("round126/te_1839_rope_start_from_host_seqlens_frozen_in_generation_graph", "bug"):
-        "the same function, get_seqlens_pre_step. On the CPU the tensor it builds from the step's lengths is made "
-        "on the device the graph runs on, an op of the launch trace, and the traces part on its value "
-        "(host-work-frozen); on CUDA it is host memory, which the eager step's launch trace leaves out as the "
-        "capture's does, so the traces agree and the numbers part after the copy onto the device "
-        "(warmup-divergence)",
+        "the same function, get_seqlens_pre_step, where the step's RoPE start is built on the host. On the CPU "
+        "the tensor it builds is an op of both launch traces, and they part on its value (host-work-frozen); on "
+        "CUDA the eager step's trace keeps the lift_fresh that makes it while the capture recorded none, so they "
+        "part on work the graph never recorded (warmup-divergence)",
+    ("round128/ortgenai_1639_static_mask_prompt_rows_written_with_prompt_stride", "bug"):
+        "the same warmup-divergence, named where the step's token ids were chosen: at _generate on the CPU, where "
+        "Update's new_tokens.to(device) returns the tensor _generate handed it, and at Update on CUDA, where that "
+        "copy makes the tensor the static input is filled from",
     ("round122/vllmascend_16300_replicated_pcp_draft_prefill_graph_skips_block_table_slot_refresh", "bug"):
         "the first replay, with no padded rows, reads the slot mappings the capture left, all zero: its eight "
         "tokens store their K/V into one slot through index_copy_ with repeated indices, whose winner CUDA leaves "
@@ -176,9 +179,7 @@ GPU_UNSTABLE = {
 
 
 # Rounds not yet recorded on a GPU, and why: their programs are left out of the comparison until they are.
-GPU_PENDING: dict[str, str] = {
-    "round128": "written on 2026-12-06, when no GPU machine could be had for its record",
-}
+GPU_PENDING: dict[str, str] = {}
 
 
 def test_the_gpu_record_says_what_the_cpu_says(answers):
