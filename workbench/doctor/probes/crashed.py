@@ -15,8 +15,6 @@ would index out of range is stopped before launch instead (``differential.before
 """
 from __future__ import annotations
 
-import sys
-
 from .. import explain
 from ..failures import failed_op
 from ..report import Finding
@@ -38,10 +36,7 @@ def compare(doctor, info, pending, error: BaseException, run_eager) -> None:
         doctor.report.note(f"{raised}; an eager run of the same step, from the state before the replay, completes "
                            "and launches the same work: the replay's data differ from its, not its work")
         return
-    if divergence.how == "arguments" and not divergence.tensor_argument():     # where the number came from
-        numbers = tuple(e for g, e in zip(divergence.graph_op.sig, divergence.eager_op.sig) if g != e)
-        again, _, _ = run_eager(origin_of=(divergence.index, numbers, sys._getframe()))
-        divergence.origin, divergence.passed = again.origin, again.passed
+    launch.trace_number(divergence, run_eager)
     kind, at, tensor, why = rootcause.parted(doctor, info, divergence, run)
     name, source = (at.name, at.source) if at is not None else ("-", "-")
     text = f"the replay raised {type(error).__name__}, the eager step completes"

@@ -139,12 +139,9 @@ def finish(doctor, info, pending) -> None:
         if at:                                   # once more, to see which frame runs the loop
             again, _, _ = _eager(doctor, info, pending, replayed, rng_after, traced=True, stacks=at)
             divergence.loop = again.loop or divergence.loop
-    if what is not None and divergence is not None and divergence.how == "arguments" \
-            and not divergence.tensor_argument():    # once more, to see where the number came from
-        numbers = tuple(e for g, e in zip(divergence.graph_op.sig, divergence.eager_op.sig) if g != e)
-        again, _, _ = _eager(doctor, info, pending, replayed, rng_after, traced=True,
-                             origin_of=(divergence.index, numbers, sys._getframe()))
-        divergence.origin, divergence.passed = again.origin, again.passed
+    if what is not None:
+        launch.trace_number(divergence, lambda **how: _eager(doctor, info, pending, replayed, rng_after, traced=True,
+                                                             **how))
     if what is not None and divergence is not None and divergence.how == "reference" and divergence.eager_keys:
         again, _, _ = _eager(doctor, info, pending, replayed, rng_after, traced=True,     # where it was fetched
                              origin_of=(divergence.index, ("tensor", next(iter(divergence.eager_keys))),

@@ -5,6 +5,7 @@ place -- each shows as the first position where the two traces part."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 from ..tensors import TensorArg
 
@@ -151,3 +152,14 @@ def traces(info, pending, run) -> tuple[list, list]:
         return ops, run.ops
     lines = {op.source for op in ops}
     return ops, [op for op in run.ops if op.source in lines]
+
+
+def trace_number(d: Divergence | None, run_eager) -> None:
+    """Where a number the traces part on came from (``d.origin``, else where it was handed down,
+    ``d.passed``): the eager step run once more, traced back from that launch (``eager_trace``).
+    ``run_eager(**how)`` runs it traced; nothing is run for a divergence of another kind."""
+    if d is None or d.how != "arguments" or d.tensor_argument():
+        return
+    numbers = tuple(e for g, e in zip(d.graph_op.sig, d.eager_op.sig) if g != e)
+    again, _, _ = run_eager(origin_of=(d.index, numbers, sys._getframe()))
+    d.origin, d.passed = again.origin, again.passed
