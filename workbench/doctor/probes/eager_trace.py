@@ -94,11 +94,12 @@ def on_op(doctor, func, args, kwargs, run):
     if not d.traced:
         return _untraced(d, func, args, kwargs, run)
     inputs = op_tensors(args, kwargs)
-    if not lifted and host_copies.unrecorded(inputs, kwargs, d.cuda):
-        return run()        # host work: not in the graph's trace (``capture.py``), so not in this one
     keys = {storage_key(t) for t in inputs}
     if lifted:                                   # a constant made from Python data in this run
         d.new.update(keys)
+    if (d.cuda or not lifted) and host_copies.unrecorded(inputs, kwargs, d.cuda):
+        return run()        # host work (beside a CUDA graph, host data lifted too): not in the graph's
+        #                     trace (``capture.py``), so not in this one
     _accessed(d, func, args, kwargs, inputs)
     if doctor.unread:
         unread.eager_read(doctor, d, func, args, kwargs, inputs)
