@@ -3336,6 +3336,45 @@ def test_a_kernel_scratch_written_past_its_result_buffer_is_an_undersized_buffer
     assert finding.numbers == {"buffer_bytes": 4, "written_past": 8}, finding
 
 
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_a_view_past_the_storage_of_a_buffer_a_graph_reads_is_an_undersized_buffer(variant):
+    """A static buffer sized by the first request's prompt (three tokens) and laid out afresh for each
+    request's length (``as_strided`` over it, as C++ lays a tensor over its pointer): a longer prompt
+    asks for a view past its storage, which torch refuses and CUDA code writes past unchecked. The
+    finding names the function that chose the shape, not the helper that made the view; the fix
+    sizes the buffer for the longest prompt."""
+    class StaticBuffer:
+        def __init__(self):
+            self.buffer = None
+
+        def tensor_on(self, shape):
+            if self.buffer is None:
+                self.buffer = torch.zeros(6 if variant == "fix" else shape[0], dtype=torch.float64)
+            return self.buffer.as_strided(tuple(shape), (1,), 0)
+
+    def workload():
+        sb, w = StaticBuffer(), torch.arange(1.0, 7.0, dtype=torch.float64)
+        outs = []
+        for prompt in (torch.ones(3, dtype=torch.float64), torch.full((5,), 2.0, dtype=torch.float64)):
+            def prefill():
+                ids = sb.tensor_on([prompt.shape[0]])
+                ids.copy_(prompt)
+                return ids
+
+            ids = prefill()
+            g = new_graph("cpu")
+            with graph(g, name=f"prompt {prompt.shape[0]}"):
+                out = (ids * w[:ids.shape[0]]).sum()
+            g.replay()
+            outs.append(out.clone())
+        return outs
+    finding = only_finding(workload, variant)
+    if finding is None:
+        return
+    assert finding.kind == "undersized-buffer" and "in prefill: ids = sb.tensor_on([prompt.shape[0]])" in finding.source, finding
+    assert "out of bounds for storage" in finding.evidence and finding.numbers == {"storage_bytes": 24}, finding
+
+
 @pytest.mark.parametrize("variant", ["bug", "fix", "own count"])
 def test_a_kernel_reading_real_row_metadata_at_the_padded_count_is_a_padded_shape_mismatch(variant):
     """A graph of 4 rows serves 3 real ones; eager code after the replay hands its padded output and

@@ -159,6 +159,7 @@ GPU_PENDING: dict[str, str] = {
     "round129": "recorded on one H200 on 2026-12-06 with the rest of its round, vllmascend_6835 stopped on a device "
                 "mismatch of the program's own (the runner's num_accepted_tokens kept on the host, indexed by a "
                 "device mask); mended after, on the CPU with the same numbers, and not recorded again yet",
+    "round130": "written after the session's device time was spent: not recorded on a GPU yet",
 }
 
 

@@ -12,7 +12,7 @@ import sys
 
 from ..engine.errors import CaptureError
 from ..engine.source import user_frame
-from .rules import dangling, lookups, shapes, undersized, unwritten
+from .rules import dangling, extent, lookups, shapes, undersized, unwritten
 from .rules.dangling import DanglingReferenceError
 from .tensors import first_line
 
@@ -55,6 +55,7 @@ def op_failed(doctor, func, args, kwargs, error: BaseException) -> None:
         undersized.failed_write(doctor, func, args, kwargs, error)
         undersized.failed_read(doctor, func, args, kwargs, error)
         undersized.failed_allocation(doctor, func, args, kwargs, error)
+        extent.failed_view(doctor, func, args, error)
         if doctor.clamped.failed_op(doctor, func, args, kwargs, error):
             return
         shapes.failed_op(doctor, func, args, kwargs, error)

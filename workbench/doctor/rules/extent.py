@@ -9,7 +9,8 @@ each ``as_strided`` view that reaches past its base is followed, with the views 
 a write through one of them, in any phase, into bytes outside the base is ``undersized-buffer`` at
 the write: the data did not fit the buffer it was meant for. The neighbours' own writes are theirs;
 a view that is only read is left alone (a reader may take a window on purpose); so is one within
-its base.
+its base. A view past the end of the storage itself torch refuses, where C++ code laying a tensor
+over a raw buffer does not: over memory a graph reads, that refusal is the overflow (``failed_view``).
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from ...engine.opinfo import describe, mutable, storage_key, written_tensors
 from ...engine.source import location, user_frame, user_frames
 from .. import explain, explain_padding
 from ..report import Finding
-from ..tensors import span
+from ..tensors import first_line, span
+from .sync import handed_in
 
 AS_STRIDED = torch.ops.aten.as_strided.default
 
@@ -79,6 +81,35 @@ def wrote(doctor, func, args, kwargs) -> None:
             explain.past_extent(base, b[1] - b[0], v[1] - v[0]),
             {"buffer_bytes": b[1] - b[0], "written_past": outside}), ("undersized-buffer", "past extent", made_at))
         return
+
+
+def failed_view(doctor, func, args, error: BaseException) -> None:
+    """A view asked over more bytes than its storage holds (torch's bounds check of ``as_strided``,
+    ``set_``), of memory a graph reads: an announced buffer, or memory a capture read or made. The
+    code lays data of a step's size over a static buffer sized for less -- a buffer sized by the
+    first request and handed on to the next -- which CUDA code laying a tensor over the raw pointer
+    writes past the end of, unchecked. Named where the shape came from: the first frame, walking
+    out, that was not handed it as an argument (``sync.handed_in``), else the line of the view."""
+    base = args[0] if args else None
+    if not isinstance(base, torch.Tensor) or "out of bounds for storage" not in first_line(error):
+        return
+    key = storage_key(base)
+    buf = doctor.buffer(key)
+    graph = next((i for i in doctor.graphs.values() if key in i.externals or key in i.created), None)
+    if buf is None and graph is None:
+        return
+    shape = tuple(args[1]) if len(args) > 1 and isinstance(args[1], (list, tuple, torch.Size)) else None
+    frames = [(f, f.f_lineno) for f in user_frames()]
+    source = (shape is not None and handed_in(frames, lambda v: isinstance(v, (list, tuple)) and tuple(v) == shape)) \
+        or user_frame()
+    name = buf.name if buf is not None else f"memory {graph.name} reads"
+    have = base.untyped_storage().nbytes()
+    doctor.add(Finding(
+        "undersized-buffer", buf.owner if buf is not None else graph.name, str(func), f"{name}: {describe(base)}",
+        source, f"{func} at {user_frame()} asked for a view of shape {list(shape or ())} over {name}, whose storage "
+        f"holds {have} bytes (during {doctor.phase}): {first_line(error)}",
+        explain.overflow(name, shape or (), tuple(base.shape)), {"storage_bytes": have}),
+        ("undersized-buffer", "past storage", source))
 
 
 def _padded_window(doctor, entry: tuple, window: torch.Tensor) -> None:
