@@ -160,6 +160,7 @@ GPU_PENDING: dict[str, str] = {
                 "mismatch of the program's own (the runner's num_accepted_tokens kept on the host, indexed by a "
                 "device mask); mended after, on the CPU with the same numbers, and not recorded again yet",
     "round130": "written after the session's device time was spent: not recorded on a GPU yet",
+    "round131": "written after the session's device time was spent: not recorded on a GPU yet",
 }
 
 
