@@ -3371,7 +3371,8 @@ def test_a_view_past_the_storage_of_a_buffer_a_graph_reads_is_an_undersized_buff
     finding = only_finding(workload, variant)
     if finding is None:
         return
-    assert finding.kind == "undersized-buffer" and "in prefill: ids = sb.tensor_on([prompt.shape[0]])" in finding.source, finding
+    assert finding.kind == "undersized-buffer", finding
+    assert "in prefill: ids = sb.tensor_on([prompt.shape[0]])" in finding.source, finding
     assert "out of bounds for storage" in finding.evidence and finding.numbers == {"storage_bytes": 24}, finding
 
 

@@ -55,6 +55,13 @@ def overflow(name: str, data: tuple, buffer: tuple) -> str:
             "copy fails, or with a clamped slice would drop the rows that do not fit.")
 
 
+def overflow_view(name: str, shape: tuple, have: int) -> str:
+    return (f"The code lays a tensor of shape {shape} over `{name}`, whose storage holds only {have} bytes: the buffer "
+            "was sized for smaller data (an earlier request's) than this step brings. Torch refuses the view; code "
+            "that lays a tensor over the raw pointer writes past the end, into whatever was allocated next. Size the "
+            "buffer for the largest data a step can bring, or check the size and fall back.")
+
+
 def dangling(tensor: str, op: str, origin: str, released: str | None = None) -> str:
     let_go = f" at {released}" if released else " after capture"
     return (f"The graph reads the {tensor} tensor through {op} but does not own it: it was created {origin} "

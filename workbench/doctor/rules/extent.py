@@ -95,20 +95,20 @@ def failed_view(doctor, func, args, error: BaseException) -> None:
         return
     key = storage_key(base)
     buf = doctor.buffer(key)
-    graph = next((i for i in doctor.graphs.values() if key in i.externals or key in i.created), None)
+    graph = doctor.owner_of(key) or next((i for i in doctor.graphs.values() if key in i.externals), None)
     if buf is None and graph is None:
         return
-    shape = tuple(args[1]) if len(args) > 1 and isinstance(args[1], (list, tuple, torch.Size)) else None
+    shape = tuple(args[1]) if len(args) > 1 and isinstance(args[1], (list, tuple, torch.Size)) else ()
+    at = user_frame()
     frames = [(f, f.f_lineno) for f in user_frames()]
-    source = (shape is not None and handed_in(frames, lambda v: isinstance(v, (list, tuple)) and tuple(v) == shape)) \
-        or user_frame()
+    source = (shape and handed_in(frames, lambda v: isinstance(v, (list, tuple)) and tuple(v) == shape)) or at
     name = buf.name if buf is not None else f"memory {graph.name} reads"
     have = base.untyped_storage().nbytes()
     doctor.add(Finding(
         "undersized-buffer", buf.owner if buf is not None else graph.name, str(func), f"{name}: {describe(base)}",
-        source, f"{func} at {user_frame()} asked for a view of shape {list(shape or ())} over {name}, whose storage "
-        f"holds {have} bytes (during {doctor.phase}): {first_line(error)}",
-        explain.overflow(name, shape or (), tuple(base.shape)), {"storage_bytes": have}),
+        source, f"{func} at {at} asked for a view of shape {list(shape)} over {name}, whose storage holds {have} "
+        f"bytes (during {doctor.phase}): {first_line(error)}",
+        explain.overflow_view(name, shape, have), {"storage_bytes": have}),
         ("undersized-buffer", "past storage", source))
 
 
