@@ -8,12 +8,14 @@ versions and the date. Usage: ``python scripts/gpu_session.py OUT_DIR [name ...]
 of ``records()``; default: every one the visible GPUs can run). ``doctor_trials@FILE`` records only
 the trial programs FILE lists, one ``round/program`` a line (merge the result with ``python -m
 workbench.zoo.trials amend``). A failing record is written with its error and does not stop the
-others.
+others; the trials' record also keeps ``doctor_trials.partial.json``, rewritten as each program
+finishes, so a call cut off by a time limit still returns what it measured.
 """
 from __future__ import annotations
 
 import datetime
 import importlib
+import inspect
 import json
 import os
 import pathlib
@@ -115,7 +117,9 @@ def main(out_dir: str, names: list[str]) -> int:
         record = {"name": name, **metadata()}
         try:
             call = getattr(importlib.import_module(module), fn)
-            record["results"] = call("cuda", only[name]) if name in only else call("cuda")
+            # A record that can keep its progress (the trials) writes it beside the final file.
+            keep = {"partial": out / f"{name}.partial.json"} if "partial" in inspect.signature(call).parameters else {}
+            record["results"] = call("cuda", only[name], **keep) if name in only else call("cuda", **keep)
         except Exception as e:  # noqa: BLE001 - recorded, the session goes on
             failures += 1
             record["error"] = f"{type(e).__name__}: {e}"

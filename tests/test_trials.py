@@ -155,13 +155,7 @@ GPU_UNSTABLE = {
 
 
 # Rounds not yet recorded on a GPU, and why: their programs are left out of the comparison until they are.
-GPU_PENDING: dict[str, str] = {
-    "round129": "recorded on one H200 on 2026-12-06 with the rest of its round, vllmascend_6835 stopped on a device "
-                "mismatch of the program's own (the runner's num_accepted_tokens kept on the host, indexed by a "
-                "device mask); mended after, on the CPU with the same numbers, and not recorded again yet",
-    "round130": "written after the session's device time was spent: not recorded on a GPU yet",
-    "round131": "written after the session's device time was spent: not recorded on a GPU yet",
-}
+GPU_PENDING: dict[str, str] = {}
 
 
 def test_the_gpu_record_says_what_the_cpu_says(answers):
@@ -225,3 +219,26 @@ def test_a_gpu_session_can_be_asked_for_some_trial_programs(tmp_path):
     listed.write_text(f"{NAMES[0]}\n\n{NAMES[1]}\n")
     assert session.requested(["zoo", f"doctor_trials@{listed}"]) == (
         ["zoo", "doctor_trials"], {"doctor_trials": [NAMES[0], NAMES[1]]})
+
+
+def test_a_gpu_record_keeps_each_finished_program_as_it_goes(tmp_path, monkeypatch):
+    """``gpu_record(partial=...)``: after each program's four child runs the file holds every program
+    finished so far, so a session cut off by its time limit keeps them; a child that died is an error
+    entry, not a lost program; the final record lists the programs in the order asked for."""
+    import json
+    from workbench.childproc import ChildResult
+
+    def child(part, name, variant, device, timeout):
+        if name == NAMES[1] and variant == "fix" and part is trials.verdict_of:
+            return ChildResult(False, error_type="ChildDied", error="child exited with code -6", exitcode=-6)
+        value = {"verdict": "equals", "error": None} if part is trials.verdict_of else \
+            {"kind": None, "site": None, "kinds": [], "failed": False, "failure": None}
+        return ChildResult(True, value=value)
+
+    monkeypatch.setattr(trials, "run_in_child", child)
+    partial = tmp_path / "partial.json"
+    rec = trials.gpu_record("cpu", NAMES[:2], jobs=1, partial=partial)
+    assert list(rec["programs"]) == list(NAMES[:2])
+    assert json.loads(partial.read_text())["programs"] == rec["programs"]
+    assert rec["programs"][NAMES[1]]["fix"]["error"] == ["ChildDied", "child exited with code -6"]
+    assert rec["programs"][NAMES[1]]["fix"]["verdict"] is None

@@ -123,27 +123,39 @@ def verdict_of(name: str, variant: str, device: str) -> dict:
     return {"verdict": outcome.verdict, "error": list(outcome.error) if outcome.error else None}
 
 
-def gpu_record(device: str = "cuda", programs: Sequence[str] | None = None, jobs: int = 8) -> dict:
+def gpu_record(device: str = "cuda", programs: Sequence[str] | None = None, jobs: int = 8,
+               partial: pathlib.Path | None = None) -> dict:
     """Each variant's verdict and the doctor's answer on real CUDA graphs, each in a child process
     of its own (a bug may end its CUDA context: a device-side assert in the plain run must not take
-    the doctor's run with it), ``jobs`` at a time; a child that dies records the error instead."""
+    the doctor's run with it), ``jobs`` at a time; a child that dies records the error instead.
+    With ``partial``, the record of the programs finished so far is rewritten there as each one
+    finishes: a session cut off by its time limit still keeps what it measured."""
     todo = [(part, name, variant) for name in (programs or names()) for variant in VARIANTS
             for part in (verdict_of, doctor_of)]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        done = list(pool.map(lambda job: run_in_child(*job, device, timeout=300), todo))
-    out: dict[str, dict] = {}
-    for (part, name, variant), result in zip(todo, done):
-        died = {"error": [result.error_type or "ChildDied",
-                          (result.error or f"exit code {result.exitcode}").splitlines()[0][:200]]}
-        entry = out.setdefault(name, {}).setdefault(variant, {})
-        if part is verdict_of:
-            entry.update(result.value if result.ok else {"verdict": None, **died})
-        else:
-            entry.update(result.value if result.ok else {"kind": None, "site": None, "kinds": [], "failed": True,
-                                                         "failure": died["error"][1]})
     on_gpu = torch.device(device).type == "cuda" and torch.cuda.is_available()
-    return {"device": torch.cuda.get_device_name() if on_gpu else device, "torch": torch.__version__,
-            "date": datetime.date.today().isoformat(), "programs": out}
+    record = {"device": torch.cuda.get_device_name() if on_gpu else device, "torch": torch.__version__,
+              "date": datetime.date.today().isoformat(), "programs": {}}
+    out: dict[str, dict] = {}
+    left = {name: 2 * len(VARIANTS) for _, name, _ in todo}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        futures = {pool.submit(run_in_child, *job, device, timeout=300): job for job in todo}
+        for future in concurrent.futures.as_completed(futures):
+            part, name, variant = futures[future]
+            result = future.result()
+            died = {"error": [result.error_type or "ChildDied",
+                              (result.error or f"exit code {result.exitcode}").splitlines()[0][:200]]}
+            entry = out.setdefault(name, {}).setdefault(variant, {})
+            if part is verdict_of:
+                entry.update(result.value if result.ok else {"verdict": None, **died})
+            else:
+                entry.update(result.value if result.ok else {"kind": None, "site": None, "kinds": [],
+                                                             "failed": True, "failure": died["error"][1]})
+            left[name] -= 1
+            if partial is not None and not left[name]:
+                done = {n: out[n] for n in left if not left[n]}
+                partial.write_text(json.dumps({**record, "programs": done}, indent=1) + "\n")
+    # In the order asked for, whatever order the children finished in.
+    return {**record, "programs": {n: {v: out[n][v] for v in VARIANTS} for n in left}}
 
 
 def amend(record: dict, why: str) -> int:
