@@ -4120,3 +4120,87 @@ def test_data_an_eager_warmup_step_reads_before_the_same_line_copies_again_reach
         replay(g, out)
     finding = only_finding(workload, "fix" if eager_step else "bug")
     assert eager_step or (finding.kind == "persistent-mutation" and "in _bring" in finding.source)
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_host_arithmetic_split_into_several_ops_is_host_work_in_every_trace(variant):
+    """An optimizer step whose counter lives in host memory (``bug``: a ``capturable`` optimizer that
+    made its step with ``torch.tensor(0.)`` on the CPU, lazily, at its first step) computes its bias
+    correction on the host: ``0.1 / bias`` is a reciprocal then a multiply, whose intermediate is no
+    host tensor by type. The capture runs that host work once and records none of it; the warmups'
+    record and the eager step's launch trace must leave it out too, or each finds a line "the capture
+    never ran" (``warmup-divergence`` twice) where the graph keeps a number the host computed at
+    capture. One finding: ``host-work-frozen``, at the device op given that number. The fix keeps the
+    step on the device."""
+    from workbench.engine.host import host
+    from workbench.zoo import kit
+
+    def run(served: bool):
+        param, grad = torch.ones(4, dtype=torch.float64), torch.full((4,), 0.5, dtype=torch.float64)
+        state = {}
+
+        def update():
+            if "step" not in state:
+                zero = torch.tensor(0.0, dtype=torch.float64)
+                state["step"] = host(zero) if variant == "bug" else zero
+            step = state["step"]
+            step.add_(1)
+            bias = 1 - torch.pow(0.9, step)
+            step_size = 0.1 / bias
+            param.sub_(grad * step_size)
+            return param
+
+        if not served:
+            return [update().clone() for _ in range(6)]
+        outs = []
+        for _ in range(3):                  # real training steps before the capture; the first makes the state
+            with events.warmup(real=True):
+                outs.append(update().clone())
+        events.persistent_state("optimizer", {"param": param, "step": state["step"]})
+        g = new_graph("cpu")
+        with graph(g):
+            out = update()
+        kit.remember_step(g, update)
+        return outs + [kit.replay(g, out).clone() for _ in range(3)]
+
+    report = doctor.diagnose(lambda: kit.compare("host_step", variant, "cpu", lambda: run(True), lambda: run(False)))
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "host-work-frozen" and "param.sub_(grad * step_size)" in finding.source, finding
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_an_in_place_op_on_a_fresh_tensor_that_meets_the_padded_rows_is_a_padded_shape_mismatch(variant):
+    """The runner prepares a padded step's metadata: a fresh copy of the real rows' cache locations,
+    from which it subtracts in place the lengths of the graph's rows (``bug``: all 8, padded rows
+    included; the fix slices them to the 6 real rows). ``loc -= lens`` fails, and it is no buffer
+    overflowing: ``loc`` was made one line before and no graph reads it, so the two operands met at
+    two counts, the graph's and the requests' (``padded-shape-mismatch``), not ``undersized-buffer``."""
+    from workbench.zoo import kit
+    base = torch.arange(10, 18, dtype=torch.float64)
+    lens = torch.arange(1, 9, dtype=torch.float64)
+
+    def prepare(real: int, size: int):
+        loc = base[:real].clone()
+        loc -= lens[:size] if variant == "bug" else lens[:real]
+        return loc
+
+    def run(served: bool):
+        if not served:
+            return [prepare(n, n) * 2 for n in (8, 6)]
+        x = torch.zeros(8, dtype=torch.float64)
+        g, out = kit.capture(lambda: x * 2, device="cpu", static={"x": x})
+        outs = []
+        for real in (8, 6):
+            x[:real].copy_(prepare(real, 8))
+            outs.append(kit.replay(g, out, real=real, size=8)[:real].clone())
+        return outs
+
+    report = doctor.diagnose(lambda: kit.compare("padded_loc", variant, "cpu", lambda: run(True), lambda: run(False)))
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    (finding,) = report.findings
+    assert finding.kind == "padded-shape-mismatch" and "loc -= lens[:size]" in finding.source, finding

@@ -385,7 +385,7 @@ class Doctor(RunnerEvents):
             # (an update: does the next warmup build on it?)
             out = mutation.write(self, func, args, kwargs, run, targets, not overwrites(func, args, kwargs))
             if not func.is_view:
-                self.warm.warmup_op(func, args, kwargs, self.startup.constant)
+                self.warm.warmup_op(func, args, kwargs, self.startup.constant, out)
                 self.startup.created_by(args, kwargs, out)
                 if self.unread or self.copied:      # an eager run of a step (ggml's warmup) uses its inputs
                     unread.touched(self, func, args, kwargs)

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..engine.host_sync import non_blocking
 from ..engine.memory import HOST_TYPES
-from ..engine.opinfo import span, tensors  # noqa: F401 - span: the rules' and probes' too
+from ..engine.opinfo import span, storage_key, tensors  # noqa: F401 - span: the rules' and probes' too
 
 aten = torch.ops.aten
 
@@ -96,10 +96,12 @@ def real_rows(o: torch.Tensor, real: int | None, size: int | None) -> torch.Tens
     return o.narrow(dim, 0, min(real, o.shape[dim]))
 
 
-def host_only(ts, cuda: bool) -> bool:
-    """Whether an op's tensors ``ts`` all live in host memory (host tensors; beside a CUDA graph,
-    the CPU's): host work, which launches nothing on the device and which a capture does not record."""
-    return bool(ts) and all(type(t) in HOST_TYPES or (cuda and not t.is_cuda) for t in ts)
+def host_only(ts, cuda: bool, made: set = frozenset()) -> bool:
+    """Whether an op's tensors ``ts`` all live in host memory (host tensors, storages in ``made``;
+    beside a CUDA graph, the CPU's): host work, which launches nothing on the device and which a
+    capture does not record."""
+    return bool(ts) and all(type(t) in HOST_TYPES or (cuda and not t.is_cuda) or (made and storage_key(t) in made)
+                            for t in ts)
 
 
 def digest(t: torch.Tensor) -> str:

@@ -42,6 +42,7 @@ class EagerRun:
     outputs: frozenset = frozenset()             # memory the graph owns and never reads: its previous outputs
     ops: list = dataclasses.field(default_factory=list)
     new: set = dataclasses.field(default_factory=set)
+    host_made: set = dataclasses.field(default_factory=set)   # storages host work made (host memory, as a capture's)
     created_by: dict = dataclasses.field(default_factory=dict)   # storage it created -> the Op that did
     extra: dict = dataclasses.field(default_factory=dict)    # other storages it wrote: key -> (whole, before)
     described: dict = dataclasses.field(default_factory=dict)
@@ -97,9 +98,13 @@ def on_op(doctor, func, args, kwargs, run):
     keys = {storage_key(t) for t in inputs}
     if lifted:                                   # a constant made from Python data in this run
         d.new.update(keys)
-    if (d.cuda or not lifted) and host_copies.unrecorded(inputs, kwargs, d.cuda):
-        return run()        # host work (beside a CUDA graph, host data lifted too): not in the graph's
-        #                     trace (``capture.py``), so not in this one
+    if (d.cuda or not lifted) and host_copies.unrecorded(inputs, kwargs, d.cuda, d.host_made):
+        # Host work (beside a CUDA graph, host data lifted too): not in the graph's trace (``capture.py``),
+        # so not in this one. What it makes is host memory, as the capture takes it (``cpu_graph``): the
+        # next op of a composite host op (``lr / host_step``: a reciprocal, then a multiply) is host work too.
+        out = run()
+        d.host_made.update(storage_key(o) for o in tensors(out))
+        return out
     _accessed(d, func, args, kwargs, inputs)
     if doctor.unread:
         unread.eager_read(doctor, d, func, args, kwargs, inputs)

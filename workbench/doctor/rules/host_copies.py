@@ -46,12 +46,13 @@ def onto_device(kwargs) -> bool:
     return device is not None and torch.device(device).type == "cuda"
 
 
-def unrecorded(inputs, kwargs, cuda: bool) -> bool:
+def unrecorded(inputs, kwargs, cuda: bool, made: set = frozenset()) -> bool:
     """Whether an op is host work, which a capture does not record (``host_only``: beside a CUDA
-    graph, work on any CPU tensor), and not a copy of host memory onto the CUDA device, which a
-    CUDA capture records as a copy node (``pinned.to("cuda")``). The capture and the eager step's
-    launch trace both ask this, so that their traces hold the same kind of work."""
-    return host_only(inputs, cuda) and not (cuda and onto_device(kwargs))
+    graph, work on any CPU tensor; ``made``: storages earlier host work made), and not a copy of
+    host memory onto the CUDA device, which a CUDA capture records as a copy node
+    (``pinned.to("cuda")``). The capture and the eager step's launch trace both ask this, so that
+    their traces hold the same kind of work."""
+    return host_only(inputs, cuda, made) and not (cuda and onto_device(kwargs))
 
 
 def copied(doctor, info, src: torch.Tensor | None, source: str) -> None:

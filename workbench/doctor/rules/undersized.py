@@ -210,11 +210,16 @@ def failed_write(doctor, func, args, kwargs, error: BaseException) -> None:
     a capture (which write the buffers replays will use), as many rows as the destination but
     another width (logits of a reduced vocabulary into a buffer sized for the full one). Writes
     into announced buffers are ``write``'s; smaller data in the rows (a real-row count against a
-    padded one) is not this kind."""
+    padded one) is not this kind, nor is an in-place pointwise op (``loc -= lens``) on memory no graph
+    reads or made: two operands that do not broadcast, left to ``shapes.failed_op``."""
     written = written_tensors(func, args, kwargs)
     if not written or doctor.buffer(storage_key(written[0])) is not None:
         return
     dst, src = written[0], next((a for a in args[1:] if isinstance(a, torch.Tensor)), None)
+    key = storage_key(dst)
+    if torch.Tag.pointwise in func.tags and doctor.owner_of(key) is None \
+            and not any(key in info.externals for info in doctor.graphs.values()):
+        return
     if isinstance(error, IndexError) and "out of bounds" in str(error):
         what = "an index past its end"
     elif isinstance(src, torch.Tensor) and src.dim() <= dst.dim() and any(

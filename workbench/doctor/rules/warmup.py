@@ -14,7 +14,7 @@ import torch
 
 from ...engine.cpu_graph import ALLOCATIONS
 from ...engine.memory import HOST_TYPES
-from ...engine.opinfo import op_tensors, storage_key
+from ...engine.opinfo import op_tensors, storage_key, tensors
 from ...engine.source import codes_within, user_frame, user_frames
 from ..records import Op
 
@@ -39,6 +39,7 @@ class Warmups:
         self.eager_lines: set[str] = set()
         self.head = None                 # the graph last captured after warmups, until a warmup or a replay
         self.opened = None
+        self.host_made: set = set()      # storages host work made in the warmups: host memory too
 
     def capture_begin(self, info) -> None:
         info.warmup = self.runs[0] if self.runs else None
@@ -84,8 +85,12 @@ class Warmups:
     def warmup_end(self) -> None:
         self.opened = None
 
-    def warmup_op(self, func, args, kwargs, constant: set) -> None:
-        self.runs[-1].append(op(func, args, kwargs, constant, self.opened))
+    def warmup_op(self, func, args, kwargs, constant: set, out) -> None:
+        """A warmup op; what host work makes is host memory, as a capture takes it (``cpu_graph``): the
+        next op of a composite host op (``lr / host_step``: a reciprocal, then a multiply) is host work too."""
+        self.runs[-1].append(op(func, args, kwargs, constant, self.opened, self.host_made))
+        if self.runs[-1][-1].memory == {"host"}:
+            self.host_made.update(storage_key(t) for t in tensors(out))
 
     def eager_op(self) -> None:
         """An eager op outside warmups: between a warmup and its capture, or between pieces."""
@@ -96,7 +101,7 @@ class Warmups:
         info.called |= codes_within(self.opened)
 
 
-def op(func, args, kwargs, constant: set, opened) -> Op:
+def op(func, args, kwargs, constant: set, opened, host_made: set = frozenset()) -> Op:
     """A warmup op as the rule needs it: the data it reads (not constants the warmups computed from
     no data, nor a tensor an allocation is shaped like: a placeholder a warmup returns in place of
     work it does only under capture), where its tensors live, and the functions it ran in inside
@@ -104,7 +109,8 @@ def op(func, args, kwargs, constant: set, opened) -> Op:
     ts = op_tensors(args, kwargs)
     reads = () if func.overloadpacket in _SHAPE_ONLY else ts
     return Op(str(func), user_frame(), frozenset(k for t in reads if (k := storage_key(t)) not in constant),
-              memory=frozenset("host" if type(t) in HOST_TYPES else t.device.type for t in ts),
+              memory=frozenset("host" if type(t) in HOST_TYPES or storage_key(t) in host_made else t.device.type
+                               for t in ts),
               codes=codes_within(opened))
 
 
