@@ -157,6 +157,7 @@ GPU_UNSTABLE = {
 # Rounds not yet recorded on a GPU, and why: their programs are left out of the comparison until they are.
 GPU_PENDING: dict[str, str] = {
     "round132": "written when no GPU could be started: not recorded on a GPU yet",
+    "round133": "written when no GPU could be started: not recorded on a GPU yet",
 }
 
 
