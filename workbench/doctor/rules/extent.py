@@ -83,6 +83,12 @@ def wrote(doctor, func, args, kwargs) -> None:
         return
 
 
+def graph_memory(doctor, key: int):
+    """The graph whose memory ``key`` is: the one that made it (its pool's), else one whose capture
+    read it; None for memory no graph uses (a step's temporary)."""
+    return doctor.owner_of(key) or next((info for info in doctor.graphs.values() if key in info.externals), None)
+
+
 def failed_view(doctor, func, args, error: BaseException) -> None:
     """A view asked over more bytes than its storage holds (torch's bounds check of ``as_strided``,
     ``set_``), of memory a graph reads: an announced buffer, or memory a capture read or made. The
@@ -95,7 +101,7 @@ def failed_view(doctor, func, args, error: BaseException) -> None:
         return
     key = storage_key(base)
     buf = doctor.buffer(key)
-    graph = doctor.owner_of(key) or next((i for i in doctor.graphs.values() if key in i.externals), None)
+    graph = graph_memory(doctor, key)
     if buf is None and graph is None:
         return
     shape = tuple(args[1]) if len(args) > 1 and isinstance(args[1], (list, tuple, torch.Size)) else ()

@@ -29,6 +29,7 @@ from .. import explain
 from ..report import Finding
 from ..tensors import first_line
 from . import checks, unwritten, where
+from .extent import graph_memory
 
 _OPEN_END = 2 ** 62          # ``x[a:]`` slices up to sys.maxsize
 
@@ -216,9 +217,7 @@ def failed_write(doctor, func, args, kwargs, error: BaseException) -> None:
     if not written or doctor.buffer(storage_key(written[0])) is not None:
         return
     dst, src = written[0], next((a for a in args[1:] if isinstance(a, torch.Tensor)), None)
-    key = storage_key(dst)
-    if torch.Tag.pointwise in func.tags and doctor.owner_of(key) is None \
-            and not any(key in info.externals for info in doctor.graphs.values()):
+    if torch.Tag.pointwise in func.tags and graph_memory(doctor, storage_key(dst)) is None:
         return
     if isinstance(error, IndexError) and "out of bounds" in str(error):
         what = "an index past its end"

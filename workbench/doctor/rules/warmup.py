@@ -89,7 +89,7 @@ class Warmups:
         """A warmup op; what host work makes is host memory, as a capture takes it (``cpu_graph``): the
         next op of a composite host op (``lr / host_step``: a reciprocal, then a multiply) is host work too."""
         self.runs[-1].append(op(func, args, kwargs, constant, self.opened, self.host_made))
-        if self.runs[-1][-1].memory == {"host"}:
+        if _host(self.runs[-1][-1], cuda=False):
             self.host_made.update(storage_key(t) for t in tensors(out))
 
     def eager_op(self) -> None:
