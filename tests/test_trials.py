@@ -158,6 +158,8 @@ GPU_UNSTABLE = {
 GPU_PENDING: dict[str, str] = {
     "round132": "written when no GPU could be started: not recorded on a GPU yet",
     "round133": "written when no GPU could be started: not recorded on a GPU yet",
+    "round134": "written when no GPU could be started: not recorded on a GPU yet",
+    "round135": "written when no GPU could be started: not recorded on a GPU yet",
 }
 
 
