@@ -382,6 +382,44 @@ def test_a_step_that_fails_on_what_the_runner_writes_into_padded_rows_is_stale_p
     assert function_of(finding.location) == "served" and finding.op == "aten.fill_.Scalar", finding.location
 
 
+def _padded_table_read_by_index(fill: int):
+    """As ``_padded_table``, but the kernel indexes the cache with the table (a failure that names
+    the index), and ``bias`` is announced as padded rows the runner leaves as they were."""
+    cache = torch.arange(8.0)
+    table, bias = torch.zeros(4, dtype=torch.int64), torch.zeros(4)
+
+    def served():
+        def kernel():
+            return cache[table] * 2 + bias
+        g = capture(kernel, device="cpu", warmups=1, name="decode 4", static={"block_table": table, "bias": bias})
+        out = []
+        for rows in ([1, 2, 3], [4, 5, 6]):
+            table[:3].copy_(torch.tensor(rows))
+            table[3:].fill_(fill)
+            out.append(replay(*g, real=3, size=4, padded={"bias": bias})[:3].clone())
+        return out
+
+    def eager():
+        return [cache[torch.tensor(rows)] * 2 for rows in ([1, 2, 3], [4, 5, 6])]
+
+    return compare("table", "bug" if fill else "fix", "cpu", served, eager)
+
+
+@pytest.mark.parametrize("fill", [8, 0])
+def test_the_line_that_writes_failing_padded_rows_ranks_before_the_op_that_read_them(fill):
+    """The watched run ties the failed lookup to the padded rows of the table it read; the padded-row
+    runs then show that 0 written where the runner writes 8 makes the workload complete. Both are
+    stale-padding, and the tested one, at the line that writes the pad value, comes first: it is
+    what a fix changes. The reader's finding stays, after it."""
+    report = doctor.diagnose(lambda: _padded_table_read_by_index(fill))
+    if fill == 0:
+        assert report.findings == [] and not report.errors
+        return
+    assert [(f.kind, function_of(f.location)) for f in report.findings] == [
+        ("stale-padding", "served"), ("stale-padding", "kernel")], report.findings
+    assert report.findings[0].op == "aten.fill_.Scalar" and "the workload completed" in report.findings[0].evidence
+
+
 def _aliased_slot(pad_slot: int, announce: bool):
     """Three requests padded to a graph of 4. Each row writes its token's embedding (token + 1) at
     position ``length + accept - 1`` of its request's slot in a flat cache (slot * 8 + position) and

@@ -64,8 +64,7 @@ def diagnose(target: Callable[[], Any], make_batch: Callable[[int, int], Mapping
         if short and (finding := _cured(workload, guard, doctor.plan.steps, _failed(report)[0]) if _failed(report)
                       else _steered(workload, guard, doctor.plan.steps) if _unexplained_padded(report, doctor)
                       else None):
-            report.findings.append(finding)
-            _explained_by_padding(report, finding)
+            _add_tested(report, finding, ahead=True)
             report.not_checked.pop("stale-padding", None)
             return report
         report.not_checked["stale-padding"] = (
@@ -86,6 +85,7 @@ def diagnose(target: Callable[[], Any], make_batch: Callable[[int, int], Mapping
             report.not_checked["stale-padding"] = f"both padded-row runs ended before their first replay ({why})"
             return report
         finding = compare_runs(*(r[1].trace for r in runs), *(_failed(r[0]) for r in runs))
+        written = None                  # a finding at the line that writes the padded rows (_cured, _steered)
         if finding is not None and _held_neutral(report, doctor):
             report.note(f"stale-padding at {finding.location} is latent: {finding.evidence}; but as the runner "
                         "left them, the padded rows held values under which this run's results equal its run "
@@ -94,13 +94,11 @@ def diagnose(target: Callable[[], Any], make_batch: Callable[[int, int], Mapping
         elif finding is None and _failed(report) and not any(_failed(r[0]) for r in runs):
             finding = crashed_only_as_left(_failed(report)[0], runs[0][1].trace[-1] if runs[0][1].trace else None, 2)
         elif finding is None and _failed(report) and all(_failed(r[0]) for r in runs):
-            finding = _cured(workload, guard, doctor.plan.steps, _failed(report)[0])
+            finding = written = _cured(workload, guard, doctor.plan.steps, _failed(report)[0])
         elif finding is None and not _failed(report) and _unexplained_padded(report, doctor):
-            finding = _neutralised(doctor, runs) or _steered(workload, guard, doctor.plan.steps)
-        if finding is not None:         # (it says more than a finding of the watched run at the same op)
-            report.findings = [f for f in report.findings if (f.kind, f.source) != (finding.kind, finding.source)]
-            report.findings.append(finding)
-            _explained_by_padding(report, finding)
+            finding = _neutralised(doctor, runs) or (written := _steered(workload, guard, doctor.plan.steps))
+        if finding is not None:
+            _add_tested(report, finding, ahead=finding is written)
         report.not_checked.pop("stale-padding", None)
         report.note(f"stale-padding: {doctor.padded_steps} padded step(s); the workload was run twice "
                     "more with padded rows filled two ways")
@@ -183,6 +181,20 @@ def _failed(report: Report) -> list[str]:
     """What a run raised: the workload's error, else op failures it caught (a serving loop that drops
     the batch, a harness that compares outcomes)."""
     return report.errors or report.caught
+
+
+def _add_tested(report: Report, finding: Finding, ahead: bool = False) -> None:
+    """Add a finding of the padded-row runs. A watched finding at the same op is dropped (the runs'
+    evidence includes it); those that follow from it become its notes (``_explained_by_padding``).
+    ``ahead``: the runs filled the padded rows the runner *writes* and saw the outcome change, so
+    the finding names the line that chooses what padded rows hold. It goes before the watched
+    run's findings of its kind, which name where some op read those rows: the runs tested which
+    write decides the step, and that write is what a fix changes. Other findings of the runs
+    (the first op whose results the two fills part) come after the watched run's."""
+    report.findings = [f for f in report.findings if (f.kind, f.source) != (finding.kind, finding.source)]
+    first = next((i for i, f in enumerate(report.findings) if f.kind == finding.kind), None) if ahead else None
+    report.findings.insert(len(report.findings) if first is None else first, finding)
+    _explained_by_padding(report, finding)
 
 
 def _explained_by_padding(report: Report, padding) -> None:
