@@ -160,6 +160,7 @@ GPU_PENDING: dict[str, str] = {
     "round133": "written when no GPU could be started: not recorded on a GPU yet",
     "round134": "written when no GPU could be started: not recorded on a GPU yet",
     "round135": "written when no GPU could be started: not recorded on a GPU yet",
+    "round136": "written when no GPU could be started: not recorded on a GPU yet",
 }
 
 
