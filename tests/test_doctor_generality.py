@@ -717,3 +717,98 @@ def test_a_task_table_an_update_fills_with_another_layers_values_is_named_where_
     [finding] = report.findings
     assert finding.kind == "warmup-divergence" and function_of(finding.location) == "update", finding
     assert "with values chosen at" in finding.evidence and "task" in finding.tensor
+
+
+# ------------------------------------------------------------------------------ an output kept past the next replay
+def _combine(scores):
+    return torch.stack(scores)
+
+
+def _scores_kept(clone: bool, handed_up: bool):
+    """A decode loop keeps each step's logits (the graph's output) in ``scores``. Without a copy every
+    kept entry is the graph's memory, which the next replay writes. ``handed_up``: the loop returns
+    the list and its caller stacks it (the read is far from the keeping); else the loop stacks it
+    itself, through a helper (the read is in the keeper's own flow)."""
+    weight = torch.linspace(-1, 1, 16).reshape(4, 4)
+
+    def step_of(x):
+        return lambda: torch.tanh(x @ weight)
+
+    def decode(forward, x):
+        scores = []
+        for _ in range(3):
+            logits = forward(x)
+            scores.append(logits.clone() if clone else logits)
+            x.copy_(logits)
+        return scores if handed_up else _combine(scores)
+
+    def served():
+        x = torch.linspace(0.1, 0.8, 8).reshape(2, 4)
+        g, out = capture(step_of(x), device="cpu", name="decode 2", static={"x": x})
+        kept = decode(lambda _: replay(g, out), x)
+        return [torch.stack(kept) if handed_up else kept]
+
+    def eager():
+        x = torch.linspace(0.1, 0.8, 8).reshape(2, 4)
+        kept = decode(lambda x: step_of(x)(), x)
+        return [torch.stack(kept) if handed_up else kept]
+
+    return compare("scores_kept", "fix" if clone else "bug", "cpu", served, eager)
+
+
+@pytest.mark.parametrize("clone", [False, True])
+@pytest.mark.parametrize("handed_up", [True, False])
+def test_an_output_kept_past_the_replay_that_overwrote_it_is_named_where_it_was_kept(clone, handed_up):
+    """Named in the function whose locals held the output when a replay wrote it (``decode``'s
+    ``scores``), where a copy would have kept its values, once that function has returned and its
+    caller reads what it handed up; the evidence says both. Where the keeper reads it itself, through
+    a callee, the read is named (``_combine``)."""
+    report = doctor.diagnose(lambda: _scores_kept(clone, handed_up))
+    if clone:
+        assert report.findings == [] and not report.errors
+        return
+    finding = next(f for f in report.findings if f.kind == "overwritten-output")
+    assert finding.op == "aten.stack.default"
+    if handed_up:
+        assert function_of(finding.location) == "decode", finding
+        assert "held at" in finding.evidence and "in served" in finding.evidence
+    else:
+        assert function_of(finding.location) == "_combine" and "held at" not in finding.evidence, finding
+
+
+# ------------------------------------------------------------------------------ an indexed write whose sides disagree
+def _cache_write(real: int):
+    """A graph of 4 rows reads a cache; before a step the runner writes its new rows into the cache
+    at locations laid out for the graph's 4 rows (``pad``: the real ones and a dummy), while the
+    values are the real requests' only (3 of them). The cache holds every location it is given."""
+    cache = torch.zeros(16, 2)
+    loc = torch.zeros(4, dtype=torch.int64)
+
+    def step():
+        return cache.index_select(0, loc) * 2
+
+    def served():
+        g, out = capture(step, device="cpu", name="decode 4", static={"loc": loc}, state={"cache": cache})
+        values = torch.ones(real, 2)
+        loc.copy_(torch.tensor([1, 2, 3, 0]))
+        cache[loc[:real] if real == 4 else loc] = values          # the fix writes the real rows' locations
+        return [replay(g, out).clone()]
+
+    def eager():
+        cache.zero_()
+        cache[torch.tensor([1, 2, 3, 0])[:real]] = torch.ones(real, 2)
+        return [cache.index_select(0, torch.tensor([1, 2, 3, 0])) * 2]
+
+    return compare("cache_write", "bug" if real < 4 else "fix", "cpu", served, eager)
+
+
+def test_an_indexed_write_whose_values_have_fewer_rows_than_its_locations_is_no_undersized_buffer():
+    """``cache[loc] = values`` with 4 locations (a graph's rows) and 3 values fails in torch ("value
+    tensor of shape [3, 2] cannot be broadcast to indexing result of shape [4, 2]"): the cache
+    holds every location, the two sides of the write disagree. ``padded-shape-mismatch`` at the
+    write, the graph's rows against the real ones; never ``undersized-buffer`` of the cache."""
+    report = doctor.diagnose(lambda: _cache_write(3))
+    assert [(f.kind, f.graph, f.numbers) for f in report.findings] == [
+        ("padded-shape-mismatch", "decode 4", {"size": 4, "real": 3})], report.findings
+    assert "cache[loc[:real] if real == 4 else loc] = values" in report.findings[0].source
+    assert doctor.diagnose(lambda: _cache_write(4)).findings == []

@@ -973,7 +973,8 @@ def _failing_frame(check):
 
 def test_a_checks_comparison_and_numbers_are_read_from_its_source_not_its_message():
     """A bare ``assert`` has no message (unless pytest rewrote it): the comparison and its operands
-    are read from the source and the frame, plain reads only."""
+    are read from the source and the frame, plain reads only; a negated comparison (``if not a >= b:
+    raise``) is the comparison checked."""
     from workbench.doctor.rules import checks
     buf, data = torch.zeros(4), [1] * 6
 
@@ -989,9 +990,14 @@ def test_a_checks_comparison_and_numbers_are_read_from_its_source_not_its_messag
         if buf.size(0) + 2 != len(data) + 1:
             raise ValueError("mismatch")
 
+    def negated():                                     # (Rust's ``assert!(dst.len() >= src.len())``, in Python)
+        if not buf.numel() >= len(data):
+            raise AssertionError("assertion failed: dst.len() >= src.len()")
+
     assert checks.condition(_failing_frame(bare)) == ("order", [6, 4])
     assert checks.condition(_failing_frame(raised)) is None
     assert checks.condition(_failing_frame(matched)) == ("equal", [6, 7])
+    assert checks.condition(_failing_frame(negated)) == ("order", [4, 6])
 
 
 class _BareStaging(_Staging):

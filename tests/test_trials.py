@@ -162,8 +162,6 @@ GPU_UNSTABLE = {
 
 # Rounds not yet recorded on a GPU, and why: their programs are left out of the comparison until they are.
 GPU_PENDING: dict[str, str] = {
-    "round137": "written after the session's GPU record: not recorded on a GPU yet",
-    "round138": "written after the session's GPU record: not recorded on a GPU yet",
 }
 
 

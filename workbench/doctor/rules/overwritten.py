@@ -13,7 +13,7 @@ import weakref
 import torch
 
 from ...engine.opinfo import describe, tensors
-from ...engine.source import user_frame
+from ...engine.source import location, user_frame, user_frames
 from .. import explain
 from ..report import Finding
 from .pool import block
@@ -58,21 +58,48 @@ def tag_view(doctor, func, base, out) -> None:
 def _remember(doctor, t, key: tuple, generation: int, info, replays: int, made: str | None) -> None:
     """Keyed by the view's ``id`` with a weak reference to it (a lookup checks that the view is the
     same object). Entries of released views are swept every 64 additions, not by callbacks: a
-    runner hands out a view per step, and a callback per view costs host time on every step."""
+    runner hands out a view per step, and a callback per view costs host time on every step. The
+    last item is where the view was kept across a replay that wrote it (``_keepers``)."""
     handed = doctor.handed
     if len(handed) & 63 == 63:
         for ident in [i for i, entry in handed.items() if entry[0]() is None]:
             del handed[ident]
-    handed[id(t)] = (weakref.ref(t), key, generation, info, replays, made)
+    handed[id(t)] = (weakref.ref(t), key, generation, info, replays, made, None)
 
 
 def replayed(doctor, info) -> None:
     """Every handed-out block this replay wrote moves to a new generation."""
     if not doctor.generation:
         return
-    for key in info.blocks.intersection(doctor.generation):       # walks the few handed-out blocks
+    written = info.blocks.intersection(doctor.generation)       # the few handed-out blocks
+    for key in written:
         doctor.generation[key] += 1
         doctor.writers[key] = (info, info.replays)
+    if written and doctor.reference is not None:
+        _keepers(doctor, written)
+
+
+def _keepers(doctor, written: set) -> None:
+    """Where each live output of an earlier replay that this replay overwrote is held: the innermost
+    user frame with it among its locals (or in a list, tuple or dict there), kept as ``(its line,
+    its code, the frame's id)``. That code kept a piece of the graph's memory past the next replay,
+    where a copy would have kept its values. Only where a run without graphs is compared
+    (``diagnose``): a walk up the stack at a replay is no cost for every step."""
+    live = {ident: entry for ident, entry in doctor.handed.items() if entry[1] in written
+            and entry[2] is not None and entry[5] is None and entry[6] is None and entry[0]() is not None}
+    if not live:
+        return
+    for frame in user_frames():
+        for value in frame.f_locals.values():
+            items = (value,) if isinstance(value, torch.Tensor) else value.values() if isinstance(value, dict) \
+                else value if isinstance(value, (list, tuple)) else ()
+            if len(items) > 4096:                 # (a large container: not a step's outputs kept)
+                continue
+            for x in items:
+                if id(x) in live and live[id(x)][0]() is x:
+                    doctor.handed[id(x)] = (*live.pop(id(x))[:6], (location(frame), frame.f_code, id(frame)))
+        if not live:
+            return
 
 
 def check_read(doctor, func, args, kwargs) -> None:
@@ -103,12 +130,19 @@ def _read(doctor, func, t) -> None:
         doctor.handed[id(t)] = (entry[0], entry[1], doctor.generation[entry[1]], *entry[3:])
 
 
-def _stale(doctor, func, t, key: tuple, generation: int, info, handed_after: int, made: str | None) -> None:
-    """Named where the program took the view it read late (where a copy would have kept the values),
-    else, for the handed-out output itself, at the read."""
+def _stale(doctor, func, t, key: tuple, generation: int, info, handed_after: int, made: str | None,
+           keeper: tuple | None) -> None:
+    """Named where the program took the view it read late (where a copy would have kept the values);
+    else, where the function that held it across the replay that wrote it has returned since
+    (handing up what it kept: a list of a decode loop's logits, stacked by its caller), there; else
+    at the read (a function that keeps an output and reads it, itself or through a callee, is the
+    read's own flow)."""
     writer, writer_replay = doctor.writers[key]
     read = user_frame()
-    source = made or read
+    kept = None
+    if keeper is not None and not any(f.f_code is keeper[1] and id(f) == keeper[2] for f in user_frames()):
+        kept = keeper[0]
+    source = made or kept or read
     if writer is info:
         evidence = (f"an output handed out after replay {handed_after} of {info.name} is read after replay "
                     f"{writer_replay}")
@@ -119,6 +153,8 @@ def _stale(doctor, func, t, key: tuple, generation: int, info, handed_after: int
         numbers = {"handed_out_after": handed_after, "read_after": writer_replay, "overwritten_by": writer.name}
     if made is not None:
         evidence += f"; the view read was taken at {made} and read at {read}"
+    elif kept is not None and kept != read:
+        evidence += f"; it was held at {kept} when a replay wrote it, and read at {read}"
     doctor.add(Finding(
         "overwritten-output", info.name, str(func), describe(t), source, evidence,
         explain.overwritten(str(func), info.name, handed_after, writer_replay, writer.name), numbers),

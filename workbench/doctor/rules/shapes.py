@@ -269,10 +269,10 @@ def failed_op(doctor, func, args, kwargs, error: BaseException) -> None:
     ``failed`` tie to that replay (an op on none of them is laid out for a later step)."""
     if doctor.phase != "eager" or not explainable(error) or not doctor.graphs:
         return
-    step = doctor.padded_step
-    if step is not None and any(step.holds(_key(t)) for t in op_tensors(args, kwargs)):
+    step, indexed = doctor.padded_step, unindexed(error, args)     # (an indexed write states its two sides)
+    if step is not None and indexed is None and any(step.holds(_key(t)) for t in op_tensors(args, kwargs)):
         return
-    pair = _mismatch(func, args, kwargs)
+    pair = indexed or _mismatch(func, args, kwargs)
     graph = next((i for i in doctor.graphs.values() if pair and pair[0] in i.rows), None)
     source = user_frame()
     if graph is None or any(f.op == str(func) and f.source == source for f in doctor.report.findings):
@@ -296,6 +296,29 @@ def _laid_out(doctor, error: BaseException) -> Finding | None:
     tensors), if it made one."""
     return next((f for f in doctor.report.findings if f.kind == "padded-shape-mismatch"
                  and f.evidence.startswith("after the captures, ") and f.evidence.endswith(first_line(error))), None)
+
+
+_UNINDEXED = re.compile(r"value tensor of shape \[([\d, ]*)\] cannot be broadcast to indexing result of shape "
+                        r"\[([\d, ]*)\]")
+
+
+def unindexed(error: BaseException, args) -> tuple[int, int] | None:
+    """``(larger, smaller)`` of an indexed write (``buf[loc] = values``: ``args`` are ``index_put_``'s)
+    whose values and indices disagree (torch: "value tensor of shape [7, 2] cannot be broadcast to
+    indexing result of shape [8, 2]") in a dimension the indices make, neither 1: the destination
+    holds every index it was given, so its size is not in question. A dimension the indexing result
+    takes from the destination (values wider than its columns) is data that does not fit it."""
+    found = _UNINDEXED.search(first_line(error))
+    indices = args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else None
+    if found is None or not indices or indices[0] is None or any(
+            i is not None and (not isinstance(i, torch.Tensor) or i.dtype == torch.bool) for i in indices):
+        return None
+    made = max(i.dim() for i in indices if i is not None)       # the leading dimensions the indices make
+    values, result = ([int(n) for n in g.split(",") if n.strip()] for g in found.groups())
+    for back, (x, y) in enumerate(zip(reversed(values), reversed(result))):
+        if x != y and 1 not in (x, y) and min(x, y) > 0:
+            return (max(x, y), min(x, y)) if len(result) - 1 - back < made else None
+    return None
 
 
 def _mismatch(func, args, kwargs) -> tuple[int, int] | None:

@@ -28,7 +28,7 @@ from ...engine.source import location, user_frame
 from .. import explain
 from ..report import Finding
 from ..tensors import first_line
-from . import checks, unwritten, where
+from . import checks, shapes, unwritten, where
 from .extent import graph_memory
 
 _OPEN_END = 2 ** 62          # ``x[a:]`` slices up to sys.maxsize
@@ -193,8 +193,8 @@ def write(doctor, func, targets: list, run):
     try:
         return run()
     except (RuntimeError, IndexError) as e:          # an index past the end is an IndexError
-        if unwritten.failed(doctor, func, run.args, run.kwargs, e):     # the index, not the buffer
-            raise
+        if unwritten.failed(doctor, func, run.args, run.kwargs, e) or shapes.unindexed(e, run.args):
+            raise                                # the index, or the values against it: not the buffer
         _, t, buf = targets[0]
         source = user_frame()
         doctor.add(Finding(

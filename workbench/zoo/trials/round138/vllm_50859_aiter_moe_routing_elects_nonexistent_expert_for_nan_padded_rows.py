@@ -66,7 +66,9 @@ Stand-ins: where the padded rows turn non-finite upstream is not established; he
 padded requests and divides 0 by 0 (no attention sinks; gpt-oss has them). That NaN is negative on x86 (0xffc00000)
 and stays negative through the layers, like the -inf/-NaN rows upstream's tests write. On an NVIDIA GPU 0/0 gives a
 positive NaN, whose key is the largest: the padded rows elect real experts and the bug variant serves right there
-(latent). 12 experts in 16-column blocks (upstream 32 in 128), top-4; keys from float32 bits (upstream bf16); the
+(latent), it was expected; recorded on one H100 (2026-12-07) the bug variant instead ends its CUDA context with a
+device-side assert (an index out of bounds), so it misbehaves there too. 12 experts in 16-column blocks (upstream
+32 in 128), top-4; keys from float32 bits (upstream bf16); the
 bitmatrix as a 0/1 matrix; ``sort_tokens_fused`` as offsets + rank (kernel not read); ``moe_gemm_a8w4`` as a gathered
 float64 einsum of fp8 activations (torch float8_e4m3fn, static scales) and mxfp4 weights (e2m1 values times e8m0
 block scales); gpt-oss's SwiGLU (alpha 1.702, limit 7); projections as broadcast products so that a row's result does
