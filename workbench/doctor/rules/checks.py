@@ -106,9 +106,6 @@ def _checks(filename: str) -> dict[int, ast.expr]:
         return {}
     found: dict[int, ast.expr] = {}
     passed: dict[int, list] = {}         # line -> comparisons passed as call arguments (keyed by -line)
-    # (``if not n <= cap: raise``, ``assert not a > b``: the comparison is what was checked, whichever way)
-    bare = lambda t: t.operand if isinstance(t, ast.UnaryOp) and isinstance(t.op, ast.Not) \
-        and isinstance(t.operand, ast.Compare) else t
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
             for arg in (*node.args, *(k.value for k in node.keywords)):
@@ -116,13 +113,20 @@ def _checks(filename: str) -> dict[int, ast.expr]:
                     passed.setdefault(node.lineno, []).append(arg)
         if isinstance(node, ast.Assert):
             for line in range(node.lineno, (node.end_lineno or node.lineno) + 1):
-                found.setdefault(line, bare(node.test))
+                found.setdefault(line, _compared(node.test))
         elif isinstance(node, ast.If):
             for raised in (n for n in node.body if isinstance(n, ast.Raise)):
                 for line in range(raised.lineno, (raised.end_lineno or raised.lineno) + 1):
-                    found.setdefault(line, bare(node.test))
+                    found.setdefault(line, _compared(node.test))
     found.update({-line: compares[0] for line, compares in passed.items() if len(compares) == 1})
     return found
+
+
+def _compared(test: ast.expr) -> ast.expr:
+    """A check's test with a negation of one comparison taken off (``if not n <= cap: raise``,
+    ``assert not a > b``): the comparison is what was checked, whichever way it must hold."""
+    negated = isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) and isinstance(test.operand, ast.Compare)
+    return test.operand if negated else test
 
 
 def _value(node: ast.expr, frame):
