@@ -1068,7 +1068,7 @@ def broken(*args, **kwargs):
 @pytest.mark.parametrize("module, name, where", [
     (MUTATION_PROBE, "probe", "replay_begin"),                    # an event handler, before the first replay
     (UNDERSIZED, "check_fit", "watching aten.copy_.default"),     # the dispatch mode, before the op runs
-    (WARMUP, "user_frame", "watching aten.add_.Tensor"),          # the dispatch mode, after the warmup's op ran
+    (WARMUP, "frames_within", "watching aten.add_.Tensor"),       # the dispatch mode, after the warmup's op ran
 ])
 def test_a_failing_doctor_stops_watching_and_leaves_the_run_as_without_it(monkeypatch, module, name, where):
     monkeypatch.setattr(module, name, broken)

@@ -154,6 +154,54 @@ def test_a_step_that_builds_on_counts_the_warmups_left(variant):
     assert "builds on what the dummy batches wrote" in finding.evidence
 
 
+def _plan(x):
+    return x.sum(1).cumsum(0)                       # per-row offsets: work on the step's data
+
+
+class _Planned:
+    """A layer that plans its rows on every step but while capturing (the plan's kernel syncs, so
+    upstream code skips it under capture); ``fix`` plans under capture too (a capturable plan)."""
+
+    def __init__(self, fix: bool):
+        self.fix, self.offsets = fix, None
+
+    def forward(self, x):
+        if self.fix or not is_capturing():
+            self.offsets = _plan(x)
+        return x * self.offsets[:, None]
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_work_skipped_because_a_capture_is_open_is_named_at_the_branch_that_asked(variant):
+    """The warmup plans on the dummy batch and the capture skips the plan, so every replay uses the
+    dummy batch's offsets. The work skipped runs in ``_plan``. Where ``forward`` skipped it because
+    it asked whether a capture is open, the decision is that branch, the line the capture ran up to
+    and not past: under ``diagnose`` (lines traced) the finding names it, under ``watch()`` alone
+    the skipped work. (Work skipped because the warmup had done it, a lazy plan, is named itself:
+    ``test_doctor.py::test_evaluation_is_correct_on_every_case``'s fifth case.)"""
+    def workload():
+        x = torch.zeros(2, 3)
+        layer = _Planned(variant == "fix")
+        g, out = captured(lambda: layer.forward(x), static={"x": x})
+        got = []
+        for step in range(2):
+            x.copy_(torch.arange(6.0).reshape(2, 3) + step)
+            got.append(served(g, out, lambda: layer.forward(x)))
+        return got
+    report = doctor.diagnose(workload)
+    if variant == "fix":
+        assert report.findings == [], report
+        return
+    first = report.of("warmup-divergence")[0]
+    work = "return x.sum(1).cumsum(0)                       # per-row offsets: work on the step's data"
+    assert "never executed" in first.evidence and "in forward:" in first.source and first.source.endswith("self.offsets = _plan(x)"), first
+    assert "the capture left the warmup's path at" in first.evidence
+    with doctor.watch() as watched:
+        workload()
+    (untraced,) = watched.of("warmup-divergence")
+    assert untraced.source.endswith(work)
+
+
 # ------------------------------------------------------------------------------ serving
 def test_two_graphs_replayed_in_one_step_on_inputs_written_once_give_no_finding():
     """Metadata built once per step, then a target graph and a draft graph both read it (the

@@ -29,7 +29,7 @@ class Op:
     ext: frozenset = frozenset()
     sig: tuple = ()
     memory: frozenset = frozenset()     # warmup ops: where its tensors live ("host", "cpu", "cuda")
-    codes: frozenset = frozenset()      # warmup ops: the functions it ran in, inside the warmup block
+    stack: tuple = ()                   # warmup ops: (function, line) of its frames inside the warmup block, outermost first
 
 
 @dataclasses.dataclass
@@ -196,6 +196,7 @@ class GraphInfo:
         self.handed_on: list = []                   # its static inputs announced since in another role (dangling)
         self.paths: list = []                       # with a reference run: each op's functions, static views read
         self.lines_run: set = set()                 # (function, line) run inside the capture, under diagnose's tracer
+        self.asked: frozenset = frozenset()         # the user's functions that asked whether a capture is open, in it
         self.returned_numbers: dict = {}            # a Python number a function returned inside it -> that return
         self.returned_paths: dict = {}              # a function that returned a dict or list inside it -> placement
         self.by_value: list = []                    # (Op, value) of 0-dim host tensors its ops take by value

@@ -6,7 +6,8 @@ its data-dependent mask checks). During a ``CPUGraph`` capture the emulation mus
 answer, or correct library code takes a path that a real capture never sees and fails on the CPU.
 
 The answer is per thread, as CUDA's is per stream: another thread running eagerly meanwhile is not
-capturing. Torch's functions read the module-level name ``_cuda_isCurrentStreamCapturing``, so
+capturing. Which of the user's functions asked while a capture was open is kept (``asked``): code
+that skips work because it is being captured decided there, which a diagnosis names. Torch's functions read the module-level name ``_cuda_isCurrentStreamCapturing``, so
 that name (in ``torch.cuda.graphs`` and ``torch._C``) is wrapped once; every alias of
 ``torch.cuda.is_current_stream_capturing`` a library imported earlier answers through it. Outside
 a ``CPUGraph`` capture the wrapper calls torch's own function, so nothing changes on a CUDA
@@ -16,10 +17,14 @@ CPU backend as it does on a GPU; ``transformers`` already read the raise as Fals
 """
 from __future__ import annotations
 
+import os
+import sys
 import threading
 
 import torch
 import torch.cuda.graphs as _cuda_graphs
+
+from .source import mine_code
 
 _state = threading.local()
 
@@ -35,8 +40,30 @@ def is_capturing() -> bool:
     while capturing) then takes the path a real capture takes on either backend; answering only for
     the emulation sent such code, on a GPU, into the host work that CUDA refuses in a capture."""
     if getattr(_state, "graph", None) is not None:
-        return True
-    return torch.cuda.is_initialized() and bool(_cuda_graphs._cuda_isCurrentStreamCapturing())
+        return _noted(True)
+    return _noted(torch.cuda.is_initialized() and bool(_cuda_graphs._cuda_isCurrentStreamCapturing()))
+
+
+def asked(clear: bool = False) -> frozenset:
+    """The code objects of the user's functions that asked, on this thread, whether a capture is open
+    while one was (this engine's ``is_capturing`` or torch's query, directly or through a library),
+    since the last ``asked(clear=True)``."""
+    found = frozenset(getattr(_state, "asked", ()))
+    if clear:
+        _state.asked = set()
+    return found
+
+
+def _noted(answer: bool) -> bool:
+    """Keep the asking function (``asked``) of a True answer: the first frame out of torch's (and of a
+    wrapper's), if it is the user's; a question the engine or the doctor asks for itself is none."""
+    if answer:
+        frame = sys._getframe(1)
+        while frame is not None and (frame.f_code.co_filename.startswith(_TORCH) or frame.f_code in _ASKERS):
+            frame = frame.f_back
+        if frame is not None and mine_code(frame.f_code):
+            _state.__dict__.setdefault("asked", set()).add(frame.f_code)
+    return answer
 
 
 def set_capturing(graph) -> None:
@@ -50,13 +77,17 @@ def _wrap(torch_answer):
 
     def is_current_stream_capturing() -> bool:
         if getattr(_state, "graph", None) is not None:
-            return True
+            return _noted(True)
         if not torch.backends.cuda.is_built():
             return False
-        return torch_answer()
+        return _noted(bool(torch_answer()))
 
     is_current_stream_capturing._workbench_wrapped = True
     return is_current_stream_capturing
+
+
+_TORCH = os.path.dirname(torch.__file__)
+_ASKERS = (is_capturing.__code__, _wrap(lambda: False).__code__)     # the queries themselves
 
 
 def install() -> None:

@@ -12,13 +12,14 @@ from collections import Counter
 
 import torch
 
+from ...engine import queries
 from ...engine.cpu_graph import ALLOCATIONS
 from ...engine.memory import HOST_TYPES
 from ...engine.opinfo import op_tensors, storage_key, tensors
-from ...engine.source import codes_within, user_frame, user_frames
+from ...engine.source import codes_within, frames_within, location, user_frame, user_frames
 from ..records import Op
 
-from .. import explain
+from .. import explain, skipped
 from ..report import Finding
 
 
@@ -42,6 +43,7 @@ class Warmups:
         self.host_made: set = set()      # storages host work made in the warmups: host memory too
 
     def capture_begin(self, info) -> None:
+        queries.asked(clear=True)
         info.warmup = self.runs[0] if self.runs else None
         info.eager_lines, self.eager_lines = self.eager_lines, set()
         if info.warmup is None and self.head is not None:      # the next piece of a step being captured
@@ -54,7 +56,7 @@ class Warmups:
 
     def capture_end(self, info) -> None:
         """After a capture that recorded ops (an empty piece hands its warmup on: ``hand_on``)."""
-        self.opened = None
+        self.opened, info.asked = None, queries.asked(clear=True)
         if info.warmup is not None:
             self.head = info
 
@@ -104,14 +106,16 @@ class Warmups:
 def op(func, args, kwargs, constant: set, opened, host_made: set = frozenset()) -> Op:
     """A warmup op as the rule needs it: the data it reads (not constants the warmups computed from
     no data, nor a tensor an allocation is shaped like: a placeholder a warmup returns in place of
-    work it does only under capture), where its tensors live, and the functions it ran in inside
-    the warmup block."""
+    work it does only under capture), where its tensors live, and the frames it ran in inside the
+    warmup block."""
     ts = op_tensors(args, kwargs)
     reads = () if func.overloadpacket in _SHAPE_ONLY else ts
-    return Op(str(func), user_frame(), frozenset(k for t in reads if (k := storage_key(t)) not in constant),
+    frames = frames_within(opened) or ()
+    return Op(str(func), location(frames[0]) if frames else user_frame(),
+              frozenset(k for t in reads if (k := storage_key(t)) not in constant),
               memory=frozenset("host" if type(t) in HOST_TYPES or storage_key(t) in host_made else t.device.type
                                for t in ts),
-              codes=codes_within(opened))
+              stack=tuple((f.f_code, f.f_lineno) for f in reversed(frames)))
 
 
 def check(doctor, info) -> None:
@@ -127,6 +131,9 @@ def check(doctor, info) -> None:
     Only work inside what the capture called counts: a warmup block's own set-up (inputs made for
     the dummy batch, a backward captured as another graph) is the runner's, not the step's.
 
+    The finding names the first skipped op; where the capture left the warmup's path in a function
+    that asked whether a capture is open (``_branch``, known under ``diagnose``), that branch.
+
     The skipped work is a finding, unless differential replay compared this graph's replays with
     eager steps and every one agreed, or gave what the workload's run without graphs gives at the same
     step (``probes/reference.py``: the eager form is then not the step), or the workload says its
@@ -139,17 +146,19 @@ def check(doctor, info) -> None:
     ran_since = {op.source for piece in step for op in piece.ops} | set().union(*(p.eager_lines for p in step))
     called = set().union(*(p.called for p in step))
     missing = [op for op in info.warmup if op.source not in ran_since and op.reads and not _host(op, info.cuda)
-               and op.codes & called]
+               and {code for code, _ in op.stack} & called]
     if not missing:
         return
     first = missing[0]
     lines = Counter(op.source.split(": ", 1)[0] for op in missing)
     captured = sum(len(piece.ops) for piece in step)
+    branch = _branch(first, step)
+    left = f"; the capture left the warmup's path at {branch}, which asked whether a capture is open" if branch else ""
     finding = Finding(
-        "warmup-divergence", info.name, first.name, "-", first.source,
+        "warmup-divergence", info.name, first.name, "-", branch or first.source,
         f"the warmup ran {len(info.warmup)} ops, the capture recorded {captured}; {len(missing)} warmup ops "
         f"come from {len(lines)} source line(s) the capture never executed: "
-        + ", ".join(f"{k} (x{v})" for k, v in lines.items()),
+        + ", ".join(f"{k} (x{v})" for k, v in lines.items()) + left,
         explain.warmup(len(missing), first.name),
         {"warmup_ops": len(info.warmup), "captured_ops": captured, "missing": len(missing), "lines": len(lines)})
     if info.compared and not info.disagreed:
@@ -164,6 +173,19 @@ def check(doctor, info) -> None:
     fs = doctor.report.findings                 # the cause before what differential replay saw of it
     if doctor.add(finding, ("warmup-divergence", first.name, first.source)) is finding and fs[-1] is finding:
         fs.insert(next(i for i, f in enumerate(fs) if f.kind == finding.kind), fs.pop())
+
+
+def _branch(first: Op, step: tuple) -> str | None:
+    """Where the capture left the warmup's path (``skipped.parted`` over the first skipped op's frames
+    and the lines the capture ran), if the function there asked whether a capture is open: work it
+    skips because it is captured (a kernel that cannot be captured, a plan only made eagerly) is
+    decided there. Work skipped because it was done already (a lazy plan, built at warmup) is named
+    itself: that work is what a step needs done every time."""
+    branch = skipped.parted(first.stack, set().union(*(p.lines_run for p in step)))
+    asked = set().union(*(p.asked for p in step))
+    if branch is None or branch == first.source:
+        return None
+    return branch if any(location(code, line) == branch and code in asked for code, line in first.stack) else None
 
 
 def _host(op: Op, cuda: bool) -> bool:
