@@ -29,7 +29,7 @@ class Op:
     ext: frozenset = frozenset()
     sig: tuple = ()
     memory: frozenset = frozenset()     # warmup ops: where its tensors live ("host", "cpu", "cuda")
-    stack: tuple = ()                   # warmup ops: (function, line) of its frames inside the warmup block, outermost first
+    stack: tuple = ()                   # warmup ops: (function, line) of its frames in the warmup block, outer first
 
 
 @dataclasses.dataclass

@@ -7,8 +7,9 @@ answer, or correct library code takes a path that a real capture never sees and 
 
 The answer is per thread, as CUDA's is per stream: another thread running eagerly meanwhile is not
 capturing. Which of the user's functions asked while a capture was open is kept (``asked``): code
-that skips work because it is being captured decided there, which a diagnosis names. Torch's functions read the module-level name ``_cuda_isCurrentStreamCapturing``, so
-that name (in ``torch.cuda.graphs`` and ``torch._C``) is wrapped once; every alias of
+that skips work because it is being captured decided there, which a diagnosis names. Torch's
+functions read the module-level name ``_cuda_isCurrentStreamCapturing``, so that name (in
+``torch.cuda.graphs`` and ``torch._C``) is wrapped once; every alias of
 ``torch.cuda.is_current_stream_capturing`` a library imported earlier answers through it. Outside
 a ``CPUGraph`` capture the wrapper calls torch's own function, so nothing changes on a CUDA
 build; on a CPU-only torch, whose function raises, it answers False, as CUDA does outside a capture
@@ -62,7 +63,9 @@ def _noted(answer: bool) -> bool:
         while frame is not None and (frame.f_code.co_filename.startswith(_TORCH) or frame.f_code in _ASKERS):
             frame = frame.f_back
         if frame is not None and mine_code(frame.f_code):
-            _state.__dict__.setdefault("asked", set()).add(frame.f_code)
+            if getattr(_state, "asked", None) is None:
+                _state.asked = set()
+            _state.asked.add(frame.f_code)
     return answer
 
 
