@@ -1183,21 +1183,23 @@ def test_padded_slots_the_runner_set_to_a_sentinel_once_are_a_latent_note(varian
         assert report.of("stale-padding"), report
 
 
-@pytest.mark.parametrize("variant", ["bug", "fix"])
-def test_an_index_the_graph_computes_from_padded_rows_metadata_past_the_table(variant):
+@pytest.mark.parametrize("variant, slots", [("bug", False), ("fix", False), ("bug", True)])
+def test_an_index_the_graph_computes_from_padded_rows_metadata_past_the_table(variant, slots):
     """Each row looks its last token's page up at ``length - 1``; the runner gives padded rows a
     length of 0 (bug), so the graph computes position -1 for them and the lookup runs off the page
-    table (on a GPU an illegal memory access). No buffer holds -1: the lookup's own index has it in
-    the padded row only. The fix gives padded rows a length of 1 (the null page's first slot)."""
+    table (on a GPU an illegal memory access). No buffer holds -1 in padded rows only: the lookup's
+    own index has it in the padded row only. (``slots``: another static input holds -1 in real rows,
+    a padding slot id, which is no culprit.) The fix gives padded rows a length of 1."""
     def workload():
         lengths, pages = torch.ones(4, dtype=torch.int64), torch.zeros(4, 3, dtype=torch.int64)
         table = torch.arange(40.0).reshape(10, 4)
+        buffers = {"slot_mapping": torch.tensor([-1, -1, 4, 5])} if slots else {}
 
         def forward():
             last = pages.gather(1, (lengths - 1).unsqueeze(1) // 4)       # the page lookup
             return table[last.squeeze(1)] * 1.0
 
-        g, out = captured(forward, {"lengths": lengths, "pages": pages})
+        g, out = captured(forward, {**buffers, "lengths": lengths, "pages": pages})
         served = []
         for step in range(2):
             lengths[:3] = torch.tensor([2, 5, 9]) + step

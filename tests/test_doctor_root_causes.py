@@ -4,11 +4,14 @@ graphs after it was handed on, a reference handed to other code since capture, w
 only constants or host work (no finding), and a runner rebinding its input instead of copying it."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from workbench import doctor
 from workbench.engine import graph, graph_pool_handle, host, new_graph
 from workbench.engine.source import function_of
+from workbench.zoo.kit import capture, replay
 
 from test_doctor_mechanisms import Manager, rows
 
@@ -518,3 +521,42 @@ def test_a_replay_that_raises_where_its_eager_step_completes_is_named_where_the_
         assert finding.kind == "host-work-frozen" and finding.numbers["crashed"] == "RuntimeError", finding
         assert "an eager run of the same step, from the state before the replay, completes" in finding.evidence
         assert "parts = torch.zeros(size, 4 if self.fixed else self.splits)" in finding.source, finding
+
+
+# ------------------------------------------------------------------ a runner hands out a selection of the step's return
+@dataclasses.dataclass
+class _Batch:
+    """What a TP worker's step returns per rank: its metadata beside its results (fields in this order)."""
+    ids: torch.Tensor
+    hidden: torch.Tensor
+    logits: torch.Tensor
+
+
+def test_outputs_a_runner_hands_out_in_its_own_order_are_compared_with_the_eager_steps_same_tensors():
+    """Each rank's step returns its batch (the static ids, then hidden states, then logits); the runner
+    hands out only each rank's logits and hidden states, logits first. The eager step returns the
+    whole batches: its tensors are paired with the replay's by where each sat in what the step returned
+    at capture, not by the next tensor of the same shape (rank 1's hidden states after rank 0's
+    logits), and a correct graph is clean."""
+    def workload():
+        ids = [torch.zeros(4, dtype=torch.int64) for _ in range(2)]
+        table = torch.arange(40.0).reshape(10, 4)
+
+        def step():
+            out = []
+            for rank in range(2):
+                hidden = table[ids[rank]] * (rank + 1)
+                out.append(_Batch(ids[rank], hidden, hidden[:, :3].sum(-1, keepdim=True) + rank))
+            return out
+
+        g, batches = capture(step, device="cpu", static={f"rank{r}.ids": ids[r] for r in range(2)})
+        handed = tuple(t for b in batches for t in (b.logits, b.hidden))
+        served = []
+        for n in range(3):
+            for rank in range(2):
+                ids[rank].copy_(torch.tensor([n, n + 1, n + 2, 9 - n]))
+            served.append([v.clone() for v in replay(g, handed)])
+        return served
+
+    report = doctor.diagnose(workload)
+    assert report.findings == [] and any("differential replay: 3 replay(s)" in n for n in report.notes), report

@@ -743,6 +743,58 @@ def test_a_step_whose_data_the_programs_own_check_refuses_for_a_static_input(var
         assert finding.kind == "undersized-buffer" and finding.tensor == "ids: int64[4]"
 
 
+class _Arena:
+    """A workspace arena that grows on demand until the runner locks it after capture (as vLLM's
+    ``WorkspaceManager``): it hands out views by count and checks each request against what it holds,
+    for every caller. The arena is kept on the object only."""
+
+    def __init__(self):
+        self._current, self._locked = torch.zeros(4), False
+
+    def _ensure(self, required: int) -> torch.Tensor:
+        current = self._current.numel()
+        if current < required:
+            if self._locked:
+                raise AssertionError(f"locked arena asked for {required} elements, current size is {current}.")
+            self._current = torch.zeros(required)
+        return self._current
+
+    def get(self, *sizes: int) -> list:
+        arena, views, at = self._ensure(sum(sizes)), [], 0
+        for n in sizes:
+            views.append(arena[at:at + n])
+            at += n
+        return views
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+def test_an_arena_locked_at_capture_that_refuses_a_later_request_names_the_code_that_asked(variant):
+    """Decode steps are captured on views of the arena, which is then locked; a later prefill asks it
+    for more than the captures needed (bug) and the arena's own check refuses, in a method of the
+    arena, with a message whose last number ends its sentence. The request was made by the prefill,
+    which computed its size: the finding is there. The fix reserves the prefill's need before the
+    capture locks the arena."""
+    def prefill(arena, n):
+        scratch, = arena.get(2 * n)                          # the prefill's request
+        scratch.fill_(1.0)
+        return scratch.sum()
+
+    def workload():
+        arena = _Arena()
+        if variant == "fix":
+            arena._ensure(12)
+        decode, = arena.get(4)
+        g, out = captured(lambda: decode * 2, static={})
+        arena._locked = True
+        served(g, out, lambda: decode * 2)
+        return prefill(arena, 6)
+    finding = only_finding(workload, variant)
+    if finding is None:
+        return
+    assert finding.kind == "undersized-buffer" and finding.numbers == {"size": 4, "asked": 12}
+    assert "the prefill's request" in finding.source and finding.tensor.startswith("self._current"), finding
+
+
 class _AdoptingBuilder:
     """A metadata builder that keeps, at its first build (the capture's), the splits it computed as the
     graph's buffer, on itself and announced nowhere; later builds copy into it after a bare check

@@ -138,3 +138,36 @@ def test_data_nothing_reads_is_not_lost_when_its_block_is_filled_again():
     assert doctor.diagnose(lambda: workload(False)).findings == []
     found = doctor.diagnose(lambda: workload(True)).findings
     assert [f.kind for f in found] == ["persistent-mutation"] and "arena[1] = float(n)" in found[0].source, found
+
+
+def test_a_row_cleared_refilled_and_cleared_again_before_its_upload_lost_nothing_of_the_clear():
+    """A runner's pinned block table condenses when requests finish: ``clear_row`` empties a row,
+    ``add_row`` refills it with the next request's blocks, and when that request finishes too in the
+    same step ``clear_row`` empties it again, all before the step's one upload. The second clear
+    writes over data of ``add_row``'s, an edit by another line, not over the first clear's data,
+    which ``add_row`` had already replaced: no finding (a line that writes over its own staged data,
+    as in the single-buffer refill above, still is one)."""
+    def workload():
+        table, mirror = torch.zeros(2, 2, dtype=torch.long), host(torch.ones(2, 2, dtype=torch.long))
+        events.static_buffers("runner", {"block_table": table})
+        table.copy_(mirror)
+        g = new_graph("cpu")
+        with graph(g, name="decode"):
+            out = table * 2
+
+        def clear_row(row):
+            mirror[row].fill_(0)                                 # the clearing line
+
+        def add_row(row, blocks):
+            mirror[row] = torch.tensor(blocks)
+
+        for n in range(3):
+            clear_row(0)
+            add_row(0, [n + 2, n + 3])
+            clear_row(0)
+            add_row(0, [n + 5, n + 6])
+            table.copy_(mirror, non_blocking=True)
+            g.replay()
+        return out.clone()
+
+    assert doctor.diagnose(workload).findings == []

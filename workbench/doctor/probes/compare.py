@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ...engine.opinfo import storage_key
 from ..records import unwritten_blocks
 from ..rules.pool import block
-from ..tensors import announced_of, disagrees, geometry, leaves, max_abs_diff, real_rows
+from ..tensors import announced_of, disagrees, geometry, leaves, max_abs_diff, placed, real_rows
 from .reference_causes import aligned, rows_like
 
 _NEAR = 32          # reference calls either side of the served run's count that may have given a replay's answer
@@ -26,6 +26,20 @@ def rows_of(out, real: int, size: int, owned: bool = False) -> list | None:
         return None
     return [None if owned and not o.untyped_storage().resizable() else real_rows(o, real, size).detach().clone()
             for o in leaves(out)]
+
+
+def placed_as_handed(rows: list | None, out, handed, where: dict | None) -> list | None:
+    """The eager step's outputs (``rows``: the real rows of each tensor ``out`` holds) that sit where
+    the replay's handed-out outputs (``handed``) sat in what the step returned at capture (``where``:
+    ``tensors.placement``), in their order: a runner hands out a selection of what its step returns
+    (the sampled ids, logprobs and hidden states of each rank's batch state, not the metadata beside
+    them), in an order of its own. ``rows`` as they are where that is not known for all of them."""
+    raw = leaves(handed)
+    if rows is None or not where or len(rows) == len(raw):
+        return rows
+    index = {p: i for i, (p, _) in enumerate(placed(out))}
+    picks = [index.get(where.get(geometry(r), ())) for r in raw]
+    return rows if None in picks else [rows[i] for i in picks]
 
 
 def without_unwritten(info, pending, rows: list | None) -> list | None:

@@ -43,7 +43,7 @@ from ..tensors import alias, changed, disagrees, first_line, landed, max_abs_dif
 from ..rules import bounds, unread
 from . import (captured_state, crashed, held, launch, nonfinite, pystate, reach, rootcause, row_writes, startup, unpadded,
                waits)
-from .compare import compare, rows_of, without_unwritten
+from .compare import compare, placed_as_handed, rows_of, without_unwritten
 from .eager_trace import EagerRun
 
 TRACE_EVERY = 8         # a graph's compared replays between two whose launch traces are recorded
@@ -346,7 +346,9 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
         with _disable_current_modes():
             landed(info.cuda)
             size = pending.size if step is None else pending.real      # an unpadded step has only real rows
-            got = (rows_of(out, pending.real, size, owned=True), {key: w.clone() for key, (w, _, _) in pre.items()},
+            rows = placed_as_handed(rows_of(out, pending.real, size, owned=True), out, pending.outputs,
+                                    info.returned_paths.get(getattr(pending.eager, "__code__", None)))
+            got = (rows, {key: w.clone() for key, (w, _, _) in pre.items()},
                    {key: (before, w.clone()) for key, (w, before) in doctor.diff.extra.items()})
     except Exception as e:  # noqa: BLE001 - the eager step's failure is evidence, reported by the caller
         error = e

@@ -152,9 +152,9 @@ def failed_replay_lookup(doctor, info, pending, error: BaseException, op, args=(
         return
     for holder in _holders(doctor, value):
         t = holder.ref()
-        rows = (t == value).nonzero()[:, 0] if t.dim() else None
-        padded = rows is not None and bool(((rows >= pending.real) & (rows < pending.size)).any()) \
-            and not bool((rows < pending.real).any())
+        held = (t == value).nonzero()[:, 0] if t.dim() else None
+        padded = held is not None and bool(((held >= pending.real) & (held < pending.size)).any()) \
+            and not bool((held < pending.real).any())
         if holder.role == "state" or padded:
             where = f"padded row(s) of {holder.name}" if padded else f"{holder.name} (state)"
             doctor.add(Finding(

@@ -13,7 +13,9 @@ own queue of launches (a stream in miniature, run when the host waits), the copy
 the queue runs: after the refill. Then the staged data was rewritten before anything read it: the
 same line wrote other values over elements it had written since the last read, so its earlier data
 never reached a reader. As for static inputs (``unread._lost``), only the same line's second write
-counts (another line patching a staged row, a reset then a fill, is an edit on purpose), and only
+counts (another line patching a staged row, a reset then a fill, is an edit on purpose), only over
+elements that still hold that line's data (a row cleared, refilled by another line, then cleared
+again by the first, as a request table condenses, lost nothing of the first line's), and only
 elements whose values change; and only in a staging buffer, pinned memory some copy takes to the
 device (a flag the host writes and reads back itself is host state). A loss is reported when the
 buffer's rewritten elements are next read, once such a copy has been seen: a host mirror the runner
@@ -92,6 +94,9 @@ def wrote(doctor, func, before: list | None) -> None:
             if source in lines and lines[source].shape != written.shape:     # (another dtype's view: new data)
                 del lines[source]
             lost = lines[source] & onto(view != was, view) if source in lines else None
+            for other, mask in lines.items():       # (their data there is edited, on purpose: no longer theirs)
+                if other != source and mask.shape == written.shape:
+                    lines[other] = mask & ~written
             lines[source] = lines[source] | written if source in lines else written
         if lost is not None and bool(lost.any()):
             n = int(lost.sum())

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ...engine import memory
 from ...engine.opinfo import describe, op_tensors, storage_key, written_tensors
-from ...engine.source import location, user_frame
+from ...engine.source import location, mine, user_frame
 from .. import explain
 from ..report import Finding
 from ..tensors import first_line
@@ -307,18 +307,21 @@ def failed_host_write(doctor, error: BaseException, frame) -> None:
         ("undersized-buffer", "write", source))
 
 
-_NUMBER = re.compile(r"(?<![\w.])\d+(?![\w.])")
+_NUMBER = re.compile(r"(?<![\w.])\d+(?!\w|\.\d)")      # (a sentence may end after one: ``size is 20.``)
 
 
 def failed_fit_check(doctor, error: BaseException, frame) -> None:
     """A check of the program's own that data fits a buffer (``assert len(data) <= buf.numel(),
     f"too large for {name}: {len(data)} > {buf.numel()}"``) failed: the message, or the compared
     operands (``checks.condition``), state the size of a tensor the raising frame holds, and a
-    larger number. That is this rule's contract, checked by
+    larger number (in elements or bytes). That is this rule's contract, checked by
     the program: where the buffer is a static input or memory a graph reads (a buffer the check
-    measures, kept on an object: ``assert n <= self.buf.size(0)``), or while captures are being prepared (a pool
-    made and nothing captured yet, a warmup, a capture: a capture size's dummy batch), the buffer
-    is smaller than what the step must put in it. Reported once the error proves a failure."""
+    measures, kept on an object: ``assert n <= self.buf.size(0)``, or kept on the object whose method
+    checks), or while captures are being prepared (a pool made and nothing captured yet, a warmup, a
+    capture: a capture size's dummy batch), the buffer is smaller than what the step must put in it.
+    Where the buffer is the checking object's own and that object was given a count, not the data
+    (an arena locked at capture), the finding names the caller that asked (``_asker``). Reported
+    once the error proves a failure."""
     if not isinstance(error, (AssertionError, ValueError, RuntimeError)):
         return
     preparing = doctor.phase in ("warmup", "capture") or not doctor.graphs and bool(doctor.pools)
@@ -332,16 +335,21 @@ def failed_fit_check(doctor, error: BaseException, frame) -> None:
     # rows`` -- no data past a buffer; an ordering the check's source compares says which must hold which)
     numbers = [n for n in numbers if not any(n > m for m in numbers) or n not in sizes] + (
         compared[1] if compared else [])
-    for name, t in checks.measured(frame) + list(frame.f_locals.items()):
+    owner = frame.f_locals.get("self")
+    kept = [(f"self.{k}", v) for k, v in vars(owner).items()] if hasattr(owner, "__dict__") else []
+    for name, t in checks.measured(frame) + list(frame.f_locals.items()) + kept:
         if not isinstance(t, torch.Tensor) or t.dim() == 0 or not numbers:
             continue
         buf = doctor.buffer(key := storage_key(t))
         if not preparing and (buf is None or buf.role != "input") and key not in doctor.graph_reads:
             continue
-        size = next((n for n in (*t.shape, t.numel()) if n in numbers), None)     # (a row or a column short)
+        # (a row or a column short, or the whole of it, in elements or in bytes)
+        size = next((n for n in (*t.shape, t.numel(), t.numel() * t.element_size()) if n in numbers), None)
         if size is None or not any(n > size for n in numbers):
             continue
-        source, graph, when = location(frame), where(doctor), where(doctor)
+        owned = any(v is t or _holds(v, t) for _, v in kept)
+        at = _asker(frame, owner) if owned and not _data_here(frame, t, max(numbers)) else frame
+        source, graph, when = location(at), where(doctor), where(doctor)
         if preparing and graph == "eager":
             graph, when = "the first capture", "the set-up of the captures (a graph pool made, nothing captured yet)"
         what = f"{buf.name if buf is not None else name}: {describe(t)}"
@@ -353,6 +361,31 @@ def failed_fit_check(doctor, error: BaseException, frame) -> None:
             explain.unfit_write(said), {"size": size, "asked": max(numbers)})
         doctor.explanation = (id(error), finding, ("undersized-buffer", "check", source))
         return
+
+
+def _holds(container, t: torch.Tensor) -> bool:
+    """Whether a list, tuple or dict an object keeps holds ``t`` (a pool of arenas, one per stream)."""
+    if isinstance(container, dict):
+        container = list(container.values())
+    return isinstance(container, (list, tuple)) and any(v is t for v in container)
+
+
+def _data_here(frame, buf: torch.Tensor, asked: int) -> bool:
+    """Whether the frame holds the data that does not fit (a sequence or tensor of ``asked`` items,
+    other than the buffer): a store helper given the data, not an allocator given a count."""
+    return any(v is not buf and (isinstance(v, (list, tuple)) or isinstance(v, torch.Tensor) and v.dim())
+               and len(v) == asked for v in frame.f_locals.values())
+
+
+def _asker(frame, owner):
+    """The frame that asked a buffer's owner for more than its buffer holds: the first caller that is
+    not a method of that same object. An owner that hands out its memory by count and refuses to grow
+    (an arena locked at capture, a bump allocator) checks requests for every caller; the request that
+    did not fit was made where it was computed, by the code that uses the memory."""
+    caller = frame.f_back
+    while caller is not None and caller.f_locals.get("self") is owner:
+        caller = caller.f_back
+    return caller if caller is not None and mine(caller) else frame
 
 
 def serve_contract(doctor, graph: str, real: int, size: int, padded: dict, columns: dict) -> None:
