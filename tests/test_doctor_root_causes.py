@@ -560,3 +560,16 @@ def test_outputs_a_runner_hands_out_in_its_own_order_are_compared_with_the_eager
 
     report = doctor.diagnose(workload)
     assert report.findings == [] and any("differential replay: 3 replay(s)" in n for n in report.notes), report
+
+
+def test_a_binding_moved_to_another_device_is_another_value_not_a_comparison():
+    """A step that moves host metadata onto the GPU (``info.kv_indices = info.kv_indices.to(device)``)
+    rebinds it to a tensor on another device: another value, which cannot be compared elementwise with
+    the old one (on CUDA the comparison raised, and the doctor stopped). A meta tensor stands in for
+    the GPU's here; a mask of two shapes' difference is made on the first one's device."""
+    from workbench.doctor.probes.pystate import _same_values
+    from workbench.doctor.tensors import differs
+    host_side = torch.arange(4)
+    assert not _same_values(host_side, torch.empty(4, dtype=host_side.dtype, device="meta"))
+    assert _same_values(host_side, host_side.clone())
+    assert differs(torch.zeros(2, device="meta"), torch.zeros(3)).device.type == "meta"

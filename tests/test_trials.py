@@ -148,7 +148,9 @@ GPU_DIFFERS: dict = {
     ("round145/tokasaurus_1a116e9_tp_cudagraph_decode_not_padded_to_graph_size", "bug"):
         "on the H100 (2026-12-07) the doctor stopped on an error of its own in replay_end, on both variants "
         "('Expected all tensors to be on the same device, ... cuda:0 and cpu'), before any finding; on the CPU "
-        "host-work-frozen at _paged_attention. Not yet traced to its line: the device would not start again that day",
+        "host-work-frozen at _paged_attention. The likely cause, a binding's old host tensor compared elementwise with "
+        "the GPU tensor the step rebound it to (pystate._same_values), is fixed since; not recorded again: the device "
+        "would not start again that day",
 }
 # Variants whose run on a GPU is not reproducible, and why: not compared.
 GPU_UNSTABLE = {

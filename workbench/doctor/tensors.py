@@ -134,7 +134,7 @@ def differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Elements that differ beyond what two launches of the same kernels may (a GPU may pick
     another algorithm eagerly than under capture): exact for integers, close for floats."""
     if a.shape != b.shape:
-        return torch.ones(1, dtype=torch.bool)
+        return torch.ones(1, dtype=torch.bool, device=a.device)
     if a.dtype.is_floating_point or a.dtype.is_complex:
         return ~torch.isclose(a, b, rtol=1e-3, atol=1e-5, equal_nan=True)
     return a != b
