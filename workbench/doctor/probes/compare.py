@@ -37,9 +37,19 @@ def placed_as_handed(rows: list | None, out, handed, where: dict | None) -> list
     raw = leaves(handed)
     if rows is None or not where or len(rows) == len(raw):
         return rows
-    index = {p: i for i, (p, _) in enumerate(placed(out))}
-    picks = [index.get(where.get(geometry(r), ())) for r in raw]
-    return rows if None in picks else [rows[i] for i in picks]
+    found = by_place(rows, [p for p, _ in placed(out)], raw, where)
+    return rows if found is None else found
+
+
+def by_place(values: list, paths, raw: list, placement: dict) -> list | None:
+    """``values`` (each at its path in ``paths``) picked for each of a replay's outputs (``raw``) by
+    where that output sat in what the step returned at capture (``placement``); None where one of
+    them cannot be placed so (an output that is None picks None)."""
+    index = {p: i for i, p in enumerate(paths)}
+    picks = [None if r is None else index.get(placement.get(geometry(r), ())) for r in raw]
+    if any(i is None for i, r in zip(picks, raw) if r is not None):
+        return None
+    return [None if i is None else values[i] for i in picks]
 
 
 def without_unwritten(info, pending, rows: list | None) -> list | None:
@@ -121,11 +131,8 @@ def paired(got: list, returned: tuple | None, placed: dict | None = None, raw: l
     root returned at capture (``placed``), where that is known; else the announced ones of a call
     that returned more, the root's own of a graph that hands out more (``root_outputs``)."""
     expected, where = returned or (None, None)
-    if placed and where and raw is not None:
-        index = {p: i for i, p in enumerate(where)}
-        picks = [None if r is None else index.get(placed.get(geometry(r), ())) for r in raw]
-        if all(i is not None for i, r in zip(picks, raw) if r is not None):
-            return got, [None if i is None else expected[i] for i in picks]
+    if placed and where and raw is not None and (found := by_place(expected, where, raw, placed)) is not None:
+        return got, found
     if expected is not None and len(expected) > len(got):
         return got, announced_of(got, expected)
     if expected is not None and len(expected) < len(got):
