@@ -1102,6 +1102,7 @@ def test_the_report_of_a_failing_doctor_says_where_it_stopped_and_claims_nothing
         runner.capture()
         runner(x=batch(3))
     assert report.failure.startswith(f"KeyError in {where} at test_doctor.py:")
+    assert re.match(rf"KeyError in {where} at test_doctor\.py:\d+, from \w+\.py:\d+", report.failure), report.failure
     assert report.failure.endswith(": 'planted'")
     assert [f.kind for f in report.findings] == report.checked == found
     assert all(why.startswith("the doctor stopped early (KeyError") for why in report.not_checked.values())

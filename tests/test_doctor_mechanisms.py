@@ -1429,6 +1429,26 @@ def test_a_write_that_does_not_fit_an_unannounced_buffer_is_an_undersized_buffer
     assert "destination of shape (3,)" in finding.evidence and "during eager" in finding.evidence
 
 
+@pytest.mark.parametrize("fixed", [False, True])
+def test_data_with_a_dimension_its_destination_lacks_does_not_fit_it(fixed):
+    """Multimodal rotary positions are three rows per token; the bug's persistent positions buffer
+    holds one row per token, and the runner's first copy into it fails, before any capture. The fix
+    allocates three rows and copies into a column window."""
+    def workload():
+        positions = torch.zeros(3, 4, dtype=torch.long) if fixed else torch.zeros(4, dtype=torch.long)
+        x = torch.zeros(4)
+        m = Manager(lambda size: x[:size] * 2 + positions[..., :size].reshape(-1, size)[0], [4], {"x": x})
+        step = torch.arange(6).reshape(3, 2)
+        (positions[:, :2] if fixed else positions[:2]).copy_(step)
+        m.capture()
+    report = doctor.diagnose(workload)
+    if fixed:
+        assert report.findings == [] and not report.errors, report
+        return
+    (finding,) = report.of("undersized-buffer")
+    assert "positions[:2]).copy_(step)" in finding.source and "data of shape (3, 2)" in finding.evidence, finding
+
+
 @pytest.mark.parametrize("variant", ["bug", "fix", "rows"])
 def test_a_warmup_writing_data_of_another_width_into_a_buffer_is_an_undersized_buffer(variant):
     """The captured step copies its logits into a logits buffer shared by the runner's graphs, sized
@@ -2681,6 +2701,67 @@ def test_a_value_set_by_code_the_capture_never_ran_is_not_host_work():
     report = doctor.diagnose(workload)
     assert report.findings == [] and report.failure is None and not report.errors, report
     assert "differential replay: 3 replay(s) compared" in " ".join(report.notes), report.notes
+
+
+# ------------------------------------------------------------ host work a replay leaves undone
+class _Saver:
+    """A KV connector. Bug: the attention hook queues the layer's save when the step's metadata
+    is bound (the capture bound none, and a replay runs no hook); fix: ``wait_for_save``, after the
+    step, queues it. Either way ``wait_for_save`` stores what is queued."""
+
+    def __init__(self, in_hook: bool):
+        self.in_hook, self.meta, self.queue, self.stored = in_hook, None, [], []
+
+    def save_layer(self, kv):
+        if self.in_hook and self.meta is not None:
+            self.queue.append((self.meta, kv))
+
+    def wait_for_save(self, kv):
+        if not self.in_hook and self.meta is not None:
+            self.queue.append((self.meta, kv))
+        self.stored += [(meta, t.clone()) for meta, t in self.queue]
+        self.queue.clear()
+
+
+class _SavingLayer:
+    def __init__(self, saver):
+        self.x, self.saver = torch.zeros(4, 3), saver
+
+    def forward(self, size):
+        kv = self.x[:size] * 2
+        self.saver.save_layer(kv)
+        return kv
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_a_queue_the_captured_step_fills_in_python_is_host_work_when_the_results_differ(fixed):
+    """Outputs and state agree with an eager run of the step, but that eager step queues a save the
+    replay never does, and the store the workload reports lacks what its run without graphs
+    saved: host-work-frozen at the hook's append. (The served run's eager prefill runs the hook's
+    path too: no line of it is one the served run never ran.) The fix queues the save after the replay."""
+    def served(eager: bool):
+        saver = _Saver(in_hook=not fixed)
+        layer = _SavingLayer(saver)
+        m = None if eager else Manager(layer.forward, [4], {"x": layer.x})
+        if m is not None:
+            m.capture()
+        for step in range(4):                   # a prefill of 4 rows, eager in both runs, then decodes of 3
+            n = 4 if step == 0 else 3
+            layer.x[:n].copy_(rows(n, 3, seed=step))
+            saver.meta = step
+            out = layer.forward(n) if eager or step == 0 else m.replay(n)[:n]
+            saver.wait_for_save(out)
+            saver.meta = None
+        return torch.tensor([float(len(saver.stored))])
+
+    def workload():
+        with events.reference():
+            expected = served(eager=True)
+        events.results([expected], [served(eager=False)])
+    if (finding := only_finding(workload, "fix" if fixed else "bug")) is None:
+        return
+    assert finding.kind == "host-work-frozen" and finding.location.endswith("in save_layer"), finding
+    assert "self.queue.append" in finding.source and finding.tensor == "_Saver.queue", finding
 
 
 # ------------------------------------------------------------------- a dummy batch's index past a table

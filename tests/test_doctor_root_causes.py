@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from workbench import doctor
@@ -573,3 +574,14 @@ def test_a_binding_moved_to_another_device_is_another_value_not_a_comparison():
     assert not _same_values(host_side, torch.empty(4, dtype=host_side.dtype, device="meta"))
     assert _same_values(host_side, host_side.clone())
     assert differs(torch.zeros(2, device="meta"), torch.zeros(3)).device.type == "meta"
+
+
+@pytest.mark.cuda
+def test_values_the_run_without_graphs_kept_on_the_host_are_compared_with_a_replays_gpu_tensor():
+    """The reference run's view of a step (host metadata) against the GPU tensor the replay read:
+    compared by value on the GPU, not refused for its device (the doctor stopped on this in
+    ``replay_end``, on CUDA only)."""
+    from workbench.doctor.tensors import disagrees, max_abs_diff
+    host, gpu = torch.arange(4.0), torch.arange(4.0, device="cuda")
+    assert not disagrees(gpu, host).any() and max_abs_diff(gpu, host) == 0.0
+    assert disagrees(gpu, host + 1).all()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from workbench.doctor import diagnose
-from workbench.engine import CaptureError, GraphError, graph, new_graph
+from workbench.engine import CaptureError, GraphError, graph, new_graph, synchronize
 from workbench.thread_probes import probe_other_thread
 
 
@@ -45,13 +45,14 @@ def test_the_capturing_threads_own_read_is_refused_in_every_mode():
             torch.ones(2).sum().item()
 
 
-def _lazy_vocoder_capture(mode: str):
-    """A vocoder captured on first use while the decode loop, on its own thread, reads its tokens."""
+def _lazy_vocoder_capture(mode: str, wait: str = "read"):
+    """A vocoder captured on first use while the decode loop, on its own thread, reads its tokens
+    (or, ``wait="synchronize"``, waits for the whole device: a synchronous copy's wait)."""
     tokens, audio, errors = torch.arange(4.0), torch.zeros(4), []
 
     def decode_loop():
         try:
-            tokens.tolist()
+            tokens.tolist() if wait == "read" else synchronize("cpu")
         except CaptureError as e:
             errors.append(e)
 
@@ -75,6 +76,15 @@ def test_the_doctor_names_the_capture_whose_global_mode_broke_on_another_threads
     assert "in capture_vocoder" in finding.source
     assert "in decode_loop" in finding.evidence and "on another thread" in finding.evidence
     assert "thread_local" in finding.cause
+
+
+def test_a_device_wide_wait_on_another_thread_is_named_where_it_waited_whatever_the_mode():
+    """thread_local mode lets other threads read values, but not wait for the whole device: the
+    capture did what it could, and the finding names the wait, not the capture's mode."""
+    report = diagnose(lambda: _lazy_vocoder_capture("thread_local", wait="synchronize"))
+    [finding] = report.findings
+    assert finding.kind == "sync-in-capture" and "in decode_loop" in finding.source, finding
+    assert "capture_error_mode" not in finding.cause and "'thread_local' included" in finding.cause
 
 
 def test_a_thread_local_capture_lets_the_other_thread_read():

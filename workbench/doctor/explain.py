@@ -98,12 +98,16 @@ def sync(op: str, host_read: bool = True) -> str:
 
 
 def sync_elsewhere(op: str, mode: str) -> str:
-    refused = ("in 'global' mode (torch's default) CUDA forbids every thread, not only the capturing one, to wait "
-               "for the device while a capture is open" if mode == "global" else
-               "a device-wide synchronize waits for the capturing stream too, which CUDA refuses in every capture mode")
-    return (f"{op} ran on another thread during the capture: {refused}. The wait fails on its thread and the "
-            "capture fails at its end. Capture with capture_error_mode=\"thread_local\" (other threads may then "
-            "read values), or capture before other threads serve.")
+    if mode == "global":
+        return (f"{op} ran on another thread during the capture: in 'global' mode (torch's default) CUDA forbids "
+                "every thread, not only the capturing one, to wait for the device while a capture is open. The wait "
+                "fails on its thread and the capture fails at its end. Capture with capture_error_mode="
+                "\"thread_local\" (other threads may then read values), or capture before other threads serve.")
+    return (f"{op} ran on another thread during the capture: a device-wide synchronize (a synchronous copy on the "
+            f"legacy default stream too) waits for the capturing stream, which CUDA refuses in every capture mode, "
+            f"{mode!r} included. The wait fails on its thread and the capture fails at its end. Make that thread's "
+            "work asynchronous on its own stream (cudaMemcpyAsync, a stream's synchronize), or capture before "
+            "other threads serve.")
 
 
 def dangling_pool(tensor: str, op: str, owner: str, how: str) -> str:
@@ -340,6 +344,13 @@ def decision_mismatch(decision: str, graph: str) -> str:
             f"{decision} says otherwise: the code that built this step's state never took the decision the "
             "capture of that graph took (a route, a mode, a layout left at its default). Take that decision "
             "the same way on every path that reaches the graph (an idle or dummy step too), or key the graphs on it.")
+
+
+def host_left(container: str, graph: str) -> str:
+    return (f"A replay of {graph} runs no Python: what the captured step's Python does besides launching kernels "
+            f"(here to {container}: a transfer queued, a request's bookkeeping, a count) ran at capture, if the "
+            "capture's path reached it, and never again. Code after the step finds what the replays left. Do that "
+            "host work outside the captured region, from the step's metadata, before or after the replay.")
 
 
 def capture_path(function: str, graph: str) -> str:

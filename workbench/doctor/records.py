@@ -210,6 +210,8 @@ class GraphInfo:
         self.attempts = 0                           # mutation probes run (see probes/mutation.py)
         self.pending: Pending | None = None
         self.python: list | None = None            # Python containers its eager step reaches (probes/reach.py)
+        self.host_left: tuple | None = None         # a container its eager step changed and replays do not
+                                                    # (probes/host_left.py)
         self.left: dict | None = None               # attributes as its capture left them (probes/captured_state.py)
         self.startup_checked = False                # compared once from the state before the warmups
         self.held: list = []                        # (finding, key, place) of probes on replays that gave the reference

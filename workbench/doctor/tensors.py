@@ -112,9 +112,13 @@ def digest(t: torch.Tensor) -> str:
 def _own_comparison(compare):
     """A comparison of the doctor's own: host memory (``engine.host``) compared with device memory
     is no workload op, and must not be refused as one (a replay's staging block against the
-    reference's copy of it). One-byte floats (FP8) are compared as float32: few ops take them."""
+    reference's copy of it). One-byte floats (FP8) are compared as float32: few ops take them. A
+    tensor on another device than the first is compared there (what the run without graphs kept on
+    the host, against the GPU tensor a replay read)."""
     @functools.wraps(compare)
     def run(*args):
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        args = tuple(a.to(device) if isinstance(a, torch.Tensor) and a.device != device else a for a in args)
         args = tuple(a.float() if isinstance(a, torch.Tensor) and a.dtype.is_floating_point and a.element_size() == 1
                      else a for a in args)
         with torch._C.DisableTorchFunctionSubclass():

@@ -81,8 +81,11 @@ def broken_error(entry: _Open) -> WaitedElsewhereError:
     return WaitedElsewhereError(
         f"operation failed due to a previous error during capture: {what} at {where}, on another thread, "
         f"waited for the device while {entry.name} was being captured in {entry.mode!r} mode, and CUDA "
-        f"invalidated the capture.\n  at {user_frame()}\nCapture with capture_error_mode=\"thread_local\" "
-        "(other threads may then read values), or capture before other threads start serving.",
+        f"invalidated the capture.\n  at {user_frame()}\n" + (
+            "Capture with capture_error_mode=\"thread_local\" (other threads may then read values), or capture "
+            "before other threads start serving." if entry.mode == "global" else
+            "A device-wide wait is refused in every capture mode: make that thread's work asynchronous on its own "
+            "stream, or capture before other threads start serving."),
         op=what, source=user_frame(), waited_at=where, mode=entry.mode)
 
 

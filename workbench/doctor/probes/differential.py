@@ -41,8 +41,8 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 from ...engine.opinfo import storage_key
 from ..tensors import alias, changed, disagrees, first_line, landed, max_abs_diff, rng_state, set_rng_state, whole
 from ..rules import bounds, unread
-from . import (captured_state, crashed, held, launch, nonfinite, pystate, reach, rootcause, row_writes, startup, unpadded,
-               waits)
+from . import (captured_state, crashed, held, host_left, launch, nonfinite, pystate, reach, rootcause, row_writes,
+               startup, unpadded, waits)
 from .compare import compare, placed_as_handed, rows_of, without_unwritten
 from .eager_trace import EagerRun
 
@@ -189,6 +189,8 @@ def finish(doctor, info, pending) -> None:
         # step (reported once a replay does not), or, where no step could be paired, until the results say.
         with held(doctor, info.held if _like_reference(pending) else _state_held(doctor, info, pending)):
             _from_other_memory(doctor, info, pending, replayed, rng_after, graph_out)
+        if run.host and info.host_left is None:     # (once per graph: no evidence unless the results differ)
+            host_left.keep(info, _host_work(doctor, info, pending, replayed, rng_after, host_left.grown(run)))
         if not padded:
             unpadded.owned_by_full_step(doctor, pending, replayed)
         elif sampled and pending.unpadded is not None:
@@ -278,7 +280,7 @@ def _host_work(doctor, info, pending, replayed: dict, rng_after, run, only: set 
     changed by a function the capture also ran in -- that ran an op there, or, under ``diagnose``'s
     tracer, any line: host work a path outside the capture does for itself, such as growing a cache
     only eager code uses, is not the graph's)."""
-    for container, label, change, number in run.host:
+    for container, label, change, number, _ in run.host:
         if only is not None and id(container) not in only:
             continue
         kept = next((entry for entry in pending.host if entry[0] is container), None)
@@ -369,8 +371,8 @@ def _eager(doctor, info, pending, replayed: dict, rng_after, reset: dict | None 
         told = pystate.told(changed, pending.replayed_host)
         run.rebound = [c for c in pystate.changes(told, run.new if run.seen else None)
                        if _made_as_at_capture(info, pending, run, c[3])]
-        run.host = [(entry[0], entry[1], pystate.what_changed(entry), pystate.rebinds_number(entry))
-                    for entry in told]
+        run.host = [(entry[0], entry[1], pystate.what_changed(entry), pystate.rebinds_number(entry),
+                     pystate.grew(entry)) for entry in told]
         run.settings = pystate.settings(told)
         pystate.put_back(changed)
         pystate.take_back(run.rebound)

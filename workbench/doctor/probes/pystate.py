@@ -106,6 +106,14 @@ def what_changed(entry) -> str:
     return f"changes {label} ({len(was)} -> {len(now)} item(s))"
 
 
+def grew(entry) -> bool:
+    """Whether the change (``differ``'s entry) adds to its container: a key or an item more."""
+    _, _, was, now = entry
+    if isinstance(now, dict):
+        return any(k not in was for k in dict.__iter__(now))
+    return len(now) > len(was)
+
+
 def rebinds_number(entry) -> bool:
     """Whether the change (``differ``'s entry) binds a key or attribute that held a plain number to
     another number: a cursor or counter Python advances each step."""
@@ -226,9 +234,11 @@ def name(obj, key) -> str:
 
 def tracer(entry) -> tuple:
     """A ``sys.settrace`` function that finds the user's line after which ``entry``'s container
-    first differs from its kept contents, and the list it puts that line (and its function's code)
-    in (run once, on an eager step whose host work a replay does not repeat)."""
-    _, _, was, now = entry
+    first differs from its contents now, and the list it puts that line (and its function's code)
+    in (made just before an eager step whose host work a replay does not repeat runs once more: keys
+    an earlier eager run added stay, ``put_back``, and are not this run's change)."""
+    now = entry[3]
+    was = _copy(now)
     found, last = [], {}
 
     def trace(frame, event, arg):
@@ -240,13 +250,13 @@ def tracer(entry) -> tuple:
             if event == "call":
                 at, line = frame.f_back, None
             else:
-                at, line = frame, last.get(frame) if event == "line" else None
+                at, line = frame, last.get(id(frame)) if event == "line" else None
             while at is not None and not mine(at):
                 at, line = at.f_back, None
             found.append((location(at, line), at.f_code) if at is not None else ("-", None))
             return None
         if event == "line":
-            last[frame] = frame.f_lineno
+            last[id(frame)] = frame.f_lineno     # (by id: a frame held here would hold its locals)
         return trace
     return trace, found
 

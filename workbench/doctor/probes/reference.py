@@ -91,7 +91,7 @@ from ..report import PADDED_ROWS, Finding
 from ..rules import mutation, reused, sync
 from ..rules.pool import block
 from ..tensors import host_only, leaves, placed, real_rows, signature
-from . import borne_out, late_refresh, release, written_elsewhere
+from . import borne_out, host_left, late_refresh, release, written_elsewhere
 from .compare import agrees, calls_near, capture_batch, comparable, differs_from, paired, verdict, written_by, written_inputs
 from .coverage import Coverage
 from .dropped import Dropped
@@ -423,8 +423,9 @@ class Reference:
         self.failed_calls.report(doctor)
         if not doctor.report.findings and self.verdict:
             self.dropped.report(doctor, self)
-        if not doctor.report.findings and self.verdict:
-            frozen_scalar(doctor, self.verdict)
+        for frozen in (frozen_scalar, host_left.report):     # what a replay cannot see or do, named last
+            if not doctor.report.findings and self.verdict:
+                frozen(doctor, self.verdict)
         if not doctor.report.findings and self.verdict:     # a replay tied to its step by the count alone: last
             for name, (_, *found) in self.guessed.items():
                 _report(doctor, name, *found)

@@ -116,12 +116,15 @@ def refused_earlier(doctor, info) -> None:
 
 
 def _elsewhere(doctor, graph: str, error) -> None:
-    """A capture invalidated by another thread's wait is named at the capture, whose mode forbade it."""
+    """A capture invalidated by another thread's wait. In 'global' mode it is named at the capture, whose
+    mode forbade the wait; in another mode the wait (a device-wide synchronize) is refused whatever the
+    capture does, and is named where it was made."""
+    source = error.source if error.mode == "global" else error.waited_at
     doctor.add(Finding(
-        "sync-in-capture", graph, error.op, "-", error.source,
+        "sync-in-capture", graph, error.op, "-", source,
         f"{error.op} at {error.waited_at}, on another thread, waited for the device while {graph} was being "
         f"captured in {error.mode!r} mode: CUDA refused it there and invalidated the capture",
-        explain.sync_elsewhere(error.op, error.mode)), ("sync-in-capture", error.op, error.source))
+        explain.sync_elsewhere(error.op, error.mode)), ("sync-in-capture", error.op, source))
 
 
 def _named(error: BaseException, frames: list, tb) -> tuple | None:

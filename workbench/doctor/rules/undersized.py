@@ -207,7 +207,8 @@ def write(doctor, func, targets: list, run):
 
 def failed_write(doctor, func, args, kwargs, error: BaseException) -> None:
     """A write by the watched code (eager, warmup or capture) failed because its data does not fit
-    its destination: larger than it in some dimension, or indexed past its end; or, in a warmup or
+    its destination: larger than it in some dimension (one it lacks counts as one row: three rows of
+    positions per token into a buffer of one), or indexed past its end; or, in a warmup or
     a capture (which write the buffers replays will use), as many rows as the destination but
     another width (logits of a reduced vocabulary into a buffer sized for the full one). Writes
     into announced buffers are ``write``'s; smaller data in the rows (a real-row count against a
@@ -221,8 +222,8 @@ def failed_write(doctor, func, args, kwargs, error: BaseException) -> None:
         return
     if isinstance(error, IndexError) and "out of bounds" in str(error):
         what = "an index past its end"
-    elif isinstance(src, torch.Tensor) and src.dim() <= dst.dim() and any(
-            s > d for s, d in zip(reversed(src.shape), reversed(dst.shape))):
+    elif isinstance(src, torch.Tensor) and any(     # (a dimension the destination lacks holds one row)
+            s > d for s, d in zip(reversed(src.shape), [*reversed(dst.shape), *[1] * src.dim()])):
         what = f"data of shape {tuple(src.shape)}"
     elif isinstance(src, torch.Tensor) and doctor.phase in ("warmup", "capture") and src.dim() == dst.dim() > 1 \
             and src.shape[0] == dst.shape[0] and src.shape[1:] != dst.shape[1:]:
