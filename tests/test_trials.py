@@ -145,13 +145,6 @@ GPU_DIFFERS: dict = {
         "first replay parts (warmup-divergence at forward, the eager write of its input); finite on the H100, where "
         "the real rows part by 0.04 from a later step and the finding is differential replay's state difference "
         "(warmup-divergence at piece_after_attention); found when the round was recorded",
-    ("round145/tokasaurus_1a116e9_tp_cudagraph_decode_not_padded_to_graph_size", "bug"):
-        "on the H100 (2026-12-07, recorded twice) the doctor stopped on an error of its own in replay_end, on both "
-        "variants ('Expected all tensors to be on the same device, ... cuda:0 and cpu'), before any finding; on the "
-        "CPU host-work-frozen at _paged_attention. Traced there: the comparison of the run without graphs' views "
-        "with the replay's (reference_causes.compare_views) compared that run's host tensor with the GPU tensor the "
-        "replay read; the doctor's comparisons now move the second to the first one's device (tensors."
-        "_own_comparison), a fix not yet run on a GPU",
 }
 # Variants whose run on a GPU is not reproducible, and why: not compared.
 GPU_UNSTABLE = {
