@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import traceback
 
 from ..engine.errors import CaptureError
 from ..engine.source import user_frame
@@ -21,6 +22,17 @@ _KEPT = 3          # caught op failures kept per watch
 # What the doctor raises on purpose, into the watched code: a guarded replay, a host sync refused
 # during a CUDA capture (as the CPU engine refuses it). Anything else it raises is its own failure.
 DELIBERATE = (DanglingReferenceError, CaptureError)
+
+
+def own_error(error: BaseException, where: str) -> str:
+    """The doctor's own error in words: its type, the event it broke in, the innermost frame, then
+    up to three of the doctor's frames that led there (an op raising inside the doctor's dispatch
+    wrappers says nothing of which mechanism ran it), and its message."""
+    frames = traceback.extract_tb(error.__traceback__) if error.__traceback__ else []
+    mine = [f for f in frames[:-1] if "/workbench/doctor/" in f.filename.replace("\\", "/")][-3:][::-1]
+    at = " at " + ", from ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in [*frames[-1:], *mine]) \
+        if frames else ""
+    return f"{type(error).__name__} in {where}{at}: {first_line(error)}"
 
 
 def contained(handler):

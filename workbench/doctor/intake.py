@@ -16,7 +16,6 @@ How the evidence is gathered (the same on both backends, so a report means the s
 from __future__ import annotations
 
 import sys
-import traceback
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -171,13 +170,7 @@ class Doctor(RunnerEvents):
     def fail(self, error: Exception, where: str) -> None:
         """The doctor's own code raised: stop watching, keep the findings made so far, and report
         where it broke (so the failure can be reported upstream) and what went unchecked."""
-        frames = traceback.extract_tb(error.__traceback__) if error.__traceback__ else []
-        # (the innermost frame, then the doctor's own that led to it: an op raising inside the doctor's
-        # dispatch wrappers says nothing of which mechanism ran it)
-        mine = [f for f in frames[:-1] if "/workbench/doctor/" in f.filename.replace("\\", "/")][-3:][::-1]
-        at = " at " + ", from ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in [*frames[-1:], *mine]) \
-            if frames else ""
-        self.failure = self.report.failure = f"{type(error).__name__} in {where}{at}: {first_line(error)}"
+        self.failure = self.report.failure = failures.own_error(error, where)
 
     # ------------------------------------------------------------------ engine events
     @contained

@@ -197,7 +197,7 @@ def _added(entries: list):
 def _same_values(old: torch.Tensor, new: torch.Tensor) -> bool:
     """Whether a binding's new tensor holds its old one's values (on another device it does not: a
     step that moves host metadata onto the GPU, ``info.kv_indices = info.kv_indices.to(device)``,
-    rebinds it; and the two cannot be compared elementwise)."""
+    rebinds it, and code after the step reads it there)."""
     if old.shape != new.shape or old.dtype != new.dtype or old.device != new.device:
         return False
     with _disable_current_modes():
