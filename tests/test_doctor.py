@@ -477,6 +477,56 @@ def test_memory_released_with_a_functions_locals_is_named_at_that_function_under
     assert f"released at {where(Scratch.capture, 'return self.g')}" in finding.evidence
 
 
+class Fields:
+    """Metadata whose fields a replay reads; a helper rebinds them from another instance."""
+
+    def __init__(self, n):
+        self.loc = torch.arange(float(n))
+
+    def copy_from(self, other, how):
+        if how == "told":
+            copy_fields(other, self, assign=["loc"])
+        elif how == "spelled":
+            assign_loc(self, other.loc)
+        else:
+            derive_fields(self, other)
+
+
+def copy_fields(src, dst, assign):
+    for name in assign:
+        setattr(dst, name, getattr(src, name))
+
+
+def assign_loc(dst, value):
+    setattr(dst, "loc", value)
+
+
+def derive_fields(dst, src):
+    for name, value in {"loc": src.loc * 1}.items():
+        setattr(dst, name, value)
+
+
+@pytest.mark.parametrize("how", ["told", "spelled", "own"])
+def test_memory_released_by_a_helper_that_rebinds_the_fields_it_is_told_to_is_named_at_its_caller(how):
+    """A helper that ``setattr``s the fields its caller lists on an object it was given does what it
+    is told: the release is named where it was told (``copy_from``). One that spells the field, or
+    chooses the fields itself (its own table of them), is where the release happens."""
+    def workload():
+        meta = Fields(3)
+        g = new_graph("cpu")
+        with graph(g):
+            out = meta.loc * 2
+        meta.copy_from(Fields(3), how)
+        g.replay()
+        return out
+
+    report = doctor.diagnose(workload)
+    finding = next(f for f in report.findings if f.kind == "dangling-reference")
+    at = {"told": where(Fields.copy_from, "copy_fields(other"), "spelled": where(assign_loc, 'setattr(dst, "loc"'),
+          "own": where(derive_fields, "setattr(dst, name")}[how]
+    assert f"released at {at}" in finding.evidence
+
+
 def test_memory_released_by_the_garbage_collector_names_no_line():
     x = torch.ones(2, 3)
     with doctor.watch() as report:

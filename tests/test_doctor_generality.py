@@ -142,23 +142,49 @@ def test_a_capture_that_recorded_nothing_of_the_step_is_named():
     assert function_of(finding.location) == "_replays" and "recorded no launch" in finding.cause   # the capture
 
 
+def _by_a_running_worker(kernel, *args) -> None:
+    """Work given to a thread that is already running (a persistent worker fed by a queue): the
+    capture sees no hand-off."""
+    import queue
+    import threading
+    todo, done = queue.Queue(), queue.Queue()
+    worker = threading.Thread(target=lambda: done.put(todo.get()()), daemon=True)
+    worker.start()                      # (before the work exists: it hands nothing on)
+    todo.put(lambda: kernel(*args))
+    done.get()
+
+
+def _submitted(kernel, *args) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(kernel, *args).result()
+
+
 @pytest.mark.parametrize("variant", ["bug", "fix"])
-def test_a_block_the_graph_allocates_and_only_outside_work_fills_is_named_at_its_allocation(variant):
+@pytest.mark.parametrize("outside", [_on_another_thread, _submitted, _by_a_running_worker])
+def test_a_block_the_graph_allocates_and_only_outside_work_fills_is_named_where_that_work_was_launched(
+        variant, outside):
     """The step allocates an output, fills it from work the capture does not record (another
     thread, as a kernel on the legacy default stream), and a captured op reads it: the launch traces
-    agree, and the read of a block no op of the graph writes names the allocation."""
+    agree, and the read of a block no op of the graph writes is named where the capture handed the
+    block to that work: in the function that chose the kernel (``merge_into``), not in the helper
+    that only forwards it to a thread. Work that reaches a thread already running, with no hand-off
+    the capture sees, is named at the block's allocation."""
     def served():
         x, w = torch.zeros(4, 3), torch.eye(3) * 2
 
         def kernel(src, out):
             out.copy_(src + 1)
 
-        def merge(src):
-            out = torch.empty_like(src)
+        def merge_into(src, out):
             if variant == "bug":
-                _on_another_thread(kernel, src, out)
+                outside(kernel, src, out)
             else:
                 kernel(src, out)
+
+        def merge(src):
+            out = torch.empty_like(src)
+            merge_into(src, out)
             return out
 
         return _replays(lambda: merge(x * 3) @ w, x)
@@ -174,7 +200,10 @@ def test_a_block_the_graph_allocates_and_only_outside_work_fills_is_named_at_its
         return
     (finding,) = report.findings
     assert finding.kind == "host-work-frozen" and finding.op == "aten.empty_like.default"
-    assert function_of(finding.location) == "merge" and "no op of the graph writes" in finding.cause
+    assert "no op of the graph writes" in finding.cause
+    launched = outside is not _by_a_running_worker
+    assert function_of(finding.location) == ("merge_into" if launched else "merge")
+    assert ("was handed to another thread (launched at" in finding.cause) == launched
 
 
 # ------------------------------------------------------------------------------ a runner's input check

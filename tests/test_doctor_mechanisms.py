@@ -2258,6 +2258,42 @@ def test_a_host_staging_write_that_does_not_fit_is_an_undersized_buffer():
     assert doctor.diagnose(_host_staging(4)).findings == []
 
 
+def _staged_lengths(padded):
+    """A runner that pads a step of 3 requests to its graph of 4 and stages the requests' lengths in a
+    NumPy array: into the padded rows' slice (``lens_np[:4] = three``, which NumPy refuses), or into
+    the real rows' slice with the padded rows zeroed."""
+    import numpy as np
+    lens = torch.zeros(4, dtype=torch.int64)
+    lens_np = np.zeros(4, dtype=np.int64)
+
+    def prepare(real_lens, bs):
+        if padded:
+            lens_np[:bs] = np.array(real_lens)
+        else:
+            lens_np[:len(real_lens)] = real_lens
+            lens_np[len(real_lens):bs] = 0
+        lens.copy_(torch.from_numpy(lens_np))
+
+    def workload():
+        m = Manager(lambda size: lens[:size] * 2, [2, 4], {"lens": lens})
+        m.capture()
+        for real in ([5, 6], [5, 6, 7]):
+            try:
+                prepare(real, 2 if len(real) <= 2 else 4)
+                m.replay(len(real))
+            except ValueError:
+                pass
+    return workload
+
+
+def test_a_host_staging_write_of_the_real_rows_into_the_padded_rows_slice_is_a_padded_shape_mismatch():
+    report = doctor.diagnose(_staged_lengths(padded=True))
+    (found,) = report.findings
+    assert found.kind == "padded-shape-mismatch" and found.location.endswith("in prepare"), report
+    assert "4 rows" in found.evidence and "3 rows" in found.evidence
+    assert doctor.diagnose(_staged_lengths(padded=False)).findings == []
+
+
 def _restored_after_capture(dummy_slot):
     """Per-request lengths advanced by each row's slot; the capture's dummy rows write
     ``dummy_slot`` and the runner restores the lengths afterwards (as TensorRT-LLM's spec workers

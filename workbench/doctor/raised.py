@@ -34,16 +34,20 @@ known exactly (``skipped.py``). Another tracer (a debugger, coverage) is left al
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import dis
 import gc
+import inspect
+import linecache
 import os
 import sys
 import sysconfig
+import textwrap
 
 from ..engine.errors import GraphError, IllegalMemoryAccess
 from ..engine.source import SKIP_DIRS, function_name, location, mine, raises_at, short_path
-from . import failures
+from . import failures, threads
 from .rules import (checks, clobbered, decisions, dummy_batch, graph_keys, input_match, shapes, size_table, sync,
                     torn_down, undersized)
 from .tensors import first_line, placement
@@ -103,7 +107,14 @@ class _Tracer:
             sys.settrace(None)
 
     def call(self, frame, event, arg):
-        if self.doctor is None or frame.f_code.co_filename.startswith(SKIP_DIRS) or _stdlib(frame.f_code.co_filename):
+        if self.doctor is None:
+            return None
+        if frame.f_code.co_filename.startswith(SKIP_DIRS) or _stdlib(frame.f_code.co_filename):
+            if frame.f_code in threads.HAND_OFFS and self.doctor.capturing is not None:
+                try:
+                    threads.handed_off(self.doctor.capturing, frame)
+                except Exception as e:  # noqa: BLE001 - the doctor's own error, reported in the Report
+                    self.doctor.fail(e, "following work handed to another thread")
             return None
         self.returned = None
         frame.f_trace_lines = self.doctor.capturing is not None     # the lines a capture runs: doctor/skipped.py
@@ -318,7 +329,70 @@ def released_at(running) -> str | None:
     if last is not None and last[2] == id(running) and last[3] == running.f_lineno \
             and _instruction(running) in _CALLS:
         return location(last[0], last[1])
+    if _rebinds_as_told(frame):
+        caller = frame.f_back
+        while caller is not None and not mine(caller):
+            caller = caller.f_back
+        if caller is not None:
+            return location(caller)
     return location(frame)
+
+
+_TOLD: dict = {}     # (code, instruction) -> whether it is a ``setattr`` as ``_rebinds_as_told`` reads it
+
+
+def _rebinds_as_told(frame) -> bool:
+    """Whether the frame is rebinding an attribute as it was told to: ``setattr(obj, name, value)``
+    on an object it was given, by a name it does not spell (a helper copying or assigning the fields
+    its caller lists). What was let go of was the caller's choice: the release is named there."""
+    key = (frame.f_code, frame.f_lasti)
+    if key not in _TOLD:
+        _TOLD[key] = _setattr_given(frame)
+    return _TOLD[key]
+
+
+def _setattr_given(frame) -> bool:
+    code = frame.f_code
+    call = None
+    for i in dis.get_instructions(code):
+        if i.offset > frame.f_lasti:
+            break
+        call = i
+    pos = call.positions if call is not None else None
+    if pos is None or pos.lineno is None or pos.end_lineno is None:
+        return False
+    lines = linecache.getlines(code.co_filename)[pos.lineno - 1:pos.end_lineno]
+    if not lines:
+        return False
+    lines[-1] = lines[-1][:pos.end_col_offset]
+    lines[0] = lines[0][pos.col_offset:]
+    try:
+        node = ast.parse("".join(lines).strip(), mode="eval").body
+    except SyntaxError:
+        return False
+    given = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" \
+        and len(node.args) == 3 and isinstance(node.args[0], ast.Name) and node.args[0].id in given \
+        and isinstance(node.args[1], ast.Name) and _from_arguments(code, node.args[1].id, given)
+
+
+def _from_arguments(code, name: str, given) -> bool:
+    """Whether ``name`` is one of the function's arguments, or the target of a ``for`` over one
+    (``for name in fields``, ``for name, value in fields.items()``)."""
+    if name in given:
+        return True
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(code)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    for loop in ast.walk(tree):
+        if isinstance(loop, ast.For) and name in {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}:
+            root = loop.iter
+            while isinstance(root, (ast.Call, ast.Attribute, ast.Subscript)):
+                root = root.func if isinstance(root, ast.Call) else root.value
+            if isinstance(root, ast.Name) and root.id in given:
+                return True
+    return False
 
 
 def decider(frames) -> str | None:

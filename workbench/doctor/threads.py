@@ -7,12 +7,26 @@ record -- the memory they read, the workspaces their warmups make -- would be in
 reading a workspace freed when its thread ended would not be checked at all. So when a warmup or a
 capture begins on another thread, the mode is entered there for that phase, beneath the engine's
 own capture modes (the order the watching thread has), and left when the phase ends.
+
+Work a capture hands to another thread (``Thread.start``, an executor's ``submit``) runs outside
+the graph, once: what it writes no replay writes again (``handed_off``). CUDA's counterpart is a
+kernel launched on the legacy default stream, which a capture on a side stream neither records nor
+refuses; the CPU engine models it as such a thread.
 """
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 from torch._C import _len_torch_dispatch_stack, _pop_torch_dispatch_stack, _push_on_torch_dispatch_stack
+
+from ..engine.opinfo import storage_key, tensors
+from ..engine.source import location, mine
+from .rules.sync import is_argument
+
+# The calls that hand work to another thread, and where each keeps the function and its arguments.
+HAND_OFFS = {threading.Thread.start.__code__: lambda f: (f["self"]._target, (f["self"]._args, f["self"]._kwargs)),
+             ThreadPoolExecutor.submit.__code__: lambda f: (f.get("fn"), (f.get("args"), f.get("kwargs")))}
 
 
 class Threads:
@@ -54,3 +68,24 @@ class Threads:
             above.append(top)
         for m in reversed(above):
             _push_on_torch_dispatch_stack(m)
+
+
+def handed_off(info, frame) -> None:
+    """A capture handed work to another thread (``frame`` runs ``Thread.start`` or ``submit``): each
+    storage among the work's arguments is kept with where the work was launched. That is the first
+    of the workload's frames outside the one that handed it on, walking out for as long as the work's
+    function reached a frame as one of its arguments: a launch helper given its kernel
+    (``launch(stream, kernel, *args)``, a stand-in for ``kernel<<<grid, block, 0, stream>>>``) only
+    forwards what its caller chose to launch there."""
+    work, given = HAND_OFFS[frame.f_code](frame.f_locals)
+    caller = frame.f_back
+    while caller is not None and not mine(caller):
+        caller = caller.f_back
+    if work is None or caller is None:
+        return
+    while caller.f_back is not None and mine(caller.f_back) and is_argument(caller, lambda v: v is work):
+        caller = caller.f_back
+    where = location(caller)
+    for t in tensors(list(given)):
+        info.handed_off.setdefault(storage_key(t), where)
+

@@ -246,17 +246,21 @@ def _read_unwritten(info) -> tuple | None:
     filled it at capture ran outside the graph (a kernel launched on a stream the capture does not
     record, a write by another thread or by the host), once. A replay launches none of it, so the
     reader gets what that run left, or poison, while the eager step fills it again: the work that
-    was to fill the block stayed behind at capture. Named at the allocation, the block's start."""
+    was to fill the block stayed behind at capture. Named where that work was launched, when the
+    capture handed the block to another thread (``threads.handed_off``); else at the allocation,
+    the block's start."""
     if not info.read_unwritten:
         return None
     key, reader = next(iter(info.read_unwritten.items()))
     ref, func, source = info.made[key]            # (every block still unwritten was made by the capture)
     tensor = ref()
-    return ("host-work-frozen", Op(func, source), describe(tensor) if tensor is not None else "-",
+    launched = info.handed_off.get(key)
+    return ("host-work-frozen", Op(func, launched or source), describe(tensor) if tensor is not None else "-",
             f"The launch traces agree, but {reader.name} at {reader.source} reads memory the graph allocated "
             f"at {source} ({func}) that no op of the graph writes: the work that filled it during the capture "
-            "ran outside the graph (a kernel on a stream the capture does not record, another thread, the "
-            "host), once. A replay launches none of it, so the reader gets what that run left, while the "
+            + (f"was handed to another thread (launched at {launched}) and ran outside the graph" if launched else
+               "ran outside the graph (a kernel on a stream the capture does not record, another thread, the host)")
+            + ", once. A replay launches none of it, so the reader gets what that run left, while the "
             "eager step fills the block again.")
 
 

@@ -282,10 +282,29 @@ def failed_op(doctor, func, args, kwargs, error: BaseException) -> None:
     if other is not None and (bound := bound_in_capture.finding(func, size, real, other, error)):
         doctor.add(bound, ("host-work-frozen", bound.source))
         return
+    _laid_out_for(doctor, graph, other, str(func), "a tensor", size, real, source, error)
+
+
+def failed_host_write(doctor, data: tuple, into: tuple, error: BaseException, source: str) -> None:
+    """An item assignment into a host array (NumPy: no op is dispatched) after the captures failed on
+    data with fewer rows than the slice it was written into, where that slice has the rows a graph
+    was captured for: ``failed_op``'s contract on the write path runners stage host metadata with
+    (``lens_np[:padded_bs] = real_lens``)."""
+    if doctor.phase != "eager" or not doctor.graphs or len(data) != len(into) or not data \
+            or data[1:] != into[1:] or data[0] >= into[0]:
+        return
+    size, real = into[0], data[0]
+    graph = next((i for i in doctor.graphs.values() if size in i.rows), None)
+    if graph is not None and not any(f.source == source for f in doctor.report.findings):
+        other = next((i for i in doctor.graphs.values() if real in i.rows and size not in i.rows), None)
+        _laid_out_for(doctor, graph, other, "item assignment", "a host array", size, real, source, error)
+
+
+def _laid_out_for(doctor, graph, other, op: str, what: str, size: int, real: int, source: str, error) -> None:
     also = f" ({other.name} was captured for {real})" if other is not None else ""
     doctor.add(Finding(
-        "padded-shape-mismatch", graph.name, str(func), f"a tensor of {size} rows and one of {real}", source,
-        f"after the captures, {func} failed on a tensor of {size} rows ({graph.name} was captured for {size}) "
+        "padded-shape-mismatch", graph.name, op, f"{what} of {size} rows and one of {real}", source,
+        f"after the captures, {op} failed on {what} of {size} rows ({graph.name} was captured for {size}) "
         f"against one of {real} rows{also}: {first_line(error)}",
         explain_padding.padded_layout_mismatch(graph.name, size, real, other and other.name),
         {"size": size, "real": real}), ("padded-shape-mismatch", source))

@@ -194,7 +194,7 @@ def handed_in(frames: list, same) -> str | None:
     first frame did; else None (as when that frame only closes over it: the captured lambda of a
     runner). A value the code was handed was chosen by its caller: that is where to look."""
     i = 0
-    while i + 1 < len(frames) and _argument(frames[i][0], same):
+    while i + 1 < len(frames) and is_argument(frames[i][0], same):
         i += 1
     if not i or _closed_over(frames[i][0], same):
         return None                 # (a closure's variable: chosen where the closure was made, not here)
@@ -263,7 +263,7 @@ def _workload_code(value) -> bool:
     return code is not None and mine_code(code)
 
 
-def _argument(frame, same) -> bool:
+def is_argument(frame, same) -> bool:
     """Whether one of the frame's parameters (or an element of its ``*args``) is the value."""
     code, values = frame.f_code, frame.f_locals
     n = code.co_argcount + code.co_kwonlyargcount

@@ -294,6 +294,7 @@ def failed_host_write(doctor, error: BaseException, frame) -> None:
     if found is not None:
         src, dst = ([int(n) for n in g.replace(" ", "").split(",") if n] for g in found.groups())
         if not any(a > b for a, b in zip(reversed(src), reversed(dst))):
+            shapes.failed_host_write(doctor, tuple(src), tuple(dst), error, location(frame))   # (fewer rows)
             return
         what, shape = f"data of shape {tuple(src)}", tuple(dst)
     elif isinstance(error, IndexError) and "out of bounds for axis" in text:
