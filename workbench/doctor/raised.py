@@ -39,7 +39,6 @@ import dataclasses
 import dis
 import gc
 import inspect
-import linecache
 import os
 import sys
 import sysconfig
@@ -353,23 +352,7 @@ def _rebinds_as_told(frame) -> bool:
 
 def _setattr_given(frame) -> bool:
     code = frame.f_code
-    call = None
-    for i in dis.get_instructions(code):
-        if i.offset > frame.f_lasti:
-            break
-        call = i
-    pos = call.positions if call is not None else None
-    if pos is None or pos.lineno is None or pos.end_lineno is None:
-        return False
-    lines = linecache.getlines(code.co_filename)[pos.lineno - 1:pos.end_lineno]
-    if not lines:
-        return False
-    lines[-1] = lines[-1][:pos.end_col_offset]
-    lines[0] = lines[0][pos.col_offset:]
-    try:
-        node = ast.parse("".join(lines).strip(), mode="eval").body
-    except SyntaxError:
-        return False
+    node = checks.expression(frame)
     given = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
     return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" \
         and len(node.args) == 3 and isinstance(node.args[0], ast.Name) and node.args[0].id in given \

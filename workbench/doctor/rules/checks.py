@@ -27,6 +27,23 @@ _ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.
 MISUSE = (AttributeError, TypeError, NameError)
 
 
+def expression(frame) -> ast.expr | None:
+    """The expression the frame's running instruction evaluates (a failing subscript, the call it
+    waits on), parsed from its source columns; None where they span lines or do not parse alone."""
+    try:
+        positions = list(frame.f_code.co_positions())[frame.f_lasti // 2]
+    except (AttributeError, IndexError):
+        return None
+    line, end, start, stop = positions
+    if line is None or line != end or start is None or stop is None:
+        return None
+    text = linecache.getline(frame.f_code.co_filename, line)[start:stop]
+    try:
+        return ast.parse(text, mode="eval").body
+    except SyntaxError:
+        return None
+
+
 def condition(frame) -> tuple[str, list[int]] | None:
     """``("equal" | "order", [left, right])`` of the check that failed in ``frame``; None where the
     failing line is no single comparison of two numbers."""

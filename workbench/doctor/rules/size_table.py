@@ -15,11 +15,11 @@ function's argument (a ``pad_for_cudagraph(n)`` helper), its caller's call.
 from __future__ import annotations
 
 import ast
-import linecache
 
 from ...engine.source import location, mine
 from .. import explain
 from ..report import Finding
+from . import checks
 
 UNKNOWN = object()
 
@@ -66,18 +66,7 @@ def _past_sizes(table, index, largest: int) -> bool:
 
 def subscript(frame) -> ast.Subscript | None:
     """The subscript expression the frame's failing instruction evaluates, from its source columns."""
-    try:
-        positions = list(frame.f_code.co_positions())[frame.f_lasti // 2]
-    except (AttributeError, IndexError):
-        return None
-    line, end, start, stop = positions
-    if line is None or line != end or start is None or stop is None:
-        return None
-    text = linecache.getline(frame.f_code.co_filename, line)[start:stop]
-    try:
-        node = ast.parse(text, mode="eval").body
-    except SyntaxError:
-        return None
+    node = checks.expression(frame)
     return node if isinstance(node, ast.Subscript) else None
 
 
