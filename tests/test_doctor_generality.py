@@ -160,6 +160,21 @@ def _submitted(kernel, *args) -> None:
         pool.submit(kernel, *args).result()
 
 
+def _outside_work(served, variant):
+    """The doctor's report of ``served`` (the outside-work tests' step, on ``x`` of 1, 2 and 3),
+    beside its eager results; None for the fix, which must equal them with no finding."""
+    def eager():
+        return [(torch.full((4, 3), v) * 3 + 1) @ (torch.eye(3) * 2) for v in (1.0, 2.0, 3.0)]
+
+    outcome = []
+    report = doctor.diagnose(lambda: outcome.append(compare("outside", variant, "cpu", served, eager)))
+    assert outcome[0].verdict == ("misbehaves" if variant == "bug" else "equals eager")
+    if variant == "fix":
+        assert report.findings == []
+        return None
+    return report
+
+
 @pytest.mark.parametrize("variant", ["bug", "fix"])
 @pytest.mark.parametrize("outside", [_on_another_thread, _submitted, _by_a_running_worker])
 def test_a_block_the_graph_allocates_and_only_outside_work_fills_is_named_where_that_work_was_launched(
@@ -189,14 +204,7 @@ def test_a_block_the_graph_allocates_and_only_outside_work_fills_is_named_where_
 
         return _replays(lambda: merge(x * 3) @ w, x)
 
-    def eager():
-        return [(torch.full((4, 3), v) * 3 + 1) @ (torch.eye(3) * 2) for v in (1.0, 2.0, 3.0)]
-
-    outcome = []
-    report = doctor.diagnose(lambda: outcome.append(compare("outside", variant, "cpu", served, eager)))
-    assert outcome[0].verdict == ("misbehaves" if variant == "bug" else "equals eager")
-    if variant == "fix":
-        assert report.findings == []
+    if (report := _outside_work(served, variant)) is None:
         return
     (finding,) = report.findings
     assert finding.kind == "host-work-frozen" and finding.op == "aten.empty_like.default"
@@ -204,6 +212,39 @@ def test_a_block_the_graph_allocates_and_only_outside_work_fills_is_named_where_
     launched = outside is not _by_a_running_worker
     assert function_of(finding.location) == ("merge_into" if launched else "merge")
     assert ("was handed to another thread (launched at" in finding.cause) == launched
+
+
+@pytest.mark.parametrize("variant", ["bug", "fix"])
+@pytest.mark.parametrize("outside", [_on_another_thread, _submitted])
+def test_a_workspace_the_graph_does_not_own_that_only_handed_off_work_fills_is_named_where_it_was_launched(
+        variant, outside):
+    """As above, but the block is a cached workspace made before the capture (a kernel library's
+    ``_get_cache_buf``), which the graph reads and does not own: the work handed to another thread
+    during the capture wrote it (its version counter moved), no op of the graph writes it, and every
+    replay reads what that one run wrote there. Named where the work was launched (``precompute``)."""
+    def served():
+        x, w, workspace = torch.zeros(4, 3), torch.eye(3) * 2, torch.zeros(4, 3)
+
+        def kernel(src, out):
+            out.copy_(src + 1)
+
+        def precompute(src, out):
+            if variant == "bug":
+                outside(kernel, src, out)
+            else:
+                kernel(src, out)
+
+        def step():
+            precompute(x * 3, workspace)
+            return workspace @ w
+
+        return _replays(step, x)
+
+    if (report := _outside_work(served, variant)) is None:
+        return
+    (finding,) = report.findings
+    assert finding.kind == "host-work-frozen" and function_of(finding.location) == "precompute", report
+    assert "memory it does not own" in finding.cause and "was handed to another thread" in finding.cause
 
 
 # ------------------------------------------------------------------------------ a runner's input check

@@ -2294,6 +2294,17 @@ def test_a_host_staging_write_of_the_real_rows_into_the_padded_rows_slice_is_a_p
     assert doctor.diagnose(_staged_lengths(padded=False)).findings == []
 
 
+@pytest.mark.parametrize("statement", ["a[i] = v", "a[:n] = v", "a[i, :n] = v"])
+def test_every_item_assignment_instruction_is_read_as_one(statement):
+    """The host-write rules run where a frame raised on an item assignment; Python 3.12 compiles a
+    slice's (``a[:n] = v``) to an instruction of its own (STORE_SLICE), which must count too."""
+    import dis
+    from workbench.doctor import raised
+    stores = [i for i in dis.get_instructions(compile(statement, "<test>", "exec")) if i.opname.startswith("STORE_")
+              and i.opname not in ("STORE_NAME", "STORE_FAST", "STORE_GLOBAL")]
+    assert len(stores) == 1 and stores[0].opcode in raised._STORES, stores
+
+
 def _restored_after_capture(dummy_slot):
     """Per-request lengths advanced by each row's slot; the capture's dummy rows write
     ``dummy_slot`` and the runner restores the lengths afterwards (as TensorRT-LLM's spec workers
@@ -2566,6 +2577,72 @@ def test_a_graph_whose_view_of_a_per_token_input_is_shorter_than_its_real_rows(f
         found = report.of("undersized-buffer")
         assert found and found[0].numbers["rows_read"] == 2, report
         assert ("in forward" if cut_inside else "in sliced") in found[0].source, report
+
+
+@pytest.mark.parametrize("short", [False, True])
+def test_pad_ids_a_step_writes_past_its_graphs_tokens_are_no_data_the_graph_drops(short):
+    """A slot row ``[1, 4]`` that each step fills whole, its tokens' slots then the pad id -1 (vLLM's
+    slot-mapping kernel pads the rest of the buffer), served by graphs of 1, 2 and 4 tokens that each
+    read their own width, a view set-up code cut (so the eager step reads through it too). The
+    graphs of 1 and 2 never read the pads: the workload's results agree with its run without graphs,
+    so a note says so and nothing is found. Cut at a width of 3 (``short``), the graph of 4 drops a
+    real token's slot, and the results part."""
+    slots, emb = torch.full((1, 4), -1, dtype=torch.long), torch.arange(1.0, 9.0)
+    views = {}
+
+    def forward(size):
+        return emb[views[size].clamp(min=0)].sum().expand(size) * 1.0
+
+    def step(real):
+        row = torch.full((4,), -1, dtype=torch.long)
+        row[:len(real)] = torch.tensor(real)
+        slots[0].copy_(row)
+
+    batches = ([2], [2, 5], [2, 5, 6, 7], [3])
+
+    def workload():
+        with events.reference():
+            reference = []
+            for real in batches:
+                reference.append(emb[torch.tensor(real)].sum().expand(len(real)) * 1.0)
+        m = Manager(forward, [1, 2, 4], {"slots": slots})
+        views.update({size: slots[0, :3 if short and size == 4 else size] for size in m.sizes})
+        m.capture()
+        served = []
+        for real in batches:
+            step(real)
+            served.append(m.replay(len(real)).clone())
+        events.results(reference, served)
+
+    report = doctor.diagnose(workload)
+    found = report.of("undersized-buffer")
+    if short:
+        assert any(f.graph == "size 4" and f.numbers["elements_read"] == 3 for f in found), report
+    else:
+        assert found == [] and report.findings == [], report
+        assert any("nothing the steps needed" in n for n in report.notes), report.notes
+
+
+def test_a_per_request_buffer_shorter_than_the_steps_tokens_is_not_cut_by_its_window():
+    """A verify graph serves 8 tokens (2 requests of 4 drafts) and reads the request offsets
+    ``indptr[:2]`` of a buffer of 3 (the end offset is the runner's, no kernel reads it): the
+    buffer has no row for each of the step's real rows, so rows past the graph's window are no
+    tokens of the step that it leaves unread."""
+    indptr, x = torch.zeros(3, dtype=torch.long), torch.zeros(8, 2)
+
+    def forward(size):
+        return x * indptr[:2].repeat_interleave(4)[:, None]
+
+    def workload():
+        m = Manager(forward, [8], {"indptr": indptr, "x": x})
+        m.capture()
+        for seed in (1, 2):
+            indptr.copy_(torch.tensor([0, 4, 8]) + seed)
+            x.copy_(rows(8, 2, seed=seed))
+            m.replay(8)
+
+    report = doctor.diagnose(workload)
+    assert report.of("undersized-buffer") == [], report
 
 
 def test_an_eager_steps_copies_past_a_graphs_window_are_not_the_next_replays_data():

@@ -47,7 +47,19 @@ def test_the_committed_table_is_what_the_doctor_says_now(answers):
     now = trials.table(answers).splitlines()
     moved = [(was, is_) for was, is_ in zip(committed, now) if was != is_]
     assert not moved and len(committed) == len(now), \
-        f"regenerate with: python -m workbench.zoo.trials; rows that moved: {moved}"
+        f"regenerate with: python -m workbench.zoo.trials --jobs N; rows that moved: {moved}"
+    assert trials.moved(answers) == []
+
+
+def test_answers_in_several_processes_are_the_answers_in_one(answers):
+    """``--jobs``: forked processes give what this one gives, in the order asked for; ``moved``
+    names a row whose answer changed, as the table would show it."""
+    two = list(reversed(NAMES[:2]))
+    assert trials.answers(programs=two, jobs=2) == {n: answers[n] for n in two}
+    changed = {NAMES[0]: {**answers[NAMES[0]], "fix": {**answers[NAMES[0]]["bug"], "kind": "stale-input",
+                                                        "site": "elsewhere"}}}
+    (row,) = trials.moved(changed)
+    assert row.startswith(f"| {NAMES[0].split('/')[0]} | [{NAMES[0].split('/')[1]}]") and "`elsewhere`" in row
 
 
 def test_no_trial_makes_the_doctor_fail(answers):
@@ -68,15 +80,11 @@ def test_verdicts_name_right_wrong_and_missed():
 
 # Variants that behave alike on both backends but where the doctor answers otherwise, and why.
 GPU_DIFFERS: dict = {
-    ("round59/vllm_2318_gptq_exllama_gemm_on_legacy_stream_not_captured", "bug"):
-        "recorded before work a capture hands to another thread was named where it was launched: the record names "
-        "the allocation of the output (gptq_gemm), as the CPU then did; the CPU now names gemm_half_q_half_cuda_part, "
-        "which launched the kernel. Not recorded again: no GPU could be started after the change (2026-12-07)",
-    ("round77/sglang_5419_merge_state_v2_on_legacy_stream_missing_from_verify_graph", "bug"):
-        "recorded before work a capture hands to another thread was named where it was launched: the record names "
-        "the allocation of the output (merge_state_v2), as the CPU then did; the CPU now names "
-        "merge_attn_states_launcher, which launched the kernel. Not recorded again: no GPU could be started after the "
-        "change (2026-12-07)",
+    ("round48/libuipc_472_mas_preconditioner_escapes_nonblocking_capture_stream", "bug"):
+        "recorded before memory the graph does not own that work handed to another thread wrote during the capture "
+        "was named where the work was launched: the record names warmup-divergence at ready, as the CPU then did; the "
+        "CPU now names host-work-frozen at apply, which launched the preconditioner's kernels on the legacy stream. "
+        "Not recorded again: no GPU could be started after the change (2026-12-08)",
     ("round134/flashattn_2692_fa3_varlen_combine_grid_sized_by_capture_max_seqlen_q", "bug"):
         "the same kind, host-work-frozen: on the CPU named at _row_layout, where replay 3 of the 4-row graph runs with "
         "the request count its capture computed on the host (params.b - 1: 3 where the step has 2); on the H100 at the "
@@ -171,7 +179,7 @@ GPU_UNSTABLE = {
 
 # Rounds not yet recorded on a GPU, and why: their programs are left out of the comparison until they are.
 GPU_PENDING: dict[str, str] = {
-    "round148": "written 2026-12-07; no GPU could be started after it that day",
+    "round149": "written 2026-12-08; the day's GPU time went on round 148 and a Python 3.12 run of the doctor",
 }
 
 

@@ -34,7 +34,7 @@ from . import capture, failures, summary
 from .failures import contained
 from .report import Finding, Report
 from .runner_events import RunnerEvents
-from .threads import Threads
+from .threads import Threads, filled_off
 from .rules import (bounds, clamped, clobbered, dangling, decisions, derived, empty_batch, graph_keys, host_copies, mutation,
                     overwritten, padded_scatter, reused, shapes, staging, sync, uncomputed, undersized, unread, unwritten, warmup)
 from .rules.pool import PoolReads
@@ -86,6 +86,7 @@ class Doctor(RunnerEvents):
         self.unread: dict[int, tuple] = {}          # ... copied, not read by the graph replayed since: held
         self.staged: dict[int, object] = {}         # rules/staging.py: pinned storage -> what lines staged, unread
         self.unread_noted: dict[tuple, list] = {}   # (graph, input) -> [its note's index, replays, elements]
+        self.unread_dropped: list = []              # dropped copies waiting for the workload's results (unread.py)
         self.startup = Startup()                    # what warmups wrote into memory older than them
         self.carried = CarriedInputs()              # what steps wrote into static inputs (differential)
         self.pool = PoolReads()                     # pool memory read across graphs
@@ -199,6 +200,7 @@ class Doctor(RunnerEvents):
         self.fresh.clear()
         if info is None:
             return
+        filled_off(info)
         if info.refused is not None:               # caught in the capture, which CUDA would not end
             sync.refused_earlier(self, info)
         if info.warmup is not None and not info.ops:

@@ -58,7 +58,8 @@ _RETURNS = {dis.opmap[name] for name in ("RETURN_VALUE", "RETURN_CONST", "YIELD_
 # it (site-packages, dist-packages) are libraries like any other.
 _STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
 _PACKAGES = ("site-packages", "dist-packages")
-_STORE = dis.opmap["STORE_SUBSCR"]
+# An item assignment: ``a[i] = v``, and on Python 3.12 on, ``a[i:j] = v`` has an instruction of its own.
+_STORES = {dis.opmap[name] for name in ("STORE_SUBSCR", "STORE_SLICE") if name in dis.opmap}
 _CACHE = dis.opmap.get("CACHE", -1)
 _CALLS = {dis.opmap[name] for name in ("CALL", "PRECALL", "CALL_FUNCTION_EX", "CALL_KW") if name in dis.opmap}
 
@@ -188,7 +189,7 @@ class _Tracer:
         watched = doctor.phase in ("eager", "warmup", "capture")
         if doctor.phase == "capture":
             sync.raised_in_capture(doctor, error, tb)
-        if watched and _op(frame) == _STORE:
+        if watched and _op(frame) in _STORES:
             undersized.failed_host_write(doctor, error, frame)
         description = deliberate = None              # not kept, but followed: its callers must not take it for new
         if watched:

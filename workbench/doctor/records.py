@@ -181,6 +181,8 @@ class GraphInfo:
         self.unwritten: dict[int, tuple] = {}       # ... by an allocation alone, written by no op of it since: its block
         self.read_unwritten: dict[int, Op] = {}     # ... of those, read by an op of it while still unwritten: that op
         self.handed_off: dict[int, str] = {}        # storage handed to work on another thread in it -> the launch
+        self.handed_versions: dict[int, tuple] = {}  # ... -> (weakref to its tensor, its version)
+        self.filled_off: dict[int, str] = {}        # ... of those, written by that work in the capture -> the launch
         self.constants: set[int] = set()            # ... of those, Python data lifted in it (host values on CUDA)
         self.foreign: dict[int, tuple] = {}         # storage of another graph's pool -> (graph, op, source, tensor)
         self.collected: set[int] = set()            # ... of those, outputs a collection was run for (dangling)

@@ -11,11 +11,13 @@ own capture modes (the order the watching thread has), and left when the phase e
 Work a capture hands to another thread (``Thread.start``, an executor's ``submit``) runs outside
 the graph, once: what it writes no replay writes again (``handed_off``). CUDA's counterpart is a
 kernel launched on the legacy default stream, which a capture on a side stream neither records nor
-refuses; the CPU engine models it as such a thread.
+refuses; the CPU engine models it as such a thread. Memory that work writes and the graph reads
+holds, at every replay, what that one run wrote (``filled_off``).
 """
 from __future__ import annotations
 
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 from torch._C import _len_torch_dispatch_stack, _pop_torch_dispatch_stack, _push_on_torch_dispatch_stack
@@ -86,6 +88,20 @@ def handed_off(info, frame) -> None:
     while caller.f_back is not None and mine(caller.f_back) and is_argument(caller, lambda v: v is work):
         caller = caller.f_back
     where = location(caller)
-    for t in tensors(list(given)):
+    for t in tensors(given):
         info.handed_off.setdefault(storage_key(t), where)
+        base = t if t._base is None else t._base            # (a view shares its base's version counter)
+        info.handed_versions.setdefault(storage_key(t), (weakref.ref(base), base._version))
+
+
+def filled_off(info) -> None:
+    """At the capture's end: the storages handed to work on another thread that it wrote (their
+    version counters moved: every in-place write bumps one, on any thread) while the capture was
+    open. No replay writes them again (``rootcause``: a graph that reads one reads what that one
+    run left). Each by a weak reference to its base tensor (a view handed over may be a temporary), so
+    that the doctor keeps no block alive in the capture's pool: one whose base is gone is the graph's
+    own, a block it allocated (``_read_unwritten``)."""
+    info.filled_off = {key: info.handed_off[key] for key, (ref, version) in info.handed_versions.items()
+                       if (t := ref()) is not None and t._version != version}
+    info.handed_versions = {}
 

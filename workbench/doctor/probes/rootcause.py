@@ -242,22 +242,32 @@ def _add(doctor, info, pending, kind, op, tensor, text, site, numbers) -> None:
 
 
 def _read_unwritten(info) -> tuple | None:
-    """Memory the graph allocated that one of its ops reads before any op of it writes it: what
-    filled it at capture ran outside the graph (a kernel launched on a stream the capture does not
-    record, a write by another thread or by the host), once. A replay launches none of it, so the
-    reader gets what that run left, or poison, while the eager step fills it again: the work that
-    was to fill the block stayed behind at capture. Named where that work was launched, when the
+    """Memory the graph reads that no op of it writes, filled during the capture by work that ran
+    outside the graph, once: memory the graph allocated that one of its ops reads before any op of
+    it writes it (a kernel launched on a stream the capture does not record, a write by another
+    thread or by the host), or memory the capture handed to work on another thread that wrote it
+    (``threads.filled_off``: a workspace the legacy stream's kernel fills for a captured GEMM). A
+    replay launches none of that work, so the reader gets what that run left, while the eager step
+    does it again: the work stayed behind at capture. Named where that work was launched, when the
     capture handed the block to another thread (``threads.handed_off``); else at the allocation,
     the block's start."""
-    if not info.read_unwritten:
-        return None
-    key, reader = next(iter(info.read_unwritten.items()))
-    ref, func, source = info.made[key]            # (every block still unwritten was made by the capture)
-    tensor = ref()
+    if info.read_unwritten:
+        key, reader = next(iter(info.read_unwritten.items()))
+        ref, func, source = info.made[key]            # (every block still unwritten was made by the capture)
+        shown = describe(ref()) if ref() is not None else "-"
+        what = f"memory the graph allocated at {source} ({func})"
+    else:
+        filled = ((key, op) for op in info.ops for key in sorted(op.reads)
+                  if key in info.filled_off and key in info.externals and key not in info.writes)
+        if (found := next(filled, None)) is None:
+            return None
+        key, reader = found
+        func, source, shown = reader.name, info.filled_off[key], info.externals[key].tensor
+        what = f"memory it does not own ({shown})"
     launched = info.handed_off.get(key)
-    return ("host-work-frozen", Op(func, launched or source), describe(tensor) if tensor is not None else "-",
-            f"The launch traces agree, but {reader.name} at {reader.source} reads memory the graph allocated "
-            f"at {source} ({func}) that no op of the graph writes: the work that filled it during the capture "
+    return ("host-work-frozen", Op(func, launched or source), shown,
+            f"The launch traces agree, but {reader.name} at {reader.source} reads {what} that no op of the graph "
+            "writes: the work that filled it during the capture "
             + (f"was handed to another thread (launched at {launched}) and ran outside the graph" if launched else
                "ran outside the graph (a kernel on a stream the capture does not record, another thread, the host)")
             + ", once. A replay launches none of it, so the reader gets what that run left, while the "

@@ -41,7 +41,7 @@ from ...engine.opinfo import describe, op_tensors, overwrites, storage_key, writ
 from ...engine.source import user_frame
 from .. import explain, skipped
 from ..report import Finding
-from ..probes import held
+from ..probes import held, release
 from . import derived
 from ..tensors import broadcasts, onto, region
 
@@ -223,12 +223,14 @@ def _short_window(doctor, info, key: int, past, reads) -> None:
     window of it ends before, among the step's real rows: the capture read a view of fewer rows than
     the graph serves (a per-token slot mapping sliced by the request count), and every replay leaves
     those rows' data unread. The window was fixed when the graph was captured: the line that cut it
-    is named (``_window_made``), else the capture's."""
+    is named (``_window_made``), else the capture's. A buffer with fewer rows than the step's real
+    rows has no row for each (a request's offsets, where the real rows are its tokens): not one of them."""
     pending = info.pending
     if pending is None or reads.dim() == 0 or not reads.any():
         return
     window = int(reads.reshape(reads.shape[0], -1).any(1).nonzero().max()) + 1
-    if window >= pending.real or not bool(past[window:pending.real].any()) or (buf := doctor.buffer(key)) is None:
+    if window >= pending.real or reads.shape[0] < pending.real or not bool(past[window:pending.real].any()) \
+            or (buf := doctor.buffer(key)) is None:
         return
     made = info.windows.get(key, info.site)
     # (with a run without graphs, held until the workload's results say whether those rows mattered: a
@@ -308,6 +310,7 @@ def host_read(doctor, t: torch.Tensor) -> None:
 def finish(doctor) -> None:
     for key in list(doctor.unread):
         _dropped(doctor, key)
+    _decide_dropped(doctor)
 
 
 def _read(doctor, key: int, entry: tuple, mask) -> None:
@@ -341,12 +344,32 @@ def _dropped(doctor, key: int) -> None:
     if captured_at is not None:      # a note: a runner may keep a buffer the captured kernels do not use
         _note_unread(doctor, graph, name, n, replay, source, captured_at)
         return
-    doctor.add(Finding(
-        "undersized-buffer", graph, "aten.copy_.default", f"{name}: {shape}", source,
-        f"before replay {replay} of {graph}, {n} element(s) were copied into {name} where the graph never reads "
-        f"(it reads {read} element(s) of it, the views its capture read), and nothing read them before they were "
-        "overwritten or the watch ended", explain.unread_copy(name, graph),
-        {"elements_dropped": n, "elements_read": read}), ("undersized-buffer", graph, "copied, never read"))
+    with held(doctor, doctor.unread_dropped):      # (decided at the end: ``_decide_dropped``)
+        doctor.add(Finding(
+            "undersized-buffer", graph, "aten.copy_.default", f"{name}: {shape}", source,
+            f"before replay {replay} of {graph}, {n} element(s) were copied into {name} where the graph never "
+            f"reads (it reads {read} element(s) of it, the views its capture read), and nothing read them before "
+            "they were overwritten or the watch ended", explain.unread_copy(name, graph),
+            {"elements_dropped": n, "elements_read": read}), ("undersized-buffer", graph, "copied, never read"))
+
+
+def _decide_dropped(doctor) -> None:
+    """Data a graph never read is lost only if the steps needed it: beside a run without graphs, a
+    finding only where the workload's results part from it, and a note where they agree. Decided
+    at the end, on the results, not on one replay's comparison with the step it was paired with (a
+    count can pair a replay with another step). A kernel that pads the rest of a buffer it fills
+    (vLLM's slot mapping: every slot past the step's tokens set to the pad id) writes where no graph
+    of that size reads, and brings nothing a step needs."""
+    if doctor.reference is None or doctor.reference.verdict != ():
+        release(doctor, doctor.unread_dropped)      # each at the place in the report it would have had
+        return
+    first: dict = {}
+    for finding, key, _ in doctor.unread_dropped:      # one note for each graph and buffer
+        first.setdefault(key, finding)
+    for finding in first.values():
+        doctor.report.note(f"{finding.evidence} ({finding.location}), but the workload's results agree with its run "
+                           "without graphs: what the graph left unread was nothing the steps needed: not reported")
+    doctor.unread_dropped.clear()
 
 
 def _passed_over(doctor, graph: str, finding: Finding, key: tuple) -> None:

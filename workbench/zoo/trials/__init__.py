@@ -38,7 +38,7 @@ from ...childproc import run_in_child
 from ...engine.source import function_of
 from .. import VARIANTS, _check
 
-ROUNDS = ("round4", "round5", "round6", "round7", "round8", "round9", "round10", "round11", "round12", "round13", "round14", "round15", "round16", "round17", "round18", "round19", "round20", "round21", "round22", "round23", "round24", "round25", "round26", "round27", "round28", "round29", "round30", "round31", "round32", "round33", "round34", "round35", "round36", "round37", "round38", "round39", "round40", "round41", "round42", "round43", "round44", "round45", "round46", "round47", "round48", "round49", "round50", "round51", "round52", "round53", "round54", "round55", "round56", "round57", "round58", "round59", "round60", "round61", "round62", "round63", "round64", "round65", "round66", "round67", "round68", "round69", "round70", "round71", "round72", "round73", "round74", "round75", "round76", "round77", "round78", "round79", "round80", "round81", "round82", "round83", "round84", "round85", "round86", "round87", "round88", "round89", "round90", "round91", "round92", "round93", "round94", "round95", "round96", "round97", "round98", "round99", "round100", "round101", "round102", "round103", "round104", "round105", "round106", "round107", "round108", "round109", "round110", "round111", "round112", "round113", "round114", "round115", "round116", "round118", "round119", "round121", "round122", "round123", "round124", "round125", "round126", "round127", "round128", "round129", "round130", "round131", "round132", "round133", "round134", "round135", "round136", "round137", "round138", "round139", "round140", "round141", "round142", "round143", "round144", "round145", "round146", "round147", "round148")
+ROUNDS = ("round4", "round5", "round6", "round7", "round8", "round9", "round10", "round11", "round12", "round13", "round14", "round15", "round16", "round17", "round18", "round19", "round20", "round21", "round22", "round23", "round24", "round25", "round26", "round27", "round28", "round29", "round30", "round31", "round32", "round33", "round34", "round35", "round36", "round37", "round38", "round39", "round40", "round41", "round42", "round43", "round44", "round45", "round46", "round47", "round48", "round49", "round50", "round51", "round52", "round53", "round54", "round55", "round56", "round57", "round58", "round59", "round60", "round61", "round62", "round63", "round64", "round65", "round66", "round67", "round68", "round69", "round70", "round71", "round72", "round73", "round74", "round75", "round76", "round77", "round78", "round79", "round80", "round81", "round82", "round83", "round84", "round85", "round86", "round87", "round88", "round89", "round90", "round91", "round92", "round93", "round94", "round95", "round96", "round97", "round98", "round99", "round100", "round101", "round102", "round103", "round104", "round105", "round106", "round107", "round108", "round109", "round110", "round111", "round112", "round113", "round114", "round115", "round116", "round118", "round119", "round121", "round122", "round123", "round124", "round125", "round126", "round127", "round128", "round129", "round130", "round131", "round132", "round133", "round134", "round135", "round136", "round137", "round138", "round139", "round140", "round141", "round142", "round143", "round144", "round145", "round146", "round147", "round148", "round149")
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 TABLE = ROOT / "benchmarks" / "results_trials.md"
 RESULT = ROOT / "results" / "gpu" / "doctor_trials.json"
@@ -84,9 +84,31 @@ def verdict(name: str, answers: dict) -> str:
     return out + (", finding on fix" if fix["kind"] is not None else "")
 
 
-def answers(device: str = "cpu", programs: Sequence[str] | None = None) -> dict:
-    """``{name: {"bug": doctor_of(...), "fix": doctor_of(...)}}``, in this process."""
-    return {n: {v: doctor_of(n, v, device) for v in VARIANTS} for n in (programs or names())}
+def answers(device: str = "cpu", programs: Sequence[str] | None = None, jobs: int = 1) -> dict:
+    """``{name: {"bug": doctor_of(...), "fix": doctor_of(...)}}``, in the order asked for: in this
+    process, or in ``jobs`` forked ones (a program at a time each: all of them take about 40 minutes
+    of one core), with a progress bar. Forked, as the CPU backend is: a process that has started
+    CUDA cannot fork."""
+    todo = list(programs or names())
+    if jobs <= 1:
+        return {n: {v: doctor_of(n, v, device) for v in VARIANTS} for n in todo}
+    import multiprocessing
+
+    from tqdm.auto import tqdm
+    found: dict = {}
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+        futures = {pool.submit(answers, device, [n]): n for n in todo}
+        for future in tqdm(concurrent.futures.as_completed(futures), total=len(todo), desc="trial programs"):
+            found.update(future.result())
+    return {n: found[n] for n in todo}
+
+
+def moved(found: dict) -> list[str]:
+    """The committed table's rows whose answers ``found`` changes (or adds), as ``found`` would write
+    them: what a change of the doctor moved, before the table is written again."""
+    committed = set(TABLE.read_text().splitlines()) if TABLE.exists() else set()
+    rows = table(found).splitlines()[2:len(found) + 2]
+    return [row for row in rows if row not in committed]
 
 
 def table(found: dict) -> str:
@@ -110,9 +132,10 @@ def table(found: dict) -> str:
             f"findings on fixes: {total[2]}.\n")
 
 
-def write_table() -> str:
+def write_table(found: dict | None = None) -> str:
+    """The table of ``found`` (default: the doctor's answers now), written to ``TABLE``."""
     text = (f"The doctor on the held-out trial programs (`python -m workbench.zoo.trials`, CPU emulation, "
-            f"torch {torch.__version__}). Generated: do not edit by hand.\n\n{table(answers())}")
+            f"torch {torch.__version__}). Generated: do not edit by hand.\n\n{table(found or answers())}")
     TABLE.write_text(text)
     return text
 
