@@ -87,11 +87,14 @@ def verdict(name: str, answers: dict) -> str:
 def answers(device: str = "cpu", programs: Sequence[str] | None = None, jobs: int = 1) -> dict:
     """``{name: {"bug": doctor_of(...), "fix": doctor_of(...)}}``, in the order asked for: in this
     process, or in ``jobs`` forked ones (a program at a time each: all of them take about 40 minutes
-    of one core), with a progress bar. Forked, as the CPU backend is: a process that has started
-    CUDA cannot fork."""
+    of one core), with a progress bar. Several jobs are for the CPU emulation only: a process that
+    has started CUDA cannot fork (``gpu_record`` runs each program in a child of its own)."""
     todo = list(programs or names())
     if jobs <= 1:
         return {n: {v: doctor_of(n, v, device) for v in VARIANTS} for n in todo}
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"answers(jobs={jobs}) forks, which a CUDA process cannot: use jobs=1 or gpu_record on "
+                         f"{device!r}")
     import multiprocessing
 
     from tqdm.auto import tqdm
